@@ -1,0 +1,16 @@
+"""moeserve: serve DeepSeek-V3-class MoE models, and plan their deployments."""
+from moeserve.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy: `import moeserve` stays light for API-server processes and the planner.
+    if name == "LLM":
+        from moeserve.llm import LLM
+        return LLM
+    if name in ("RequestOutput", "CompletionOutput"):
+        from moeserve import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'moeserve' has no attribute {name!r}")

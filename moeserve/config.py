@@ -1,0 +1,130 @@
+"""Engine configuration: frozen dataclasses, one per concern, validated on construction.
+
+Every field of EngineArgs is both a CLI flag (`--max-num-seqs`) and an `LLM(max_num_seqs=...)` keyword,
+as in vLLM. EngineArgs.create_config() turns it into the frozen EngineConfig the engine runs with.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says what to change."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None = default (see kv_cache.py)
+
+    def __post_init__(self) -> None:
+        _require(self.block_size >= 1, f"--block-size must be >= 1, got {self.block_size}")
+        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+                 f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        _require(self.kv_cache_memory is None or self.kv_cache_memory > 0,
+                 f"--kv-cache-memory must be a positive number of bytes, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _require(self.max_model_len >= 2, f"--max-model-len must be >= 2, got {self.max_model_len}")
+        _require(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+                 "without chunked prefill --max-num-batched-tokens must be >= --max-model-len "
+                 f"({self.max_num_batched_tokens} < {self.max_model_len})")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.data_parallel_size >= 1, "--data-parallel-size must be >= 1")
+        _require(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    dtype: str = "auto"
+    tokenizer: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+
+
+@dataclass
+class EngineArgs:
+    """The flat list of engine options (CLI flags and LLM keywords)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def create_config(self, model_max_len: int) -> EngineConfig:
+        """Resolve defaults that depend on the checkpoint (its context length) and validate."""
+        from moeserve.models.registry import resolve_model_path
+
+        max_len = self.max_model_len or model_max_len
+        _require(max_len <= model_max_len,
+                 f"--max-model-len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
+        return EngineConfig(
+            model=ModelConfig(model=resolve_model_path(self.model), dtype=self.dtype,
+                              tokenizer=self.tokenizer, seed=self.seed),
+            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                              kv_cache_memory=self.kv_cache_memory),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=max_len,
+                                      enable_chunked_prefill=self.enable_chunked_prefill),
+            parallel=ParallelConfig(data_parallel_size=self.data_parallel_size,
+                                    tensor_parallel_size=self.tensor_parallel_size,
+                                    enable_expert_parallel=self.enable_expert_parallel),
+        )

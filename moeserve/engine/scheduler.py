@@ -1,0 +1,220 @@
+"""Continuous-batching scheduler: CPU bookkeeping only, no tensor code.
+
+Lifecycle of a request: add_request() -> WAITING -> (admitted by schedule()) RUNNING -> tokens appended by
+update_from_output() -> FINISHED_* (blocks freed). When the KV pool runs out, the newest running request is
+preempted by recompute: its blocks are freed, num_computed_tokens goes back to 0 and it waits at the front
+of the queue, keeping its generated tokens, so the output is unchanged.
+
+Policy per step, under max_num_batched_tokens and max_num_seqs:
+  1. running requests, decodes before prefill chunks (decode latency first);
+  2. waiting requests in arrival order, prefills chunked to the remaining token budget,
+     unless someone was preempted this step (the pool is short; admitting more would thrash).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from moeserve.config import SchedulerConfig
+from moeserve.engine.kv_cache import KVCacheManager
+from moeserve.engine.request import Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """A request that can never run under this configuration (too long, bigger than the KV pool)."""
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int  # num_computed_tokens before this step: position of the first scheduled token
+    num_tokens: int  # tokens whose KV is computed this step
+    block_ids: list[int]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step catches the request up, so the model samples its next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.check_request(request)
+        if request.request_id in self.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens >= max_len:
+            raise RequestRejected(
+                f"the prompt has {request.num_prompt_tokens} tokens, but the maximum context length is "
+                f"{max_len} tokens (prompt plus at least one generated token); shorten the prompt or raise "
+                "--max-model-len")
+        max_tokens = request.sampling_params.max_tokens
+        final_len = max_len if max_tokens is None else min(max_len, request.num_prompt_tokens + max_tokens)
+        need, have = self.kv.blocks_needed(final_len), self.kv.pool.num_blocks
+        if need > have:
+            raise RequestRejected(
+                f"the request needs up to {need} KV blocks ({final_len} tokens) but the pool has {have}; "
+                "raise --num-kv-blocks / --kv-cache-memory or lower max_tokens")
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    # ---- one step --------------------------------------------------------------------------------
+    def schedule(self, token_budget: int | None = None) -> SchedulerOutput:
+        """Pick this step's work. token_budget, if given, caps it below max_num_batched_tokens."""
+        budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            budget = min(budget, token_budget)
+        out = SchedulerOutput()
+        scheduled: set[str] = set()
+        # Stable sort: decodes (one missing token) before prefill chunks.
+        for req in sorted(self.running, key=lambda r: r.num_missing_tokens > 1):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(req.num_missing_tokens, budget)
+            if n <= 0:
+                continue
+            if not self._make_room(req, n, scheduled, out):
+                continue
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n,
+                                                  self.kv.block_tables[req.request_id]))
+            scheduled.add(req.request_id)
+            budget -= n
+        if not out.preempted:
+            self._admit_waiting(budget, out)
+        return out
+
+    def _make_room(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        """Allocate n slots for req, preempting the newest unscheduled running requests if needed."""
+        while not self.kv.allocate_slots(req, n):
+            victims = [r for r in self.running if r.request_id not in scheduled]
+            victim = max(victims, key=lambda r: r.arrival_time)
+            self._preempt(victim)
+            out.preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = req.num_missing_tokens
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            if not self.kv.allocate_slots(req, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n,
+                                                  self.kv.block_tables[req.request_id]))
+            budget -= n
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- results ---------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests. Returns finished ones.
+
+        sampled maps request id -> new tokens (several when speculative drafts were accepted).
+        """
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens = s.start + s.num_tokens
+            for token in sampled.get(req.request_id, ()):
+                req.output_token_ids.append(token)
+                status = req.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.running.remove(req)
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
+        return finished
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request from outside (a stop string matched by the detokenizer)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def outstanding_tokens(self) -> int:
+        """Work still queued here (for DP load balancing): missing tokens plus remaining outputs."""
+        total = 0
+        for req in list(self.waiting) + self.running:
+            total += req.num_missing_tokens
+            max_tokens = req.sampling_params.max_tokens or 0
+            total += max(0, max_tokens - req.num_output_tokens)
+        return total
