@@ -1,0 +1,97 @@
+"""The engine core: one step = schedule -> execute -> update.
+
+Used in-process by LLM and inside the engine-core process of the server. Requests come in as
+EngineCoreRequest, results go out as EngineCoreOutput (both msgspec structs, see protocol.py).
+"""
+from __future__ import annotations
+
+import logging
+
+from moeserve.config import EngineConfig
+from moeserve.engine.kv_cache import KVCacheManager
+from moeserve.engine.model_runner import ModelRunner
+from moeserve.engine.request import Request, RequestStatus
+from moeserve.engine.scheduler import RequestRejected, ScheduledRequest, Scheduler, SchedulerOutput
+from moeserve.models.config import DeepseekArch
+from moeserve.sampling_params import SamplingParams
+from moeserve.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats, TokenLogprobsMsg
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, arch: DeepseekArch | None = None) -> None:
+        self.config = config
+        self.arch = arch or DeepseekArch.from_pretrained(config.model.model)
+        self.runner = ModelRunner(config, self.arch)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self._pending: list[EngineCoreOutput] = []  # rejections and aborts reported on the next step
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; a request that can never run is answered with an error output instead."""
+        try:
+            request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
+                              eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids))
+            self._check_vocab(request)
+            self.scheduler.add_request(request)
+        except (RequestRejected, ValueError) as e:
+            self._pending.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", error=str(e)))
+
+    def _check_vocab(self, request: Request) -> None:
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
+
+    def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        for rid in request_ids:
+            if rid in self.scheduler.requests:
+                self.scheduler.finish_request(rid, reason)
+                self.runner.release(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs, self._pending = self._pending, []
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty:
+            return outputs
+        result = self.runner.execute(sched_out)
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(sched_out, result.sampled)}
+        for s in sched_out.scheduled:
+            req = s.request
+            new = result.sampled.get(req.request_id)
+            if not new:
+                continue
+            fin = finished.get(req.request_id)
+            # A stop may cut the sampled list short (MTP); report only the tokens the request kept.
+            kept = new[: req.num_tokens - (s.start + s.num_tokens)]
+            lps = result.logprobs.get(req.request_id)
+            outputs.append(EngineCoreOutput(
+                req.request_id, kept,
+                new_logprobs=[TokenLogprobsMsg(lp.token_id, lp.logprob, lp.top) for lp in lps[: len(kept)]]
+                if lps else None,
+                finish_reason=fin.status.value if fin else None,
+                stop_reason=fin.stop_reason if fin else None,
+                num_prompt_tokens=req.num_prompt_tokens))
+            if fin:
+                self.runner.release(req.request_id)
+        return outputs
+
+    def score(self, prompt_token_ids: list[int]):
+        """Logits [L, V] float32 for every position of a prompt, outside the normal schedule."""
+        req = Request(f"score-{id(prompt_token_ids)}", list(prompt_token_ids), SamplingParams(max_tokens=1))
+        self.scheduler.check_request(req)
+        if not self.kv.allocate_slots(req, req.num_prompt_tokens):
+            raise RequestRejected("no free KV blocks to score the prompt; retry when the engine is idle")
+        try:
+            out = SchedulerOutput([ScheduledRequest(req, 0, req.num_prompt_tokens,
+                                                    self.kv.block_tables[req.request_id])])
+            return self.runner.all_logits(out)
+        finally:
+            self.kv.free(req)
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(s.num_running, s.num_waiting, self.kv.usage, s.num_preemptions, s.outstanding_tokens())

@@ -1,0 +1,85 @@
+"""Turns engine-core token outputs into text: incremental detokenization and stop strings.
+
+Stop strings are matched here, on text, as in vLLM; a match ends the request (the caller aborts it in the
+engine core). Used by the offline LLM and by every API server process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeserve.protocol import EngineCoreOutput
+from moeserve.sampling_params import SamplingParams
+
+
+@dataclass
+class DetokState:
+    params: SamplingParams
+    prompt_len: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class Delta:
+    """What one engine output added to a request."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, DetokState] = {}
+        self.last_finished: dict[str, DetokState] = {}  # final state of finished requests, for the caller
+
+    def add(self, request_id: str, params: SamplingParams, prompt_len: int) -> None:
+        self.states[request_id] = DetokState(params, prompt_len)
+
+    def process(self, out: EngineCoreOutput) -> tuple[Delta, bool]:
+        """Apply one output. Returns (delta, hit_stop_string); a stop-string hit must be aborted upstream."""
+        st = self.states[out.request_id]
+        st.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs:
+            st.logprobs.extend(out.new_logprobs)
+        full = self.tokenizer.decode(st.token_ids, skip_special_tokens=st.params.skip_special_tokens)
+        finished = out.finish_reason is not None
+        if not finished and full.endswith("\ufffd"):
+            full = full[: len(full.rstrip("\ufffd"))]  # an incomplete UTF-8 sequence: wait for more bytes
+        hit = self._find_stop(st, full)
+        if hit is not None:
+            cut, stop = hit
+            full, finished = full[:cut], True
+            st.finish_reason, st.stop_reason = "stop", stop
+        elif finished:
+            st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
+        delta_text = full[len(st.text):] if full.startswith(st.text) else full
+        st.text = full
+        delta = Delta(delta_text, list(out.new_token_ids), list(out.new_logprobs or []), finished,
+                      st.finish_reason, st.stop_reason)
+        if finished:
+            self.last_finished[out.request_id] = self.states.pop(out.request_id)
+        return delta, hit is not None and out.finish_reason is None
+
+    @staticmethod
+    def _find_stop(st: DetokState, text: str) -> tuple[int, str] | None:
+        if not st.params.stop:
+            return None
+        lookback = max(len(s) for s in st.params.stop) + 8
+        start = max(0, len(st.text) - lookback)
+        best = None
+        for s in st.params.stop:
+            i = text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        return (i + len(s) if st.params.include_stop_str_in_output else i), s

@@ -1,0 +1,111 @@
+"""Multi-head latent attention (MLA) over a paged latent cache.
+
+The cache holds, per token and layer, only c = kv_a_layernorm(latent) [kv_lora_rank] and the rotated shared
+key k_pe [qk_rope_head_dim].
+- Prefill (decompressed): k_nope, v = kv_b_proj(c) per head, ordinary attention; cheap for long queries.
+- Decode (absorbed): W_UK is folded into q (q_lat = q_nope W_UK), scores = q_lat.c + q_pe.k_pe, the output
+  stays in latent space (o_lat = P c) and W_UV is applied after. Reads kv_lora + rope values per token
+  instead of heads * (k + v) values.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.layers.attention.metadata import get_attention_metadata
+from moeserve.layers.linear import Linear
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding, softmax_scale
+from moeserve.models.config import DeepseekArch
+
+
+class MLAttention(nn.Module):
+    def __init__(self, arch: DeepseekArch, layer_idx: int, rotary: RotaryEmbedding,
+                 num_heads: int | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads or arch.num_attention_heads  # local heads (TP shards them)
+        self.dn, self.dr, self.dv = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
+        self.kv_lora_rank = arch.kv_lora_rank
+        h, qk = arch.hidden_size, arch.qk_head_dim
+        if arch.q_lora_rank is None:
+            self.q_proj = Linear(h, self.num_heads * qk)
+        else:
+            self.q_a_proj = Linear(h, arch.q_lora_rank, bias=arch.attention_bias)
+            self.q_a_layernorm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps)
+            self.q_b_proj = Linear(arch.q_lora_rank, self.num_heads * qk)
+        self.kv_a_proj_with_mqa = Linear(h, arch.kv_cache_dim, bias=arch.attention_bias)
+        self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, arch.rms_norm_eps)
+        self.kv_b_proj = Linear(arch.kv_lora_rank, self.num_heads * (self.dn + self.dv))
+        self.o_proj = Linear(self.num_heads * self.dv, h, bias=arch.attention_bias)
+        self.rotary = rotary
+        self.scale = softmax_scale(arch.rope, qk)
+        self.w_uk: torch.Tensor | None = None  # [H, dn, C] set by process_weights_after_loading
+        self.w_uv_t: torch.Tensor | None = None  # [H, C, dv]
+
+    def process_weights_after_loading(self) -> None:
+        w = self.kv_b_proj.weight.detach().view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
+        self.w_uk = w[:, : self.dn].contiguous()
+        self.w_uv_t = w[:, self.dn:].transpose(1, 2).contiguous()
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, self.dn + self.dr)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] (all scheduled tokens) -> [T, hidden]."""
+        meta = get_attention_metadata()
+        q = self._queries(x)
+        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.dr], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+        cache = meta.kv_caches[self.layer_idx]
+        flat_cache = cache.view(-1, cache.shape[-1])  # [num_blocks * block_size, C + dr]
+        new_kv = torch.cat([latent, k_pe], dim=-1)  # [T, C + dr]
+        flat_cache.index_copy_(0, meta.slot_mapping, new_kv.to(cache.dtype))
+
+        out = x.new_empty(x.shape[0], self.num_heads * self.dv)
+        for seq in meta.prefills:
+            rows = slice(seq.q_start, seq.q_start + seq.q_len)
+            kv = new_kv[rows] if seq.ctx_len == seq.q_len else flat_cache[seq.slots].to(x.dtype)
+            out[rows] = self._prefill(q_nope[rows], q_pe[rows], kv, seq.ctx_len - seq.q_len)
+        if meta.decode is not None:
+            d = meta.decode
+            out[d.rows] = self._decode(q_nope[d.rows], q_pe[d.rows], cache, d)
+        return self.o_proj(out)
+
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                 offset: int) -> torch.Tensor:
+        """Decompressed attention for q_len queries over ctx_len = offset + q_len cached tokens."""
+        q_len, ctx_len = q_nope.shape[0], kv.shape[0]
+        latent, k_pe = kv.split([self.kv_lora_rank, self.dr], dim=-1)
+        kv_up = self.kv_b_proj(latent).view(ctx_len, self.num_heads, self.dn + self.dv)
+        k_nope, v = kv_up.split([self.dn, self.dv], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(-1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, len, d]
+        if offset == 0:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:
+            allowed = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(diagonal=offset)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
+        return o.transpose(0, 1).reshape(q_len, self.num_heads * self.dv)
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                d) -> torch.Tensor:
+        """Absorbed attention: one query per sequence, reading only the latent cache."""
+        b = q_nope.shape[0]
+        kv = cache[d.block_table].view(b, -1, cache.shape[-1]).to(q_nope.dtype)  # [B, L, C + dr]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, C]
+        q_full = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, C + dr]
+        scores = torch.bmm(q_full, kv.transpose(1, 2)).float() * self.scale  # [B, H, L]
+        scores.masked_fill_(d.mask[:, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(kv.dtype)
+        o_lat = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, H, C]
+        o = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # [H, B, dv]
+        return o.transpose(0, 1).reshape(b, self.num_heads * self.dv)

@@ -1,0 +1,50 @@
+"""Routed experts of one MoE layer, stored stacked: w13 [E_local, 2*I, H] (gate; up) and w2 [E_local, H, I]."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_local_experts: int, hidden: int, intermediate: int,
+                 slot_experts: list[int] | None = None) -> None:
+        super().__init__()
+        self.num_local_experts, self.intermediate = num_local_experts, intermediate
+        # slot_experts[s] = logical expert whose weights local slot s holds (identity when all are here)
+        self.slot_experts = list(range(num_local_experts)) if slot_experts is None else list(slot_experts)
+        assert len(self.slot_experts) == num_local_experts
+        self.w13 = nn.Parameter(torch.empty(num_local_experts, 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_local_experts, hidden, intermediate))
+
+    def slots_of(self, expert: int) -> list[int]:
+        """Local slots holding logical `expert` (empty when another rank holds it)."""
+        return [s for s, e in enumerate(self.slot_experts) if e == expert]
+
+    def held_experts(self) -> set[int]:
+        return set(self.slot_experts)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted expert outputs summed per token.
+
+        x [N, H] rows to compute (one per (token, expert) pair, or tokens repeated);
+        expert_ids [N] local expert of each row (-1 = not ours, skipped); weights [N] float32.
+        Returns [N, H] in x.dtype, each row weighted by its routing weight.
+        """
+        assert x.dim() == 2 and expert_ids.shape == weights.shape == (x.shape[0],)
+        out = torch.zeros_like(x)
+        if x.shape[0] == 0:
+            return out
+        order = expert_ids.argsort(stable=True)
+        counts = torch.bincount(expert_ids.clamp(min=-1) + 1, minlength=self.num_local_experts + 1).tolist()
+        start = counts[0]  # rows routed elsewhere (-1) sort first
+        for e, n in enumerate(counts[1:]):
+            if n == 0:
+                continue
+            rows = order[start:start + n]
+            start += n
+            h = F.linear(x[rows], self.w13[e])
+            gate, up = h.split(self.intermediate, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[e])
+            out[rows] = (y.float() * weights[rows, None]).to(x.dtype)
+        return out

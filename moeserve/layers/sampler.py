@@ -1,0 +1,65 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+def apply_filters(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled, filtered logits [V] for one request (masked entries are -inf)."""
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [B, V] float32 -> one token per row, plus logprobs where requested."""
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, p in enumerate(params):
+            if not p.greedy:
+                probs = apply_filters(logits[i], p).softmax(-1)
+                tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i] or self.generator))
+        return tokens, self.logprobs(logits, params, tokens)
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                 tokens: list[int]) -> list[TokenLogprobs | None]:
+        """Logprobs of the raw model distribution (as vLLM and OpenAI report them)."""
+        want = [p.logprobs is not None for p in params]
+        if not any(want):
+            return [None] * len(params)
+        logp = logits.log_softmax(dim=-1)
+        out: list[TokenLogprobs | None] = []
+        for i, p in enumerate(params):
+            if not want[i]:
+                out.append(None)
+                continue
+            top = logp[i].topk(p.logprobs) if p.logprobs else None
+            pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            out.append(TokenLogprobs(tokens[i], float(logp[i, tokens[i]]), pairs))
+        return out

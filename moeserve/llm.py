@@ -1,0 +1,124 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`, as in vLLM."""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+from tqdm import tqdm
+
+from moeserve.config import EngineArgs
+from moeserve.engine.engine_core import EngineCore
+from moeserve.engine.output_processor import OutputProcessor
+from moeserve.engine.request import RequestStatus
+from moeserve.models.config import DeepseekArch
+from moeserve.models.registry import resolve_model_path
+from moeserve.outputs import CompletionOutput, RequestOutput
+from moeserve.protocol import EngineCoreRequest
+from moeserve.sampling_params import SamplingParams
+from moeserve.tokenizer import eos_token_ids, load_tokenizer
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s) {', '.join(sorted(unknown))}")
+        self.args = EngineArgs(model=model, **kwargs)
+        path = resolve_model_path(model)
+        self.args.model = path
+        self.arch = DeepseekArch.from_pretrained(path)
+        self.config = self.args.create_config(self.arch.max_position_embeddings)
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer or path)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, _generation_config(path))
+        self.engine = EngineCore(self.config, self.arch)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts=None, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        texts, token_lists = self._normalise_prompts(prompts, prompt_token_ids)
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(token_lists)
+        if len(params) != len(token_lists):
+            raise ValueError(f"got {len(params)} sampling_params for {len(token_lists)} prompts")
+        processor = OutputProcessor(self.tokenizer)
+        results: list[RequestOutput] = []
+        children: dict[str, tuple[RequestOutput, int]] = {}
+        for text, ids, p in zip(texts, token_lists, params):
+            rid = str(next(self._ids))
+            ro = RequestOutput(rid, text, ids, [None] * p.n)
+            results.append(ro)
+            for i in range(p.n):
+                child = SamplingParams(**{**p.__dict__, "n": 1,
+                                          "seed": None if p.seed is None else p.seed + i})
+                cid = f"{rid}-{i}" if p.n > 1 else rid
+                children[cid] = (ro, i)
+                processor.add(cid, child, len(ids))
+                self.engine.add_request(EngineCoreRequest(cid, ids, child, self.eos_token_ids))
+        self._run(processor, children, use_tqdm)
+        for ro in results:
+            ro.finished = True
+        return results
+
+    def _run(self, processor: OutputProcessor, children: dict, use_tqdm: bool) -> None:
+        bar = tqdm(total=len(children), desc="Generating", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.error:
+                    raise ValueError(out.error)
+                if out.request_id not in processor.states:
+                    continue
+                delta, hit_stop = processor.process(out)
+                if hit_stop:
+                    self.engine.abort_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
+                if delta.finished:
+                    ro, i = children[out.request_id]
+                    ro.outputs[i] = self._completion(i, processor, out.request_id, delta)
+                    bar.update(1)
+        bar.close()
+
+    @staticmethod
+    def _completion(index: int, processor: OutputProcessor, rid: str, delta) -> CompletionOutput:
+        st = processor.last_finished[rid]
+        logprobs = None
+        cumulative = None
+        if st.params.logprobs is not None:
+            logprobs = [{**{t: lp for t, lp in m.top}, m.token_id: m.logprob} for m in st.logprobs]
+            cumulative = sum(m.logprob for m in st.logprobs)
+        return CompletionOutput(index, st.text, st.token_ids, cumulative, logprobs, delta.finish_reason,
+                                delta.stop_reason)
+
+    def _normalise_prompts(self, prompts, prompt_token_ids):
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("pass prompts or prompt_token_ids, not both")
+            if prompt_token_ids and isinstance(prompt_token_ids[0], int):
+                prompt_token_ids = [prompt_token_ids]
+            return [None] * len(prompt_token_ids), [list(p) for p in prompt_token_ids]
+        if prompts is None:
+            raise ValueError("generate() needs prompts or prompt_token_ids")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        texts, ids = [], []
+        for p in prompts:
+            if isinstance(p, dict):
+                texts.append(p.get("prompt"))
+                ids.append(list(p["prompt_token_ids"]) if "prompt_token_ids" in p
+                           else self.tokenizer.encode(p["prompt"]))
+            elif isinstance(p, str):
+                texts.append(p)
+                ids.append(self.tokenizer.encode(p))
+            else:
+                raise TypeError(f"a prompt must be a string or a dict, got {type(p).__name__}")
+        return texts, ids
+
+
+def _generation_config(path: str) -> dict | None:
+    f = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(f):
+        return None
+    with open(f) as fh:
+        return json.load(fh)

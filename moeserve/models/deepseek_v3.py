@@ -1,0 +1,71 @@
+"""DeepseekV3ForCausalLM / DeepseekV2ForCausalLM, written like single-device code.
+
+Inputs are the flat token batch of one engine step (input_ids [T], positions [T]); per-sequence attention
+state comes from the attention context the model runner sets. Parameter names follow the Hugging Face
+checkpoint, except routed experts, which are stacked per layer (see layers/moe/experts.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.layers.attention.mla import MLAttention
+from moeserve.layers.mlp import DenseMLP
+from moeserve.layers.moe.layer import MoE
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.config import DeepseekArch
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: DeepseekArch, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(arch, layer_idx, rotary)
+        self.mlp = MoE(arch, layer_idx) if arch.is_moe_layer(layer_idx) else DenseMLP(
+            arch.hidden_size, arch.intermediate_size)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, arch: DeepseekArch, max_positions: int) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(arch.qk_rope_head_dim, max_positions, arch.rope, arch.rope_interleave)
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rotary) for i in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self.norm(x)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, arch: DeepseekArch, max_positions: int) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = DeepseekModel(arch, max_positions)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """-> final hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def process_weights_after_loading(self) -> None:
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for module in self.modules():
+            if module is not self and hasattr(module, "process_weights_after_loading"):
+                module.process_weights_after_loading()
+
+
+DeepseekV2ForCausalLM = DeepseekV3ForCausalLM  # one implementation; the config selects router and rope

@@ -1,0 +1,174 @@
+"""Load Hugging Face safetensors checkpoints into a moeserve model.
+
+- Shards listed by model.safetensors.index.json, or every *.safetensors in the folder.
+- DeepSeek FP8: float8_e4m3fn weights with `<name>_scale_inv` 128x128 block scales are dequantized.
+- MTP layers (decoder index >= num_hidden_layers) are kept aside (LoadedCheckpoint.mtp_weights).
+- Routed experts `mlp.experts.{j}.{gate,up,down}_proj.weight` go into the stacked per-layer tensors; only
+  experts this rank holds are read (FusedExperts.slots_of).
+Every failure names the tensor or file and what was expected.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from moeserve.layers.moe.experts import FusedExperts
+
+logger = logging.getLogger(__name__)
+
+FP8_BLOCK = 128
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+@dataclass
+class LoadedCheckpoint:
+    mtp_weights: dict[str, torch.Tensor] = field(default_factory=dict)  # names as in the file
+    num_tensors: int = 0
+
+
+def checkpoint_files(path: str) -> dict[str, list[str]]:
+    """file -> tensor names in it (names None = read all)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files: dict[str, list[str]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(os.path.join(path, fname), []).append(name)
+        for fname in files:
+            if not os.path.isfile(fname):
+                raise CheckpointError(f"{index} lists {os.path.basename(fname)}, which is missing")
+        return files
+    found = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not found:
+        raise CheckpointError(f"no *.safetensors files in {path!r}")
+    return {f: None for f in found}
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """DeepSeek FP8: weight [out, in] e4m3 times one scale per 128x128 block, scale_inv [ceil(out/128), ceil(in/128)]."""
+    out_f, in_f = weight.shape
+    expected = (-(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK))
+    if tuple(scale_inv.shape) != expected:
+        raise CheckpointError(f"FP8 scale shape {tuple(scale_inv.shape)} does not match weight "
+                              f"{tuple(weight.shape)} (expected {expected})")
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
+    return weight.float() * scale
+
+
+def iter_checkpoint(path: str):
+    """Yield (name, tensor) for every weight, FP8 already dequantized to float32."""
+    files = checkpoint_files(path)
+    total = sum(os.path.getsize(f) for f in files)
+    for fname in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=total < (1 << 30)):
+        try:
+            handle = safe_open(fname, framework="pt")
+        except Exception as e:  # safetensors raises several error types for damaged headers
+            raise CheckpointError(f"cannot read {fname}: the file is corrupt or not safetensors ({e})") from e
+        with handle as f:
+            names = set(f.keys())
+            for name in sorted(names):
+                if name.endswith("_scale_inv"):
+                    continue
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"cannot read tensor {name} from {fname}: {e}") from e
+                if tensor.dtype == torch.float8_e4m3fn:
+                    scale_name = name + "_scale_inv"
+                    if scale_name not in names:
+                        raise CheckpointError(f"FP8 tensor {name} in {fname} has no {scale_name}")
+                    tensor = dequantize_fp8(tensor, f.get_tensor(scale_name))
+                yield name, tensor
+
+
+def load_weights(model: torch.nn.Module, path: str) -> LoadedCheckpoint:
+    """Copy the checkpoint at `path` into `model` (built for the same config). Strict about gaps."""
+    arch = model.arch
+    params = dict(model.named_parameters())
+    expert_modules = {n: m for n, m in model.named_modules() if isinstance(m, FusedExperts)}
+    loaded: set[str] = set()
+    result = LoadedCheckpoint()
+    for name, tensor in iter_checkpoint(path):
+        result.num_tensors += 1
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) >= arch.num_hidden_layers:
+            result.mtp_weights[name] = tensor
+            continue
+        if (em := _EXPERT.match(name)) and em.group(1) in expert_modules:
+            _load_expert(expert_modules[em.group(1)], em.group(1), int(em.group(2)), em.group(3), tensor, loaded)
+            continue
+        if (fm := _FUSED_EXPERT.match(name)) and fm.group(1) in expert_modules:
+            experts = expert_modules[fm.group(1)]
+            for j in range(tensor.shape[0]):
+                if fm.group(2) == "down_proj":
+                    _load_expert(experts, fm.group(1), j, "down_proj", tensor[j], loaded)
+                else:
+                    gate, up = tensor[j].chunk(2, dim=0)
+                    _load_expert(experts, fm.group(1), j, "gate_proj", gate, loaded)
+                    _load_expert(experts, fm.group(1), j, "up_proj", up, loaded)
+            continue
+        param = params.get(name)
+        if param is None:
+            if "rotary_emb" not in name:
+                logger.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+            continue
+        _copy(param, tensor, name)
+        loaded.add(name)
+    _check_complete(model, params, expert_modules, loaded)
+    return result
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise CheckpointError(f"tensor {name} has shape {tuple(src.shape)}, the config implies {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def _load_expert(experts: FusedExperts, prefix: str, expert: int, proj: str, tensor: torch.Tensor,
+                 loaded: set[str]) -> None:
+    name = f"{prefix}.{expert}.{proj}.weight"
+    inter = experts.intermediate
+    for slot in experts.slots_of(expert):
+        if proj == "down_proj":
+            _copy(experts.w2[slot], tensor, name)
+        else:
+            half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+            _copy(experts.w13[slot, half], tensor, name)
+    loaded.add(name)
+
+
+def _check_complete(model, params, expert_modules, loaded: set[str]) -> None:
+    missing = []
+    for name in params:
+        prefix = name.rsplit(".", 1)[0]
+        if prefix in expert_modules:
+            continue
+        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+            continue
+        if name not in loaded:
+            missing.append(name)
+    for prefix, experts in expert_modules.items():
+        for expert in experts.held_experts():
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                name = f"{prefix}.{expert}.{proj}.weight"
+                if name not in loaded:
+                    missing.append(name)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"the checkpoint is missing tensor(s): {shown}")

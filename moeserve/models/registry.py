@@ -1,0 +1,46 @@
+"""Which model class runs a checkpoint, how it is built and where the default model lives."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from moeserve.models.config import DeepseekArch
+from moeserve.models.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from moeserve.models.loader import LoadedCheckpoint, load_weights
+
+MODEL_CLASSES = {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM, "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM}
+
+
+def resolve_model_path(model: str | None) -> str:
+    """A checkpoint folder; None means the model bundled with moeserve."""
+    if model is None:
+        from moeserve.models.default import default_model_path
+        return default_model_path()
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"model {model!r} is not a local checkpoint folder (moeserve does not download)")
+    return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def build_model(path: str, arch: DeepseekArch, dtype: torch.dtype,
+                max_positions: int) -> tuple[torch.nn.Module, LoadedCheckpoint]:
+    """Construct without initialising (meta device), allocate, then fill from the checkpoint."""
+    cls = MODEL_CLASSES[arch.architecture]
+    with torch.device("meta"), _default_dtype(dtype):
+        model = cls(arch, max_positions)
+    model.to_empty(device="cpu")
+    checkpoint = load_weights(model, path)
+    model.process_weights_after_loading()
+    model.eval()
+    return model, checkpoint

@@ -1,0 +1,105 @@
+"""A deployment instance (prefill or decode) as the planner sees it, validated on construction.
+
+Cards: every card runs attention (DP groups of `tp` cards each). Of the cards, `shared_expert_ranks` hold
+only the shared experts (CloudMatrix: 16 of 144); the others hold the routed experts (`ep` ranks), each with
+(n_routed + redundant_experts) / ep expert slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QUANT = {  # weight bytes, GEMM compute dtype, MoE dispatch bytes per element
+    "a8w8": (1.0, "int8", 1.0),
+    "fp8": (1.0, "fp8", 1.0),
+    "bf16": (2.0, "bf16", 2.0),
+}
+KV_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0}
+MOE_COMM = ("alltoall", "allgather")
+
+
+class PlanError(ValueError):
+    """A deployment that cannot run; the message says what to change."""
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise PlanError(msg)
+
+
+@dataclass(frozen=True)
+class Instance:
+    cards: int
+    tp: int = 1                      # attention tensor parallel (inside one scale-up domain)
+    shared_expert_ranks: int = 0     # dedicated cards holding only shared experts
+    redundant_experts: int = 0       # extra routed-expert slots (hot-expert copies), instance-wide
+    quantization: str = "a8w8"
+    kv_dtype: str = "bf16"
+    mtp_drafts: int = 0              # draft tokens per step from the MTP layer
+    mtp_acceptance: float = 0.7      # per-draft acceptance probability
+    moe_comm: str = "alltoall"
+    micro_batch_overlap: bool = False  # two-batch overlap of compute and communication
+    imbalance: float = 1.0           # residual expert-load skew (max/mean rank load) beyond sampling noise
+
+    def __post_init__(self):
+        _require(self.cards >= 1, f"cards must be >= 1, got {self.cards}")
+        _require(self.tp >= 1 and self.cards % self.tp == 0,
+                 f"cards {self.cards} not divisible by attention TP {self.tp}")
+        _require(0 <= self.shared_expert_ranks < self.cards,
+                 f"shared-expert ranks {self.shared_expert_ranks} must leave routed-expert ranks "
+                 f"out of {self.cards} cards")
+        _require(self.quantization in QUANT, f"quantization must be one of {sorted(QUANT)}")
+        _require(self.kv_dtype in KV_BYTES, f"kv dtype must be one of {sorted(KV_BYTES)}")
+        _require(self.moe_comm in MOE_COMM, f"moe-comm must be one of {MOE_COMM}")
+        _require(self.mtp_drafts >= 0 and 0.0 <= self.mtp_acceptance <= 1.0,
+                 "MTP drafts must be >= 0 and acceptance in [0, 1]")
+        _require(self.imbalance >= 1.0, f"imbalance is max/mean load, >= 1; got {self.imbalance}")
+        _require(self.redundant_experts >= 0, "redundant experts must be >= 0")
+
+    @property
+    def dp(self) -> int:
+        return self.cards // self.tp
+
+    @property
+    def ep(self) -> int:
+        """Ranks holding routed experts."""
+        return self.cards - self.shared_expert_ranks
+
+    @property
+    def weight_bytes(self) -> float:
+        return QUANT[self.quantization][0]
+
+    @property
+    def compute_dtype(self) -> str:
+        return QUANT[self.quantization][1]
+
+    @property
+    def dispatch_bytes(self) -> float:
+        return QUANT[self.quantization][2]
+
+    @property
+    def kv_bytes(self) -> float:
+        return KV_BYTES[self.kv_dtype]
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Expected tokens emitted per sequence per step: 1 + a + a^2 + ... (chain of drafts)."""
+        return sum(self.mtp_acceptance ** i for i in range(self.mtp_drafts + 1))
+
+    def expert_slots(self, n_routed: int) -> int:
+        """Routed-expert slots per routed rank."""
+        total = n_routed + self.redundant_experts
+        _require(total % self.ep == 0,
+                 f"expert slots {total} ({n_routed} routed + {self.redundant_experts} redundant) not "
+                 f"divisible by {self.ep} routed-expert ranks; change --redundant-experts or EP size")
+        return total // self.ep
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: int = 2048
+    output_len: int = 2048
+
+    @property
+    def mean_decode_context(self) -> float:
+        """Average KV length seen by a decode step at steady state (outputs uniformly in progress)."""
+        return self.input_len + self.output_len / 2

@@ -1,0 +1,172 @@
+"""Model shapes for the planner: presets or any DeepSeek-V2/V3 Hugging Face config.json.
+
+Parameter counts are exact sums of the linear weights (norms and biases are < 0.01% and left out);
+tests check them against ../shared/reference/hardware.md (187.1M attention/layer, 44.04M/expert, 671.0B).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+_FIELDS = ("hidden_size", "num_hidden_layers", "first_k_dense_replace", "intermediate_size",
+           "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+           "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+           "num_attention_heads", "vocab_size")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    first_k_dense_replace: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    num_attention_heads: int
+    vocab_size: int
+    num_nextn_predict_layers: int = 0
+    moe_layer_freq: int = 1
+
+    def __post_init__(self):
+        if self.n_routed_experts and self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"{self.name}: top-k {self.num_experts_per_tok} > {self.n_routed_experts} experts")
+
+    # ---- layer counts
+    @property
+    def num_moe_layers(self) -> int:
+        if not self.n_routed_experts:
+            return 0
+        return sum(1 for i in range(self.first_k_dense_replace, self.num_hidden_layers)
+                   if i % self.moe_layer_freq == 0)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_hidden_layers - self.num_moe_layers
+
+    # ---- parameter counts (elements)
+    @property
+    def q_a_params(self) -> int:  # replicated under attention TP
+        return self.hidden_size * self.q_lora_rank if self.q_lora_rank else 0
+
+    @property
+    def kv_a_params(self) -> int:  # replicated under attention TP
+        return self.hidden_size * (self.kv_lora_rank + self.qk_rope_head_dim)
+
+    @property
+    def attn_split_params(self) -> int:
+        """q_b (or q), kv_b and o_proj: the parts attention TP splits by head."""
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q_in = self.q_lora_rank or self.hidden_size
+        h = self.num_attention_heads
+        return (q_in * h * qk + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+                + h * self.v_head_dim * self.hidden_size)
+
+    @property
+    def attn_params(self) -> int:
+        return self.q_a_params + self.kv_a_params + self.attn_split_params
+
+    @property
+    def expert_params(self) -> int:
+        return 3 * self.hidden_size * self.moe_intermediate_size  # gate, up, down
+
+    @property
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def gate_params(self) -> int:
+        return self.hidden_size * self.n_routed_experts
+
+    @property
+    def embed_params(self) -> int:
+        return self.vocab_size * self.hidden_size  # lm_head has the same count
+
+    @property
+    def moe_layer_params(self) -> int:
+        n = self.n_routed_experts + self.n_shared_experts
+        return self.attn_params + n * self.expert_params + self.gate_params
+
+    @property
+    def dense_layer_params(self) -> int:
+        return self.attn_params + self.dense_mlp_params
+
+    @property
+    def total_params(self) -> int:
+        """Main model (no MTP layer), embedding and head counted separately as in HF."""
+        return (self.num_dense_layers * self.dense_layer_params
+                + self.num_moe_layers * self.moe_layer_params + 2 * self.embed_params)
+
+    @property
+    def mtp_layer_params(self) -> int:
+        """One MTP module: eh_proj [2H -> H] plus a full decoder layer; embedding/head are shared."""
+        layer = self.moe_layer_params if self.n_routed_experts else self.dense_layer_params
+        return 2 * self.hidden_size * self.hidden_size + layer
+
+    @property
+    def active_params(self) -> int:
+        per_moe = self.attn_params + (self.num_experts_per_tok + self.n_shared_experts) * self.expert_params
+        return (self.num_dense_layers * self.dense_layer_params + self.num_moe_layers * per_moe
+                + 2 * self.embed_params)
+
+    # ---- KV cache
+    @property
+    def kv_elems_per_token_layer(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim  # MLA latent + shared rope key
+
+    def kv_bytes_per_token(self, kv_bytes: float, with_mtp: bool = False) -> float:
+        layers = self.num_hidden_layers + (self.num_nextn_predict_layers if with_mtp else 0)
+        return self.kv_elems_per_token_layer * kv_bytes * layers
+
+
+def _preset_table() -> dict:
+    text = resources.files("moeserve.planner").joinpath("data/models.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def preset_names() -> list[str]:
+    return sorted(_preset_table())
+
+
+def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
+    """Build a spec from a HF DeepseekV2/V3 config dict (extra keys ignored)."""
+    missing = [f for f in _FIELDS if f not in cfg]
+    if missing:
+        raise ValueError(f"{name}: config lacks {missing}; is it a DeepSeek-V2/V3 config.json?")
+    kw = {f: cfg[f] for f in _FIELDS}
+    kw["num_nextn_predict_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
+    kw["moe_layer_freq"] = int(cfg.get("moe_layer_freq") or 1)
+    kw["n_shared_experts"] = int(cfg.get("n_shared_experts") or 0)
+    kw["n_routed_experts"] = int(cfg.get("n_routed_experts") or 0)
+    return ModelSpec(name=name, **kw)
+
+
+@lru_cache(maxsize=None)
+def load_model(name_or_path: str) -> ModelSpec:
+    """A preset name, a config.json path, or a checkpoint folder holding one."""
+    table = _preset_table()
+    key = name_or_path.lower()
+    if key in table:
+        cfg = table[key]
+        while "same_as" in cfg:
+            cfg = table[cfg["same_as"]]
+        return from_hf_config(cfg, name=key)
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"unknown model {name_or_path!r}: not a preset ({', '.join(sorted(table))}) "
+                         "nor a config.json / checkpoint folder")
+    return from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)

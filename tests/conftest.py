@@ -1,0 +1,20 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    """Session-wide folder of tiny checkpoints, one per variant, written on first use."""
+    from tests.checkpoints import write_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpts")
+
+    def get(variant: str = "v3", **overrides) -> str:
+        name = variant + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+        return write_checkpoint(str(root / name), variant, **overrides)
+
+    return get
