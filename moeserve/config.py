@@ -5,8 +5,10 @@ as in vLLM. EngineArgs.create_config() turns it into the frozen EngineConfig the
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+import typing
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -85,6 +87,18 @@ class EngineConfig:
     parallel: ParallelConfig
 
 
+def _parse_size(text: str) -> int:
+    """Bytes, optionally with a K/M/G suffix (powers of 1024): '512M', '2G', '1073741824'."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib").rstrip("b") if text.strip().lower()[-1:] in "bB" else text.strip().lower()
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M or 2G, got {text!r}") from None
+
+
 @dataclass
 class EngineArgs:
     """The flat list of engine options (CLI flags and LLM keywords)."""
@@ -107,6 +121,27 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def add_cli_args(cls, parser, skip: tuple[str, ...] = ("model",)) -> None:
+        """One flag per field: `max_num_seqs` -> `--max-num-seqs` (vLLM's names)."""
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name in skip or f.name.startswith("_"):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+                group.add_argument(flag, type=_parse_size if f.name.endswith("_memory") else base,
+                                   default=f.default)
+
+    @classmethod
+    def from_cli(cls, ns, model: str | None) -> "EngineArgs":
+        return cls(model=model, **{k: v for k, v in vars(ns).items() if k in cls.field_names() and k != "model"})
 
     def create_config(self, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the checkpoint (its context length) and validate."""

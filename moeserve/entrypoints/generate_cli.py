@@ -1,0 +1,50 @@
+"""`moeserve generate`: run prompts through the offline engine and print the completions."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from moeserve.config import EngineArgs
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text offline (default: the bundled model)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt text; repeat for a batch (default: a short Python prompt)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moeserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
+                            ignore_eos=args.ignore_eos)
+    engine_args = EngineArgs.from_cli(args, args.model)
+    llm = LLM(**vars(engine_args))
+    prompts = args.prompt or ["def fibonacci(n):"]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    n_tokens = 0
+    for out in outputs:
+        comp = out.outputs[0]
+        n_tokens += len(comp.token_ids)
+        print(f"--- prompt: {out.prompt!r}")
+        print(out.prompt + comp.text)
+        print(f"--- {len(comp.token_ids)} tokens, finish_reason={comp.finish_reason}")
+    print(f"model: {llm.config.model.model}", file=sys.stderr)
+    print(f"{n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tokens/s)", file=sys.stderr)
+    return 0
