@@ -68,6 +68,8 @@ class LLM:
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.error:
+                    # One bad prompt fails the call; the rest of this batch must not linger in the engine.
+                    self.engine.abort_requests(list(children))
                     raise ValueError(out.error)
                 if out.request_id not in processor.states:
                     continue

@@ -23,6 +23,7 @@ class Phase:
     new: float
     past: float
     decode: bool
+    n_tokens: float | None = None  # instance-wide tokens in the MoE layers (default: dp * seqs * new)
 
 
 def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, ph: Phase, is_moe: bool) -> list[Op]:
@@ -34,7 +35,7 @@ def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, ph: Phase, is_moe: bo
         ops.append(cost.attn_prefill(m, hw, inst, ph.seqs, ph.new, ph.past))
     ops.append(cost.tp_allreduce(m, hw, inst, q))
     if is_moe:
-        n_tokens = q * inst.dp
+        n_tokens = ph.n_tokens if ph.n_tokens is not None else q * inst.dp
         ops += moe.moe_compute(m, hw, inst, q, n_tokens) + moe.moe_comm(m, hw, inst, q, n_tokens)
     else:
         ops += [cost.dense_mlp(m, hw, inst, q), cost.tp_allreduce(m, hw, inst, q)]
@@ -55,7 +56,8 @@ def _main_model(m: ModelSpec, hw: Hardware, inst: Instance, ph: Phase) -> Step:
 
 
 def _overlapped(m: ModelSpec, hw: Hardware, inst: Instance, ph: Phase) -> tuple[Step, float]:
-    half = Phase(ph.seqs / 2, ph.new, ph.past, ph.decode)
+    half = Phase(ph.seqs / 2, ph.new, ph.past, ph.decode,
+                 None if ph.n_tokens is None else ph.n_tokens / 2)
     h = _main_model(m, hw, inst, half)
     c, x = h.seconds("compute"), h.seconds("comm")
     step = Step(overlapped=True)
@@ -104,6 +106,7 @@ def decode_step(m: ModelSpec, hw: Hardware, inst: Instance, batch: float, contex
 
 
 def prefill_step(m: ModelSpec, hw: Hardware, inst: Instance, seqs: float, length: float,
-                 past: float = 0.0) -> Step:
-    """One prefill forward of `seqs` sequences x `length` new tokens per DP group."""
-    return run_step(m, hw, inst, Phase(seqs, length, past, decode=False))
+                 past: float = 0.0, n_tokens: float | None = None) -> Step:
+    """One prefill forward: the busiest DP group runs `seqs` x `length` new tokens; `n_tokens` is the
+    instance-wide total reaching the MoE layers (default: every DP group equally busy)."""
+    return run_step(m, hw, inst, Phase(seqs, length, past, decode=False, n_tokens=n_tokens))

@@ -1,0 +1,120 @@
+"""Derived answers: decode throughput vs batch/TPOT, best throughput under a TPOT SLO, prefill TTFT.
+
+Decode batch capacity uses the steady-state mean KV length (input + output/2): with paged KV a running
+batch holds requests at every stage of their output (the simulator checks this against the scheduler).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moeserve.planner.deploy import Instance, PlanError, Workload
+from moeserve.planner.hardware import Hardware
+from moeserve.planner.memory import MemoryReport, memory_report, refusal_reason
+from moeserve.planner.models import ModelSpec
+from moeserve.planner.step import decode_step, prefill_step
+
+
+@dataclass
+class DecodePoint:
+    batch: int            # sequences per DP group
+    step_ms: float
+    tpot_ms: float
+    tok_s_card: float     # output tokens/s per card
+    breakdown_ms: dict
+    hbm_util: float       # achieved HBM bandwidth / peak over the step
+
+    def to_dict(self) -> dict:
+        return {"batch_per_dp": self.batch, "step_ms": round(self.step_ms, 3),
+                "tpot_ms": round(self.tpot_ms, 3), "tok_s_card": round(self.tok_s_card, 1),
+                "hbm_util": round(self.hbm_util, 3),
+                "breakdown_ms": {k: round(v, 3) for k, v in self.breakdown_ms.items()}}
+
+
+def decode_point(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, batch: int) -> DecodePoint:
+    st = decode_step(m, hw, inst, batch, wl.mean_decode_context)
+    tps = inst.tokens_per_step
+    br = {k: v * 1e3 for k, v in sorted(st.by_name().items(), key=lambda kv: -kv[1])}
+    br["framework_overhead"] = st.overhead * 1e3
+    if st.overlapped:
+        br["overlap_saving"] = (st.total - st.overhead - sum(o.seconds for o in st.ops)) * 1e3
+    return DecodePoint(batch, st.total * 1e3, st.total / tps * 1e3, batch * tps / (inst.tp * st.total),
+                       br, st.hbm_bytes / st.total / hw.hbm_bw)
+
+
+def decode_memory(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload) -> MemoryReport:
+    """Memory at the largest batch that fits (activations sized for that batch)."""
+    step_tokens = 1 + inst.mtp_drafts
+    rep = memory_report(m, hw, inst, wl.mean_decode_context, step_tokens)
+    for _ in range(3):  # activations grow with the batch: iterate to a fixed point
+        rep = memory_report(m, hw, inst, wl.mean_decode_context, max(1, rep.max_batch) * step_tokens)
+    return rep
+
+
+def require_fits(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload) -> MemoryReport:
+    rep = decode_memory(m, hw, inst, wl)
+    reason = refusal_reason(m, hw, inst, rep)
+    if reason:
+        raise PlanError(reason)
+    return rep
+
+
+def batch_grid(max_batch: int) -> list[int]:
+    """1, 2, 4, ... plus intermediate points, up to max_batch."""
+    pts, b = set(), 1.0
+    while b <= max_batch:
+        pts.add(int(b))
+        b *= 1.25 if b >= 8 else 2
+    pts.add(max_batch)
+    return sorted(p for p in pts if p >= 1)
+
+
+def decode_curve(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload,
+                 max_batch: int | None = None) -> list[DecodePoint]:
+    cap = require_fits(m, hw, inst, wl).max_batch
+    return [decode_point(m, hw, inst, wl, b) for b in batch_grid(min(cap, max_batch or cap))]
+
+
+def best_under_slo(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload,
+                   tpot_ms: float) -> DecodePoint | None:
+    """Largest batch whose TPOT meets the SLO (TPOT grows with batch, throughput too): bisection."""
+    cap = require_fits(m, hw, inst, wl).max_batch
+    if decode_point(m, hw, inst, wl, 1).tpot_ms > tpot_ms:
+        return None
+    lo, hi = 1, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if decode_point(m, hw, inst, wl, mid).tpot_ms <= tpot_ms:
+            lo = mid
+        else:
+            hi = mid - 1
+    return decode_point(m, hw, inst, wl, lo)
+
+
+@dataclass
+class PrefillPoint:
+    requests: int
+    length: int
+    ttft_ms: float        # one forward over all requests (no queueing)
+    tok_s_card: float
+    breakdown_ms: dict
+
+    def to_dict(self) -> dict:
+        return {"requests": self.requests, "input_len": self.length, "ttft_ms": round(self.ttft_ms, 3),
+                "tok_s_card": round(self.tok_s_card, 1),
+                "breakdown_ms": {k: round(v, 3) for k, v in self.breakdown_ms.items()}}
+
+
+def prefill_point(m: ModelSpec, hw: Hardware, inst: Instance, requests: int, length: int) -> PrefillPoint:
+    """`requests` prompts of `length` tokens spread over the DP groups; the busiest group sets the pace."""
+    per_dp = math.ceil(requests / inst.dp)
+    rep = memory_report(m, hw, inst, length, per_dp * length)
+    if rep.max_batch < per_dp:
+        reason = refusal_reason(m, hw, inst, rep) or (
+            f"{per_dp} prompts of {length} tokens per DP group need KV for {per_dp} sequences, room for "
+            f"{rep.max_batch}; use more prefill cards or fewer requests per batch")
+        raise PlanError(reason)
+    st = prefill_step(m, hw, inst, per_dp, length, n_tokens=requests * length)
+    br = {k: v * 1e3 for k, v in sorted(st.by_name().items(), key=lambda kv: -kv[1])}
+    br["framework_overhead"] = st.overhead * 1e3
+    return PrefillPoint(requests, length, st.total * 1e3, requests * length / st.total / inst.cards, br)

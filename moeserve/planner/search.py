@@ -1,0 +1,128 @@
+"""Layout search: enumerate prefill and decode instances and the prefill:decode split, rank by goodput/card.
+
+Goodput per card = requests/s the whole deployment sustains with decode inside the TPOT SLO (and prefill
+inside the TTFT SLO when given), times output_len, divided by all cards used (prefill + decode).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from moeserve.planner.analysis import best_under_slo, prefill_point
+from moeserve.planner.deploy import Instance, PlanError, Workload
+from moeserve.planner.hardware import Hardware
+from moeserve.planner.models import ModelSpec
+
+SIZES = (8, 16, 24, 32, 48, 64, 72, 96, 128, 144, 160, 192, 256, 288, 320, 384)
+TPS = (1, 2, 4, 8)
+
+
+@dataclass
+class Candidate:
+    role: str
+    inst: Instance
+    tok_s_card: float    # decode: output tok/s/card at the SLO; prefill: input tok/s/card
+    latency_ms: float    # decode: TPOT; prefill: TTFT of one batch
+    batch: int
+
+    def to_dict(self) -> dict:
+        d = asdict(self.inst)
+        return {"role": self.role, "layout": d, "tok_s_card": round(self.tok_s_card, 1),
+                "latency_ms": round(self.latency_ms, 2), "batch_per_dp": self.batch}
+
+
+def _redundancy(n_experts: int, ep: int) -> int:
+    """Fewest redundant slots making slots divisible by the routed-expert ranks."""
+    return -n_experts % ep
+
+
+def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance):
+    for size in (s for s in SIZES if s <= cards):
+        for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
+            shared_opts = {0}
+            if m.n_shared_experts and size >= 18 and size % 9 == 0:
+                shared_opts.add(size // 9)  # CloudMatrix-style: 1 of 9 ranks holds shared experts
+            for shared in shared_opts:
+                red = _redundancy(m.n_routed_experts, size - shared) if m.n_routed_experts else 0
+                for comm in ("alltoall", "allgather"):
+                    for tbo in (False, True):
+                        yield replace(base, cards=size, tp=tp, shared_expert_ranks=shared,
+                                      redundant_experts=red, moe_comm=comm, micro_batch_overlap=tbo)
+
+
+def best_decode(m, hw, cards, base, wl, tpot_ms, top=5) -> list[Candidate]:
+    out = []
+    for inst in decode_layouts(m, hw, cards, base):
+        try:
+            pt = best_under_slo(m, hw, inst, wl, tpot_ms)
+        except PlanError:
+            continue  # does not fit in memory
+        if pt:
+            out.append(Candidate("decode", inst, pt.tok_s_card, pt.tpot_ms, pt.batch))
+    return sorted(out, key=lambda c: -c.tok_s_card)[:top]
+
+
+def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5) -> list[Candidate]:
+    out = []
+    for size in (s for s in SIZES if s <= cards):
+        for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
+            red = _redundancy(m.n_routed_experts, size) if m.n_routed_experts else 0
+            for comm in ("alltoall", "allgather"):
+                inst = replace(base, cards=size, tp=tp, redundant_experts=red, moe_comm=comm,
+                               mtp_drafts=0, shared_expert_ranks=0, micro_batch_overlap=False)
+                cand = _prefill_candidate(m, hw, inst, wl, ttft_ms)
+                if cand:
+                    out.append(cand)
+    return sorted(out, key=lambda c: -c.tok_s_card)[:top]
+
+
+def _prefill_candidate(m, hw, inst, wl, ttft_ms):
+    """Largest batch (one prompt per DP group, doubling) that fits and meets the TTFT SLO."""
+    best, per_dp = None, 1
+    while per_dp <= 64:
+        try:
+            pt = prefill_point(m, hw, inst, per_dp * inst.dp, wl.input_len)
+        except PlanError:
+            break
+        if ttft_ms is not None and pt.ttft_ms > ttft_ms:
+            break
+        if best is None or pt.tok_s_card > best.tok_s_card:
+            best = Candidate("prefill", inst, pt.tok_s_card, pt.ttft_ms, per_dp)
+        per_dp *= 2
+    return best
+
+
+def split(cards: int, dec: Candidate, pre: Candidate, wl: Workload) -> dict | None:
+    """Best integer numbers of prefill and decode instances within `cards`, by goodput per card."""
+    dec_req = dec.tok_s_card * dec.inst.cards / wl.output_len   # requests/s per decode instance
+    pre_req = pre.tok_s_card * pre.inst.cards / wl.input_len    # requests/s per prefill instance
+    best = None
+    for n_dec in range(1, cards // dec.inst.cards + 1):
+        left = cards - n_dec * dec.inst.cards
+        n_pre = min(left // pre.inst.cards, math.ceil(n_dec * dec_req / pre_req))
+        if n_pre < 1:
+            continue
+        used = n_dec * dec.inst.cards + n_pre * pre.inst.cards
+        req_s = min(n_dec * dec_req, n_pre * pre_req)
+        goodput = req_s * wl.output_len / used
+        if best is None or goodput > best["goodput_tok_s_card"]:
+            best = {"prefill_instances": n_pre, "decode_instances": n_dec, "cards_used": used,
+                    "prefill_cards": n_pre * pre.inst.cards, "decode_cards": n_dec * dec.inst.cards,
+                    "requests_per_s": round(req_s, 3), "goodput_tok_s_card": round(goodput, 1)}
+    return best
+
+
+def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float, base: Instance,
+           ttft_ms: float | None = None, top: int = 5) -> dict:
+    decs = best_decode(m, hw, cards, base, wl, tpot_ms, top)
+    pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top)
+    plans = []
+    for d in decs:
+        for p in pres:
+            s = split(cards, d, p, wl)
+            if s:
+                plans.append({**s, "decode": d.to_dict(), "prefill": p.to_dict()})
+    plans.sort(key=lambda p: -p["goodput_tok_s_card"])
+    return {"cards": cards, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "plans": plans[:top],
+            "decode_candidates": [d.to_dict() for d in decs],
+            "prefill_candidates": [p.to_dict() for p in pres]}

@@ -1,0 +1,107 @@
+"""The offline API end to end on a tiny random checkpoint: sampling, stops, preemption, bad input."""
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.engine.scheduler import RequestRejected
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 50)), [7, 8, 9, 10, 11]]
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt_dir):
+    return LLM(ckpt_dir("v3"), dtype="float32", max_model_len=256)
+
+
+def greedy(max_tokens=16, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_preemption_with_a_tiny_pool_keeps_outputs(ckpt_dir, llm):
+    want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(24))]
+    small = LLM(ckpt_dir("v3"), dtype="float32", max_model_len=256, num_kv_blocks=8, block_size=8)
+    got = small.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(24))
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert small.engine.kv.pool.num_free == 8
+
+
+def test_same_seed_same_output_and_sampling_differs(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    a = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=p)
+    b = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=p)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    other = llm.generate(prompt_token_ids=PROMPTS[:2],
+                         sampling_params=SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in other] != [o.outputs[0].token_ids for o in a]
+
+
+def test_top_k_1_equals_greedy(llm):
+    g = llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(10))
+    k = llm.generate(prompt_token_ids=PROMPTS,
+                     sampling_params=SamplingParams(temperature=0.8, top_k=1, max_tokens=10, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in g] == [o.outputs[0].token_ids for o in k]
+
+
+def test_text_prompt_stop_string_and_logprobs(llm):
+    full = llm.generate(["def foo(x):"], greedy(20))[0].outputs[0]
+    assert full.text and len(full.token_ids) == 20
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 2]
+    cut = llm.generate(["def foo(x):"], greedy(20, stop=[stop]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[: full.text.find(stop)]
+    lp = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=greedy(5, logprobs=3))[0].outputs[0]
+    assert len(lp.logprobs) == 5
+    for tok, entry in zip(lp.token_ids, lp.logprobs):
+        assert tok in entry and len(entry) >= 3
+        assert entry[tok] == max(entry.values())  # greedy picks the most likely token
+    assert lp.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(lp.token_ids, lp.logprobs)))
+
+
+def test_n_samples_and_eos(llm):
+    out = llm.generate(prompt_token_ids=[PROMPTS[0]],
+                       sampling_params=SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=5, ignore_eos=True))
+    assert len(out[0].outputs) == 3 and all(len(c.token_ids) == 6 for c in out[0].outputs)
+    first = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=greedy(8))[0].outputs[0].token_ids
+    stopped = llm.generate(prompt_token_ids=[PROMPTS[0]],
+                           sampling_params=SamplingParams(temperature=0, max_tokens=8,
+                                                          stop_token_ids=[first[3]]))[0].outputs[0]
+    assert stopped.token_ids == first[: first.index(first[3]) + 1] and stopped.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(min_p=2), "min_p"), (dict(logprobs=100), "logprobs"),
+])
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_too_long_and_bad_token_ids(llm):
+    with pytest.raises(ValueError, match="maximum context length is 256"):
+        llm.generate(prompt_token_ids=[list(range(300))], sampling_params=greedy())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(prompt_token_ids=[[1, 2, 10**6]], sampling_params=greedy())
+    with pytest.raises(TypeError, match="unknown argument"):
+        LLM(max_num_seq=3)
+
+
+def test_sampler_filters_match_definitions():
+    from moeserve.layers.sampler import apply_filters
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    p = torch.softmax(logits, -1)
+    kept = apply_filters(logits, SamplingParams(top_p=float(p[0] + p[1]) - 1e-4)).isfinite()
+    assert kept.tolist() == [True, True, False, False, False]
+    kept = apply_filters(logits, SamplingParams(top_k=3)).isfinite()
+    assert kept.tolist() == [True, True, True, False, False]
+    kept = apply_filters(logits, SamplingParams(min_p=float(p[2] / p[0]) - 1e-4)).isfinite()
+    assert kept.tolist() == [True, True, True, False, False]
+
+
+def test_a_rejected_prompt_leaves_nothing_behind(llm):
+    with pytest.raises(ValueError):
+        llm.generate(prompt_token_ids=[PROMPTS[0], list(range(300))], sampling_params=greedy())
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
