@@ -8,6 +8,7 @@ import sys
 # module -> provides register(subparsers). One line per subsystem.
 SUBCOMMANDS = [
     "moeserve.entrypoints.generate_cli",
+    "moeserve.planner.cli",
 ]
 
 

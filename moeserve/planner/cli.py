@@ -1,0 +1,102 @@
+"""`moeserve plan ...`: the deployment planner's command line. Every subcommand takes --json."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moeserve.planner.deploy import QUANT, KV_BYTES, MOE_COMM, Instance, Workload
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and hardware")
+    g.add_argument("--model", default="deepseek-v3", help="preset or path to a config.json / checkpoint")
+    g.add_argument("--hardware", default="hgx-h800", help="device or system name (plan hardware lists)")
+    g.add_argument("--hardware-file", help="YAML/JSON with extra devices/systems/efficiency")
+    g.add_argument("--scale-up-domain", type=int, help="cards per scale-up domain (override)")
+    g.add_argument("--scale-up-gbps", type=float, help="scale-up GB/s per card, one direction")
+    g.add_argument("--scale-out-gbps", type=float, help="scale-out GB/s per card, one direction")
+    d = p.add_argument_group("deployment instance")
+    d.add_argument("--cards", type=int, default=32, help="cards in the instance (= DP x TP)")
+    d.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1, help="attention TP")
+    d.add_argument("--shared-expert-ranks", type=int, default=0)
+    d.add_argument("--redundant-experts", type=int, default=None,
+                   help="extra routed-expert slots (default: fewest making slots divisible)")
+    d.add_argument("--quantization", choices=sorted(QUANT), default="a8w8")
+    d.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", choices=sorted(KV_BYTES),
+                   default="bf16")
+    d.add_argument("--num-speculative-tokens", "--mtp-drafts", dest="mtp_drafts", type=int, default=0)
+    d.add_argument("--mtp-acceptance", type=float, default=0.7)
+    d.add_argument("--moe-comm", choices=MOE_COMM, default="alltoall")
+    d.add_argument("--micro-batch-overlap", action=argparse.BooleanOptionalAction, default=False)
+    d.add_argument("--imbalance", type=float, default=None, help="residual expert-load max/mean (>=1)")
+    d.add_argument("--eplb-stats", help="JSON of per-expert (or [layer][expert]) loads -> imbalance")
+    w = p.add_argument_group("workload")
+    w.add_argument("--input-len", type=int, default=2048)
+    w.add_argument("--output-len", type=int, default=2048)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _ctx(args):
+    """(model, hardware, instance, workload) from parsed args."""
+    from moeserve.planner.eplb_stats import imbalance_from_file
+    from moeserve.planner.hardware import HardwareDB
+    from moeserve.planner.models import load_model
+    m = load_model(args.model)
+    hw = HardwareDB(args.hardware_file).get(args.hardware).with_overrides(
+        scale_up_domain=args.scale_up_domain, scale_up_gbps=args.scale_up_gbps,
+        scale_out_gbps=args.scale_out_gbps)
+    imb = args.imbalance
+    if imb is None and args.eplb_stats:
+        imb = imbalance_from_file(args.eplb_stats, m.n_routed_experts, args.cards - args.shared_expert_ranks)
+    red = args.redundant_experts
+    if red is None:
+        red = -m.n_routed_experts % (args.cards - args.shared_expert_ranks) if m.n_routed_experts else 0
+    inst = Instance(cards=args.cards, tp=args.tp, shared_expert_ranks=args.shared_expert_ranks,
+                    redundant_experts=red, quantization=args.quantization, kv_dtype=args.kv_dtype,
+                    mtp_drafts=args.mtp_drafts, mtp_acceptance=args.mtp_acceptance, moe_comm=args.moe_comm,
+                    micro_batch_overlap=args.micro_batch_overlap, imbalance=imb or 1.0)
+    return m, hw, inst, Workload(args.input_len, args.output_len)
+
+
+def _emit(args, obj: dict, text: str) -> int:
+    print(json.dumps(obj, indent=2) if args.json else text)
+    return 0
+
+
+def register(subparsers) -> None:
+    from moeserve.planner import cli_cmds as c
+    plan = subparsers.add_parser("plan", help="deployment planner: cost model, search, simulation",
+                                 description=__doc__)
+    sub = plan.add_subparsers(dest="plan_command", required=True, metavar="PLAN_COMMAND")
+    specs = [
+        ("estimate", "per-operator decode step breakdown at one batch, memory, prefill point", c.cmd_estimate),
+        ("decode", "decode throughput vs batch/TPOT, best throughput under a TPOT SLO, PNG plot", c.cmd_decode),
+        ("prefill", "prefill TTFT and throughput for N prompts of a given length", c.cmd_prefill),
+        ("memory", "memory per card (weights, KV, activations); refuses layouts that do not fit", c.cmd_memory),
+        ("search", "enumerate layouts and prefill:decode splits, rank by goodput per card", c.cmd_search),
+        ("simulate", "request stream through the real engine Scheduler with cost-model step times",
+         c.cmd_simulate),
+        ("validate", "predicted vs published results (+-15%)", c.cmd_validate),
+        ("hardware", "list the hardware database", c.cmd_hardware),
+        ("profile-cpu", "measure this CPU and predict moeserve's own CPU decode step times", c.cmd_profile_cpu),
+    ]
+    for name, help_, func in specs:
+        p = sub.add_parser(name, help=help_, description=help_)
+        getattr(c, "args_" + name.replace("-", "_"), _add_common)(p)
+        p.set_defaults(func=lambda a, f=func: f(a))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="moeserve")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ValueError as e:
+        print(f"moeserve plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Implementations of the `moeserve plan` subcommands (argument groups + text/JSON output)."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from moeserve.planner.cli import _add_common, _ctx, _emit
+
+
+def _fmt_breakdown(br: dict) -> str:
+    total = sum(v for k, v in br.items() if k != "overlap_saving")
+    rows = [f"  {k:<22} {v:9.3f} ms  {100 * v / total:5.1f}%" for k, v in br.items() if v]
+    return "\n".join(rows)
+
+
+def args_estimate(p):
+    _add_common(p)
+    p.add_argument("--batch", type=int, default=None, help="sequences per DP group (default: max that fits)")
+    p.add_argument("--prefill-requests", type=int, default=None, help="default: one per DP group")
+
+
+def cmd_estimate(a):
+    from moeserve.planner.analysis import decode_point, prefill_point, require_fits
+    m, hw, inst, wl = _ctx(a)
+    mem = require_fits(m, hw, inst, wl)
+    batch = min(a.batch or mem.max_batch, mem.max_batch)
+    pt = decode_point(m, hw, inst, wl, batch)
+    pre_inst = inst.__class__(**{**asdict(inst), "mtp_drafts": 0, "micro_batch_overlap": False})
+    pre = prefill_point(m, hw, pre_inst, a.prefill_requests or inst.dp, wl.input_len)
+    obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst), "decode": pt.to_dict(),
+           "memory": mem.to_dict(), "prefill": pre.to_dict()}
+    text = (f"{m.name} on {hw.name}, {inst.cards} cards (DP{inst.dp} x TP{inst.tp}, EP{inst.ep}), "
+            f"context {wl.mean_decode_context:.0f}\n"
+            f"decode batch {batch}/DP: step {pt.step_ms:.2f} ms, TPOT {pt.tpot_ms:.2f} ms, "
+            f"{pt.tok_s_card:.0f} tok/s/card, HBM {100 * pt.hbm_util:.0f}% of peak\n"
+            f"{_fmt_breakdown(pt.breakdown_ms)}\n"
+            f"memory/card: weights {mem.weights / 2**30:.1f} GiB, KV room {mem.kv_free / 2**30:.1f} GiB, "
+            f"max batch {mem.max_batch}/DP\n"
+            f"prefill {pre.requests} x {pre.length}: TTFT {pre.ttft_ms:.1f} ms, {pre.tok_s_card:.0f} tok/s/card")
+    return _emit(a, obj, text)
+
+
+def args_decode(p):
+    _add_common(p)
+    p.add_argument("--tpot-ms", type=float, default=50.0)
+    p.add_argument("--plot", help="write throughput-vs-TPOT PNG here")
+
+
+def cmd_decode(a):
+    from moeserve.planner.analysis import best_under_slo, decode_curve
+    m, hw, inst, wl = _ctx(a)
+    curve = decode_curve(m, hw, inst, wl)
+    best = best_under_slo(m, hw, inst, wl, a.tpot_ms)
+    if a.plot:
+        from moeserve.planner.plots import plot_curves
+        plot_curves({f"{hw.key} {inst.cards} cards": curve}, a.plot, tpot_slo_ms=a.tpot_ms)
+    obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst),
+           "curve": [{k: v for k, v in p.to_dict().items() if k != "breakdown_ms"} for p in curve],
+           "best_under_slo": best.to_dict() if best else None, "tpot_slo_ms": a.tpot_ms, "plot": a.plot}
+    lines = [f"{'batch/DP':>8} {'TPOT ms':>9} {'tok/s/card':>11}"]
+    lines += [f"{p.batch:>8} {p.tpot_ms:>9.2f} {p.tok_s_card:>11.0f}" for p in curve]
+    lines.append(f"best under TPOT <= {a.tpot_ms:g} ms: " + (
+        f"batch {best.batch}/DP, {best.tok_s_card:.0f} tok/s/card at {best.tpot_ms:.1f} ms" if best
+        else "none (TPOT at batch 1 already exceeds the SLO)"))
+    return _emit(a, obj, "\n".join(lines))
+
+
+def args_prefill(p):
+    _add_common(p)
+    p.add_argument("--requests", type=int, default=None, help="prompts per batch (default: one per DP group)")
+
+
+def cmd_prefill(a):
+    from moeserve.planner.analysis import prefill_point
+    m, hw, inst, wl = _ctx(a)
+    pt = prefill_point(m, hw, inst, a.requests or inst.dp, wl.input_len)
+    text = (f"prefill {pt.requests} x {pt.length} on {inst.cards} cards: TTFT {pt.ttft_ms:.1f} ms, "
+            f"{pt.tok_s_card:.0f} tok/s/card\n{_fmt_breakdown(pt.breakdown_ms)}")
+    return _emit(a, {"model": m.name, "hardware": hw.key, "layout": asdict(inst), **pt.to_dict()}, text)
+
+
+def cmd_memory(a):
+    from moeserve.planner.analysis import decode_memory
+    from moeserve.planner.memory import refusal_reason
+    m, hw, inst, wl = _ctx(a)
+    rep = decode_memory(m, hw, inst, wl)
+    reason = refusal_reason(m, hw, inst, rep)
+    obj = {**rep.to_dict(), "refused": reason}
+    d = rep.to_dict()
+    text = "\n".join([f"  {k:<14} {v:8.2f} GiB" for k, v in d["weights_detail_gib"].items()] + [
+        f"usable {d['usable_gib']:.1f} GiB, weights {d['weights_gib']:.1f}, activations "
+        f"{d['activations_gib']:.2f}, KV room {d['kv_free_gib']:.1f} -> max batch {rep.max_batch}/DP",
+        f"REFUSED: {reason}" if reason else "fits"])
+    _emit(a, obj, text)
+    return 1 if reason else 0
+
+
+def args_search(p):
+    _add_common(p)
+    p.add_argument("--tpot-ms", type=float, default=50.0)
+    p.add_argument("--ttft-ms", type=float, default=None)
+    p.add_argument("--top", type=int, default=5)
+
+
+def cmd_search(a):
+    from moeserve.planner.search import search
+    m, hw, inst, wl = _ctx(a)
+    res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top)
+    lines = [f"{len(res['plans'])} plans for {a.cards} cards of {hw.key}, TPOT <= {a.tpot_ms:g} ms"]
+    for i, pl in enumerate(res["plans"], 1):
+        d, p = pl["decode"], pl["prefill"]
+        lines.append(f"{i}. {pl['goodput_tok_s_card']:.0f} tok/s/card goodput: "
+                     f"{pl['prefill_instances']} x prefill {_lay(p)} : {pl['decode_instances']} x decode "
+                     f"{_lay(d)} ({pl['prefill_cards']}:{pl['decode_cards']} cards)")
+    return _emit(a, res, "\n".join(lines))
+
+
+def _lay(c: dict) -> str:
+    l = c["layout"]
+    extra = f", {l['shared_expert_ranks']} shared" if l["shared_expert_ranks"] else ""
+    tbo = ", overlap" if l["micro_batch_overlap"] else ""
+    return f"[{l['cards']} cards TP{l['tp']} {l['moe_comm']}{extra}{tbo}, batch {c['batch_per_dp']}]"
+
+
+def args_simulate(p):
+    _add_common(p)
+    p.add_argument("--rate", type=float, default=None, help="requests/s into the instance (Poisson)")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
+    p.add_argument("--length-dist", choices=("fixed", "uniform", "exponential"), default="fixed")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="per DP group (default: memory limit)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
+    p.add_argument("--ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_simulate(a):
+    from moeserve.planner.simulate import format_report, simulate_from_args
+    res = simulate_from_args(a, *_ctx(a))
+    return _emit(a, res, format_report(res))
+
+
+def args_validate(p):
+    p.add_argument("--hardware-file", help="YAML/JSON with extra devices/systems/efficiency")
+    p.add_argument("--json", action="store_true")
+
+
+def cmd_validate(a):
+    from moeserve.planner.calibrate import format_table, validate
+    res = validate(a.hardware_file)
+    return _emit(a, res, format_table(res))
+
+
+def args_hardware(p):
+    p.add_argument("--hardware-file")
+    p.add_argument("--json", action="store_true")
+
+
+def cmd_hardware(a):
+    from moeserve.planner.hardware import HardwareDB
+    db = HardwareDB(a.hardware_file)
+    hws = {n: db.get(n) for n in db.names()}
+    obj = {n: {**{k: v for k, v in asdict(h).items() if k != "eff"}, "efficiency": asdict(h.eff)}
+           for n, h in hws.items()}
+    lines = [f"{'name':<24} {'bf16':>6} {'int8':>6} {'HBM GiB':>8} {'TB/s':>5} {'up GB/s':>8} "
+             f"{'domain':>6} {'out GB/s':>8}"]
+    lines += [f"{n:<24} {h.bf16_tflops:>6.0f} {h.int8_tops:>6.0f} {h.hbm_gib:>8.0f} {h.hbm_tbps:>5.2f} "
+              f"{h.scale_up_gbps:>8.0f} {h.scale_up_domain:>6} {h.scale_out_gbps:>8.0f}" for n, h in hws.items()]
+    return _emit(a, obj, "\n".join(lines))
+
+
+def args_profile_cpu(p):
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--measure", action="store_true",
+                   help="also run moeserve's CPU engine on the bench model and compare")
+    p.add_argument("--batches", default="1,4,16", help="decode batch sizes")
+    p.add_argument("--threads", type=int, default=None)
+
+
+
+def cmd_profile_cpu(a):
+    from moeserve.planner.cpucheck import format_report, run_check
+    res = run_check([int(b) for b in a.batches.split(",")], measure=a.measure, threads=a.threads)
+    return _emit(a, res, format_report(res))
