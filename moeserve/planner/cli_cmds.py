@@ -132,6 +132,8 @@ def args_simulate(p):
     p.add_argument("--tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
     p.add_argument("--ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--role", choices=("unified", "decode"), default="unified",
+                   help="decode: a PD decode instance (prompts arrive with their KV)")
 
 
 def cmd_simulate(a):

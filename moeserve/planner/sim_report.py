@@ -1,0 +1,77 @@
+"""Percentiles, goodput and the analytic steady state for `moeserve plan simulate`."""
+from __future__ import annotations
+
+from moeserve.planner.analysis import decode_point
+from moeserve.planner.deploy import Instance, Workload
+from moeserve.planner.hardware import Hardware
+from moeserve.planner.models import ModelSpec
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """Linear-interpolated percentile, p in [0, 100]."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _pcts(xs: list[float]) -> dict:
+    return {f"p{p}": round(1e3 * percentile(xs, p), 3) for p in (50, 90, 99)} | {
+        "mean": round(1e3 * sum(xs) / len(xs), 3) if xs else None}
+
+
+def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms: float | None,
+              window: tuple[float, float] = (0.0, 1.0)) -> dict:
+    """Latency percentiles over requests whose arrival rank lies in `window` (drop warm-up/drain)."""
+    ttft, tpot, itl, good, tokens, done = [], [], [], 0, 0, 0
+    traces = list(raw["traces"].values())
+    lo, hi = int(window[0] * len(traces)), int(window[1] * len(traces))
+    for i, t in enumerate(traces):
+        if len(t.token_times) < t.output_len:
+            continue  # unfinished within the step cap
+        tokens += len(t.token_times)
+        if not lo <= i < hi:
+            continue
+        done += 1
+        first = t.token_times[0] - t.arrival
+        ttft.append(first)
+        per_tok = (t.token_times[-1] - t.token_times[0]) / max(1, len(t.token_times) - 1)
+        tpot.append(per_tok)
+        itl += [b - a for a, b in zip(t.token_times, t.token_times[1:]) if b > a]
+        ok = (ttft_slo_ms is None or first * 1e3 <= ttft_slo_ms) and (
+            tpot_slo_ms is None or per_tok * 1e3 <= tpot_slo_ms)
+        good += ok * len(t.token_times) * len(traces) / max(1, hi - lo)
+    span = raw["makespan"] or 1.0
+    # One DP group simulated: per card = its tokens / (time x TP cards of the group).
+    return {"requests_measured": done, "steps": raw["steps"], "preemptions": raw["preemptions"],
+            "makespan_s": round(span, 3), "busy_fraction": round(raw["busy"] / span, 4),
+            "ttft_ms": _pcts(ttft), "tpot_ms": _pcts(tpot), "itl_ms": _pcts(itl),
+            "throughput_tok_s_card": round(tokens / span / inst.tp, 2),
+            "goodput_tok_s_card": round(good / span / inst.tp, 2)}
+
+
+def analytic_steady_state(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload,
+                          rate: float) -> dict:
+    """Fixed point of B = rate_per_dp x time-in-decode(B): batch, TPOT, for a constant-rate stream.
+
+    Ignores prefill interference, so it is exact when prompts are short next to the decode work.
+    """
+    lam = rate / inst.dp
+    b = 1.0
+    for _ in range(200):
+        pt = decode_point(m, hw, inst, wl, max(1, round(b)))
+        step_s = pt.step_ms / 1e3
+        b_new = lam * wl.output_len / inst.tokens_per_step * step_s
+        if abs(b_new - b) < 1e-3:
+            break
+        b = 0.5 * (b + b_new)
+    # Interpolate the step time at fractional b between the integer batches around it.
+    lo, hi = max(1, int(b)), max(1, int(b)) + 1
+    s_lo = decode_point(m, hw, inst, wl, lo).step_ms
+    s_hi = decode_point(m, hw, inst, wl, hi).step_ms
+    step_ms = s_lo + (s_hi - s_lo) * (b - lo) if b >= 1 else s_lo
+    return {"batch_per_dp": round(b, 3), "step_ms": round(step_ms, 3),
+            "tpot_ms": round(step_ms / inst.tokens_per_step, 3)}
