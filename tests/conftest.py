@@ -3,7 +3,9 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One thread: the models are tiny, and on a shared 2-core machine a second OpenMP thread stalls at every
+# barrier while the other core is busy (measured: 30x slower small GEMMs).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
