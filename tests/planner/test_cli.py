@@ -1,0 +1,58 @@
+"""Every `plan` subcommand runs and, with --json, prints exactly one JSON object."""
+import json
+
+import pytest
+
+from moeserve.planner.cli import main
+
+SMALL = ["--hardware", "atlas-800i-a2", "--cards", "32", "--moe-comm", "allgather", "--mtp-drafts", "1"]
+CASES = {
+    "estimate": SMALL + ["--batch", "16"],
+    "decode": SMALL + ["--tpot-ms", "100"],
+    "prefill": ["--hardware", "atlas-800i-a2", "--cards", "16", "--tp", "2", "--requests", "8"],
+    "memory": SMALL,
+    "search": ["--hardware", "h20", "--cards", "32", "--tpot-ms", "60", "--top", "2"],
+    "simulate": ["--model", "deepseek-v2-lite", "--hardware", "h100", "--cards", "1", "--quantization",
+                 "bf16", "--num-requests", "40", "--input-len", "64", "--output-len", "16"],
+    "validate": [],
+    "hardware": [],
+}
+
+
+@pytest.mark.parametrize("cmd", sorted(CASES))
+def test_json_is_one_object(cmd, capsys):
+    assert main(["plan", cmd, "--json", *CASES[cmd]]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert isinstance(obj, dict) and obj
+
+
+@pytest.mark.parametrize("cmd", ["estimate", "decode", "hardware"])
+def test_text_output(cmd, capsys):
+    assert main(["plan", cmd, *CASES[cmd]]) == 0
+    assert len(capsys.readouterr().out.splitlines()) > 2
+
+
+def test_memory_refusal_exit_code_and_reason(capsys):
+    assert main(["plan", "memory", "--hardware", "910b", "--cards", "8", "--json"]) == 1
+    assert "exceed" in json.loads(capsys.readouterr().out)["refused"]
+
+
+def test_bad_layout_is_one_error_line(capsys):
+    assert main(["plan", "estimate", "--cards", "30", "--redundant-experts", "0"]) == 2
+    assert "not divisible" in capsys.readouterr().err
+
+
+def test_decode_plot_png(tmp_path, capsys):
+    png = tmp_path / "curve.png"
+    assert main(["plan", "decode", *SMALL, "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eplb_stats_set_imbalance(tmp_path, capsys):
+    loads = [10.0] * 256
+    loads[0] = 10.0 * 9  # one hot expert
+    f = tmp_path / "eplb.json"
+    f.write_text(json.dumps(loads))
+    assert main(["plan", "estimate", *SMALL, "--eplb-stats", str(f), "--json"]) == 0
+    imb = json.loads(capsys.readouterr().out)["layout"]["imbalance"]
+    assert imb == pytest.approx((90 + 7 * 10) / (2640 / 32))  # rank 0 holds experts 0-7; mean 2640/32

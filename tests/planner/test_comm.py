@@ -1,0 +1,49 @@
+import math
+
+import pytest
+
+from moeserve.planner import comm
+from moeserve.planner.hardware import load_hardware
+from tests.planner.helpers import TOY_HW as HW
+
+# hardware.md: DeepEP low-latency on H800 + 400G IB, 128 tokens x top-8, FP8 dispatch / BF16 combine.
+DEEPEP = {8: (77, 114), 16: (118, 195), 32: (155, 273), 64: (173, 314), 128: (192, 369)}
+
+
+@pytest.mark.parametrize("ep", sorted(DEEPEP))
+def test_alltoall_reproduces_deepep(ep):
+    hw = load_hardware("h800")
+    copies = 128 * 8
+    dispatch = comm.alltoall(hw, ep, copies, 7168 + 7168 / 128 * 4) * 1e6
+    combine = comm.alltoall(hw, ep, copies, 7168 * 2) * 1e6
+    d, c = DEEPEP[ep]
+    assert dispatch == pytest.approx(d, rel=0.15)
+    assert combine == pytest.approx(c, rel=0.15)
+
+
+def test_link_time_hand_case():
+    # 1 GB over scale-up at 100 GB/s x 0.5 = 20 ms; 0.1 GB out at 10 x 0.5 = 20 ms; + 10 us
+    assert comm.link_time(HW, 1e9, 0.1e9) == pytest.approx(0.02001)
+
+
+def test_allgather_hierarchical_hand_case():
+    # 16 ranks, domain 8, 1.6 GB total: in-domain 1.6e9 * 7/8 = 1.4 GB -> 28 ms;
+    # out 1.6e9 * 8 / (16 * 8) = 0.1 GB -> 20 ms; two phases of latency
+    assert comm.allgather(HW, 16, 1.6e9) == pytest.approx(0.028 + 2e-5)
+    # inside one domain: 7/8 of the data, one latency
+    assert comm.allgather(HW, 8, 0.8e9) == pytest.approx(0.7e9 / 50e9 + 1e-5)
+    assert comm.allreduce(HW, 8, 0.8e9) == pytest.approx(2 * comm.allgather(HW, 8, 0.8e9))
+    assert comm.allgather(HW, 1, 1e9) == 0.0
+
+
+def test_alltoall_fractions():
+    assert comm.domain_fractions(HW, 32) == (7 / 32, 24 / 32)
+    # 1000 copies x 1000 B, 7/32 over scale-up (50 GB/s), 24/32 over scale-out (5 GB/s)
+    assert comm.alltoall(HW, 32, 1000, 1000) == pytest.approx(0.75e6 / 5e9 + 1e-5)
+
+
+def test_max_load_factor():
+    assert comm.max_load_factor(8.0, round(math.e ** 4)) == pytest.approx(1 + math.sqrt(
+        2 * math.log(round(math.e ** 4)) / 8))
+    assert comm.max_load_factor(0, 10) == 1.0 and comm.max_load_factor(5, 1) == 1.0
+    assert comm.max_load_factor(1e6, 128) < 1.01  # noise vanishes at large loads

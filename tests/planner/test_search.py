@@ -1,0 +1,33 @@
+from moeserve.planner.deploy import Instance, Workload
+from moeserve.planner.hardware import load_hardware
+from moeserve.planner.models import load_model
+from moeserve.planner.search import search, split, Candidate
+
+V3 = load_model("deepseek-v3")
+
+
+def test_search_ranks_by_goodput_and_respects_slo_and_cards():
+    hw = load_hardware("h20")
+    res = search(V3, hw, 64, Workload(2048, 1024), 60.0, Instance(cards=8, mtp_drafts=1), top=4)
+    plans = res["plans"]
+    assert plans, "some layout must fit 64 H20s"
+    good = [p["goodput_tok_s_card"] for p in plans]
+    assert good == sorted(good, reverse=True)
+    for p in plans:
+        assert p["cards_used"] <= 64 and p["decode"]["latency_ms"] <= 60.0
+        assert p["prefill_cards"] + p["decode_cards"] == p["cards_used"]
+
+
+def test_no_plan_when_nothing_fits():
+    res = search(V3, load_hardware("910b"), 8, Workload(), 50.0, Instance(cards=8))
+    assert res["plans"] == []
+
+
+def test_split_balances_prefill_and_decode():
+    wl = Workload(1000, 1000)
+    dec = Candidate("decode", Instance(cards=8), tok_s_card=1000.0, latency_ms=50, batch=10)
+    pre = Candidate("prefill", Instance(cards=8), tok_s_card=3000.0, latency_ms=100, batch=1)
+    s = split(64, dec, pre, wl)
+    # 1 prefill instance (24 req/s) feeds 3 decode instances (8 req/s each): 32 cards, 750 tok/s/card
+    assert (s["prefill_instances"], s["decode_instances"]) == (1, 3)
+    assert s["goodput_tok_s_card"] == 750.0
