@@ -1,0 +1,168 @@
+"""CPU check: predict moeserve's own CPU decode step times from a measured CPU profile.
+
+Profile (this machine, torch): read bandwidth (float32 sum over 256 MB, best of 5), BF16 GEMM rate
+(1024^3, best of 3, reported) and at a decode shape (64 x 1024 x 1024, used), and the cost of one
+small eager op (Python + dispatcher, over a mix of tiny linear/softmax/topk/index/cat ops). The prediction is the planner's own cost model on a one-card "device" built from those numbers
+(efficiency 1.0: the profile already measures achieved rates) plus ops-per-step x cost-per-op, where the
+op count comes from one traced decode step of the engine (a structural count, not a timing).
+Measured side: engine step times of decode-only steps on the bench model (benchmarks/common.py). The
+profile takes the best of several runs, so the error is reported against the fastest measured step
+(uncontended, like the profile); the median is shown too (shared machines are noisy).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moeserve.planner.deploy import Instance
+from moeserve.planner.hardware import Efficiency, Hardware
+from moeserve.planner.models import load_model
+from moeserve.planner.step import decode_step
+
+
+def measure_bandwidth(mb: int = 256, repeats: int = 5) -> float:
+    """Bytes/s read by a float32 sum (memory-bound; a BF16 sum would be convert-bound)."""
+    x = torch.ones(mb * (1 << 20) // 4, dtype=torch.float32)
+    best = min(_timed(lambda: x.sum()) for _ in range(repeats))
+    return x.numel() * 4 / best
+
+
+def measure_gemm(n: int = 1024, dtype=torch.bfloat16, repeats: int = 3) -> float:
+    """FLOP/s of an n^3 matmul."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a @ b  # warm-up: kernel selection, page faults
+    best = min(_timed(lambda: a @ b) for _ in range(repeats))
+    return 2 * n ** 3 / best
+
+
+def measure_decode_gemm(m: int = 64, k: int = 1024, n: int = 1024, repeats: int = 10) -> float:
+    """FLOP/s of F.linear at a decode-sized shape (small M: packing and threading dominate on CPU)."""
+    x, w = torch.randn(m, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
+    torch.nn.functional.linear(x, w)
+    best = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(repeats))
+    return 2 * m * k * n / best
+
+
+def measure_op_cost(reps: int = 200) -> float:
+    """Seconds per small eager op, over the mix a decode step issues on tiny tensors
+    (linear, softmax, topk, index, cat, elementwise): launch/dispatch cost, not data."""
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    idx = torch.tensor([1, 0])
+
+    def mix():  # 8 ops
+        y = torch.nn.functional.linear(x, w)
+        p = torch.softmax(y.float(), -1)
+        v, i = torch.topk(p, 2)
+        z = y.index_select(0, idx)
+        return torch.cat([z, y]).mul_(2).add_(1)
+
+    mix()
+    return min(_timed(lambda: [mix() for _ in range(reps)]) for _ in range(3)) / (8 * reps)
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def profile(threads: int | None = None) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    return {"threads": torch.get_num_threads(), "mem_bw_gbs": measure_bandwidth() / 1e9,
+            "gemm_bf16_gflops": measure_gemm() / 1e9, "gemm_decode_gflops": measure_decode_gemm() / 1e9,
+            "op_cost_us": measure_op_cost() * 1e6}
+
+
+def cpu_hardware(prof: dict, overhead_ms: float) -> Hardware:
+    eff = Efficiency(gemm=1.0, attention=1.0, memory=1.0, link=1.0, link_latency_us=0.0,
+                     step_overhead_ms=overhead_ms, memory_utilization=0.9)
+    rate = prof["gemm_decode_gflops"] / 1e3  # TFLOPS at decode shapes, not the 1024^3 peak
+    return Hardware(key="this-cpu", name="this CPU (measured)", bf16_tflops=rate, int8_tops=rate,
+                    fp8_tflops=None, hbm_gib=16, hbm_tbps=prof["mem_bw_gbs"] / 1e3, scale_up_gbps=1.0,
+                    scale_out_gbps=1.0, scale_up_domain=1, eff=eff)
+
+
+def predict(prof: dict, batch: int, context: float, ops_per_step: float) -> dict:
+    m = load_model("moeserve-bench")
+    hw = cpu_hardware(prof, ops_per_step * prof["op_cost_us"] * 1e-3)
+    st = decode_step(m, hw, Instance(cards=1, quantization="bf16"), batch, context)
+    return {"step_ms": st.total * 1e3, "roofline_ms": (st.total - st.overhead) * 1e3,
+            "overhead_ms": st.overhead * 1e3}
+
+
+def count_ops(engine) -> int:
+    """aten ops in one engine step (runs the step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        engine.step()
+    return Counter.n
+
+
+def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16) -> list[dict]:
+    """Median decode-step time of the CPU engine on the bench model, per batch size."""
+    import os
+    import sys
+    sys.path.insert(0, os.getcwd())
+    from benchmarks.common import bench_checkpoint
+    from moeserve import LLM, SamplingParams
+    from moeserve.protocol import EngineCoreRequest
+
+    llm = LLM(bench_checkpoint(), dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
+              max_num_batched_tokens=max(batches) * prompt_len)
+    eng, rows = llm.engine, []
+    for b in batches:
+        params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
+        for i in range(b):
+            ids = [(7 * i + j) % 31000 + 2 for j in range(prompt_len)]
+            eng.add_request(EngineCoreRequest(f"b{b}-{i}", ids, params, []))
+        eng.step()  # prefill
+        ops = count_ops(eng)
+        times = [_timed(eng.step) for _ in range(steps)]
+        while eng.has_unfinished():
+            eng.step()
+        times.sort()
+        rows.append({"batch": b, "context": prompt_len + 2 + steps / 2, "ops_per_step": ops,
+                     "measured_ms": 1e3 * times[0], "measured_median_ms": round(1e3 * times[len(times) // 2], 3)})
+    return rows
+
+
+def run_check(batches: list[int], measure: bool = False, threads: int | None = None) -> dict:
+    prof = profile(threads)
+    rows = measure_engine(batches) if measure else [
+        {"batch": b, "context": 138.0, "ops_per_step": None, "measured_ms": None} for b in batches]
+    for r in rows:
+        p = predict(prof, r["batch"], r["context"], r["ops_per_step"] or 0)
+        r.update({"predicted_ms": round(p["step_ms"], 3), "predicted_roofline_ms": round(p["roofline_ms"], 3),
+                  "predicted_overhead_ms": round(p["overhead_ms"], 3)})
+        if r["measured_ms"]:
+            r["measured_ms"] = round(r["measured_ms"], 3)
+            r["error_pct"] = round(100 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"], 1)
+    return {"profile": {k: round(v, 3) for k, v in prof.items()}, "rows": rows, "measured": measure}
+
+
+def format_report(res: dict) -> str:
+    p = res["profile"]
+    lines = [f"CPU profile: {p['mem_bw_gbs']:.1f} GB/s read, {p['gemm_bf16_gflops']:.0f} GFLOP/s BF16 GEMM, "
+             f"({p['gemm_decode_gflops']:.0f} at 64x1024x1024), {p['op_cost_us']:.1f} us per small op, {p['threads']:.0f} threads",
+             f"{'batch':>5} {'ops':>6} {'roofline ms':>12} {'overhead ms':>12} {'predicted ms':>13} "
+             f"{'best ms':>9} {'median ms':>10} {'error':>7}"]
+    for r in res["rows"]:
+        meas = (f"{r['measured_ms']:>9.2f} {r['measured_median_ms']:>10.2f}" if r["measured_ms"]
+                else f"{'-':>9} {'-':>10}")
+        err = f"{r['error_pct']:>+6.1f}%" if "error_pct" in r else f"{'-':>7}"
+        lines.append(f"{r['batch']:>5} {r['ops_per_step'] or '-':>6} {r['predicted_roofline_ms']:>12.2f} "
+                     f"{r['predicted_overhead_ms']:>12.2f} {r['predicted_ms']:>13.2f} {meas} {err}")
+    if not res["measured"]:
+        lines.append("(run with --measure to time the engine and report the error)")
+    return "\n".join(lines)
