@@ -493,11 +493,17 @@ def check_hf_parity(model: TinyDeepseekV3, out: Path, ids: torch.Tensor):
 
 
 # ------------------------------------------------------------------------------------------- training
-def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+def lr_at(step: int, steps: int, peak: float, warmup: int, decay_frac: float) -> float:
+    """Warmup-stable-decay: linear warmup, constant peak, then linear decay to 2% of peak over the last
+    decay_frac of the steps. Until the decay starts the schedule does not depend on --steps, so a run can be
+    resumed with a different --steps (to fit a deadline) and still be the same as one run with that value."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    p = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
+    decay_start = int(steps * (1 - decay_frac))
+    if step < decay_start:
+        return peak
+    p = (step - decay_start) / max(1, steps - decay_start)
+    return peak * (1.0 - 0.98 * min(1.0, p))
 
 
 def batch(stream: torch.Tensor, B: int, T: int, gen: torch.Generator) -> torch.Tensor:
@@ -558,12 +564,13 @@ def main():
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--decay-frac", type=float, default=0.25)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--mtp-weight", type=float, default=0.3)
     ap.add_argument("--bias-gamma", type=float, default=1e-3, help="aux-loss-free bias update speed")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--ckpt-every", type=int, default=20)
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--export-only", action="store_true")
@@ -600,13 +607,16 @@ def main():
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(args.seed)
     ckpt = args.work / "ckpt.pt"
-    step, log = 0, []
+    step, log, resumes = 0, [], []
     if (args.resume or args.export_only) and ckpt.exists():
         st = torch.load(ckpt, weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         gen.set_state(st["gen"])
         step, log = st["step"], st["log"]
+        resumes = st.get("resumes", [])
+        if args.resume and step < args.steps:
+            resumes.append({"at_step": step, "steps": args.steps})
         print(f"resumed at step {step}")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model params {n_params / 1e6:.2f}M (incl. MTP layer)")
@@ -614,7 +624,7 @@ def main():
     logf = open(args.work / "train_log.jsonl", "a")
     t_start, tokens_seen = time.time(), step * B * T
     while step < args.steps and not args.export_only:
-        lr = lr_at(step, args.steps, args.lr, args.warmup)
+        lr = lr_at(step, args.steps, args.lr, args.warmup, args.decay_frac)
         for g in opt.param_groups:
             g["lr"] = lr
         ids = batch(tr, B, T, gen)
@@ -649,7 +659,7 @@ def main():
             return
         if step % args.ckpt_every == 0 or step == args.steps:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
-                        "step": step, "log": log, "args": vars(args) | {"out": str(args.out), "work": str(args.work)}},
+                        "step": step, "log": log, "resumes": resumes, "args": vars(args) | {"out": str(args.out), "work": str(args.work)}},
                        str(ckpt) + ".tmp")
             os.replace(str(ckpt) + ".tmp", ckpt)
     if args.bench:
@@ -660,7 +670,7 @@ def main():
     ho_main, ho_mtp = evaluate(model, ho, T, 10**9)
     info = {
         "seed": args.seed, "steps": step, "batch_size": B, "seq_len": T, "tokens_seen": step * B * T,
-        "peak_lr": args.lr, "warmup": args.warmup, "schedule": "linear warmup, cosine to 10%",
+        "peak_lr": args.lr, "warmup": args.warmup, "schedule": f"warmup {args.warmup} steps, constant, linear decay to 2% over the last {args.decay_frac:.0%} of steps",
         "optimizer": "AdamW(0.9, 0.95), wd 0.1 on matrices, grad clip 1.0", "mtp_loss_weight": args.mtp_weight,
         "bias_update_gamma": args.bias_gamma, "precision": "fp32 master weights, bf16 autocast matmuls",
         "threads": args.threads, "python": data["python"], "stdlib": data["stdlib"],
@@ -671,6 +681,7 @@ def main():
         "final_heldout_ppl": round(math.exp(ho_main), 3), "final_heldout_mtp_loss": round(ho_mtp, 4),
         "train_loss_last_50_steps": round(sum(r["main"] for r in log[-50:]) / max(1, len(log[-50:])), 4),
         "train_step_seconds": round(sum(B * T / r["tok_s"] for r in log)),
+        "resumed": resumes,
         "heldout_files_list": held_rel,
     }
     print(json.dumps({k: v for k, v in info.items() if k != "heldout_files_list"}, indent=1))
