@@ -9,6 +9,8 @@ import sys
 SUBCOMMANDS = [
     "moeserve.entrypoints.generate_cli",
     "moeserve.planner.cli",
+    "moeserve.entrypoints.quantize_cli",
+    "moeserve.entrypoints.eval_quant_cli",
 ]
 
 

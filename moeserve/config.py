@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import typing
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_METHODS = ("a8w8",)
 
 
 class ConfigError(ValueError):
@@ -80,11 +81,35 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """Weight/activation quantization, resolved from --quantization and the checkpoint's quantization_config.
+
+    method None = the model dtype everywhere. "a8w8": INT8 weights (per output channel) and activations (per
+    token) in attention projections, dense MLPs and experts; embeddings, lm_head, router and norms stay in
+    the model dtype, the KV cache too. checkpoint_format says what the weights on disk are: "float" (BF16/FP32,
+    or DeepSeek FP8 dequantized by the loader; quantized at load) or "compressed-tensors" (INT8 + scales).
+    """
+
+    method: str | None = None
+    checkpoint_format: str = "float"
+    ignore: tuple[str, ...] = ()  # module names or "re:<regex>" kept high precision (the checkpoint's list)
+
+    def __post_init__(self) -> None:
+        _require(self.method is None or self.method in QUANTIZATION_METHODS,
+                 f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.method!r}")
+        _require(self.checkpoint_format in ("float", "compressed-tensors"),
+                 f"unknown checkpoint format {self.checkpoint_format!r}")
+        _require(self.checkpoint_format == "float" or self.method is not None,
+                 "an INT8 compressed-tensors checkpoint needs --quantization a8w8")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    quant: QuantConfig = QuantConfig()
 
 
 def _parse_size(text: str) -> int:
@@ -117,6 +142,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    quantization: str | None = None  # "a8w8"; None = the checkpoint's own (compressed-tensors INT8) or none
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -145,13 +171,15 @@ class EngineArgs:
 
     def create_config(self, model_max_len: int) -> EngineConfig:
         """Resolve defaults that depend on the checkpoint (its context length) and validate."""
+        from moeserve.models.quantization import resolve_quant_config
         from moeserve.models.registry import resolve_model_path
 
         max_len = self.max_model_len or model_max_len
         _require(max_len <= model_max_len,
                  f"--max-model-len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
+        path = resolve_model_path(self.model)
         return EngineConfig(
-            model=ModelConfig(model=resolve_model_path(self.model), dtype=self.dtype,
+            model=ModelConfig(model=path, dtype=self.dtype,
                               tokenizer=self.tokenizer, seed=self.seed),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               kv_cache_memory=self.kv_cache_memory),
@@ -162,4 +190,5 @@ class EngineArgs:
             parallel=ParallelConfig(data_parallel_size=self.data_parallel_size,
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel),
+            quant=resolve_quant_config(self.quantization, path),
         )

@@ -57,7 +57,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, arch)
         self.block_size = config.cache.block_size
         self.model, self.checkpoint = build_model(config.model.model, arch, self.dtype,
-                                                  config.scheduler.max_model_len)
+                                                  config.scheduler.max_model_len, config.quant)
         self.num_blocks = num_kv_blocks(config, arch, self.dtype)
         self.kv_caches = [torch.zeros(self.num_blocks, self.block_size, arch.kv_cache_dim, dtype=self.dtype)
                           for _ in range(arch.num_hidden_layers)]

@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 
 FP8_BLOCK = 128
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                     r"(weight|weight_scale|weight_zero_point)$")  # scales: compressed-tensors INT8
 _FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -100,7 +101,8 @@ def load_weights(model: torch.nn.Module, path: str) -> LoadedCheckpoint:
     """Copy the checkpoint at `path` into `model` (built for the same config). Strict about gaps."""
     arch = model.arch
     params = dict(model.named_parameters())
-    expert_modules = {n: m for n, m in model.named_modules() if isinstance(m, FusedExperts)}
+    modules = dict(model.named_modules())
+    expert_modules = {n: m for n, m in modules.items() if isinstance(m, FusedExperts)}
     loaded: set[str] = set()
     result = LoadedCheckpoint()
     for name, tensor in iter_checkpoint(path):
@@ -110,7 +112,8 @@ def load_weights(model: torch.nn.Module, path: str) -> LoadedCheckpoint:
             result.mtp_weights[name] = tensor
             continue
         if (em := _EXPERT.match(name)) and em.group(1) in expert_modules:
-            _load_expert(expert_modules[em.group(1)], em.group(1), int(em.group(2)), em.group(3), tensor, loaded)
+            _load_expert(expert_modules[em.group(1)], em.group(1), int(em.group(2)), em.group(3), tensor, loaded,
+                         em.group(4))
             continue
         if (fm := _FUSED_EXPERT.match(name)) and fm.group(1) in expert_modules:
             experts = expert_modules[fm.group(1)]
@@ -121,6 +124,11 @@ def load_weights(model: torch.nn.Module, path: str) -> LoadedCheckpoint:
                     gate, up = tensor[j].chunk(2, dim=0)
                     _load_expert(experts, fm.group(1), j, "gate_proj", gate, loaded)
                     _load_expert(experts, fm.group(1), j, "up_proj", up, loaded)
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if getattr(modules.get(owner), "quant_method", None) is not None:  # quantized Linear: it loads itself
+            loaded.update(f"{owner}.{p}" for p in _quant_call(modules[owner].quant_method.load_tensor,
+                                                              modules[owner], leaf, tensor, name))
             continue
         param = params.get(name)
         if param is None:
@@ -133,7 +141,16 @@ def load_weights(model: torch.nn.Module, path: str) -> LoadedCheckpoint:
     return result
 
 
+def _quant_call(fn, *args) -> list[str]:
+    try:
+        return fn(*args)
+    except ValueError as e:  # layer-level load errors name the tensor; report them as checkpoint errors
+        raise CheckpointError(str(e)) from e
+
+
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if src.dtype == torch.int8 and dst.dtype != torch.int8:
+        raise CheckpointError(f"tensor {name} is INT8 (a quantized checkpoint); load it with --quantization a8w8")
     if tuple(dst.shape) != tuple(src.shape):
         raise CheckpointError(f"tensor {name} has shape {tuple(src.shape)}, the config implies {tuple(dst.shape)}")
     with torch.no_grad():
@@ -141,16 +158,11 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 def _load_expert(experts: FusedExperts, prefix: str, expert: int, proj: str, tensor: torch.Tensor,
-                 loaded: set[str]) -> None:
-    name = f"{prefix}.{expert}.{proj}.weight"
-    inter = experts.intermediate
+                 loaded: set[str], leaf: str = "weight") -> None:
+    name = f"{prefix}.{expert}.{proj}.{leaf}"
     for slot in experts.slots_of(expert):
-        if proj == "down_proj":
-            _copy(experts.w2[slot], tensor, name)
-        else:
-            half = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
-            _copy(experts.w13[slot, half], tensor, name)
-    loaded.add(name)
+        filled = _quant_call(experts.load_expert, slot, proj, leaf, tensor, name)
+        loaded.update(f"{prefix}.{expert}.{proj}.{f}" for f in filled)
 
 
 def _check_complete(model, params, expert_modules, loaded: set[str]) -> None:
@@ -164,11 +176,10 @@ def _check_complete(model, params, expert_modules, loaded: set[str]) -> None:
         if name not in loaded:
             missing.append(name)
     for prefix, experts in expert_modules.items():
+        leaves = experts.CHECKPOINT_LEAVES
         for expert in experts.held_experts():
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                name = f"{prefix}.{expert}.{proj}.weight"
-                if name not in loaded:
-                    missing.append(name)
+                missing.extend(n for leaf in leaves if (n := f"{prefix}.{expert}.{proj}.{leaf}") not in loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"the checkpoint is missing tensor(s): {shown}")

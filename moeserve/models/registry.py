@@ -6,9 +6,11 @@ import os
 
 import torch
 
+from moeserve.config import QuantConfig
 from moeserve.models.config import DeepseekArch
 from moeserve.models.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from moeserve.models.loader import LoadedCheckpoint, load_weights
+from moeserve.models.quantization import apply_quantization
 
 MODEL_CLASSES = {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM, "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM}
 
@@ -33,12 +35,13 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(prev)
 
 
-def build_model(path: str, arch: DeepseekArch, dtype: torch.dtype,
-                max_positions: int) -> tuple[torch.nn.Module, LoadedCheckpoint]:
-    """Construct without initialising (meta device), allocate, then fill from the checkpoint."""
+def build_model(path: str, arch: DeepseekArch, dtype: torch.dtype, max_positions: int,
+                quant: QuantConfig | None = None) -> tuple[torch.nn.Module, LoadedCheckpoint]:
+    """Construct without initialising (meta device), quantize the layout, allocate, fill from the checkpoint."""
     cls = MODEL_CLASSES[arch.architecture]
     with torch.device("meta"), _default_dtype(dtype):
         model = cls(arch, max_positions)
+        apply_quantization(model, quant or QuantConfig())
     model.to_empty(device="cpu")
     checkpoint = load_weights(model, path)
     model.process_weights_after_loading()

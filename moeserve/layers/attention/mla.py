@@ -45,7 +45,8 @@ class MLAttention(nn.Module):
         self.w_uv_t: torch.Tensor | None = None  # [H, C, dv]
 
     def process_weights_after_loading(self) -> None:
-        w = self.kv_b_proj.weight.detach().view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
+        # From the dequantized weight when kv_b_proj is INT8: prefill and decode then use the same matrix.
+        w = self.kv_b_proj.dequantized_weight().view(self.num_heads, self.dn + self.dv, self.kv_lora_rank)
         self.w_uk = w[:, : self.dn].contiguous()
         self.w_uv_t = w[:, self.dn:].transpose(1, 2).contiguous()
 

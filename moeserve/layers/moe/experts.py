@@ -7,6 +7,8 @@ from torch import nn
 
 
 class FusedExperts(nn.Module):
+    CHECKPOINT_LEAVES = ("weight",)  # per expert projection, what a checkpoint must provide
+
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int,
                  slot_experts: list[int] | None = None) -> None:
         super().__init__()
@@ -23,6 +25,23 @@ class FusedExperts(nn.Module):
 
     def held_experts(self) -> set[int]:
         return set(self.slot_experts)
+
+    def expert_weight(self, slot: int, proj: str) -> torch.Tensor:
+        """View of one expert's gate_proj / up_proj [I, H] or down_proj [H, I] rows in the stacked tensors."""
+        if proj == "down_proj":
+            return self.w2[slot]
+        return self.w13[slot, : self.intermediate] if proj == "gate_proj" else self.w13[slot, self.intermediate:]
+
+    def load_expert(self, slot: int, proj: str, leaf: str, tensor: torch.Tensor, name: str) -> list[str]:
+        """Copy checkpoint tensor `name` (leaf 'weight') into `slot`; returns the leaves filled."""
+        if leaf != "weight" or tensor.dtype == torch.int8:
+            raise ValueError(f"tensor {name} is quantized (INT8); load this checkpoint with --quantization a8w8")
+        dst = self.expert_weight(slot, proj)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(tensor)
+        return ["weight"]
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted expert outputs summed per token.

@@ -1,0 +1,93 @@
+"""Quantization at the model level: which config a checkpoint implies, and which layers take INT8.
+
+- resolve_quant_config: --quantization plus the checkpoint's quantization_config -> QuantConfig. DeepSeek FP8
+  ("quant_method": "fp8") is dequantized by the loader, so it is a float source; compressed-tensors W8A8 INT8
+  (as llm-compressor writes and vLLM reads) turns a8w8 on by itself, as in vLLM.
+- apply_quantization: on the meta-device model, before loading. Every Linear (attention projections,
+  kv_b_proj included, dense and shared MLPs) gets the INT8 method and every FusedExperts becomes
+  Int8FusedExperts, except modules the checkpoint lists in `ignore`. Embeddings, lm_head (nn.Linear),
+  router (Router) and norms are other classes and stay in the model dtype.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from torch import nn
+
+from moeserve.config import ConfigError, QuantConfig
+from moeserve.layers.linear import Linear
+from moeserve.layers.moe.experts import FusedExperts
+from moeserve.layers.quant import Int8FusedExperts, Int8LinearMethod
+
+# What moeserve's a8w8 is, in compressed-tensors terms (weights / input_activations of a config group).
+CT_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+CT_INPUTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+CT_FORMATS = ("int-quantized", "naive-quantized")
+
+
+def checkpoint_quantization(path: str) -> dict | None:
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        return None
+    with open(cfg) as f:
+        try:
+            return json.load(f).get("quantization_config")
+        except json.JSONDecodeError:
+            return None  # DeepseekArch.from_pretrained reports the broken file
+
+
+def resolve_quant_config(requested: str | None, path: str) -> QuantConfig:
+    qc = checkpoint_quantization(path)
+    kind = (qc or {}).get("quant_method")
+    if qc is None or kind == "fp8":
+        return QuantConfig(method=requested)
+    if kind != "compressed-tensors":
+        raise ConfigError(f"checkpoint quantization {kind!r} is not supported: moeserve reads DeepSeek FP8 "
+                          "block-scaled and compressed-tensors W8A8 INT8 checkpoints")
+    _check_compressed_tensors(qc)
+    return QuantConfig(method=requested or "a8w8", checkpoint_format="compressed-tensors",
+                       ignore=tuple(qc.get("ignore") or ()))
+
+
+def _check_compressed_tensors(qc: dict) -> None:
+    fmt = qc.get("format")
+    if fmt not in CT_FORMATS:
+        raise ConfigError(f"compressed-tensors format {fmt!r} is not supported (need one of {', '.join(CT_FORMATS)})")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ConfigError("compressed-tensors quantization_config has no config_groups")
+    for gname, group in groups.items():
+        for key, want in (("weights", CT_WEIGHTS), ("input_activations", CT_INPUTS)):
+            got = group.get(key) or {}
+            bad = {k: got.get(k) for k, v in want.items() if got.get(k) != v}
+            if bad:
+                raise ConfigError(f"compressed-tensors group {gname!r} {key} {bad} is not W8A8 INT8 "
+                                  f"(moeserve runs {want})")
+
+
+def is_ignored(name: str, ignore: tuple[str, ...]) -> bool:
+    """compressed-tensors `ignore`: exact module names or 're:<regex>' patterns (re.match)."""
+    return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in ignore)
+
+
+def _experts_ignored(prefix: str, experts: FusedExperts, ignore: tuple[str, ...]) -> bool:
+    flags = {is_ignored(f"{prefix}.{e}.{p}", ignore)
+             for e in experts.held_experts() for p in ("gate_proj", "up_proj", "down_proj")}
+    if len(flags) > 1:
+        raise ConfigError(f"{prefix}: the checkpoint ignores some experts' projections but not others; "
+                          "moeserve quantizes a layer's experts all or none")
+    return flags == {True}
+
+
+def apply_quantization(model: nn.Module, quant: QuantConfig) -> None:
+    """Give the quantizable layers their INT8 storage (call before loading weights)."""
+    if quant.method is None:
+        return
+    for name, module in list(model.named_modules()):
+        if isinstance(module, Linear) and not is_ignored(name, quant.ignore):
+            Int8LinearMethod.create_weights(module)
+        elif isinstance(module, FusedExperts) and not _experts_ignored(name, module, quant.ignore):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, Int8FusedExperts.like(module))

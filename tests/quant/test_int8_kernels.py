@@ -1,0 +1,110 @@
+"""INT8 kernels and layers against float references."""
+import pytest
+import torch
+
+from moeserve.layers.moe.experts import FusedExperts
+from moeserve.layers.quant import (QMAX, Int8FusedExperts, dequantize, int8_linear, int8_mm, quantize_per_channel,
+                                   quantize_per_token)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("shape", [(1, 48, 40), (7, 64, 96), (33, 1030, 24), (5, 2100, 8)])
+def test_int8_mm_exact_against_int64_reference(shape):
+    m, k, n = shape
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    ref = (a.long() @ w.long().t()).to(torch.int32)
+    assert torch.equal(int8_mm(a, w), ref)
+    assert torch.equal(int8_mm(a, w, force_fallback=True), ref)  # K > 1024 exercises the chunked sum
+    out = torch.full((m + 2, n), -1, dtype=torch.int32)
+    int8_mm(a, w, out=out[1:m + 1])
+    assert torch.equal(out[1:m + 1], ref) and (out[0] == -1).all() and (out[-1] == -1).all()
+
+
+def test_per_channel_round_trip_error_is_within_half_a_step():
+    w = torch.randn(64, 300) * torch.logspace(-3, 1, 64)[:, None]  # rows spanning four decades
+    w[3] = 0.0  # an all-zero row must not divide by zero
+    q, s = quantize_per_channel(w)
+    assert q.dtype == torch.int8 and s.shape == (64, 1) and s.dtype == torch.float32
+    assert q.abs().max() <= QMAX and q.abs().amax(dim=1)[torch.arange(64) != 3].min() == QMAX
+    err = (dequantize(q, s) - w).abs()
+    assert (err <= s / 2 + 1e-7).all()
+    assert torch.equal(dequantize(q, s)[3], torch.zeros(300))
+    # quantizing the dequantized weight again is the identity (what `moeserve quantize` relies on)
+    q2, s2 = quantize_per_channel(dequantize(q, s))
+    assert torch.equal(q2, q) and torch.allclose(s2, s)
+
+
+def test_per_token_scales_are_per_row():
+    x = torch.randn(5, 32)
+    x[2] *= 1000
+    q, s = quantize_per_token(x)
+    assert s.shape == (5, 1)
+    torch.testing.assert_close(s[:, 0], x.abs().amax(dim=1) / QMAX)
+    assert (q.abs().amax(dim=1) == QMAX).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_close_to_float_linear(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 256, generator=g).to(dtype)
+    w = torch.randn(128, 256, generator=g) * 0.05
+    b = torch.randn(128, generator=g)
+    q, s = quantize_per_channel(w)
+    y = int8_linear(x, q, s, b)
+    assert y.dtype == dtype and y.shape == (9, 128)
+    ref = x.float() @ w.t() + b
+    # Two 8-bit roundings (x and w) on 256-term dot products: ~1% relative error, bound at 2.5%.
+    assert _rel_err(y, ref) < 0.025
+    # Exactly the float GEMM of the dequantized operands (INT32 accumulation loses nothing).
+    xq, xs = quantize_per_token(x.float())
+    exact = dequantize(xq, xs) @ dequantize(q, s).t() + b
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-4)
+    assert int8_linear(x[:0], q, s).shape == (0, 128)
+
+
+def test_int8_linear_keeps_leading_dims():
+    q, s = quantize_per_channel(torch.randn(16, 32))
+    assert int8_linear(torch.randn(2, 3, 32), q, s).shape == (2, 3, 16)
+
+
+def _experts_pair(e=6, h=64, i=32, seed=0):
+    torch.manual_seed(seed)
+    ref = FusedExperts(e, h, i)
+    ref.w13.data.normal_(0, 0.1)
+    ref.w2.data.normal_(0, 0.1)
+    q = Int8FusedExperts.like(ref)
+    for slot in range(e):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            q.load_expert(slot, proj, "weight", ref.expert_weight(slot, proj), f"e{slot}.{proj}")
+    return ref, q
+
+
+def test_int8_experts_match_float_experts():
+    ref, q = _experts_pair()
+    n = 40
+    x = torch.randn(n, 64)
+    ids = torch.randint(-1, 6, (n,))  # -1: rows routed to another rank stay zero
+    ids[:3] = 4  # one expert with several rows, one (5 possibly) with none
+    weights = torch.rand(n)
+    with torch.no_grad():
+        y_ref, y = ref(x, ids, weights), q(x, ids, weights)
+    assert (y[ids == -1] == 0).all()
+    assert _rel_err(y, y_ref) < 0.03
+    # and equal to the float experts built from the dequantized INT8 weights, up to activation rounding
+    deq = FusedExperts(6, 64, 32)
+    deq.w13.data, deq.w2.data = q.dequantized()
+    with torch.no_grad():
+        assert _rel_err(y, deq(x, ids, weights)) < 0.02
+
+
+def test_int8_experts_empty_and_all_remote():
+    _, q = _experts_pair()
+    assert q(torch.randn(0, 64), torch.zeros(0, dtype=torch.long), torch.zeros(0)).shape == (0, 64)
+    x = torch.randn(4, 64)
+    assert (q(x, torch.full((4,), -1), torch.ones(4)) == 0).all()
