@@ -192,3 +192,26 @@ class EngineArgs:
                                     enable_expert_parallel=self.enable_expert_parallel),
             quant=resolve_quant_config(self.quantization, path),
         )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of `moeserve serve` that are not engine options (so they are not LLM keywords)."""
+
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_server_count: int = 1
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+    chat_template: str | None = None  # a Jinja template (text); None = the tokenizer's or the default one
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
+        _require(self.api_server_count >= 1, f"--api-server-count must be >= 1, got {self.api_server_count}")
+        _require(self.max_waiting_requests is None or self.max_waiting_requests >= 0,
+                 f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        _require(self.api_key is None or bool(self.api_key), "--api-key must not be empty")
+        _require(self.log_level.lower() in ("debug", "info", "warning", "error"),
+                 f"--log-level must be debug, info, warning or error, got {self.log_level!r}")

@@ -28,6 +28,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     error: str | None = None  # set when the request was rejected
+    error_kind: str | None = None  # "invalid" (the request can never run) or "overloaded" (retry later)
 
 
 class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -36,3 +37,34 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     outstanding_tokens: int = 0
+
+
+# ---- engine-core process <-> API server processes (ZMQ ROUTER/DEALER, see entrypoints/engine_core_proc.py) ----
+# Every ZMQ message is two frames: [kind, msgpack payload]. Kinds below; payload struct named beside.
+MSG_HELLO = b"H"  # client -> core: EngineCoreHello;  core -> client: EngineCoreReady
+MSG_ADD = b"A"  # client -> core: EngineCoreRequest
+MSG_ABORT = b"X"  # client -> core: EngineCoreAbort
+MSG_OUTPUTS = b"O"  # core -> client: EngineCoreOutputs
+
+
+class EngineCoreHello(msgspec.Struct, array_like=True, omit_defaults=True):
+    client_index: int = 0
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True, omit_defaults=True):
+    engine_index: int = 0
+    pid: int = 0
+    num_kv_blocks: int = 0
+
+
+class EngineCoreAbort(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_ids: list[str]
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One step's outputs for one client, with the engine's current load (also sent alone as a heartbeat)."""
+
+    outputs: list[EngineCoreOutput] = []
+    stats: EngineStats | None = None
+    engine_index: int = 0
+    timestamp: float = 0.0

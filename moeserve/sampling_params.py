@@ -42,6 +42,8 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1,
              f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.seed is None or -(2**63) <= self.seed < 2**63 - 1024,
+             f"seed must be a 64-bit signed integer, got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),

@@ -1,0 +1,185 @@
+"""One API-server process: FastAPI app with the OpenAI endpoints, talking to the engine core over ZMQ.
+
+Several of these run side by side (--api-server-count), each with its own listening socket on the same
+port (SO_REUSEPORT: the kernel spreads connections over them), its own tokenizer and detokenizer, and its
+own connection to the engine core.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moeserve.config import ServerConfig
+from moeserve.entrypoints.engine_client import EngineClient
+from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from moeserve.entrypoints.serving import ClientDisconnected
+from moeserve.entrypoints.serving_chat import ChatServing
+from moeserve.entrypoints.serving_completion import CompletionServing
+
+logger = logging.getLogger("moeserve.api")
+
+
+@dataclass
+class ApiServerSpec:
+    """Everything one API-server process needs (plain data: it crosses a process spawn)."""
+
+    index: int
+    server: ServerConfig
+    engine_address: str
+    model_path: str
+    tokenizer_path: str
+    eos_token_ids: list[int]
+    max_model_len: int
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket that shares its port with the other API servers (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
+def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_ready=None) -> FastAPI:
+    cfg = spec.server
+    name = cfg.served_model_name
+    completions = CompletionServing(client, tokenizer, name, spec.max_model_len)
+    chat = ChatServing(client, tokenizer, name, spec.max_model_len, chat_template=cfg.chat_template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await client.start()
+        if on_ready is not None:
+            on_ready()
+        yield
+        await client.close()
+
+    app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    _add_error_handlers(app, metrics)
+
+    def check_auth(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+            raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401,
+                           code="invalid_api_key")
+
+    def check_engine() -> None:
+        if not client.healthy:
+            raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
+
+    @app.get("/health")
+    async def health():
+        check_engine()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        from moeserve import __version__
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        from prometheus_client import CONTENT_TYPE_LATEST
+        from moeserve.entrypoints.metrics import render
+        return Response(render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "moeserve", "root": spec.model_path,
+                                            "max_model_len": spec.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    async def create_completion(raw: Request):
+        check_engine()
+        return await completions.create(_parse(CompletionRequest, await raw.body()), raw)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    async def create_chat_completion(raw: Request):
+        check_engine()
+        return await chat.create(_parse(ChatCompletionRequest, await raw.body()), raw)
+
+    return app
+
+
+def _parse(model, body: bytes):
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _add_error_handlers(app: FastAPI, metrics) -> None:
+    def answer(status: int, body: dict) -> JSONResponse:
+        if metrics is not None:
+            metrics.http_error(status)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return answer(e.status, e.body())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        return answer(e.status_code, APIError(str(e.detail), e.status_code).body())
+
+    @app.exception_handler(ClientDisconnected)
+    async def gone(request, e):
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    @app.exception_handler(Exception)
+    async def internal(request, e: Exception):
+        logger.exception("internal error serving %s", request.url.path)
+        return answer(500, APIError(f"internal server error: {type(e).__name__}: {e}", 500).body())
+
+
+async def _watch_parent(server) -> None:
+    """Exit when the launcher is gone, so no API server outlives its deployment."""
+    parent = os.getppid()
+    while not server.should_exit:
+        await asyncio.sleep(1.0)
+        if os.getppid() != parent:
+            logger.error("the launcher process died; API server exits")
+            server.should_exit = True
+
+
+def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
+    """Process entry point (spawned by the launcher)."""
+    import uvicorn
+
+    from moeserve.entrypoints.metrics import ServerMetrics
+    from moeserve.tokenizer import load_tokenizer
+
+    cfg = spec.server
+    logging.basicConfig(level=cfg.log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s [api server {spec.index}] %(message)s")
+    tokenizer = load_tokenizer(spec.tokenizer_path)
+    metrics = ServerMetrics(cfg.served_model_name, spec.index)
+    client = EngineClient(spec.engine_address, tokenizer, spec.eos_token_ids, spec.index, metrics)
+    sock = listen_socket(cfg.host, cfg.port)
+    app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+                            timeout_keep_alive=30, lifespan="on")
+    server = uvicorn.Server(config)
+
+    async def main():
+        watcher = asyncio.create_task(_watch_parent(server))
+        await server.serve(sockets=[sock])
+        watcher.cancel()
+
+    asyncio.run(main())

@@ -1,0 +1,166 @@
+"""The engine-core process: an EngineCore behind a ZMQ ROUTER socket, in a busy loop.
+
+Lifecycle: the launcher spawns run_engine_core(); it builds the EngineCore (loads the model), binds the
+ROUTER socket and then serves until SIGTERM/SIGINT or until its parent dies. API-server processes connect
+with DEALER sockets, say hello (MSG_HELLO) and get EngineCoreReady back; from then on they send requests
+and aborts and receive EngineCoreOutputs batches. Every payload is a msgspec struct (protocol.py), so
+nothing from a socket is ever unpickled.
+
+The wrapper is deliberately thin: it owns only routing (which client sent which request), the bounded
+waiting queue and the heartbeat. Anything with EngineCore's interface (add_request, abort_requests,
+has_unfinished, step, stats) can sit behind it, e.g. one data-parallel rank.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import msgspec
+import zmq
+
+from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, EngineCoreAbort, EngineCoreHello,
+                               EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest)
+
+logger = logging.getLogger("moeserve.engine_core")
+
+HEARTBEAT_S = 0.25  # stats to every client at least this often, busy or idle (liveness + fresh gauges)
+
+
+class EngineCoreProc:
+    def __init__(self, core, address: str, engine_index: int = 0, max_waiting_requests: int | None = None):
+        self.core = core
+        self.engine_index = engine_index
+        self.max_waiting = max_waiting_requests
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished client raises instead of blocking
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a busy client's outputs (clients are our own processes)
+        self.sock.bind(address)
+        self.clients: set[bytes] = set()
+        self.owner: dict[str, bytes] = {}  # request id -> client identity
+        self.encoder = msgspec.msgpack.Encoder()
+        self.dec_req = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.dec_abort = msgspec.msgpack.Decoder(EngineCoreAbort)
+        self.dec_hello = msgspec.msgpack.Decoder(EngineCoreHello)
+        self.parent = os.getppid()
+        self.running = True
+        self._last_beat = 0.0
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        while self.running:
+            idle = not self.core.has_unfinished()
+            if self.sock.poll(int(HEARTBEAT_S * 1000) if idle else 0):
+                self._drain()
+            if self.core.has_unfinished():
+                self._send_outputs(self.core.step())
+            now = time.monotonic()
+            if now - self._last_beat >= HEARTBEAT_S:
+                self._heartbeat(now)
+        self.sock.close(0)
+        self.ctx.term()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                ident, kind, payload = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(ident, kind, payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.error("dropping a malformed %r message from %r: %s", kind, ident, e)
+
+    def _handle(self, ident: bytes, kind: bytes, payload: bytes) -> None:
+        if kind == MSG_ADD:
+            self._add(ident, self.dec_req.decode(payload))
+        elif kind == MSG_ABORT:
+            ids = self.dec_abort.decode(payload).request_ids
+            self.core.abort_requests(ids)
+            for rid in ids:
+                self.owner.pop(rid, None)
+        elif kind == MSG_HELLO:
+            self.dec_hello.decode(payload)
+            self.clients.add(ident)
+            ready = EngineCoreReady(self.engine_index, os.getpid(), self.core.kv.pool.num_blocks)
+            self._send(ident, MSG_HELLO, ready)
+        else:
+            logger.error("unknown message kind %r from %r", kind, ident)
+
+    def _add(self, ident: bytes, req: EngineCoreRequest) -> None:
+        if self.max_waiting is not None and self.core.scheduler.num_waiting >= self.max_waiting:
+            err = EngineCoreOutput(req.request_id, [], finish_reason="abort", error_kind="overloaded",
+                                   error=f"the server is overloaded: {self.max_waiting} requests are already "
+                                         "waiting (--max-waiting-requests); retry later")
+            self._send(ident, MSG_OUTPUTS, EngineCoreOutputs([err], self.core.stats(), self.engine_index))
+            return
+        self.owner[req.request_id] = ident
+        self.core.add_request(req)
+
+    # ---- sending ---------------------------------------------------------------------------------
+    def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        if not outputs:
+            return
+        by_client: dict[bytes, list[EngineCoreOutput]] = {}
+        for out in outputs:
+            ident = self.owner.get(out.request_id)
+            if ident is None:
+                continue  # aborted by its client after the step was scheduled
+            if out.finish_reason is not None:
+                del self.owner[out.request_id]
+            if out.error and not out.error_kind:
+                out.error_kind = "invalid"
+            by_client.setdefault(ident, []).append(out)
+        stats = self.core.stats()
+        now = time.time()
+        for ident, outs in by_client.items():
+            self._send(ident, MSG_OUTPUTS, EngineCoreOutputs(outs, stats, self.engine_index, now))
+
+    def _heartbeat(self, now: float) -> None:
+        self._last_beat = now
+        if os.getppid() != self.parent:
+            logger.error("the launcher process died; the engine core exits")
+            self.running = False
+            return
+        beat = EngineCoreOutputs([], self.core.stats(), self.engine_index, time.time())
+        for ident in list(self.clients):
+            self._send(ident, MSG_OUTPUTS, beat)
+
+    def _send(self, ident: bytes, kind: bytes, msg) -> None:
+        try:
+            self.sock.send_multipart([ident, kind, self.encoder.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the client went away (EHOSTUNREACH) or is not reading (EAGAIN)
+            logger.warning("client %r unreachable (%s); dropping it and its requests", ident, e)
+            self._drop_client(ident)
+
+    def _drop_client(self, ident: bytes) -> None:
+        self.clients.discard(ident)
+        gone = [rid for rid, owner in self.owner.items() if owner == ident]
+        self.core.abort_requests(gone)
+        for rid in gone:
+            del self.owner[rid]
+
+
+def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_requests: int | None = None,
+                    log_level: str = "INFO", ready_event=None) -> None:
+    """Process entry point (spawned by the launcher)."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(message)s")
+    from moeserve.engine.engine_core import EngineCore
+
+    core = EngineCore(config)
+    proc = EngineCoreProc(core, address, engine_index, max_waiting_requests)
+
+    def stop(signum, frame):
+        proc.running = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    logger.info("engine core %d ready (pid %d, %d KV blocks) on %s", engine_index, os.getpid(),
+                core.kv.pool.num_blocks, address)
+    if ready_event is not None:
+        ready_event.set()
+    proc.run()
+    logger.info("engine core %d stopped", engine_index)

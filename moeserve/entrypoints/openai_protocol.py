@@ -1,0 +1,151 @@
+"""OpenAI API request models (pydantic, strict types) and the error body, as the OpenAI API defines them.
+
+Requests are validated strictly from the raw JSON: a string where a number belongs is a 400, not a silent
+coercion. Unknown fields are ignored (clients send extras). Range checks live in SamplingParams, which
+gives the same messages offline and online.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from moeserve.sampling_params import SamplingParams
+
+MAX_N = 128  # choices per request; each one is a separate engine request
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "BadRequestError"),
+                          "param": self.param, "code": self.code or self.status}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first problem pydantic found, as one readable line naming the field."""
+    err = e.errors()[0]
+    loc = [str(x) for x in err["loc"] if not str(x).startswith(("str", "list[", "int", "float", "function"))]
+    if err["type"] == "json_invalid":
+        return APIError(f"the request body is not valid JSON: {err['msg']}", code="invalid_json")
+    if not loc:
+        return APIError(f"the request body must be a JSON object: {err['msg']}")
+    field = ".".join(loc)
+    return APIError(f"invalid value for '{field}': {err['msg']}", param=field.split(".")[0])
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    user: str | None = None
+
+    def _unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise APIError(f"'{name}' is not supported by this server; omit it or pass 0", param=name)
+        if self.repetition_penalty not in (None, 1.0):
+            raise APIError("'repetition_penalty' is not supported by this server; omit it or pass 1",
+                           param="repetition_penalty")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._unsupported()
+        kwargs = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+        try:
+            return SamplingParams(
+                n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens, **{k: v for k, v in kwargs.items() if v is not None})
+        except ValueError as e:
+            raise APIError(str(e)) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check(self) -> None:
+        if self.suffix:
+            raise APIError("'suffix' is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("'best_of' other than n is not supported by this server", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise APIError("'echo' together with 'logprobs' needs prompt logprobs, which this server does not "
+                           "compute; drop one of them", param="echo")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise APIError("'prompt' must not be an empty list", param="prompt")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None

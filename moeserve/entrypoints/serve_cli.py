@@ -1,0 +1,54 @@
+"""`moeserve serve [MODEL]`: the OpenAI-compatible HTTP server (engine flags as for `generate`)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from moeserve.config import EngineArgs, ServerConfig
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (default: the bundled model)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--model", default=None, help="same as the positional MODEL")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="API-server processes sharing the port (SO_REUSEPORT)")
+    g.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="answer 503 when this many requests already wait in the engine (default: no bound)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the checkpoint folder's name)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file (default: the tokenizer's, else a plain role: content one)")
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from moeserve.entrypoints.launcher import serve
+    from moeserve.models.registry import resolve_model_path
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given ({args.model_tag!r} and --model {args.model!r}); pass one")
+    engine_args = EngineArgs.from_cli(args, args.model_tag or args.model)
+    engine_args.model = resolve_model_path(engine_args.model)
+    template = None
+    if args.chat_template:
+        if not os.path.isfile(args.chat_template):
+            raise FileNotFoundError(f"--chat-template {args.chat_template!r} is not a file")
+        with open(args.chat_template) as f:
+            template = f.read()
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_tag or args.model
+                                                                       or engine_args.model))
+    server = ServerConfig(served_model_name=name, host=args.host, port=args.port,
+                          api_server_count=args.api_server_count, api_key=args.api_key,
+                          max_waiting_requests=args.max_waiting_requests, chat_template=template,
+                          log_level=args.log_level)
+    return serve(engine_args, server)

@@ -1,0 +1,217 @@
+"""What completions and chat share: request fan-out into engine requests, collection, SSE streaming.
+
+One HTTP request becomes len(prompts) * n engine requests ("children"); choice index = prompt * n + i, as
+in the OpenAI API. Non-streaming requests gather every child; streaming requests merge the children's
+deltas into one event stream. Either way a client that goes away cancels the children, and cancelling a
+child aborts it in the engine core (engine_client.generate's finally), which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from moeserve.engine.output_processor import Delta
+from moeserve.entrypoints.engine_client import EngineClient, EngineDeadError, EngineRequestError
+from moeserve.entrypoints.openai_protocol import APIError
+from moeserve.sampling_params import SamplingParams
+
+DISCONNECT_POLL_S = 0.25
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its answer was ready."""
+
+
+@dataclass
+class Child:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def engine_error(e: Exception) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(f"the engine is not available ({e}); the server cannot serve requests", 503,
+                        code="engine_dead")
+    if isinstance(e, EngineRequestError):
+        return APIError(str(e), 503 if e.kind == "overloaded" else 400, code=e.kind)
+    raise e
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}\n\n"
+
+
+class Serving:
+    """Base of the completions and chat handlers."""
+
+    def __init__(self, client: EngineClient, tokenizer, model_name: str, max_model_len: int) -> None:
+        self.client, self.tokenizer = client, tokenizer
+        self.model_name, self.max_model_len = model_name, max_model_len
+
+    # ---- validation ------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"the model '{model}' does not exist; this server serves '{self.model_name}' "
+                           "(see /v1/models)", 400, param="model", code="model_not_found")
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, what: str = "prompt") -> int:
+        """The request's max_tokens (None -> fill the context); 400 if it cannot fit the context."""
+        if num_prompt == 0:
+            raise APIError(f"the {what} is empty", param="prompt")
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise APIError(f"this model's maximum context length is {limit} tokens, but the {what} has "
+                           f"{num_prompt} tokens; shorten it", param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - num_prompt
+        if max_tokens < 1:
+            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if num_prompt + max_tokens > limit:
+            raise APIError(f"this model's maximum context length is {limit} tokens, but {num_prompt + max_tokens} "
+                           f"were requested ({num_prompt} in the {what}, {max_tokens} in the completion); "
+                           "reduce the length of the prompt or max_tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    def check_token_ids(self, ids: list[int]) -> None:
+        vocab = len(self.tokenizer)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
+
+    def make_children(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> list[Child]:
+        base = f"{prefix}-{uuid.uuid4().hex}"
+        children = []
+        for p, ids in enumerate(prompts):
+            for i in range(params.n):
+                seed = None if params.seed is None else params.seed + i
+                child = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
+                children.append(Child(p * params.n + i, f"{base}-{p}-{i}", ids, child))
+        return children
+
+    # ---- running ---------------------------------------------------------------------------------
+    async def _run_child(self, child: Child, sink: asyncio.Queue | None) -> Child:
+        async for delta in self.client.generate(child.request_id, child.prompt_ids, child.params):
+            child.text += delta.text
+            child.token_ids.extend(delta.token_ids)
+            child.logprobs.extend(delta.logprobs)
+            if delta.finished:
+                child.finish_reason, child.stop_reason = delta.finish_reason, delta.stop_reason
+            if sink is not None:
+                sink.put_nowait((child, delta))
+        return child
+
+    async def collect(self, children: list[Child], raw: Request) -> list[Child]:
+        """Run every child to the end; cancel all of them if one fails or the client disconnects."""
+        tasks = [asyncio.create_task(self._run_child(c, None)) for c in children]
+        try:
+            while True:
+                done, pending = await asyncio.wait(tasks, timeout=DISCONNECT_POLL_S,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                for t in done:
+                    if t.exception() is not None:
+                        raise engine_error(t.exception())
+                if not pending:
+                    return children
+                if await raw.is_disconnected():
+                    raise ClientDisconnected()
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def stream(self, children: list[Child], raw: Request, chunks) -> StreamingResponse | JSONResponse:
+        """SSE of the merged children. chunks: async generator (events queue, tasks) -> SSE strings.
+
+        Headers wait for the first event, so a request the engine refuses still gets its 4xx/503 status.
+        """
+        events: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._forward(c, events)) for c in children]
+        try:
+            first = await self._first_event(events, raw)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        if isinstance(first[1], Exception):
+            for t in tasks:
+                t.cancel()
+            raise engine_error(first[1])
+
+        async def body():
+            try:
+                async for s in chunks(first, events, len(children)):
+                    yield s
+            finally:  # the client went away or we are done: stop every child
+                for t in tasks:
+                    t.cancel()
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def _forward(self, child: Child, events: asyncio.Queue) -> None:
+        try:
+            await self._run_child(child, events)
+        except (EngineDeadError, EngineRequestError) as e:
+            events.put_nowait((child, e))
+
+    @staticmethod
+    async def _first_event(events: asyncio.Queue, raw: Request):
+        while True:
+            try:
+                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await raw.is_disconnected():
+                    raise ClientDisconnected() from None
+
+    @staticmethod
+    async def merged(first, events: asyncio.Queue, num_children: int):
+        """Yield (child, delta_or_error) until every child finished (or one failed)."""
+        remaining = num_children
+        item = first
+        while True:
+            child, delta = item
+            yield child, delta
+            if isinstance(delta, Exception):
+                return
+            if delta.finished:
+                remaining -= 1
+                if remaining == 0:
+                    return
+            item = await events.get()
+
+    # ---- formatting ------------------------------------------------------------------------------
+    @functools.lru_cache(maxsize=65536)
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def usage(num_prompt_tokens: int, children: list[Child]) -> dict:
+        completion = sum(len(c.token_ids) for c in children)
+        return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": num_prompt_tokens + completion}
+
+    @staticmethod
+    def error_event(e: Exception) -> str:
+        err = engine_error(e)
+        return sse(err.body())
+
+    @staticmethod
+    def created() -> int:
+        return int(time.time())
+
+
+def delta_is_empty(d: Delta) -> bool:
+    return not d.text and not d.token_ids and not d.finished

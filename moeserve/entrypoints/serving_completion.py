@@ -1,0 +1,91 @@
+"""/v1/completions: prompt as a string, a list of strings, token ids or a list of token-id lists."""
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from moeserve.entrypoints.openai_protocol import APIError, CompletionRequest
+from moeserve.entrypoints.serving import Child, Serving, sse
+
+
+class CompletionServing(Serving):
+    async def create(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        req.check()
+        prompts = self._prompts(req.prompt)
+        max_tokens = min(self.check_length(len(ids), req.max_tokens) for _, ids in prompts)
+        params = req.sampling_params(max_tokens if req.max_tokens is not None else None, req.logprobs)
+        children = self.make_children([ids for _, ids in prompts], params, "cmpl")
+        texts = [t for t, _ in prompts]
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
+        if req.stream:
+            def chunks(first, events, n):
+                return self._chunks(req, rid, created, texts, first, events, n, num_prompt, children)
+            return await self.stream(children, raw, chunks)
+        await self.collect(children, raw)
+        choices = [self._choice(req, c, texts[c.index // req.n]) for c in children]
+        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                             "choices": choices, "usage": self.usage(num_prompt, children)})
+
+    def _prompts(self, prompt) -> list[tuple[str, list[int]]]:
+        """[(prompt text, token ids)] for each prompt of the request."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append((p, self.tokenizer.encode(p)))
+            else:
+                if not p:
+                    raise APIError("a token-id prompt must not be empty", param="prompt")
+                self.check_token_ids(p)
+                out.append((self.tokenizer.decode(p), list(p)))
+        return out
+
+    def _choice(self, req: CompletionRequest, c: Child, prompt_text: str) -> dict:
+        prefix = prompt_text if req.echo else ""
+        return {"index": c.index, "text": prefix + c.text,
+                "logprobs": self._logprobs(c.logprobs, 0) if req.logprobs is not None else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+    def _logprobs(self, lps, offset: int) -> dict:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for lp in lps:
+            tok = self.token_str(lp.token_id)
+            tokens.append(tok)
+            token_lps.append(lp.logprob)
+            top = {self.token_str(t): v for t, v in lp.top}
+            top.setdefault(tok, lp.logprob)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _chunks(self, req, rid, created, texts, first, events, n, num_prompt, children):
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        usage_null = {"usage": None} if req.include_usage else {}
+        offsets: dict[int, int] = {}
+        echoed: set[int] = set()
+        async for child, delta in self.merged(first, events, n):
+            if isinstance(delta, Exception):
+                yield self.error_event(delta)
+                break
+            text = delta.text
+            if req.echo and child.index not in echoed:
+                echoed.add(child.index)
+                text = texts[child.index // req.n] + text
+            lp = None
+            if req.logprobs is not None:
+                lp = self._logprobs(delta.logprobs, offsets.get(child.index, 0))
+                offsets[child.index] = offsets.get(child.index, 0) + sum(len(t) for t in lp["tokens"])
+            choice = {"index": child.index, "text": text, "logprobs": lp,
+                      "finish_reason": delta.finish_reason if delta.finished else None,
+                      "stop_reason": delta.stop_reason if delta.finished else None}
+            yield sse({**head, "choices": [choice], **usage_null})
+        else:
+            if req.include_usage:
+                yield sse({**head, "choices": [], "usage": self.usage(num_prompt, children)})
+        yield "data: [DONE]\n\n"
