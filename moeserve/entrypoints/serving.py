@@ -52,7 +52,7 @@ def engine_error(e: Exception) -> APIError:
 
 
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}\n\n"
+    return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 
 
 class Serving:
