@@ -12,7 +12,7 @@ SUBCOMMANDS = [
     "moeserve.entrypoints.quantize_cli",
     "moeserve.entrypoints.eval_quant_cli",
     "moeserve.entrypoints.serve_cli",
-    # "moeserve.bench.cli",
+    "moeserve.bench.cli",
 ]
 
 

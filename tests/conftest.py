@@ -20,3 +20,14 @@ def ckpt_dir(tmp_path_factory):
         return write_checkpoint(str(root / name), variant, **overrides)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def openai_server(ckpt_dir):
+    """One `moeserve serve` (2 API servers) on the tiny V3 checkpoint, shared by server and bench tests."""
+    from tests.entrypoints.server import ServerProcess
+
+    server = ServerProcess(ckpt_dir("v3"), "--api-server-count", "2", "--max-model-len", "256",
+                           "--dtype", "float32")
+    yield server
+    server.stop()

@@ -1,0 +1,1 @@
+"""`moeserve bench ...`: benchmarks that run against a live server (bench serve)."""

@@ -1,0 +1,146 @@
+"""`moeserve bench serve`: load a live OpenAI-compatible server and report vLLM-style serving figures.
+
+Requests arrive as a Poisson process at --request-rate (inf: all at once), at most --max-concurrency in
+flight; each one streams, so TTFT and inter-token latency are measured per chunk (see request.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from datetime import datetime, timezone
+
+import httpx
+from tqdm import tqdm
+
+from moeserve.bench import datasets
+from moeserve.bench.metrics import LATENCIES, compute, latency_series
+from moeserve.bench.request import RequestResult, send
+
+
+async def _arrivals(n: int, rate: float, rng: random.Random):
+    """Yield request indices at Poisson arrival times (exponential gaps of mean 1/rate)."""
+    for i in range(n):
+        yield i
+        if rate != float("inf") and i < n - 1:
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def run_requests(url: str, model: str, samples, rate: float, max_concurrency: int | None, seed: int,
+                       extra: dict, headers: dict, progress: bool = True) -> tuple[list[RequestResult], float]:
+    limits = httpx.Limits(max_connections=max_concurrency or len(samples), max_keepalive_connections=None)
+    sem = asyncio.Semaphore(max_concurrency or len(samples))
+    bar = tqdm(total=len(samples), desc="bench serve", disable=not progress)
+    rng = random.Random(seed)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits) as client:
+        async def one(s) -> RequestResult:
+            async with sem:
+                r = await send(client, url, model, s.prompt, s.prompt_len, s.expected_output_len, extra, headers)
+            bar.update(1)
+            return r
+
+        start = time.perf_counter()
+        tasks = []
+        async for i in _arrivals(len(samples), rate, rng):
+            tasks.append(asyncio.create_task(one(samples[i])))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return list(results), duration
+
+
+def _tokenizer(args):
+    """--tokenizer, else --model if it is a local folder, else the server's model root (/v1/models)."""
+    from moeserve.tokenizer import load_tokenizer
+
+    for cand in (args.tokenizer, args.model):
+        if cand and os.path.isdir(cand):
+            return load_tokenizer(cand)
+    try:
+        models = httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=_headers(args), timeout=10).json()
+        root = next((m.get("root") for m in models["data"] if m["id"] == args.model), None)
+    except (httpx.HTTPError, KeyError, ValueError):
+        root = None
+    if root and os.path.isdir(root):
+        return load_tokenizer(root)
+    raise ValueError("no tokenizer: pass --tokenizer PATH (a local folder with the model's tokenizer files)")
+
+
+def _headers(args) -> dict:
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _samples(args, tokenizer):
+    if args.dataset == "random":
+        return datasets.random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
+                                        args.range_ratio, args.seed)
+    if not args.dataset_path:
+        raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
+    return datasets.sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts,
+                                      args.output_len if args.output_len_given else None, args.seed)
+
+
+def run(args) -> int:
+    if args.request_rate <= 0:
+        raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+    if args.num_devices < 1:
+        raise ValueError(f"--num-devices must be >= 1, got {args.num_devices}")
+    tokenizer = _tokenizer(args)
+    samples = _samples(args, tokenizer)
+    url = args.base_url.rstrip("/") + args.endpoint
+    extra = {"ignore_eos": True} if args.ignore_eos else {}
+    results, duration = asyncio.run(run_requests(url, args.model, samples, args.request_rate,
+                                                 args.max_concurrency, args.seed, extra, _headers(args),
+                                                 progress=not args.no_progress))
+    for r in results:
+        if r.success and not r.output_tokens:  # the server sent no usage: count with the tokenizer
+            r.output_tokens = len(tokenizer.encode(r.text, add_special_tokens=False))
+    slos = {k: v for k, v in (("ttft", args.ttft_slo_ms), ("tpot", args.tpot_slo_ms),
+                              ("e2el", args.e2el_slo_ms)) if v is not None}
+    percentiles = [float(p) for p in args.metric_percentiles.split(",")]
+    m = compute(results, duration, args.num_devices, slos, percentiles)
+    print_report(m, percentiles)
+    if args.result_json:
+        write_json(args, m, results)
+    if args.plot:
+        from moeserve.bench.plot import plot_latencies
+        plot_latencies(latency_series([r for r in results if r.success]), args.plot, percentiles)
+    return 0 if m["completed"] else 1
+
+
+def print_report(m: dict, percentiles: list[float]) -> None:
+    line = "=" * 50
+    print(f"{line}\n{'Serving Benchmark Result':^50}\n{line}")
+    rows = [("Successful requests", m["completed"]), ("Failed requests", m["failed"]),
+            ("Benchmark duration (s)", m["duration_s"]), ("Total input tokens", m["total_input_tokens"]),
+            ("Total generated tokens", m["total_output_tokens"]),
+            ("Request throughput (req/s)", m["request_throughput"]),
+            ("Output token throughput (tok/s)", m["output_throughput"]),
+            ("Total token throughput (tok/s)", m["total_token_throughput"]),
+            (f"Output tok/s per device ({m['num_devices']})", m["output_throughput_per_device"])]
+    if m["request_goodput"] is not None:
+        rows.append(("Request goodput (req/s)", m["request_goodput"]))
+    for name in LATENCIES:
+        rows += [(f"Mean {name.upper()} (ms)", m[f"mean_{name}_ms"]),
+                 (f"Median {name.upper()} (ms)", m[f"median_{name}_ms"])]
+        rows += [(f"P{p:g} {name.upper()} (ms)", m[f"p{p:g}_{name}_ms"]) for p in percentiles]
+    for k, v in rows:
+        print(f"{k:<36}{v:>14.2f}" if isinstance(v, float) else f"{k:<36}{v:>14}")
+    print(line)
+
+
+def write_json(args, m: dict, results: list[RequestResult]) -> None:
+    ok = [r for r in results if r.success]
+    doc = {"date": datetime.now(timezone.utc).isoformat(), "base_url": args.base_url, "endpoint": args.endpoint,
+           "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
+           "request_rate": "inf" if args.request_rate == float("inf") else args.request_rate,
+           "max_concurrency": args.max_concurrency, "seed": args.seed, **m,
+           "input_lens": [r.prompt_len for r in ok], "output_lens": [r.output_tokens for r in ok],
+           "ttfts": [r.ttft for r in ok], "itls": [r.itl for r in ok], "latencies": [r.latency for r in ok],
+           "errors": [r.error for r in results if not r.success]}
+    with open(args.result_json, "w") as f:
+        json.dump(doc, f, indent=1)

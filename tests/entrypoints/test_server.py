@@ -1,0 +1,205 @@
+"""The OpenAI server as users use it: a real `moeserve serve` (2 API servers) and the official openai client."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from moeserve import LLM, SamplingParams
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):"]
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt_dir):
+    return LLM(ckpt_dir("v3"), max_model_len=256, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def client(openai_server):
+    return openai.OpenAI(base_url=openai_server.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def offline(llm, prompts, **kw):
+    outs = llm.generate(prompts, SamplingParams(temperature=0, **kw))
+    return [o.outputs[0] for o in outs]
+
+
+def test_models_health_version(openai_server, client, ckpt_dir):
+    models = client.models.list().data
+    assert [m.id for m in models] == [ckpt_dir("v3").rstrip("/").split("/")[-1]]
+    assert httpx.get(openai_server.url + "/health").status_code == 200
+    assert "version" in httpx.get(openai_server.url + "/version").json()
+
+
+def test_completion_greedy_equals_offline(client, model, llm):
+    want = offline(llm, PROMPTS, max_tokens=12)
+    got = client.completions.create(model=model, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [w.text for w in want]
+    tok = llm.get_tokenizer()
+    assert got.usage.prompt_tokens == sum(len(tok.encode(p)) for p in PROMPTS)
+    assert got.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    # Token-id prompt and streaming give the same text.
+    ids = tok.encode(PROMPTS[0])
+    one = client.completions.create(model=model, prompt=ids, max_tokens=12, temperature=0)
+    assert one.choices[0].text == want[0].text
+    chunks = list(client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want[0].text
+    assert chunks[-1].usage.completion_tokens == len(want[0].token_ids)
+    assert chunks[-1].usage.prompt_tokens == len(ids)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want[0].finish_reason
+
+
+def test_completion_logprobs_echo_n_seed_stop(client, model, llm):
+    r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert all(len(t) >= 3 and max(t.values()) <= 0 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == r.choices[0].text
+    echo = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=6, temperature=0, echo=True)
+    assert echo.choices[0].text == PROMPTS[1] + r.choices[0].text
+    kw = dict(model=model, prompt=PROMPTS[2], max_tokens=8, temperature=1.0, top_p=0.9, n=2, seed=7,
+              extra_body={"top_k": 50, "min_p": 0.01})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
+    full = offline(llm, [PROMPTS[0]], max_tokens=16)[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    s = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop])
+    assert s.choices[0].finish_reason == "stop" and s.choices[0].text == full[:full.find(stop)]
+
+
+def test_chat_stream_and_not(client, model, llm):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    text = r.choices[0].message.content
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 10
+    assert len(r.choices[0].logprobs.content) == 10
+    assert all(len(e.top_logprobs) == 2 for e in r.choices[0].logprobs.content)
+    # Same as the offline engine on the prompt the default template renders.
+    tok = llm.get_tokenizer()
+    rendered = "<|begin|>system: be brief\nuser: hello\nassistant:"
+    ids = tok.encode(rendered, add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(ids)
+    want = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=10))
+    assert text == want[0].outputs[0].text
+    chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == len(ids) + 10
+
+
+def test_sse_ends_with_done(openai_server, model):
+    body = {"model": model, "prompt": "x", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", openai_server.base_url + "/completions", json=body, timeout=60) as r:
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_64_concurrent_streaming_clients(openai_server, model, llm):
+    prompts = [f"{PROMPTS[i % 4]} # {i}" for i in range(64)]
+    want = [w.text for w in offline(llm, prompts, max_tokens=8)]
+    aclient = openai.AsyncOpenAI(base_url=openai_server.base_url, api_key="none", max_retries=0, timeout=300)
+
+    async def one(p):
+        stream = await aclient.completions.create(model=model, prompt=p, max_tokens=8, temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def run_all():
+        try:
+            return await asyncio.gather(*[one(p) for p in prompts])
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run_all()) == want
+
+
+def test_disconnect_aborts_and_frees_blocks(openai_server, model):
+    body = {"model": model, "prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    aborted = openai_server.metric("moeserve:request_success_total", outcome="abort")
+    with httpx.stream("POST", openai_server.base_url + "/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert openai_server.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v > 0) > 0
+    # Closing the response hangs up; the request must leave the engine and give back its blocks.
+    assert openai_server.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0) == 0
+    assert openai_server.wait_metric("moeserve:num_requests_running", lambda v: v == 0) == 0
+    assert openai_server.metric("moeserve:request_success_total", outcome="abort") == aborted + 1
+
+
+def test_metrics_count_tokens_exactly(openai_server, client, model):
+    before = {m: openai_server.metric(m) for m in ("moeserve:generation_tokens_total",
+                                                   "moeserve:prompt_tokens_total",
+                                                   "moeserve:e2e_request_latency_seconds_count")}
+    r = client.completions.create(model=model, prompt=PROMPTS, max_tokens=5, temperature=0)
+    after = {m: openai_server.metric(m) for m in before}
+    assert after["moeserve:generation_tokens_total"] - before["moeserve:generation_tokens_total"] == \
+        r.usage.completion_tokens
+    assert after["moeserve:prompt_tokens_total"] - before["moeserve:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["moeserve:e2e_request_latency_seconds_count"] - \
+        before["moeserve:e2e_request_latency_seconds_count"] == len(PROMPTS)
+    for name in ("moeserve:time_to_first_token_seconds_count", "moeserve:inter_token_latency_seconds_count",
+                 "moeserve:request_time_per_output_token_seconds_count", "moeserve:num_requests_waiting",
+                 "moeserve:num_preemptions_total"):
+        openai_server.metric(name)  # present
+
+
+BAD = [
+    ("completions", b"{not json", 400),
+    ("completions", b"[1, 2]", 400),
+    ("completions", {"max_tokens": 4}, 400),  # no prompt
+    ("completions", {"prompt": "x", "max_tokens": "ten"}, 400),
+    ("completions", {"prompt": "x", "temperature": "hot"}, 400),
+    ("completions", {"prompt": 5}, 400),
+    ("completions", {"prompt": [1, "a"]}, 400),
+    ("completions", {"prompt": "x", "temperature": -1}, 400),
+    ("completions", {"prompt": "x", "top_p": 1.5}, 400),
+    ("completions", {"prompt": "x", "top_k": -5}, 400),
+    ("completions", {"prompt": "x", "min_p": 2}, 400),
+    ("completions", {"prompt": "x", "n": 0}, 400),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400),
+    ("completions", {"prompt": "x", "logprobs": 99}, 400),
+    ("completions", {"prompt": "x", "seed": 2 ** 70}, 400),
+    ("completions", {"prompt": "x", "stop": [""]}, 400),
+    ("completions", {"prompt": [10 ** 6]}, 400),  # token id outside the vocabulary
+    ("completions", {"prompt": []}, 400),
+    ("completions", {"prompt": ""}, 400),
+    ("completions", {"prompt": "x", "model": "no-such-model"}, 400),
+    ("completions", {"prompt": "x " * 300}, 400),  # over the 256-token context
+    ("completions", {"prompt": "x", "max_tokens": 10 ** 6}, 400),
+    ("completions", {"prompt": "x", "stream": "yes"}, 400),
+    ("chat/completions", {"messages": []}, 400),
+    ("chat/completions", {"messages": "hi"}, 400),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                          "top_logprobs": 50}, 400),
+    ("nope", {"prompt": "x"}, 404),
+]
+
+
+@pytest.mark.parametrize("path,body,status", BAD, ids=[f"{i}-{b[0]}" for i, b in enumerate(BAD)])
+def test_bad_input_is_4xx_and_server_keeps_serving(openai_server, client, model, path, body, status):
+    url = f"{openai_server.base_url}/{path}"
+    if isinstance(body, bytes):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(url, json=body if "model" in body else {"model": model, **body}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    ok = client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
