@@ -77,12 +77,12 @@ def register(subparsers) -> None:
         ("search", "enumerate layouts and prefill:decode splits, rank by goodput per card", c.cmd_search),
         ("simulate", "request stream through the real engine Scheduler with cost-model step times",
          c.cmd_simulate),
-        ("validate", "predicted vs published results (+-15%)", c.cmd_validate),
+        ("validate", "predicted vs published results (+-15%%)", c.cmd_validate),
         ("hardware", "list the hardware database", c.cmd_hardware),
         ("profile-cpu", "measure this CPU and predict moeserve's own CPU decode step times", c.cmd_profile_cpu),
     ]
     for name, help_, func in specs:
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_.replace("%%", "%"))
         getattr(c, "args_" + name.replace("-", "_"), _add_common)(p)
         p.set_defaults(func=lambda a, f=func: f(a))
 

@@ -56,3 +56,10 @@ def test_eplb_stats_set_imbalance(tmp_path, capsys):
     assert main(["plan", "estimate", *SMALL, "--eplb-stats", str(f), "--json"]) == 0
     imb = json.loads(capsys.readouterr().out)["layout"]["imbalance"]
     assert imb == pytest.approx((90 + 7 * 10) / (2640 / 32))  # rank 0 holds experts 0-7; mean 2640/32
+
+
+@pytest.mark.parametrize("cmd", [None, *sorted(CASES), "profile-cpu"])
+def test_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", *([cmd] if cmd else []), "--help"])
+    assert e.value.code == 0 and "usage" in capsys.readouterr().out
