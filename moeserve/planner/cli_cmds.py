@@ -16,6 +16,22 @@ def args_estimate(p):
     _add_common(p)
     p.add_argument("--batch", type=int, default=None, help="sequences per DP group (default: max that fits)")
     p.add_argument("--prefill-requests", type=int, default=None, help="default: one per DP group")
+    g = p.add_argument_group("prefill instance (PD disaggregation; default: the decode layout)")
+    g.add_argument("--prefill-cards", type=int, default=None)
+    g.add_argument("--prefill-tp", type=int, default=None)
+    g.add_argument("--prefill-moe-comm", choices=("alltoall", "allgather"), default=None)
+    g.add_argument("--prefill-micro-batch-overlap", action="store_true")
+
+
+def _prefill_instance(a, inst, m):
+    """The prefill layout: --prefill-* flags, else the decode layout without MTP drafts."""
+    from moeserve.planner.deploy import Instance
+    kw = {**asdict(inst), "tp": a.prefill_tp or inst.tp, "mtp_drafts": 0,
+          "moe_comm": a.prefill_moe_comm or inst.moe_comm, "micro_batch_overlap": a.prefill_micro_batch_overlap}
+    if a.prefill_cards:  # a separate instance: no dedicated shared ranks, fewest redundant slots
+        red = -m.n_routed_experts % a.prefill_cards if m.n_routed_experts else 0
+        kw.update(cards=a.prefill_cards, shared_expert_ranks=0, redundant_experts=red)
+    return Instance(**kw)
 
 
 def cmd_estimate(a):
@@ -24,10 +40,14 @@ def cmd_estimate(a):
     mem = require_fits(m, hw, inst, wl)
     batch = min(a.batch or mem.max_batch, mem.max_batch)
     pt = decode_point(m, hw, inst, wl, batch)
-    pre_inst = inst.__class__(**{**asdict(inst), "mtp_drafts": 0, "micro_batch_overlap": False})
-    pre = prefill_point(m, hw, pre_inst, a.prefill_requests or inst.dp, wl.input_len)
+    pre_inst = _prefill_instance(a, inst, m)
+    pre = prefill_point(m, hw, pre_inst, a.prefill_requests or pre_inst.dp, wl.input_len)
+    # PD balance: requests/s one decode instance finishes vs one prefill instance starts.
+    dec_req = pt.tok_s_card * inst.cards / wl.output_len
+    pre_req = pre.tok_s_card * pre_inst.cards / wl.input_len
     obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst), "decode": pt.to_dict(),
-           "memory": mem.to_dict(), "prefill": pre.to_dict()}
+           "memory": mem.to_dict(), "prefill_layout": asdict(pre_inst), "prefill": pre.to_dict(),
+           "prefill_instances_per_decode_instance": round(dec_req / pre_req, 3)}
     text = (f"{m.name} on {hw.name}, {inst.cards} cards (DP{inst.dp} x TP{inst.tp}, EP{inst.ep}), "
             f"context {wl.mean_decode_context:.0f}\n"
             f"decode batch {batch}/DP: step {pt.step_ms:.2f} ms, TPOT {pt.tpot_ms:.2f} ms, "
@@ -35,7 +55,9 @@ def cmd_estimate(a):
             f"{_fmt_breakdown(pt.breakdown_ms)}\n"
             f"memory/card: weights {mem.weights / 2**30:.1f} GiB, KV room {mem.kv_free / 2**30:.1f} GiB, "
             f"max batch {mem.max_batch}/DP\n"
-            f"prefill {pre.requests} x {pre.length}: TTFT {pre.ttft_ms:.1f} ms, {pre.tok_s_card:.0f} tok/s/card")
+            f"prefill ({pre_inst.cards} cards, TP{pre_inst.tp}) {pre.requests} x {pre.length}: TTFT "
+            f"{pre.ttft_ms:.1f} ms, {pre.tok_s_card:.0f} tok/s/card; "
+            f"{dec_req / pre_req:.2f} prefill instances per decode instance")
     return _emit(a, obj, text)
 
 

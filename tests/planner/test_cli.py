@@ -63,3 +63,13 @@ def test_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", *([cmd] if cmd else []), "--help"])
     assert e.value.code == 0 and "usage" in capsys.readouterr().out
+
+
+def test_estimate_with_separate_prefill_instance(capsys):
+    args = ["plan", "estimate", *SMALL, "--prefill-cards", "16", "--prefill-tp", "2", "--json"]
+    assert main(args) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["prefill_layout"]["cards"] == 16 and obj["prefill_layout"]["mtp_drafts"] == 0
+    d, p = obj["decode"], obj["prefill"]
+    ratio = (d["tok_s_card"] * 32 / 2048) / (p["tok_s_card"] * 16 / 2048)
+    assert obj["prefill_instances_per_decode_instance"] == pytest.approx(ratio, rel=1e-2)
