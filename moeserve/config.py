@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 import typing
 
@@ -80,6 +81,53 @@ class ModelConfig:
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
+SPEC_METHODS = {"mtp": "mtp", "deepseek_mtp": "mtp"}  # vLLM's names -> ours
+MAX_SPEC_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'` (vLLM's shape)."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.method in SPEC_METHODS,
+                 f"--speculative-config method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        _require(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_SPEC_TOKENS,
+                 f"--speculative-config num_speculative_tokens must be an integer in 1..{MAX_SPEC_TOKENS}, "
+                 f"got {k!r}")
+        object.__setattr__(self, "method", SPEC_METHODS[self.method])
+
+    @classmethod
+    def from_value(cls, value: "dict | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A dict (LLM keyword), a JSON string (the flag) or None (no speculative decoding)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            value = _parse_json_dict(value, "--speculative-config")
+        _require(isinstance(value, dict),
+                 f"--speculative-config must be a JSON object / dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, f"--speculative-config has unknown key(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        _require("method" in value, '--speculative-config needs a "method" (e.g. {"method": "mtp"})')
+        return cls(**value)
+
+
+def _parse_json_dict(text: str, flag: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} must be a JSON object such as "
+                          f"'{{\"method\": \"mtp\", \"num_speculative_tokens\": 1}}': {e}") from None
+    _require(isinstance(value, dict), f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """Weight/activation quantization, resolved from --quantization and the checkpoint's quantization_config.
@@ -110,6 +158,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     quant: QuantConfig = QuantConfig()
+    speculative: SpeculativeConfig | None = None
 
 
 def _parse_size(text: str) -> int:
@@ -143,6 +192,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     quantization: str | None = None  # "a8w8"; None = the checkpoint's own (compressed-tensors INT8) or none
+    speculative_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -160,6 +210,8 @@ class EngineArgs:
             kind = hints[f.name]
             if kind is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            elif dict in typing.get_args(kind):
+                group.add_argument(flag, type=str, default=f.default, help="a JSON object")
             else:
                 base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
                 group.add_argument(flag, type=_parse_size if f.name.endswith("_memory") else base,
@@ -191,6 +243,7 @@ class EngineArgs:
                                     tensor_parallel_size=self.tensor_parallel_size,
                                     enable_expert_parallel=self.enable_expert_parallel),
             quant=resolve_quant_config(self.quantization, path),
+            speculative=SpeculativeConfig.from_value(self.speculative_config),
         )
 
 

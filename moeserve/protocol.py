@@ -37,6 +37,21 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     outstanding_tokens: int = 0
+    # Speculative decoding (MTP), cumulative counters; see spec/metrics.py for the derived rates.
+    spec_num_drafts: int = 0  # request-steps that verified drafts
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []  # [k]
+    spec_drafts_per_position: list[int] = []  # [k]
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens per verification step: 1 + accepted drafts."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 # ---- engine-core process <-> API server processes (ZMQ ROUTER/DEALER, see entrypoints/engine_core_proc.py) ----

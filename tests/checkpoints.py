@@ -66,3 +66,76 @@ def write_checkpoint(path: str, variant: str = "v3", seed: int = 0, **overrides)
         model.save_pretrained(path)
         tokenizer().save_pretrained(path)
     return path
+
+
+MTP_BLOCK_SCALE = 0.3
+
+
+def mtp_hf_block(variant: str = "v3", seed: int = 0, **overrides):
+    """(HF model, L): layer L of an (L+1)-layer random model (seed + 1) is the test MTP layer's block.
+
+    Its attention and MoE outputs are scaled down so that, with an eh_proj that passes the main hidden state
+    through, the drafts agree with the main model sometimes but not always (tests see both outcomes).
+    """
+    spec = {**BASE, **VARIANTS[variant], **overrides}
+    layers = spec["num_hidden_layers"]
+    model = hf_model(variant, seed + 1, **{**overrides, "num_hidden_layers": layers + 1})
+    block = model.model.layers[layers]
+    with torch.no_grad():
+        block.self_attn.o_proj.weight.mul_(MTP_BLOCK_SCALE)
+        block.mlp.experts.down_proj.mul_(MTP_BLOCK_SCALE)
+        block.mlp.shared_experts.down_proj.weight.mul_(MTP_BLOCK_SCALE)
+    return model, layers
+
+
+def mtp_tensors(variant: str = "v3", seed: int = 0, **overrides) -> dict:
+    """model.layers.{L}.* tensors of the test MTP layer, named as DeepSeek-V3 ships them."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    model, layers = mtp_hf_block(variant, seed, **overrides)
+    h = model.config.hidden_size
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        on_disk = load_file(os.path.join(tmp, "model.safetensors"))
+    prefix = f"model.layers.{layers}."
+    out = {k: v for k, v in on_disk.items() if k.startswith(prefix)}
+    g = torch.Generator().manual_seed(seed + 2)
+    out[prefix + "enorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    out[prefix + "hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    # [H, 2H] acting on [enorm(embedding) ; hnorm(main hidden)]
+    out[prefix + "eh_proj.weight"] = torch.cat([0.05 * torch.randn(h, h, generator=g), torch.eye(h)], dim=1)
+    out[prefix + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
+    return out
+
+
+def write_mtp_checkpoint(path: str, variant: str = "v3", seed: int = 0, with_head: bool = False,
+                         **overrides) -> str:
+    """A test checkpoint with an MTP layer (transformers' save_pretrained writes none: we add it)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    tmp = path + f".tmp{os.getpid()}"
+    write_checkpoint(tmp, variant, seed, **overrides)
+    f = os.path.join(tmp, "model.safetensors")
+    tensors = load_file(f)
+    mtp = mtp_tensors(variant, seed, **overrides)
+    if with_head:  # DeepSeek-V3 repeats the shared head and embedding inside its MTP layer
+        layers = {**BASE, **overrides}["num_hidden_layers"]
+        prefix = f"model.layers.{layers}."
+        mtp[prefix + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        mtp[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors.update(mtp)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, f, metadata={"format": "pt"})
+    cfg_path = os.path.join(tmp, "config.json")
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    cfg["num_nextn_predict_layers"] = 1
+    with open(cfg_path, "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    os.rename(tmp, path)
+    return path

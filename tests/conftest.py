@@ -31,3 +31,17 @@ def openai_server(ckpt_dir):
                            "--dtype", "float32")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def mtp_ckpt_dir(tmp_path_factory):
+    """Tiny checkpoints with an MTP layer (model.layers.{L}.*), one per variant, written on first use."""
+    from tests.checkpoints import write_mtp_checkpoint
+
+    root = tmp_path_factory.mktemp("mtp_ckpts")
+
+    def get(variant: str = "v3", **kw) -> str:
+        name = variant + "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
+        return write_mtp_checkpoint(str(root / name), variant, **kw)
+
+    return get

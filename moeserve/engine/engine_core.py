@@ -25,7 +25,7 @@ class EngineCore:
         self.arch = arch or DeepseekArch.from_pretrained(config.model.model)
         self.runner = ModelRunner(config, self.arch)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts reported on the next step
 
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -58,7 +58,8 @@ class EngineCore:
         if sched_out.is_empty:
             return outputs
         result = self.runner.execute(sched_out)
-        finished = {r.request_id: r for r in self.scheduler.update_from_output(sched_out, result.sampled)}
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(sched_out, result.sampled,
+                                                                               result.draft_tokens)}
         for s in sched_out.scheduled:
             req = s.request
             new = result.sampled.get(req.request_id)
@@ -66,7 +67,7 @@ class EngineCore:
                 continue
             fin = finished.get(req.request_id)
             # A stop may cut the sampled list short (MTP); report only the tokens the request kept.
-            kept = new[: req.num_tokens - (s.start + s.num_tokens)]
+            kept = new[: req.num_tokens - (s.start + s.num_tokens - len(s.draft_token_ids))]
             lps = result.logprobs.get(req.request_id)
             outputs.append(EngineCoreOutput(
                 req.request_id, kept,
@@ -94,4 +95,9 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
-        return EngineStats(s.num_running, s.num_waiting, self.kv.usage, s.num_preemptions, s.outstanding_tokens())
+        spec = s.spec_stats
+        return EngineStats(s.num_running, s.num_waiting, self.kv.usage, s.num_preemptions, s.outstanding_tokens(),
+                           spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                           spec_num_accepted_tokens=spec.num_accepted_tokens,
+                           spec_accepted_per_position=list(spec.accepted_per_position),
+                           spec_drafts_per_position=list(spec.drafts_per_position))

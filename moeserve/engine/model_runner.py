@@ -1,18 +1,20 @@
 """Model runner: tensors in, tokens out. Holds the model, the KV tensors and the sampler; no policy.
 
 It turns a SchedulerOutput into the flat token batch and attention metadata, runs the model, and samples
-one token for every request that caught up this step.
+one token for every request that caught up this step. With speculative decoding (MTP) the batch also holds
+each request's drafts; the rejection sampler keeps a prefix of them and the MTP proposer drafts the next
+step's tokens from this step's hidden states (spec/).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moeserve.config import EngineConfig
 from moeserve.engine.scheduler import SchedulerOutput
-from moeserve.layers.attention.metadata import AttentionMetadata, DecodeBatch, PrefillSeq, attention_context
+from moeserve.layers.attention.metadata import SeqSpan, attention_context, build_attention_metadata
 from moeserve.layers.sampler import Sampler, TokenLogprobs
 from moeserve.models.config import DeepseekArch
 from moeserve.models.registry import build_model
@@ -26,6 +28,7 @@ DEFAULT_KV_CACHE_BYTES = 2 << 30  # cap of the default pool; --kv-cache-memory /
 class StepResult:
     sampled: dict[str, list[int]]  # request id -> new tokens
     logprobs: dict[str, list[TokenLogprobs]]
+    draft_tokens: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step (MTP)
 
 
 def resolve_dtype(name: str, arch: DeepseekArch) -> torch.dtype:
@@ -38,7 +41,8 @@ def num_kv_blocks(config: EngineConfig, arch: DeepseekArch, dtype: torch.dtype) 
     cache, sched = config.cache, config.scheduler
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    bytes_per_block = cache.block_size * arch.num_hidden_layers * arch.kv_cache_dim * dtype.itemsize
+    layers = arch.num_hidden_layers + (config.speculative is not None)  # the MTP layer has its own cache
+    bytes_per_block = cache.block_size * layers * arch.kv_cache_dim * dtype.itemsize
     if cache.kv_cache_memory is not None:
         blocks = cache.kv_cache_memory // bytes_per_block
         if blocks < 1:
@@ -63,6 +67,14 @@ class ModelRunner:
                           for _ in range(arch.num_hidden_layers)]
         self.sampler = Sampler(config.model.seed)
         self.generators: dict[str, torch.Generator] = {}
+        self.proposer, self.rejection_sampler = None, None
+        if config.speculative is not None:
+            from moeserve.spec.proposer import MTPProposer
+            from moeserve.spec.verify import RejectionSampler
+            self.proposer = MTPProposer(self.model, self.checkpoint.mtp_weights, self.num_blocks,
+                                        self.block_size, self.dtype, self.kv_caches)
+            self.rejection_sampler = RejectionSampler(config.model.seed)
+        self.checkpoint.mtp_weights.clear()  # copied into the MTP layer (or unused): free the memory
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -75,17 +87,38 @@ class ModelRunner:
         with attention_context(meta):
             hidden = self.model(input_ids, positions)
         result = StepResult({}, {})
-        if not sample_rows:
-            return result
-        logits = self.model.compute_logits(hidden[torch.tensor([r for r, _ in sample_rows])])
+        if sample_rows:
+            self._sample(hidden, sample_rows, result)
+        if self.proposer is not None:
+            result.draft_tokens = self.proposer.propose(out, hidden, result.sampled)
+        return result
+
+    def _sample(self, hidden: torch.Tensor, sample_rows: list, result: StepResult) -> None:
+        """sample_rows: (rows, ScheduledRequest), rows = [d + 1] logits rows of a request with d drafts."""
+        logits = self.model.compute_logits(hidden[torch.tensor([r for rows, _ in sample_rows for r in rows])])
         reqs = [s.request for _, s in sample_rows]
         params = [r.sampling_params for r in reqs]
-        tokens, logprobs = self.sampler(logits, params, [self._generator(r) for r in reqs])
-        for req, tok, lp in zip(reqs, tokens, logprobs):
-            result.sampled[req.request_id] = [tok]
-            if lp is not None:
-                result.logprobs[req.request_id] = [lp]
-        return result
+        gens = [self._generator(r) for r in reqs]
+        if self.rejection_sampler is None:
+            tokens, lps = self.sampler(logits, params, gens)
+            emitted = [[t] for t in tokens]
+        else:
+            emitted = self.rejection_sampler(logits, [s.draft_token_ids for _, s in sample_rows], params, gens)
+            lps = self._spec_logprobs(logits, [len(rows) for rows, _ in sample_rows], emitted, params)
+        i = 0
+        for req, toks in zip(reqs, emitted):
+            result.sampled[req.request_id] = toks
+            if req.sampling_params.logprobs is not None:
+                result.logprobs[req.request_id] = lps[i: i + len(toks)]
+            i += len(toks)
+
+    def _spec_logprobs(self, logits: torch.Tensor, num_rows: list[int], emitted: list[list[int]],
+                       params: list) -> list:
+        """Emitted token j of a request comes from its row j (the distribution it was drawn from)."""
+        first = [sum(num_rows[:i]) for i in range(len(num_rows))]
+        sel = [f + j for f, toks in zip(first, emitted) for j in range(len(toks))]
+        flat_params = [p for p, toks in zip(params, emitted) for _ in toks]
+        return self.sampler.logprobs(logits[sel], flat_params, [t for toks in emitted for t in toks])
 
     @torch.inference_mode()
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:
@@ -103,37 +136,14 @@ class ModelRunner:
         return self.generators[req.request_id]
 
     def _prepare(self, out: SchedulerOutput):
-        bs = self.block_size
-        ids, pos, slots, prefills, sample_rows = [], [], [], [], []
-        dec_rows, dec_tables, dec_lens = [], [], []
+        ids, spans, sample_rows = [], [], []
         for s in out.scheduled:
             row = len(ids)
-            end = s.start + s.num_tokens
-            ids.extend(s.request.token_ids_slice(s.start, end))
-            blocks = torch.tensor(s.block_ids, dtype=torch.long)
-            p = torch.arange(s.start, end)
-            pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            if s.num_tokens == 1 and s.start > 0:
-                dec_rows.append(row)
-                dec_tables.append(s.block_ids[: -(-end // bs)])
-                dec_lens.append(end)
-            else:
-                ctx = torch.arange(end)
-                prefills.append(PrefillSeq(row, s.num_tokens, end, blocks[ctx // bs] * bs + ctx % bs))
-            if s.samples:
-                sample_rows.append((row + s.num_tokens - 1, s))
-        meta = AttentionMetadata(torch.cat(slots), prefills, self._decode_batch(dec_rows, dec_tables, dec_lens),
-                                 self.kv_caches)
-        return torch.tensor(ids, dtype=torch.long), torch.cat(pos), meta, sample_rows
-
-    def _decode_batch(self, rows, tables, lens) -> DecodeBatch | None:
-        if not rows:
-            return None
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, t in enumerate(tables):
-            table[i, : len(t)] = torch.tensor(t)
-        ctx = torch.tensor(lens)
-        mask = torch.arange(width * self.block_size)[None, :] >= ctx[:, None]
-        return DecodeBatch(torch.tensor(rows), table, ctx, mask)
+            d = len(s.draft_token_ids)
+            ids.extend(s.request.token_ids_slice(s.start, s.start + s.num_tokens - d))
+            ids.extend(s.draft_token_ids)
+            spans.append(SeqSpan(s.start, s.num_tokens, s.block_ids))
+            if s.samples:  # the last real token's row and one per draft
+                sample_rows.append((list(range(row + s.num_tokens - d - 1, row + s.num_tokens)), s))
+        positions, meta = build_attention_metadata(spans, self.block_size, self.kv_caches)
+        return torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows

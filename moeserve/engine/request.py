@@ -3,6 +3,8 @@
 One scheduling model (vLLM v1): a request has `num_computed_tokens` catching up to `num_tokens`
 (prompt + generated). Prefill, chunked prefill, decode and recompute after preemption are all the same
 thing: schedule some of the missing tokens; when the request has caught up, the model samples one more.
+With speculative decoding a caught-up request also schedules its drafts (spec_token_ids) after the missing
+token; the accepted ones become output tokens and num_computed_tokens moves past them.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (MTP)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -9,15 +9,21 @@ Policy per step, under max_num_batched_tokens and max_num_seqs:
   1. running requests, decodes before prefill chunks (decode latency first);
   2. waiting requests in arrival order, prefills chunked to the remaining token budget,
      unless someone was preempted this step (the pool is short; admitting more would thrash).
+
+Speculative decoding (MTP) is the same model: a caught-up request schedules its missing token plus its
+drafts (Request.spec_token_ids) as extra tokens; a step that samples also reserves lookahead slots for the
+drafts the proposer chains past the accepted tokens. After the step num_computed_tokens moves past the
+accepted drafts only, and the blocks past it (rejected and lookahead slots) go back to the pool.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from moeserve.config import SchedulerConfig
+from moeserve.config import SchedulerConfig, SpeculativeConfig
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.request import Request, RequestStatus
+from moeserve.spec.metrics import SpecDecodingStats
 
 
 class RequestRejected(ValueError):
@@ -28,13 +34,15 @@ class RequestRejected(ValueError):
 class ScheduledRequest:
     request: Request
     start: int  # num_computed_tokens before this step: position of the first scheduled token
-    num_tokens: int  # tokens whose KV is computed this step
+    num_tokens: int  # tokens whose KV is computed this step, drafts included
     block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)  # the last len(...) scheduled tokens
+    num_new_drafts: int = 0  # drafts the proposer makes this step for the next one
 
     @property
     def samples(self) -> bool:
         """True when this step catches the request up, so the model samples its next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -52,9 +60,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.speculative = speculative
+        self.spec_stats = SpecDecodingStats(speculative.num_speculative_tokens if speculative else 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -112,12 +123,13 @@ class Scheduler:
             n = min(req.num_missing_tokens, budget)
             if n <= 0:
                 continue
-            if not self._make_room(req, n, scheduled, out):
+            drafts = req.spec_token_ids[: budget - n] if n == req.num_missing_tokens == 1 else []
+            s = self._scheduled(req, n + len(drafts), drafts)
+            if not self._make_room(req, s.num_tokens + max(s.num_new_drafts - 1, 0), scheduled, out):
                 continue
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n,
-                                                  self.kv.block_tables[req.request_id]))
+            out.scheduled.append(s)
             scheduled.add(req.request_id)
-            budget -= n
+            budget -= s.num_tokens
         if not out.preempted:
             self._admit_waiting(budget, out)
         return out
@@ -141,38 +153,62 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            if not self.kv.allocate_slots(req, n):
+            s = self._scheduled(req, n, [])
+            if not self.kv.allocate_slots(req, n + max(s.num_new_drafts - 1, 0)):
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, n,
-                                                  self.kv.block_tables[req.request_id]))
+            out.scheduled.append(s)
             budget -= n
+
+    def _scheduled(self, req: Request, n: int, drafts: list[int]) -> ScheduledRequest:
+        """n tokens from num_computed_tokens on (the last len(drafts) are drafts)."""
+        s = ScheduledRequest(req, req.num_computed_tokens, n, self.kv.block_tables.setdefault(req.request_id, []),
+                             list(drafts))
+        if s.samples:
+            s.num_new_drafts = self._num_new_drafts(req, len(drafts))
+        return s
+
+    def _num_new_drafts(self, req: Request, num_drafts: int) -> int:
+        """Drafts to propose for the next step, sized for the case where every draft is accepted, so the
+        next step's drafts stay inside max_model_len and max_tokens (and the lookahead slots inside the
+        request's final length)."""
+        if self.speculative is None:
+            return 0
+        tokens_after = req.num_tokens + num_drafts + 1
+        room = self.config.max_model_len - tokens_after
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:  # the next step emits up to drafts + 1 tokens
+            room = min(room, max_tokens - (req.num_output_tokens + num_drafts + 1) - 1)
+        return max(0, min(self.speculative.num_speculative_tokens, room))
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # ---- results ---------------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]],
+                           draft_tokens: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests. Returns finished ones.
 
-        sampled maps request id -> new tokens (several when speculative drafts were accepted).
+        sampled maps request id -> new tokens (several when speculative drafts were accepted);
+        draft_tokens maps request id -> the drafts to verify next step.
         """
         finished = []
         for s in out.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            req.num_computed_tokens = s.start + s.num_tokens
-            for token in sampled.get(req.request_id, ()):
+            new = sampled.get(req.request_id, ())
+            self._advance(req, s, len(new), (draft_tokens or {}).get(req.request_id, []))
+            for token in new:
                 req.output_token_ids.append(token)
                 status = req.check_stop(self.config.max_model_len)
                 if status is not None:
@@ -181,6 +217,17 @@ class Scheduler:
                     finished.append(req)
                     break
         return finished
+
+    def _advance(self, req: Request, s: ScheduledRequest, num_new: int, next_drafts: list[int]) -> None:
+        """num_computed_tokens past the verified tokens; drop the KV slots of rejected / lookahead drafts."""
+        num_drafts = len(s.draft_token_ids)
+        accepted = max(num_new - 1, 0) if num_drafts else 0
+        req.num_computed_tokens = s.start + s.num_tokens - (num_drafts - accepted)
+        if num_drafts:
+            self.spec_stats.observe(num_drafts, accepted)
+        if self.speculative is not None:
+            req.spec_token_ids = list(next_drafts)
+            self.kv.trim(req, req.num_computed_tokens)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """End a request from outside (a stop string matched by the detokenizer)."""

@@ -98,19 +98,35 @@ def iter_checkpoint(path: str):
 
 
 def load_weights(model: torch.nn.Module, path: str) -> LoadedCheckpoint:
-    """Copy the checkpoint at `path` into `model` (built for the same config). Strict about gaps."""
-    arch = model.arch
+    """Copy the checkpoint at `path` into `model` (built for the same config). Strict about gaps.
+
+    Tensors of layers >= num_hidden_layers (MTP) go to result.mtp_weights instead (see spec/mtp_model.py).
+    """
+    result = LoadedCheckpoint()
+
+    def main_tensors():
+        for name, tensor in iter_checkpoint(path):
+            result.num_tensors += 1
+            m = _LAYER.match(name)
+            if m and int(m.group(1)) >= model.arch.num_hidden_layers:
+                result.mtp_weights[name] = tensor
+                continue
+            yield name, tensor
+
+    load_named_tensors(model, main_tensors())
+    return result
+
+
+def load_named_tensors(model: torch.nn.Module, tensors) -> None:
+    """Copy (checkpoint name, tensor) pairs into the parameters of the same names; strict about gaps.
+
+    `model` has an `arch` and names its parameters as the checkpoint does; routed experts are stacked.
+    """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     expert_modules = {n: m for n, m in modules.items() if isinstance(m, FusedExperts)}
     loaded: set[str] = set()
-    result = LoadedCheckpoint()
-    for name, tensor in iter_checkpoint(path):
-        result.num_tensors += 1
-        m = _LAYER.match(name)
-        if m and int(m.group(1)) >= arch.num_hidden_layers:
-            result.mtp_weights[name] = tensor
-            continue
+    for name, tensor in tensors:
         if (em := _EXPERT.match(name)) and em.group(1) in expert_modules:
             _load_expert(expert_modules[em.group(1)], em.group(1), int(em.group(2)), em.group(3), tensor, loaded,
                          em.group(4))
@@ -138,7 +154,6 @@ def load_weights(model: torch.nn.Module, path: str) -> LoadedCheckpoint:
         _copy(param, tensor, name)
         loaded.add(name)
     _check_complete(model, params, expert_modules, loaded)
-    return result
 
 
 def _quant_call(fn, *args) -> list[str]:

@@ -1,8 +1,9 @@
 """Per-forward attention state, set by the model runner in a scoped context (no module globals).
 
-Tokens of all scheduled sequences are flattened into one [T] batch. Sequences whose step is a single new
-token (decode) are attended in one batched absorbed-MLA call; multi-token steps (prefill chunks, recompute)
-use the decompressed form, one sequence at a time.
+Tokens of all scheduled sequences are flattened into one [T] batch. Sequences whose step is a few new tokens
+after some context (decode, MTP verification of [last token + k drafts]) are attended in one batched
+absorbed-MLA call, one row per query token, each with its own causal context length; longer steps (prefill
+chunks, recompute) use the decompressed form, one sequence at a time.
 """
 from __future__ import annotations
 
@@ -10,6 +11,18 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
+
+
+ABSORBED_MAX_QUERY = 9  # queries per sequence still sent down the absorbed path (1 + max drafts)
+
+
+@dataclass
+class SeqSpan:
+    """One sequence's part of a forward: num_tokens new tokens at positions start.. (their KV is written)."""
+
+    start: int
+    num_tokens: int
+    block_ids: list[int]
 
 
 @dataclass
@@ -34,6 +47,47 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decode: DecodeBatch | None
     kv_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_lora + rope]
+
+
+def build_attention_metadata(spans: list[SeqSpan], block_size: int,
+                             kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions [T] and the metadata of a flat batch holding spans back to back (in order)."""
+    pos, slots, prefills = [], [], []
+    dec_rows, dec_tables, dec_lens = [], [], []
+    row = 0
+    for sp in spans:
+        end = sp.start + sp.num_tokens
+        blocks = torch.tensor(sp.block_ids, dtype=torch.long)
+        p = torch.arange(sp.start, end)
+        pos.append(p)
+        slots.append(blocks[p // block_size] * block_size + p % block_size)
+        if sp.start > 0 and sp.num_tokens <= ABSORBED_MAX_QUERY:
+            table = sp.block_ids[: -(-end // block_size)]
+            for j in range(sp.num_tokens):  # query j sees positions < start + j + 1 (causal)
+                dec_rows.append(row + j)
+                dec_tables.append(table)
+                dec_lens.append(sp.start + j + 1)
+        else:
+            ctx = torch.arange(end)
+            prefills.append(PrefillSeq(row, sp.num_tokens, end, blocks[ctx // block_size] * block_size
+                                       + ctx % block_size))
+        row += sp.num_tokens
+    decode = _decode_batch(dec_rows, dec_tables, dec_lens, block_size)
+    positions = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)
+    slot_mapping = torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long)
+    return positions, AttentionMetadata(slot_mapping, prefills, decode, kv_caches)
+
+
+def _decode_batch(rows: list[int], tables: list[list[int]], lens: list[int], block_size: int) -> DecodeBatch | None:
+    if not rows:
+        return None
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, t in enumerate(tables):
+        table[i, : len(t)] = torch.tensor(t)
+    ctx = torch.tensor(lens)
+    mask = torch.arange(width * block_size)[None, :] >= ctx[:, None]
+    return DecodeBatch(torch.tensor(rows), table, ctx, mask)
 
 
 _current: AttentionMetadata | None = None

@@ -1,0 +1,100 @@
+"""The DeepSeek-V3 MTP layer (decoder index num_hidden_layers in the checkpoint), built and loaded.
+
+    h'_i = Block(eh_proj([enorm(embed(t_{i+1})) ; hnorm(h_i)]))      # [T, H]
+    logits_i = head(shared_head.norm(h'_i))                          # predicts t_{i+2}
+
+h_i is the main model's final hidden state (after model.norm, the lm_head input); the embedding and the head
+are the main model's (a `shared_head.head` in the checkpoint is used when present; a repeated
+`embed_tokens` copy is skipped). Block is an ordinary DecoderLayer (MLA + MoE) with its own KV cache.
+Re-applying the layer to its own h' gives the drafts after the first.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.layers.linear import Linear
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.models.config import DeepseekArch
+from moeserve.models.deepseek_v3 import DecoderLayer
+from moeserve.models.loader import CheckpointError, load_named_tensors
+from moeserve.models.registry import _default_dtype
+
+logger = logging.getLogger(__name__)
+
+
+class SharedHead(nn.Module):
+    def __init__(self, arch: DeepseekArch, has_head: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.head = Linear(arch.hidden_size, arch.vocab_size) if has_head else None
+
+
+class MTPLayer(DecoderLayer):
+    """A DecoderLayer plus the MTP input projection; a subclass so the block's tensors keep the checkpoint
+    names (model.layers.{L}.self_attn.*, .mlp.*, ...) next to enorm/hnorm/eh_proj/shared_head."""
+
+    def __init__(self, arch: DeepseekArch, layer_idx: int, rotary: RotaryEmbedding, has_head: bool) -> None:
+        super().__init__(arch, layer_idx, rotary)
+        h = arch.hidden_size
+        self.enorm = RMSNorm(h, arch.rms_norm_eps)
+        self.hnorm = RMSNorm(h, arch.rms_norm_eps)
+        self.eh_proj = Linear(2 * h, h)
+        self.shared_head = SharedHead(arch, has_head)
+
+    def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor,  # type: ignore[override]
+                positions: torch.Tensor) -> torch.Tensor:
+        """embeds [T, H] of t_{i+1}, prev_hidden [T, H] = h_i, positions [T] = i -> h'_i [T, H]."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
+        return super().forward(x, positions)
+
+
+class DeepseekMTP(nn.Module):
+    """Holds the MTP layer under its checkpoint path, model.layers.{L}, so the main loader fills it."""
+
+    def __init__(self, arch: DeepseekArch, rotary: RotaryEmbedding, has_head: bool) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleDict({str(arch.num_hidden_layers): MTPLayer(
+            arch, arch.num_hidden_layers, rotary, has_head)})
+
+    @property
+    def layer(self) -> MTPLayer:
+        return self.model.layers[str(self.arch.num_hidden_layers)]
+
+    def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.layer(embeds, prev_hidden, positions)
+
+    def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> float32 logits [T, V], through shared_head.norm and the (shared) head."""
+        sh = self.layer.shared_head
+        weight = sh.head.weight if sh.head is not None else lm_head_weight
+        return F.linear(sh.norm(hidden), weight).float()
+
+
+def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype: torch.dtype) -> DeepseekMTP:
+    """The MTP layer of a loaded main model, from the tensors its loader set aside."""
+    arch = main_model.arch
+    prefix = f"model.layers.{arch.num_hidden_layers}."
+    weights = {n: t for n, t in mtp_weights.items() if n.startswith(prefix)}
+    if not weights:
+        raise CheckpointError(
+            f"--speculative-config method 'mtp' needs the checkpoint's MTP layer ({prefix}*, "
+            f"num_nextn_predict_layers = {arch.num_nextn_predict_layers} in config.json) and this checkpoint "
+            "has none; drop --speculative-config or use a checkpoint that ships its MTP layer")
+    weights.pop(prefix + "embed_tokens.weight", None)  # a copy of the main embedding, which is used instead
+    if arch.num_nextn_predict_layers > 1:
+        logger.info("using MTP layer %d of %d; k > 1 re-applies it", 1, arch.num_nextn_predict_layers)
+    with torch.device("meta"), _default_dtype(dtype):
+        mtp = DeepseekMTP(arch, main_model.model.rotary, has_head=prefix + "shared_head.head.weight" in weights)
+    mtp.to_empty(device="cpu")
+    load_named_tensors(mtp, weights.items())
+    for module in mtp.modules():
+        if module is not mtp and hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
+    return mtp.eval()

@@ -1,0 +1,103 @@
+"""MTP proposer: drafts for the next step from the main model's hidden states of this step (FusionSpec).
+
+Lifecycle
+  1. Built by the model runner once the main model is loaded: the MTP layer is filled from the tensors the
+     loader set aside, and gets its own latent KV cache [num_blocks, block_size, kv_lora + rope], indexed by
+     the same block tables as the main cache (so the scheduler's blocks cover both).
+  2. Every step, right after the main model verified [last token + drafts] and the sampler accepted a prefix,
+     propose() runs the MTP layer on the positions the main model just made valid (prefill chunks included),
+     with the next token at each position as input, writing MTP KV there. Its output at each request's last
+     valid position gives draft 1; re-applying the layer on its own output at the following positions
+     (the scheduler's lookahead slots) gives drafts 2..n.
+  3. Nothing carries over between steps but the drafts (Request.spec_token_ids): MTP KV of rejected and
+     lookahead positions is rewritten when those positions become valid, and the scheduler trims the blocks
+     past num_computed_tokens after the step, so nothing leaks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from moeserve.layers.attention.metadata import SeqSpan, attention_context, build_attention_metadata
+from moeserve.spec.mtp_model import build_mtp
+
+
+@dataclass
+class _Chain:
+    """A request that gets drafts this step: where its MTP chain continues."""
+
+    request_id: str
+    position: int  # position of the next MTP query (the first draft's position)
+    block_ids: list[int]
+    remaining: int  # drafts still to make after the first
+
+
+class MTPProposer:
+    def __init__(self, main_model: torch.nn.Module, mtp_weights: dict[str, torch.Tensor], num_blocks: int,
+                 block_size: int, dtype: torch.dtype, main_kv_caches: list[torch.Tensor]) -> None:
+        self.main = main_model
+        self.mtp = build_mtp(main_model, mtp_weights, dtype)
+        self.block_size = block_size
+        arch = main_model.arch
+        self.kv_cache = torch.zeros(num_blocks, block_size, arch.kv_cache_dim, dtype=dtype)
+        self.kv_caches = list(main_kv_caches) + [self.kv_cache]  # index num_hidden_layers is the MTP layer's
+
+    @torch.inference_mode()
+    def propose(self, out: SchedulerOutput, hidden: torch.Tensor,
+                sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """hidden [T, H]: main model output of this step's flat batch -> request id -> next drafts."""
+        spans, rows, tokens, chains, last_rows = [], [], [], [], []
+        row = mtp_rows = 0  # next row of the main batch / of the MTP batch
+        for s in out.scheduled:
+            new = sampled.get(s.request.request_id, [])
+            valid = _num_valid(s, new)
+            spans.append(SeqSpan(s.start, valid, s.block_ids))
+            rows.append(torch.arange(row, row + valid))
+            tokens.extend(_next_tokens(s, new, valid))
+            mtp_rows += valid
+            if s.num_new_drafts > 0 and new:
+                last_rows.append(mtp_rows - 1)
+                chains.append(_Chain(s.request.request_id, s.start + valid, s.block_ids, s.num_new_drafts - 1))
+            row += s.num_tokens
+        if not spans:
+            return {}
+        h = self._run(spans, torch.tensor(tokens, dtype=torch.long), hidden[torch.cat(rows)])  # [T', H]
+        return self._chain(chains, h[torch.tensor(last_rows, dtype=torch.long)]) if chains else {}
+
+    def _chain(self, chains: list[_Chain], h: torch.Tensor) -> dict[str, list[int]]:
+        """h [B, H]: MTP output at each chain's last valid position -> all drafts of each chain."""
+        drafts = {c.request_id: [] for c in chains}
+        while True:
+            ids = self.mtp.compute_logits(h, self.main.lm_head.weight).argmax(dim=-1)  # [B]
+            for c, t in zip(chains, ids.tolist()):
+                drafts[c.request_id].append(t)
+            keep = [i for i, c in enumerate(chains) if c.remaining > 0]
+            if not keep:
+                return drafts
+            chains = [chains[i] for i in keep]
+            sel = torch.tensor(keep, dtype=torch.long)
+            spans = [SeqSpan(c.position, 1, c.block_ids) for c in chains]
+            h = self._run(spans, ids[sel], h[sel])
+            for c in chains:
+                c.position += 1
+                c.remaining -= 1
+
+    def _run(self, spans: list[SeqSpan], token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        positions, meta = build_attention_metadata(spans, self.block_size, self.kv_caches)
+        with attention_context(meta):
+            return self.mtp(self.main.model.embed_tokens(token_ids), prev_hidden, positions)
+
+
+def _num_valid(s: ScheduledRequest, new: list[int]) -> int:
+    """Positions of this step whose main-model KV and hidden state stand: all but the rejected drafts."""
+    accepted = max(len(new) - 1, 0) if s.draft_token_ids else 0
+    return s.num_tokens - len(s.draft_token_ids) + accepted
+
+
+def _next_tokens(s: ScheduledRequest, new: list[int], valid: int) -> list[int]:
+    """The token after each valid position start..start+valid-1 (MTP input t_{i+1})."""
+    req = s.request
+    known = req.token_ids_slice(s.start + 1, min(s.start + valid + 1, req.num_tokens))
+    return (known + list(new))[:valid]

@@ -1,0 +1,73 @@
+"""Verification of draft tokens against the main model: greedy prefix match or rejection sampling.
+
+For each request the main model scored d drafts in one pass, giving d + 1 rows of logits: row j is the
+distribution of the token after [context + drafts[:j]]. We keep the longest acceptable prefix of the drafts
+and add one token from the first row that was not accepted (or the bonus row d), so a step emits 1..d+1
+tokens.
+- Greedy: a draft is accepted iff it is the argmax; the output equals plain greedy decoding token for token.
+- Sampling (temperature > 0): draft x ~ q is accepted with probability min(1, p(x) / q(x)); on rejection the
+  token is drawn from norm(max(0, p - q)) (Leviathan et al. 2023, Chen et al. 2023). Every emitted token is
+  then distributed exactly as the main model's p (after temperature / top-k / top-p / min-p). MTP drafts are
+  the draft layer's argmax, i.e. q is one-hot (draft_probs None): accept with p(x), else draw from p with x
+  removed.
+"""
+from __future__ import annotations
+
+import torch
+
+from moeserve.layers.sampler import apply_filters
+from moeserve.sampling_params import SamplingParams
+
+
+def accept_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
+    """target_ids [d + 1] argmax of each row -> accepted drafts + the correcting/bonus token."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target_ids[n]:
+        n += 1
+    return target_ids[: n + 1]
+
+
+def rejection_sample(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
+                     generator: torch.Generator, draft_probs: torch.Tensor | None = None) -> list[int]:
+    """logits [d + 1, V] float32; draft_probs [d, V] (None: one-hot drafts) -> 1..d+1 tokens."""
+    probs = torch.stack([apply_filters(row, params).softmax(-1) for row in logits])  # [d + 1, V]
+    accept_u = torch.rand(len(drafts), generator=generator)
+    out: list[int] = []
+    for j, x in enumerate(drafts):
+        q_x = 1.0 if draft_probs is None else float(draft_probs[j, x])
+        if accept_u[j] * q_x < probs[j, x]:  # probability min(1, p(x) / q(x))
+            out.append(x)
+            continue
+        if draft_probs is None:
+            residual = probs[j].clone()
+            residual[x] = 0.0
+        else:
+            residual = (probs[j] - draft_probs[j]).clamp(min=0.0)
+        if float(residual.sum()) <= 0.0:  # p == q: rejection has probability 0 (numerical edge)
+            residual = probs[j]
+        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        return out
+    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
+    return out
+
+
+class RejectionSampler:
+    """Verifies every request of a step; requests without drafts are sampled as usual (d = 0)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
+
+    def __call__(self, logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> list[list[int]]:
+        """logits [sum(d_i + 1), V] float32, rows of request i contiguous -> emitted tokens per request."""
+        assert logits.shape[0] == sum(len(d) + 1 for d in drafts), "one row per draft plus one per request"
+        target_ids = logits.argmax(dim=-1).tolist()
+        out, row = [], 0
+        for d, p, g in zip(drafts, params, generators):
+            n = len(d) + 1
+            if p.greedy:
+                out.append(accept_greedy(target_ids[row: row + n], d))
+            else:
+                out.append(rejection_sample(logits[row: row + n], d, p, g or self.generator))
+            row += n
+        return out

@@ -1,0 +1,78 @@
+"""MTP speculative decoding is lossless for greedy decoding: the same tokens as without it, any k."""
+import pytest
+
+from moeserve import LLM, SamplingParams
+
+# Mixed lengths; the 41-token prompt is prefilled in two chunks under max_num_batched_tokens=32.
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61)), [7, 8, 9, 10, 11], [42]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def spec(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module")
+def baseline(mtp_ckpt_dir):
+    llm = LLM(mtp_ckpt_dir("v3"), dtype="float32", max_num_batched_tokens=32)
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def assert_no_leak(llm: LLM) -> None:
+    kv = llm.engine.kv
+    assert kv.pool.num_free == kv.pool.num_blocks, "KV blocks were not all returned"
+    assert not kv.block_tables
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_tokens_identical_with_mtp(mtp_ckpt_dir, baseline, k):
+    llm = LLM(mtp_ckpt_dir("v3"), dtype="float32", max_num_batched_tokens=32, speculative_config=spec(k))
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == baseline
+    stats = llm.engine.stats()
+    # Drafts were really verified, at every position, and some were accepted (the lossless path is exercised).
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+    assert len(stats.spec_drafts_per_position) == k and min(stats.spec_drafts_per_position) > 0
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # and some rejected
+    assert_no_leak(llm)
+
+
+def test_greedy_identical_under_preemption_and_stops(mtp_ckpt_dir, baseline):
+    """A KV pool too small for all requests forces preemption by recompute; stop tokens and max_tokens cut
+    accepted drafts short."""
+    stop_tok = baseline[0][9]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True, stop_token_ids=st)
+              for m, st in [(24, [stop_tok]), (7, None), (24, None), (13, None), (24, [stop_tok])]]
+    plain = LLM(mtp_ckpt_dir("v3"), dtype="float32", num_kv_blocks=9, block_size=8, max_num_batched_tokens=32)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+    llm = LLM(mtp_ckpt_dir("v3"), dtype="float32", num_kv_blocks=9, block_size=8, max_num_batched_tokens=32,
+              speculative_config=spec(3))
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert ref[0][-1] == stop_tok and len(ref[1]) == 7 and len(ref[3]) == 13
+    assert llm.engine.stats().num_preemptions > 0
+    assert_no_leak(llm)
+
+
+def test_greedy_identical_v2_lite_and_repeated_shared_head(mtp_ckpt_dir):
+    """No q_lora (V2-Lite attention); a checkpoint that repeats embed_tokens / shared_head.head in the MTP
+    layer, as DeepSeek-V3's does."""
+    for path in (mtp_ckpt_dir("v2_lite"), mtp_ckpt_dir("v3", with_head=True)):
+        ref = LLM(path, dtype="float32").generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+        llm = LLM(path, dtype="float32", speculative_config=spec(2))
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+        assert_no_leak(llm)
+
+
+def test_logprobs_per_emitted_token(mtp_ckpt_dir, baseline):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    ref = LLM(mtp_ckpt_dir("v3"), dtype="float32").generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)
+    llm = LLM(mtp_ckpt_dir("v3"), dtype="float32", speculative_config=spec(2))
+    outs = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)
+    for o, r in zip(outs, ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        assert len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids)
+        for mine, theirs in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
