@@ -76,3 +76,16 @@ def test_logprobs_per_emitted_token(mtp_ckpt_dir, baseline):
         for mine, theirs in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
             assert mine.keys() == theirs.keys()
             assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+
+
+def test_sampling_with_mtp_is_seeded_and_leak_free(mtp_ckpt_dir):
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=7, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_k=5, max_tokens=16, seed=8, ignore_eos=True)]
+    runs = []
+    for _ in range(2):
+        llm = LLM(mtp_ckpt_dir("v3"), dtype="float32", speculative_config=spec(2))
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS[:2],
+                                                                  sampling_params=params)])
+        assert llm.engine.stats().spec_num_draft_tokens > 0
+        assert_no_leak(llm)
+    assert runs[0] == runs[1] and all(len(t) == 16 for t in runs[0])
