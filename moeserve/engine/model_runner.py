@@ -72,9 +72,9 @@ class ModelRunner:
             from moeserve.spec.proposer import MTPProposer
             from moeserve.spec.verify import RejectionSampler
             self.proposer = MTPProposer(self.model, self.checkpoint.mtp_weights, self.num_blocks,
-                                        self.block_size, self.dtype, self.kv_caches)
+                                        self.block_size, self.dtype, self.kv_caches, config.quant)
             self.rejection_sampler = RejectionSampler(config.model.seed)
-        self.checkpoint.mtp_weights.clear()  # copied into the MTP layer (or unused): free the memory
+            self.checkpoint.mtp_weights.clear()  # copied into the MTP layer: free the memory
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)

@@ -19,9 +19,11 @@ from torch import nn
 from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.config import QuantConfig
 from moeserve.models.config import DeepseekArch
 from moeserve.models.deepseek_v3 import DecoderLayer
 from moeserve.models.loader import CheckpointError, load_named_tensors
+from moeserve.models.quantization import apply_quantization
 from moeserve.models.registry import _default_dtype
 
 logger = logging.getLogger(__name__)
@@ -31,7 +33,8 @@ class SharedHead(nn.Module):
     def __init__(self, arch: DeepseekArch, has_head: bool) -> None:
         super().__init__()
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.head = Linear(arch.hidden_size, arch.vocab_size) if has_head else None
+        # nn.Linear like the main lm_head, so quantization leaves it in the model dtype too
+        self.head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False) if has_head else None
 
 
 class MTPLayer(DecoderLayer):
@@ -77,8 +80,9 @@ class DeepseekMTP(nn.Module):
         return F.linear(sh.norm(hidden), weight).float()
 
 
-def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype: torch.dtype) -> DeepseekMTP:
-    """The MTP layer of a loaded main model, from the tensors its loader set aside."""
+def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype: torch.dtype,
+              quant: QuantConfig | None = None) -> DeepseekMTP:
+    """The MTP layer of a loaded main model, from the tensors its loader set aside (quantized like it)."""
     arch = main_model.arch
     prefix = f"model.layers.{arch.num_hidden_layers}."
     weights = {n: t for n, t in mtp_weights.items() if n.startswith(prefix)}
@@ -92,6 +96,7 @@ def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype
         logger.info("using MTP layer %d of %d; k > 1 re-applies it", 1, arch.num_nextn_predict_layers)
     with torch.device("meta"), _default_dtype(dtype):
         mtp = DeepseekMTP(arch, main_model.model.rotary, has_head=prefix + "shared_head.head.weight" in weights)
+        apply_quantization(mtp, quant or QuantConfig())
     mtp.to_empty(device="cpu")
     load_named_tensors(mtp, weights.items())
     for module in mtp.modules():

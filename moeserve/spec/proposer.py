@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.config import QuantConfig
 from moeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from moeserve.layers.attention.metadata import SeqSpan, attention_context, build_attention_metadata
 from moeserve.spec.mtp_model import build_mtp
@@ -36,9 +37,10 @@ class _Chain:
 
 class MTPProposer:
     def __init__(self, main_model: torch.nn.Module, mtp_weights: dict[str, torch.Tensor], num_blocks: int,
-                 block_size: int, dtype: torch.dtype, main_kv_caches: list[torch.Tensor]) -> None:
+                 block_size: int, dtype: torch.dtype, main_kv_caches: list[torch.Tensor],
+                 quant: QuantConfig | None = None) -> None:
         self.main = main_model
-        self.mtp = build_mtp(main_model, mtp_weights, dtype)
+        self.mtp = build_mtp(main_model, mtp_weights, dtype, quant)
         self.block_size = block_size
         arch = main_model.arch
         self.kv_cache = torch.zeros(num_blocks, block_size, arch.kv_cache_dim, dtype=dtype)

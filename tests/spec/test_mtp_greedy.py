@@ -89,3 +89,15 @@ def test_sampling_with_mtp_is_seeded_and_leak_free(mtp_ckpt_dir):
         assert llm.engine.stats().spec_num_draft_tokens > 0
         assert_no_leak(llm)
     assert runs[0] == runs[1] and all(len(t) == 16 for t in runs[0])
+
+
+def test_greedy_identical_with_int8_quantization(mtp_ckpt_dir):
+    """--quantization a8w8 quantizes the MTP layer like the main model; verification stays lossless."""
+    path = mtp_ckpt_dir("v3")
+    ref = LLM(path, dtype="float32", quantization="a8w8").generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    llm = LLM(path, dtype="float32", quantization="a8w8", speculative_config=spec(2))
+    layer = llm.engine.runner.proposer.mtp.layer
+    assert layer.eh_proj.quant_method is not None and layer.self_attn.o_proj.quant_method is not None
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert_no_leak(llm)
