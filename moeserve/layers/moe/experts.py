@@ -56,6 +56,10 @@ class FusedExperts(nn.Module):
             return out
         order = expert_ids.argsort(stable=True)
         counts = torch.bincount(expert_ids.clamp(min=-1) + 1, minlength=self.num_local_experts + 1).tolist()
+        active = sum(1 for n in counts[1:] if n)
+        if 2 * active >= self.num_local_experts and max(counts[1:]) * self.num_local_experts <= 4 * (
+                x.shape[0] - counts[0]):
+            return self._forward_batched(x, expert_ids, weights, order, counts)
         start = counts[0]  # rows routed elsewhere (-1) sort first
         for e, n in enumerate(counts[1:]):
             if n == 0:
@@ -66,4 +70,22 @@ class FusedExperts(nn.Module):
             gate, up = h.split(self.intermediate, dim=-1)
             y = F.linear(F.silu(gate) * up, self.w2[e])
             out[rows] = (y.float() * weights[rows, None]).to(x.dtype)
+        return out
+
+    def _forward_batched(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                         order: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Most experts busy (large decode batches): one padded bmm over all experts instead of a Python
+        loop of small GEMMs. Measured 2-3x faster at ~4 rows per expert (docs/engine.md)."""
+        rows = order[counts[0]:]  # [n] rows we compute, grouped by expert
+        ids = expert_ids[rows]  # [n] ascending
+        per_expert = torch.tensor(counts[1:])
+        starts = per_expert.cumsum(0) - per_expert
+        pos = torch.arange(rows.numel()) - starts[ids]  # row's index inside its expert's group
+        buf = x.new_zeros(self.num_local_experts, max(counts[1:]), x.shape[1])  # [E, max_rows, H]
+        buf[ids, pos] = x[rows]
+        h = torch.bmm(buf, self.w13.transpose(1, 2))  # [E, max_rows, 2I]
+        gate, up = h.split(self.intermediate, dim=-1)
+        y = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # [E, max_rows, H]
+        out = torch.zeros_like(x)
+        out[rows] = (y[ids, pos].float() * weights[rows, None]).to(x.dtype)
         return out
