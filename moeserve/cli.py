@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args) or 0
+    except BrokenPipeError:
+        # Output piped into `head` and friends: the reader left; exit quietly like other Unix tools.
+        sys.stderr.close()
+        return 0
     except (ValueError, FileNotFoundError, TypeError) as e:
         # Bad input (a flag, a path, a prompt): one clear line, not a traceback.
         print(f"moeserve {args.command}: error: {e}", file=sys.stderr)
