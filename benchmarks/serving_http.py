@@ -2,9 +2,12 @@
 
 For each API-server count the script starts a real server (the bundled model unless --model), drives it
 from --client-procs load-generator processes (asyncio + httpx, --concurrency requests in flight in total,
-max_tokens 1, non-streaming) for --duration seconds after a warm-up, and prints requests/s and latency,
-then the ratio against the first count. With --bench-serve it also runs `moeserve bench serve` on the
-first server and prints its figures.
+non-streaming) for --duration seconds after a warm-up, and prints requests/s and latency, then the ratio
+against the first count, for two workloads:
+  generate  /v1/completions with max_tokens 1 (HTTP + tokenize + engine round trip + detokenize);
+  http      /v1/completions naming an unknown model (parse, validate, 400 answer: the HTTP layer alone).
+The offline LLM on the same generate workload (batches of --concurrency) is the engine's ceiling.
+With --bench-serve it also runs `moeserve bench serve` on the first server and prints its figures.
 
     PYTHONPATH=. python benchmarks/serving_http.py --counts 1,2 --concurrency 128 --duration 15 --bench-serve
 """
@@ -48,8 +51,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-async def _load(url: str, model: str, concurrency: int, warmup: float, duration: float) -> list[float]:
-    body = {"model": model, "prompt": "hi", "max_tokens": 1, "temperature": 0.0}
+async def _load(url: str, body: dict, concurrency: int, warmup: float, duration: float) -> list[float]:
     latencies: list[float] = []
     t0 = time.perf_counter()
     t_start, t_end = t0 + warmup, t0 + warmup + duration
@@ -58,7 +60,8 @@ async def _load(url: str, model: str, concurrency: int, warmup: float, duration:
         async def worker():
             while (now := time.perf_counter()) < t_end:
                 r = await client.post(url + "/v1/completions", json=body)
-                r.raise_for_status()
+                if r.status_code != (400 if body["model"] == BAD_MODEL else 200):
+                    raise RuntimeError(f"unexpected answer {r.status_code}: {r.text[:200]}")
                 done = time.perf_counter()
                 if now >= t_start:
                     latencies.append(done - now)
@@ -66,14 +69,20 @@ async def _load(url: str, model: str, concurrency: int, warmup: float, duration:
     return latencies
 
 
-def _client_proc(url, model, concurrency, warmup, duration, queue) -> None:
-    queue.put(asyncio.run(_load(url, model, concurrency, warmup, duration)))
+def _client_proc(url, body, concurrency, warmup, duration, queue) -> None:
+    queue.put(asyncio.run(_load(url, body, concurrency, warmup, duration)))
 
 
-def measure(url: str, model: str, concurrency: int, procs: int, warmup: float, duration: float) -> dict:
+BAD_MODEL = "no-such-model"
+
+
+def measure(url: str, model: str, workload: str, concurrency: int, procs: int, warmup: float,
+            duration: float) -> dict:
+    body = {"model": model if workload == "generate" else BAD_MODEL, "prompt": "hi", "max_tokens": 1,
+            "temperature": 0.0}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ps = [ctx.Process(target=_client_proc, args=(url, model, concurrency // procs, warmup, duration, q))
+    ps = [ctx.Process(target=_client_proc, args=(url, body, concurrency // procs, warmup, duration, q))
           for _ in range(procs)]
     for p in ps:
         p.start()
@@ -93,6 +102,21 @@ def bench_serve(url: str, model: str, args) -> None:
     if args.result_json:
         cmd += ["--result-json", args.result_json]
     subprocess.run(cmd, check=True, env={**os.environ, "PYTHONPATH": ROOT})
+
+
+def offline_ceiling(model: str | None, batch: int, rounds: int = 3) -> float:
+    """Requests/s of the offline LLM on the generate workload: what the engine alone sustains."""
+    from moeserve import LLM, SamplingParams
+
+    llm = LLM(model)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate(["hi"] * batch, params)  # warm-up
+    start = time.perf_counter()
+    for _ in range(rounds):
+        llm.generate(["hi"] * batch, params)
+    rate = rounds * batch / (time.perf_counter() - start)
+    del llm
+    return rate
 
 
 def main() -> None:
@@ -115,20 +139,30 @@ def main() -> None:
     counts = [int(c) for c in args.counts.split(",")]
     print(f"cpus={os.cpu_count()} concurrency={args.concurrency} client_procs={args.client_procs} "
           f"duration={args.duration}s max_tokens=1")
-    results = {}
+    offline = offline_ceiling(args.model, args.concurrency)
+    print(f"offline LLM, batches of {args.concurrency} x max_tokens 1: {offline:.1f} req/s", flush=True)
+    results: dict[tuple[str, int], dict] = {}
     for i, count in enumerate(counts):
         proc, url, model = start_server(args.model, count, args.server_args.split())
         try:
-            results[count] = r = measure(url, model, args.concurrency, args.client_procs, args.warmup, args.duration)
-            print(f"api-server-count {count}: {r['req_per_s']:.1f} req/s  p50 {r['p50_ms']:.1f} ms  "
-                  f"p99 {r['p99_ms']:.1f} ms  ({r['requests']} requests)", flush=True)
+            for workload in ("generate", "http"):
+                results[workload, count] = r = measure(url, model, workload, args.concurrency, args.client_procs,
+                                                       args.warmup, args.duration)
+                print(f"{workload:8s} api-server-count {count}: {r['req_per_s']:.1f} req/s  p50 {r['p50_ms']:.1f} "
+                      f"ms  p99 {r['p99_ms']:.1f} ms  ({r['requests']} requests)", flush=True)
             if args.bench_serve and i == 0:
                 bench_serve(url, model, args)
         finally:
             stop_server(proc)
-    base = results[counts[0]]["req_per_s"]
-    for count in counts[1:]:
-        print(f"ratio api-server-count {count} / {counts[0]}: {results[count]['req_per_s'] / base:.2f}x")
+    for workload in ("generate", "http"):
+        base = results[workload, counts[0]]["req_per_s"]
+        for count in counts[1:]:
+            print(f"{workload:8s} ratio api-server-count {count} / {counts[0]}: "
+                  f"{results[workload, count]['req_per_s'] / base:.2f}x")
+        if workload == "generate":
+            for count in counts:
+                print(f"generate api-server-count {count} / offline LLM: "
+                      f"{results[workload, count]['req_per_s'] / offline:.2f}x")
 
 
 if __name__ == "__main__":
