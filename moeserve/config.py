@@ -263,8 +263,9 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
         _require(self.api_server_count >= 1, f"--api-server-count must be >= 1, got {self.api_server_count}")
-        _require(self.max_waiting_requests is None or self.max_waiting_requests >= 0,
-                 f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}")
+        _require(self.max_waiting_requests is None or self.max_waiting_requests >= 1,
+                 f"--max-waiting-requests must be >= 1 (every request waits briefly before it runs), "
+                 f"got {self.max_waiting_requests}")
         _require(self.api_key is None or bool(self.api_key), "--api-key must not be empty")
         _require(self.log_level.lower() in ("debug", "info", "warning", "error"),
                  f"--log-level must be debug, info, warning or error, got {self.log_level!r}")

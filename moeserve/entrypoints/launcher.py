@@ -43,10 +43,10 @@ class Deployment:
         self.config = engine_args.create_config(arch.max_position_embeddings)
         tokenizer_path = self.config.model.tokenizer or path
         eos = eos_token_ids(load_tokenizer(tokenizer_path), arch.eos_token_ids, _generation_config(path))
-        self.tmpdir = tempfile.mkdtemp(prefix="moeserve-")
-        self.engine_address = f"ipc://{self.tmpdir}/engine-0.sock"
         self.reserved = _reserve_port(server.host, server.port)
         self.port = self.reserved.getsockname()[1]
+        self.tmpdir = tempfile.mkdtemp(prefix="moeserve-")
+        self.engine_address = f"ipc://{self.tmpdir}/engine-0.sock"
         self.spec = dict(server=_with_port(server, self.port), engine_address=self.engine_address,
                          model_path=path, tokenizer_path=tokenizer_path, eos_token_ids=eos,
                          max_model_len=self.config.scheduler.max_model_len)
@@ -154,6 +154,9 @@ def serve(engine_args: EngineArgs, server: ServerConfig) -> int:
     except KeyboardInterrupt:
         logger.info("shutting down")
         return 0
+    except RuntimeError as e:  # a process failed to start; its own log says why
+        print(f"moeserve serve: error: {e}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         dep.shutdown()
