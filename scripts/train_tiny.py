@@ -19,9 +19,9 @@ Lifecycle (each stage is resumable; state lives in --work, the shipped folder in
                 training model's logits.
 
 Usage:
-  python scripts/train_tiny.py --steps 1080                      # everything, fixed seed 0
-  python scripts/train_tiny.py --steps 1080 --resume             # continue after an interruption
-  python scripts/train_tiny.py --steps 1080 --export-only        # export the latest checkpoint
+  python scripts/train_tiny.py --steps 1020                      # everything, fixed seed 0
+  python scripts/train_tiny.py --steps 1020 --resume             # continue after an interruption
+  python scripts/train_tiny.py --steps 1020 --export-only        # export the latest checkpoint
   python scripts/train_tiny.py --steps 20 --bench                # measure tokens/s, write nothing shipped
 """
 from __future__ import annotations
@@ -559,7 +559,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK)
-    ap.add_argument("--steps", type=int, default=1080)
+    ap.add_argument("--steps", type=int, default=1020)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=2e-3)
