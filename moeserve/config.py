@@ -55,19 +55,66 @@ class SchedulerConfig:
                  f"({self.max_num_batched_tokens} < {self.max_model_len})")
 
 
+MOE_COMMS = ("auto", "alltoall", "allgather")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
+    """The rank grid (D data-parallel ranks x T tensor-parallel ranks) and how MoE layers talk.
+
+    Global rank r = dp_rank * T + tp_rank. Without expert parallelism the routed experts are TP-sharded
+    over all D x T ranks (each holds a slice of every expert's intermediate dim); with it, each rank holds
+    whole experts (physical slots, see layers/moe/placement.py).
+    """
+
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    moe_comm: str = "auto"  # auto: alltoall with EP, allgather/reduce-scatter without
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None  # JSON file with the logical->physical map
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node only)
+    distributed_backend: str = "auto"
+    distributed_timeout: float = 60.0  # seconds before a stuck collective / dead rank is an error
 
     def __post_init__(self) -> None:
         _require(self.data_parallel_size >= 1, "--data-parallel-size must be >= 1")
         _require(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1")
+        _require(self.moe_comm in MOE_COMMS, f"--moe-comm must be one of {', '.join(MOE_COMMS)}, got {self.moe_comm!r}")
+        _require(self.distributed_backend in BACKENDS,
+                 f"--distributed-backend must be one of {', '.join(BACKENDS)}, got {self.distributed_backend!r}")
+        _require(self.num_redundant_experts >= 0, "--num-redundant-experts must be >= 0")
+        _require(self.moe_comm != "alltoall" or self.enable_expert_parallel or self.world_size == 1,
+                 "--moe-comm alltoall sends tokens to the ranks holding whole experts: add "
+                 "--enable-expert-parallel (without it experts are TP-sharded and use allgather)")
+        _require(self.num_redundant_experts == 0 or self.enable_expert_parallel or self.world_size == 1,
+                 "--num-redundant-experts needs --enable-expert-parallel (replicas are whole experts)")
+        _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+                 f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
+        _require(self.world_size % self.nnodes == 0,
+                 f"--data-parallel-size x --tensor-parallel-size = {self.world_size} ranks do not divide "
+                 f"over --nnodes {self.nnodes}")
+        _require(self.nnodes == 1 or self.master_port is not None,
+                 "multi-node runs need --master-port (and --master-addr of node 0)")
+        _require(self.distributed_timeout > 0, "--distributed-timeout must be > 0 seconds")
 
     @property
     def world_size(self) -> int:
         return self.data_parallel_size * self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def resolved_moe_comm(self) -> str:
+        if self.moe_comm != "auto":
+            return self.moe_comm
+        return "alltoall" if self.enable_expert_parallel else "allgather"
 
 
 @dataclass(frozen=True)
@@ -193,6 +240,15 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     quantization: str | None = None  # "a8w8"; None = the checkpoint's own (compressed-tensors INT8) or none
     speculative_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
+    moe_comm: str = "auto"
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    distributed_backend: str = "auto"
+    distributed_timeout: float = 60.0
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -239,9 +295,8 @@ class EngineArgs:
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill),
-            parallel=ParallelConfig(data_parallel_size=self.data_parallel_size,
-                                    tensor_parallel_size=self.tensor_parallel_size,
-                                    enable_expert_parallel=self.enable_expert_parallel),
+            parallel=ParallelConfig(**{f.name: getattr(self, f.name)
+                                       for f in dataclasses.fields(ParallelConfig)}),
             quant=resolve_quant_config(self.quantization, path),
             speculative=SpeculativeConfig.from_value(self.speculative_config),
         )

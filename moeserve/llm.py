@@ -31,8 +31,28 @@ class LLM:
         self.config = self.args.create_config(self.arch.max_position_embeddings)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, _generation_config(path))
-        self.engine = EngineCore(self.config, self.arch)
+        self.engine = self._make_engine()
         self._ids = itertools.count()
+
+    def _make_engine(self):
+        """EngineCore in this process, or the front end of D x T rank processes (same interface)."""
+        from moeserve.engine import launch
+
+        torchrun = launch.TorchrunEnv.detect()
+        if not launch.needs_ranks(self.config.parallel, torchrun):
+            return EngineCore(self.config, self.arch)
+        launch.check_parallel_layout(self.config, self.arch)
+        if not launch.hosts_front_end(self.config.parallel, torchrun):
+            # Other nodes / torchrun ranks only serve their ranks; node 0 (RANK 0) drives them.
+            launch.run_ranks_only(self.config, torchrun)
+            raise SystemExit(0)
+        from moeserve.engine.dp_client import DPEngineClient
+        return DPEngineClient(self.config, torchrun)
+
+    def shutdown(self) -> None:
+        """Stop the rank processes of a multi-rank engine (also done at exit)."""
+        if hasattr(self.engine, "shutdown"):
+            self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -37,6 +37,11 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     outstanding_tokens: int = 0
+    # Totals since start, summed over ranks: bytes sent per collective kind, seconds per MoE/attention phase.
+    comm_bytes: dict[str, int] = {}
+    phase_seconds: dict[str, float] = {}
+    num_steps: int = 0
+    num_dummy_steps: int = 0  # lockstep steps a rank ran with no work of its own
     # Speculative decoding (MTP), cumulative counters; see spec/metrics.py for the derived rates.
     spec_num_drafts: int = 0  # request-steps that verified drafts
     spec_num_draft_tokens: int = 0
@@ -83,3 +88,24 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     stats: EngineStats | None = None
     engine_index: int = 0
     timestamp: float = 0.0
+
+
+# ---- multi-rank engine: front end <-> TP-leader ranks (see engine/dp_client.py, engine/dp_worker.py) ----
+
+class RankCommand(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Front end -> the TP-leader rank of one DP rank (and, broadcast, to its TP peers)."""
+
+    requests: list[EngineCoreRequest] = []
+    aborts: list[str] = []
+    abort_status: str = "abort"  # RequestStatus value the aborted requests finish with
+    shutdown: bool = False
+
+
+class RankReport(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A TP-leader rank -> the front end, after each step (or once when ready / failing)."""
+
+    dp_rank: int
+    outputs: list[EngineCoreOutput] = []
+    stats: EngineStats | None = None
+    ready: bool = False
+    error: str | None = None  # the rank stopped; the message names it and the cause

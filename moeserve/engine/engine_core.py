@@ -52,10 +52,14 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self, token_budget: int | None = None, lockstep: bool = False) -> list[EngineCoreOutput]:
+        """One step. token_budget caps this step's tokens (DP prefill balancing); with lockstep an idle
+        rank still runs an empty forward, because the other ranks' MoE layers wait for it."""
         outputs, self._pending = self._pending, []
-        sched_out = self.scheduler.schedule()
+        sched_out = self.scheduler.schedule(token_budget)
         if sched_out.is_empty:
+            if lockstep:
+                self.runner.execute_dummy()
             return outputs
         result = self.runner.execute(sched_out)
         finished = {r.request_id: r for r in self.scheduler.update_from_output(sched_out, result.sampled,

@@ -14,7 +14,10 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.engine.scheduler import SchedulerOutput
-from moeserve.layers.attention.metadata import SeqSpan, attention_context, build_attention_metadata
+from moeserve.distributed.parallel_state import get_world_group
+from moeserve.layers.attention.metadata import (AttentionMetadata, SeqSpan, attention_context,
+                                                build_attention_metadata)
+from moeserve.layers.moe.placement import build_plan, moe_plan_context
 from moeserve.layers.sampler import Sampler, TokenLogprobs
 from moeserve.models.config import DeepseekArch
 from moeserve.models.registry import build_model
@@ -60,8 +63,10 @@ class ModelRunner:
         self.config, self.arch = config, arch
         self.dtype = resolve_dtype(config.model.dtype, arch)
         self.block_size = config.cache.block_size
-        self.model, self.checkpoint = build_model(config.model.model, arch, self.dtype,
-                                                  config.scheduler.max_model_len, config.quant)
+        self.moe_plan = build_plan(config.parallel, arch, get_world_group().rank)
+        with moe_plan_context(self.moe_plan):  # MoE layers read their expert placement from the plan
+            self.model, self.checkpoint = build_model(config.model.model, arch, self.dtype,
+                                                      config.scheduler.max_model_len, config.quant)
         self.num_blocks = num_kv_blocks(config, arch, self.dtype)
         self.kv_caches = [torch.zeros(self.num_blocks, self.block_size, arch.kv_cache_dim, dtype=self.dtype)
                           for _ in range(arch.num_hidden_layers)]
@@ -119,6 +124,14 @@ class ModelRunner:
         sel = [f + j for f, toks in zip(first, emitted) for j in range(len(toks))]
         flat_params = [p for p, toks in zip(params, emitted) for _ in toks]
         return self.sampler.logprobs(logits[sel], flat_params, [t for toks in emitted for t in toks])
+
+    @torch.inference_mode()
+    def execute_dummy(self) -> None:
+        """A forward over zero tokens: this rank has no work but must join every MoE collective."""
+        empty = torch.zeros(0, dtype=torch.long)
+        meta = AttentionMetadata(empty, [], None, self.kv_caches)
+        with attention_context(meta):
+            self.model(empty, empty)
 
     @torch.inference_mode()
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:

@@ -257,6 +257,14 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def num_decodes(self) -> int:
+        """Running requests that need exactly one token next step."""
+        return sum(1 for r in self.running if r.num_missing_tokens == 1)
+
+    def prefill_demand(self) -> int:
+        """Prompt (or recompute) tokens waiting to be computed: what DP prefill balancing evens out."""
+        return sum(r.num_missing_tokens for r in list(self.waiting) + self.running if r.num_missing_tokens > 1)
+
     def outstanding_tokens(self) -> int:
         """Work still queued here (for DP load balancing): missing tokens plus remaining outputs."""
         total = 0

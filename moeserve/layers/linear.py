@@ -1,4 +1,9 @@
-"""Linear layers. Kept as our own module so quantized and tensor-parallel variants swap in by name."""
+"""Linear layers. Kept as our own module so quantized and tensor-parallel variants swap in by name.
+
+Tensor parallelism: a Linear built with tp_dim=0 holds rows [rank * out/T, (rank+1) * out/T) of the
+checkpoint weight (column parallel: its output is this rank's share of heads); tp_dim=1 holds a slice of
+the input columns (row parallel: the caller all-reduces the partial outputs over the TP group).
+"""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,12 +16,35 @@ class Linear(nn.Module):
     (load_tensor) and the matmul (apply); the float path below is the unquantized case.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
+        if tp_dim is not None and tp_size > 1:
+            full = out_features if tp_dim == 0 else in_features
+            assert full % tp_size == 0, f"dim {full} does not split over {tp_size} TP ranks"
+            if tp_dim == 0:
+                out_features //= tp_size
+            else:
+                in_features //= tp_size
         self.in_features, self.out_features = in_features, out_features
+        self.tp_dim, self.tp_rank, self.tp_size = tp_dim, tp_rank, tp_size
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        # A row-parallel bias is added once, after the all-reduce, so only rank 0 keeps it.
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.quant_method = None
+
+    def tp_slice(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor for `param_name` (weight, bias, or a per-output-row
+        leaf such as an INT8 weight_scale)."""
+        if self.tp_dim is None or self.tp_size == 1:
+            return tensor
+        if param_name == "weight":
+            return tensor.chunk(self.tp_size, dim=self.tp_dim)[self.tp_rank]
+        if self.tp_dim == 0:  # per-output-row leaves follow the output rows
+            return tensor.chunk(self.tp_size, dim=0)[self.tp_rank]
+        if param_name == "bias":
+            return tensor if self.tp_rank == 0 else torch.zeros_like(tensor)
+        return tensor  # row parallel: every rank has all output rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
@@ -31,4 +59,5 @@ class Linear(nn.Module):
 
     def extra_repr(self) -> str:
         q = "" if self.quant_method is None else f", quant={self.quant_method.__name__}"
-        return f"in={self.in_features}, out={self.out_features}{q}"
+        tp = f", tp_dim={self.tp_dim} ({self.tp_rank}/{self.tp_size})" if self.tp_size > 1 else ""
+        return f"in={self.in_features}, out={self.out_features}{q}{tp}"

@@ -162,7 +162,9 @@ class Int8FusedExperts(FusedExperts):
     def like(cls, base: FusedExperts) -> "Int8FusedExperts":
         """The INT8 counterpart of `base` (same slots), on base's device (meta before loading)."""
         with torch.device(base.w13.device):
-            return cls(base.num_local_experts, base.w13.shape[-1], base.intermediate, base.slot_experts)
+            ex = cls(base.num_local_experts, base.w13.shape[-1], base.intermediate, base.slot_experts)
+        ex.shard_rank, ex.num_shards = base.shard_rank, base.num_shards  # TP-sharded slice (intermediate is local)
+        return ex
 
     def expert_scale(self, slot: int, proj: str) -> torch.Tensor:
         """View of one expert's per-row scales, [I] (gate_proj / up_proj) or [H] (down_proj)."""

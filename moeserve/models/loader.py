@@ -142,6 +142,8 @@ def load_named_tensors(model: torch.nn.Module, tensors) -> None:
                     _load_expert(experts, fm.group(1), j, "up_proj", up, loaded)
             continue
         owner, _, leaf = name.rpartition(".")
+        if hasattr(modules.get(owner), "tp_slice"):  # tensor-parallel layers keep their slice only
+            tensor = modules[owner].tp_slice(leaf, tensor)
         if getattr(modules.get(owner), "quant_method", None) is not None:  # quantized Linear: it loads itself
             loaded.update(f"{owner}.{p}" for p in _quant_call(modules[owner].quant_method.load_tensor,
                                                               modules[owner], leaf, tensor, name))
@@ -175,6 +177,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 def _load_expert(experts: FusedExperts, prefix: str, expert: int, proj: str, tensor: torch.Tensor,
                  loaded: set[str], leaf: str = "weight") -> None:
     name = f"{prefix}.{expert}.{proj}.{leaf}"
+    tensor = experts.shard(proj, tensor, leaf)
     for slot in experts.slots_of(expert):
         filled = _quant_call(experts.load_expert, slot, proj, leaf, tensor, name)
         loaded.update(f"{prefix}.{expert}.{proj}.{f}" for f in filled)

@@ -6,6 +6,8 @@ key k_pe [qk_rope_head_dim].
 - Decode (absorbed): W_UK is folded into q (q_lat = q_nope W_UK), scores = q_lat.c + q_pe.k_pe, the output
   stays in latent space (o_lat = P c) and W_UV is applied after. Reads kv_lora + rope values per token
   instead of heads * (k + v) values.
+Tensor parallelism shards the heads over the TP group (q_b/q_proj and kv_b_proj by head, o_proj by input
+columns plus an all-reduce); the latent projection and the cache are replicated on the TP ranks.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.distributed.comm import timed
+from moeserve.distributed.parallel_state import get_tp_group
 from moeserve.layers.attention.metadata import get_attention_metadata
 from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
@@ -21,24 +25,27 @@ from moeserve.models.config import DeepseekArch
 
 
 class MLAttention(nn.Module):
-    def __init__(self, arch: DeepseekArch, layer_idx: int, rotary: RotaryEmbedding,
-                 num_heads: int | None = None) -> None:
+    def __init__(self, arch: DeepseekArch, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = num_heads or arch.num_attention_heads  # local heads (TP shards them)
+        self.tp = get_tp_group()
+        assert arch.num_attention_heads % self.tp.world_size == 0, "checked by check_parallel_layout"
+        self.num_heads = arch.num_attention_heads // self.tp.world_size  # local heads
+        col = dict(tp_dim=0, tp_rank=self.tp.rank, tp_size=self.tp.world_size)
         self.dn, self.dr, self.dv = arch.qk_nope_head_dim, arch.qk_rope_head_dim, arch.v_head_dim
         self.kv_lora_rank = arch.kv_lora_rank
         h, qk = arch.hidden_size, arch.qk_head_dim
         if arch.q_lora_rank is None:
-            self.q_proj = Linear(h, self.num_heads * qk)
+            self.q_proj = Linear(h, arch.num_attention_heads * qk, **col)
         else:
             self.q_a_proj = Linear(h, arch.q_lora_rank, bias=arch.attention_bias)
             self.q_a_layernorm = RMSNorm(arch.q_lora_rank, arch.rms_norm_eps)
-            self.q_b_proj = Linear(arch.q_lora_rank, self.num_heads * qk)
+            self.q_b_proj = Linear(arch.q_lora_rank, arch.num_attention_heads * qk, **col)
         self.kv_a_proj_with_mqa = Linear(h, arch.kv_cache_dim, bias=arch.attention_bias)
         self.kv_a_layernorm = RMSNorm(arch.kv_lora_rank, arch.rms_norm_eps)
-        self.kv_b_proj = Linear(arch.kv_lora_rank, self.num_heads * (self.dn + self.dv))
-        self.o_proj = Linear(self.num_heads * self.dv, h, bias=arch.attention_bias)
+        self.kv_b_proj = Linear(arch.kv_lora_rank, arch.num_attention_heads * (self.dn + self.dv), **col)
+        self.o_proj = Linear(arch.num_attention_heads * self.dv, h, bias=arch.attention_bias,
+                             **{**col, "tp_dim": 1})
         self.rotary = rotary
         self.scale = softmax_scale(arch.rope, qk)
         self.w_uk: torch.Tensor | None = None  # [H, dn, C] set by process_weights_after_loading
@@ -59,6 +66,11 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (all scheduled tokens) -> [T, hidden]."""
+        with timed("attention"):
+            return self.tp.all_reduce(self._attend(x, positions))
+
+    def _attend(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """This rank's heads; o_proj's partial output (summed over the TP group by the caller)."""
         meta = get_attention_metadata()
         q = self._queries(x)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)

@@ -1,21 +1,166 @@
 """Dispatch/combine: how token rows reach the experts that hold them and come back.
 
-A dispatcher takes the router's choice for this rank's tokens and returns the weighted sum of their expert
-outputs. LocalDispatcher is the single-process case (every expert is here); the distributed dispatchers
-(all-to-all, allgather/reduce-scatter) implement the same call.
+Every dispatcher has the same two calls, so the MoE layer can overlap work (the shared experts) with the
+communication in between:
+  handle = dispatcher.dispatch(x, weights, phys_ids)   # starts the (async) transfer of token rows
+  out = dispatcher.combine(handle, experts)            # waits, runs the local experts, returns [T, H]
+phys_ids are physical expert slots (placement.ExpertMap already chose a replica for each pair).
+
+- LocalDispatcher: one rank holds every slot.
+- AllToAllDispatcher: each (token, choice) pair's row goes to the rank owning its slot (all_to_all with
+  per-rank split sizes), the expert outputs come back the same way and are weighted and summed here.
+- AllGatherDispatcher: all ranks' tokens are gathered, each rank computes the pairs whose slot it holds
+  (or, with TP-sharded experts, its intermediate slice of every pair) and reduce-scatter returns the sums.
+Payloads go through a PayloadCodec, so an INT8 codec (int8 rows + per-row scales) slots in later without
+touching the dispatchers.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from moeserve.distributed.comm import GroupCoordinator, timed
 from moeserve.layers.moe.experts import FusedExperts
+from moeserve.layers.moe.placement import LayerPlacement
+
+
+class PayloadCodec:
+    """Identity codec: the rows travel in the activation dtype. encode -> tensors with the rows' dim 0."""
+
+    def encode(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return [rows.contiguous()]
+
+    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0]
+
+
+def _weighted_sum(pair_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """pair_out [T*k, H] unweighted expert outputs, weights [T, k] -> [T, H] (as LocalDispatcher sums)."""
+    t, k = weights.shape
+    weighted = (pair_out.float() * weights.reshape(-1, 1)).to(dtype)
+    return weighted.view(t, k, pair_out.shape[-1]).sum(dim=1)
 
 
 class LocalDispatcher:
-    def __call__(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor,
-                 experts: FusedExperts) -> torch.Tensor:
-        """x [T, H]; weights, expert_ids [T, k] -> [T, H]."""
-        t, k = expert_ids.shape
-        rows = x.repeat_interleave(k, dim=0)  # [T*k, H], row t*k+j is token t for its j-th expert
-        out = experts(rows, expert_ids.reshape(-1), weights.reshape(-1))
-        return out.view(t, k, -1).sum(dim=1)
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor):
+        return x, weights, phys_ids
+
+    def combine(self, handle, experts: FusedExperts) -> torch.Tensor:
+        """x [T, H]; weights, phys_ids [T, k] -> [T, H]."""
+        x, weights, phys_ids = handle
+        t, k = phys_ids.shape
+        with timed("experts"):
+            rows = x.repeat_interleave(k, dim=0)  # [T*k, H], row t*k+j is token t for its j-th expert
+            out = experts(rows, phys_ids.reshape(-1), weights.reshape(-1))
+            return out.view(t, k, x.shape[1]).sum(dim=1)
+
+
+@dataclass
+class _A2AHandle:
+    x: torch.Tensor  # [T, H] this rank's tokens
+    weights: torch.Tensor  # [T, k]
+    order: torch.Tensor  # [T*k] pair index of each sent row (sorted by destination rank)
+    send_counts: list[int]
+    recv_counts: list[int]
+    parts: list  # (tensor, work) of the encoded rows in flight
+    slots: tuple  # (tensor, work) local slot of each received row
+
+
+class AllToAllDispatcher:
+    def __init__(self, group: GroupCoordinator, placement: LayerPlacement, codec: PayloadCodec | None = None):
+        self.group, self.placement = group, placement
+        self.codec = codec or PayloadCodec()
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> _A2AHandle:
+        with timed("dispatch"):
+            k, s, w = phys_ids.shape[1], self.placement.slots_per_rank, self.group.world_size
+            flat = phys_ids.reshape(-1)  # [T*k]
+            order = (flat // s).argsort(stable=True)  # pairs grouped by destination rank
+            send_counts_t = torch.bincount(flat // s, minlength=w)  # [W]
+            recv_counts = self.group.exchange_counts(send_counts_t)
+            send_counts = send_counts_t.tolist()
+            rows = x[order // k]  # [T*k, H] in send order
+            parts = [self.group.all_to_all(p, send_counts, recv_counts, async_op=True)
+                     for p in self.codec.encode(rows)]
+            slots = self.group.all_to_all((flat[order] % s).to(torch.int32).contiguous(), send_counts,
+                                          recv_counts, async_op=True, kind="alltoall_meta")
+        return _A2AHandle(x, weights, order, send_counts, recv_counts, parts, slots)
+
+    def combine(self, h: _A2AHandle, experts: FusedExperts) -> torch.Tensor:
+        with timed("dispatch"):  # waiting for the rows is part of the dispatch
+            for _, work in h.parts + [h.slots]:
+                if work is not None:
+                    work.wait()
+            recv = self.codec.decode([t for t, _ in h.parts])  # [N_recv, H]
+            slots = h.slots[0].long()
+        with timed("experts"):
+            y = experts(recv, slots, torch.ones(recv.shape[0], dtype=torch.float32))  # unweighted
+        with timed("combine"):
+            back = self.codec.decode([self.group.all_to_all(p, h.recv_counts, h.send_counts, kind="alltoall")
+                                      for p in self.codec.encode(y)])  # [T*k, H] in send order
+            pair_out = torch.empty_like(back)
+            pair_out[h.order] = back
+            return _weighted_sum(pair_out, h.weights, h.x.dtype)
+
+
+@dataclass
+class _AGHandle:
+    num_tokens: int
+    width: int  # padded tokens per rank
+    gathered: list  # (tensor, work): rows, weights, phys ids of all ranks
+
+
+class AllGatherDispatcher:
+    def __init__(self, group: GroupCoordinator, placement: LayerPlacement, codec: PayloadCodec | None = None):
+        self.group, self.placement = group, placement
+        self.codec = codec or PayloadCodec()
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> _AGHandle:
+        with timed("dispatch"):
+            t = x.shape[0]
+            sizes = self.group.all_gather(torch.tensor([t], device=self.group.device), kind="counts")
+            width = int(sizes.max())
+            padded = [_pad(p, width) for p in self.codec.encode(x)]
+            meta = [_pad(weights, width), _pad(phys_ids, width, fill=-1)]
+            gathered = [self.group.all_gather(p, async_op=True) for p in padded + meta]
+        return _AGHandle(t, width, gathered)
+
+    def combine(self, h: _AGHandle, experts: FusedExperts) -> torch.Tensor:
+        with timed("dispatch"):
+            for _, work in h.gathered:
+                if work is not None:
+                    work.wait()
+            tensors = [t for t, _ in h.gathered]
+            x = self.codec.decode(tensors[:-2])  # [W*width, H]
+            weights, phys = tensors[-2], tensors[-1]  # [W*width, k]
+        with timed("experts"):
+            local = self._local_slots(phys)  # [W*width, k], -1 where another rank computes the pair
+            k = phys.shape[1]
+            rows = x.repeat_interleave(k, dim=0)
+            partial = experts(rows, local.reshape(-1), weights.reshape(-1)).view(-1, k, x.shape[1]).sum(dim=1)
+        with timed("combine"):
+            return self.group.reduce_scatter(partial.contiguous())[: h.num_tokens]
+
+    def _local_slots(self, phys: torch.Tensor) -> torch.Tensor:
+        if self.placement.experts_tp_sharded:
+            return phys  # every slot is here (sliced); padding stays -1
+        s, r = self.placement.slots_per_rank, self.placement.rank
+        mine = (phys >= r * s) & (phys < (r + 1) * s)
+        return torch.where(mine, phys - r * s, torch.full_like(phys, -1))
+
+
+def _pad(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
+    out = t.new_full((rows,) + tuple(t.shape[1:]), fill)
+    out[: t.shape[0]] = t
+    return out
+
+
+def make_dispatcher(comm: str, group: GroupCoordinator, placement: LayerPlacement):
+    if comm == "local" or group.world_size == 1:
+        return LocalDispatcher()
+    if comm == "alltoall":
+        return AllToAllDispatcher(group, placement)
+    if comm == "allgather":
+        return AllGatherDispatcher(group, placement)
+    raise ValueError(f"unknown MoE communication {comm!r}")

@@ -1,4 +1,9 @@
-"""Routed experts of one MoE layer, stored stacked: w13 [E_local, 2*I, H] (gate; up) and w2 [E_local, H, I]."""
+"""Routed experts of one MoE layer, stored stacked: w13 [E_local, 2*I, H] (gate; up) and w2 [E_local, H, I].
+
+With TP-sharded experts (no expert parallelism, several ranks) each rank holds the slice
+[shard_rank * I, (shard_rank + 1) * I) of every expert's intermediate dim and produces partial sums that
+the allgather dispatcher adds up by reduce-scatter (SwiGLU is elementwise over the intermediate dim).
+"""
 from __future__ import annotations
 
 import torch
@@ -10,8 +15,11 @@ class FusedExperts(nn.Module):
     CHECKPOINT_LEAVES = ("weight",)  # per expert projection, what a checkpoint must provide
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int,
-                 slot_experts: list[int] | None = None) -> None:
+                 slot_experts: list[int] | None = None, shard_rank: int = 0, num_shards: int = 1) -> None:
         super().__init__()
+        assert intermediate % num_shards == 0, "callers validate the intermediate split (placement.build_plan)"
+        intermediate //= num_shards
+        self.shard_rank, self.num_shards = shard_rank, num_shards
         self.num_local_experts, self.intermediate = num_local_experts, intermediate
         # slot_experts[s] = logical expert whose weights local slot s holds (identity when all are here)
         self.slot_experts = list(range(num_local_experts)) if slot_experts is None else list(slot_experts)
@@ -42,6 +50,16 @@ class FusedExperts(nn.Module):
         with torch.no_grad():
             dst.copy_(tensor)
         return ["weight"]
+
+    def shard(self, proj: str, tensor: torch.Tensor, leaf: str = "weight") -> torch.Tensor:
+        """This rank's part of a checkpoint tensor when TP-sharded: gate/up rows (and their per-row
+        scales), down_proj columns (its per-row scales are whole)."""
+        if self.num_shards == 1:
+            return tensor
+        part = slice(self.shard_rank * self.intermediate, (self.shard_rank + 1) * self.intermediate)
+        if proj == "down_proj":
+            return tensor[:, part] if leaf == "weight" else tensor
+        return tensor[part]
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted expert outputs summed per token.

@@ -1,12 +1,20 @@
-"""One MoE block: Router -> Dispatch -> Experts -> Combine, plus the shared experts."""
+"""One MoE block: Router -> placement map -> Dispatch -> Experts -> Combine, plus the shared experts.
+
+With a TP group of T > 1 every TP rank holds the same tokens after attention; each takes its 1/T share of
+the rows into the MoE (so no pair is dispatched twice) and the TP group gathers the outputs back.
+The shared experts run on this rank's rows while the dispatch transfer is in flight.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from moeserve.distributed.comm import timed
+from moeserve.distributed.parallel_state import get_ep_group, get_tp_group
 from moeserve.layers.mlp import DenseMLP
-from moeserve.layers.moe.dispatch import LocalDispatcher
+from moeserve.layers.moe.dispatch import make_dispatcher
 from moeserve.layers.moe.experts import FusedExperts
+from moeserve.layers.moe.placement import ExpertMap, current_layer_placement
 from moeserve.layers.moe.router import Router
 from moeserve.models.config import DeepseekArch
 
@@ -16,14 +24,28 @@ class MoE(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.gate = Router(arch)
-        self.experts = FusedExperts(arch.n_routed_experts, arch.hidden_size, arch.moe_intermediate_size)
+        comm, placement = current_layer_placement(layer_idx, arch.n_routed_experts)
+        self.tp, ep = get_tp_group(), get_ep_group()
+        sharded = placement.experts_tp_sharded
+        self.experts = FusedExperts(placement.slots_per_rank, arch.hidden_size, arch.moe_intermediate_size,
+                                    placement.local_slot_experts(), shard_rank=ep.rank if sharded else 0,
+                                    num_shards=ep.world_size if sharded else 1)
+        self.expert_map = ExpertMap(placement)
         self.shared_experts = (DenseMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts)
                                if arch.n_shared_experts else None)
-        self.dispatcher = LocalDispatcher()
+        self.dispatcher = make_dispatcher(comm, ep, placement)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, expert_ids = self.gate(x)
-        out = self.dispatcher(x, weights, expert_ids, self.experts)
+        rows = x.tensor_split(self.tp.world_size)[self.tp.rank] if self.tp.world_size > 1 else x  # [T_tp, H]
+        with timed("router"):
+            weights, expert_ids = self.gate(rows)  # [T_tp, k] float32, logical ids
+            phys_ids = self.expert_map.to_physical(expert_ids)  # [T_tp, k] physical slots
+        handle = self.dispatcher.dispatch(rows, weights, phys_ids)
+        shared = None
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            with timed("shared_experts"):
+                shared = self.shared_experts(rows)
+        out = self.dispatcher.combine(handle, self.experts)
+        if shared is not None:
+            out = out + shared
+        return self.tp.all_gather_varlen(out) if self.tp.world_size > 1 else out

@@ -52,4 +52,4 @@ class Router(nn.Module):
         keep_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
         group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
         expert_mask = group_mask[:, :, None].expand(-1, -1, self.num_experts // self.n_group)
-        return s.masked_fill(~expert_mask.reshape(s.shape[0], -1), fill)
+        return s.masked_fill(~expert_mask.reshape(s.shape[0], self.num_experts), fill)  # explicit: T may be 0

@@ -1,0 +1,144 @@
+"""Collectives of one process group, with byte accounting, and per-phase step timing.
+
+GroupCoordinator wraps a torch.distributed group (or none, for a group of one rank, where every collective
+is the identity). Each collective records the payload bytes this rank sends to other ranks under its kind
+("alltoall", "allgather", "reduce_scatter", "allreduce", "broadcast"), so benchmarks and /metrics can see
+what moved. Ring/pairwise algorithms are assumed: allgather of n bytes sends n * (W-1); reduce-scatter of
+n bytes sends n * (W-1)/W; all-reduce 2 n (W-1)/W; all-to-all the rows addressed to other ranks.
+
+StepStats (module-level, one per process: a rank is a process) accumulates bytes and phase seconds; the
+engine resets it each step and reports it in EngineStats.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+PHASES = ("attention", "router", "dispatch", "experts", "combine", "shared_experts")
+
+
+@dataclass
+class StepStats:
+    bytes: dict[str, int] = field(default_factory=dict)  # collective kind -> bytes sent by this rank
+    seconds: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    calls: dict[str, int] = field(default_factory=dict)  # collective kind -> number of calls
+
+    def add_bytes(self, kind: str, nbytes: int) -> None:
+        self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def reset(self) -> "StepStats":
+        """Return the accumulated stats and start afresh."""
+        done = StepStats(self.bytes, self.seconds, self.calls)
+        self.bytes, self.seconds, self.calls = {}, {}, {}
+        return done
+
+
+STATS = StepStats()
+
+
+@contextlib.contextmanager
+def timed(phase: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        STATS.add_time(phase, time.perf_counter() - start)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class GroupCoordinator:
+    """One named group of ranks ("tp", "dp", "ep", "world") as seen from this rank."""
+
+    def __init__(self, name: str, ranks: list[int], rank: int, group=None, device=None) -> None:
+        self.name, self.ranks = name, list(ranks)
+        self.rank = self.ranks.index(rank)  # rank within the group
+        self.world_size = len(self.ranks)
+        self.group = group
+        self.device = device or torch.device("cpu")
+        assert self.world_size == 1 or group is not None, f"group {name} of {self.world_size} ranks needs a process group"
+
+    @classmethod
+    def single(cls, name: str) -> "GroupCoordinator":
+        return cls(name, [0], 0)
+
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        STATS.add_bytes("allreduce", 2 * _nbytes(x) * (self.world_size - 1) // self.world_size)
+        dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, async_op: bool = False, kind: str = "allgather"):
+        """Concatenate x [n, ...] (same n on every rank) along dim 0 -> [W * n, ...] (and a work handle)."""
+        if self.world_size == 1:
+            return (x, None) if async_op else x
+        assert x.is_contiguous(), "all_gather needs a contiguous tensor"
+        out = x.new_empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]))
+        STATS.add_bytes(kind, _nbytes(x) * (self.world_size - 1))
+        work = dist.all_gather_into_tensor(out, x, group=self.group, async_op=async_op)
+        return (out, work) if async_op else out
+
+    def all_gather_varlen(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate x [n_i, ...] of different lengths along dim 0, in rank order."""
+        if self.world_size == 1:
+            return x
+        sizes = self.all_gather(torch.tensor([x.shape[0]], device=self.device), kind="counts").tolist()
+        padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))
+        padded[: x.shape[0]] = x
+        full = self.all_gather(padded).view(self.world_size, max(sizes), *x.shape[1:])
+        return torch.cat([full[r, :n] for r, n in enumerate(sizes)])
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x [W * n, ...] over ranks and keep this rank's [n, ...] share."""
+        if self.world_size == 1:
+            return x
+        assert x.shape[0] % self.world_size == 0 and x.is_contiguous()
+        out = x.new_empty((x.shape[0] // self.world_size,) + tuple(x.shape[1:]))
+        STATS.add_bytes("reduce_scatter", _nbytes(x) * (self.world_size - 1) // self.world_size)
+        dist.reduce_scatter_tensor(out, x, group=self.group)
+        return out
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   async_op: bool = False, kind: str = "alltoall"):
+        """Rows x[sum(send_counts[:r]) : ...] go to rank r; returns [sum(recv_counts), ...] (and a handle)."""
+        if self.world_size == 1:
+            return (x, None) if async_op else x
+        assert x.is_contiguous() and x.shape[0] == sum(send_counts)
+        out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+        row = _nbytes(x[:1]) if x.shape[0] else 0
+        STATS.add_bytes(kind, row * (sum(send_counts) - send_counts[self.rank]))
+        work = dist.all_to_all_single(out, x, output_split_sizes=recv_counts, input_split_sizes=send_counts,
+                                      group=self.group, async_op=async_op)
+        return (out, work) if async_op else out
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
+        """send_counts [W] rows this rank sends to each rank -> rows it will receive from each."""
+        if self.world_size == 1:
+            return send_counts.tolist()
+        recv = self.all_to_all(send_counts.to(self.device).contiguous(), [1] * self.world_size,
+                               [1] * self.world_size, kind="counts")
+        return recv.tolist()
+
+    def broadcast_bytes(self, payload: bytes | None, src: int = 0) -> bytes:
+        """Send a msgspec-encoded message from group rank src to all (length first, then the bytes)."""
+        if self.world_size == 1:
+            return payload
+        length = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.long)
+        dist.broadcast(length, self.ranks[src], group=self.group)
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == src
+               else torch.empty(int(length), dtype=torch.uint8))
+        if int(length):
+            STATS.add_bytes("broadcast", int(length) * (self.world_size - 1) if self.rank == src else 0)
+            dist.broadcast(buf, self.ranks[src], group=self.group)
+        return bytes(buf.numpy())

@@ -1,0 +1,106 @@
+"""One rank grid and its named groups: world, dp, tp, ep.
+
+Global rank r = dp_rank * T + tp_rank (T = --tensor-parallel-size, D = --data-parallel-size):
+  tp group of r: the T ranks of its DP rank (attention heads are sharded over it);
+  dp group of r: the D ranks with its tp_rank;
+  ep group:      all D x T ranks (MoE layers: whole experts with --enable-expert-parallel, otherwise every
+                 expert TP-sharded over them).
+Layers ask get_tp_group() / get_ep_group(); nothing else reads the world size. A process that never called
+init_distributed() is the single-process engine: every group has one rank and collectives are identities.
+
+Lifecycle: init_distributed() once per rank process (before the model is built) -> collectives ->
+destroy_distributed() at exit.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moeserve.config import ParallelConfig
+from moeserve.distributed.comm import GroupCoordinator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    dp_rank: int
+    tp_rank: int
+    world_size: int
+
+    @classmethod
+    def of(cls, rank: int, parallel: ParallelConfig) -> "RankInfo":
+        t = parallel.tensor_parallel_size
+        return cls(rank, rank // t, rank % t, parallel.world_size)
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (dp {self.dp_rank}, tp {self.tp_rank})"
+
+
+_GROUPS: dict[str, GroupCoordinator] = {}
+
+
+def _group(name: str) -> GroupCoordinator:
+    g = _GROUPS.get(name)
+    return g if g is not None else GroupCoordinator.single(name)
+
+
+def get_world_group() -> GroupCoordinator:
+    return _group("world")
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _group("tp")
+
+
+def get_dp_group() -> GroupCoordinator:
+    return _group("dp")
+
+
+def get_ep_group() -> GroupCoordinator:
+    return _group("ep")
+
+
+def is_initialized() -> bool:
+    return bool(_GROUPS)
+
+
+def resolve_backend(parallel: ParallelConfig, device: torch.device) -> str:
+    if parallel.distributed_backend != "auto":
+        return parallel.distributed_backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
+                     device: torch.device | None = None) -> RankInfo:
+    """Join the process group of all D x T ranks and build the named sub-groups."""
+    device = device or torch.device("cpu")
+    info = RankInfo.of(rank, parallel)
+    timeout = datetime.timedelta(seconds=parallel.distributed_timeout)
+    dist.init_process_group(resolve_backend(parallel, device), init_method=init_method, rank=rank,
+                            world_size=parallel.world_size, timeout=timeout)
+    d, t = parallel.data_parallel_size, parallel.tensor_parallel_size
+    world = list(range(d * t))
+    # Every rank must create every group, in the same order (torch.distributed.new_group is collective).
+    tp_groups = [[dp * t + i for i in range(t)] for dp in range(d)]
+    dp_groups = [[dp * t + i for dp in range(d)] for i in range(t)]
+    _GROUPS["world"] = GroupCoordinator("world", world, rank, dist.group.WORLD, device)
+    _GROUPS["ep"] = GroupCoordinator("ep", world, rank, dist.group.WORLD, device)
+    for name, groups in (("tp", tp_groups), ("dp", dp_groups)):
+        for ranks in groups:
+            pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
+            if rank in ranks:
+                _GROUPS[name] = GroupCoordinator(name, ranks, rank, pg, device)
+    logger.info("%s joined a grid of %d x %d ranks", info.describe(), d, t)
+    return info
+
+
+def destroy_distributed() -> None:
+    _GROUPS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,195 @@
+"""The front end of a multi-rank engine, with EngineCore's interface (add_request, abort_requests, step,
+has_unfinished, stats), so the offline LLM and the server's engine-core process host either.
+
+Lifecycle: __init__ launches the local ranks (launch.py) and waits until every DP rank's TP leader has
+loaded its shard and reported ready -> add_request sends each request to the DP rank with the least
+outstanding work (prompt tokens + tokens still to generate of its unfinished requests) -> step() returns
+the outputs the ranks reported since the last call -> shutdown() tells all ranks to stop together.
+If a rank dies or reports a failure, step() raises EngineDeadError naming the rank; the other ranks are
+stopped (their collectives fail, or they are killed after the timeout).
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+import weakref
+
+import msgspec
+import zmq
+
+from moeserve.config import EngineConfig
+from moeserve.engine.launch import LocalRanks, TorchrunEnv, resolve_endpoints
+from moeserve.engine.request import RequestStatus
+from moeserve.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats, RankCommand, RankReport
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0  # loading a big checkpoint on every rank takes a while
+
+
+class EngineDeadError(RuntimeError):
+    """A rank process died or failed; the message names it."""
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class DPEngineClient:
+    def __init__(self, config: EngineConfig, torchrun: TorchrunEnv | None = None) -> None:
+        parallel, init_method, zmq_addr = resolve_endpoints(config.parallel, torchrun)
+        self.config = EngineConfig(config.model, config.cache, config.scheduler, parallel)
+        self.dp_size, self.tp_size = parallel.data_parallel_size, parallel.tensor_parallel_size
+        self.timeout = parallel.distributed_timeout
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = zmq_addr.rsplit(":", 1)[1]
+        self.sock.bind(f"tcp://{'*' if parallel.nnodes > 1 or torchrun else '127.0.0.1'}:{port}")
+        self.ranks = LocalRanks(self.config, init_method, zmq_addr, torchrun)
+        self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.dp_size)
+        self.decoder = msgspec.msgpack.Decoder(RankReport)
+        self.owner: dict[str, int] = {}  # unfinished request id -> DP rank
+        self.cost: dict[str, int] = {}  # request id -> outstanding tokens it adds to its rank
+        self.load = [0] * self.dp_size  # outstanding tokens per DP rank
+        self.rank_stats: list[EngineStats] = [EngineStats() for _ in range(self.dp_size)]
+        self.dead: str | None = None
+        self._last_progress = time.monotonic()
+        self._wait_ready()
+
+    # ---- EngineCore interface ----------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        dp = min(range(self.dp_size), key=lambda d: (self.load[d], d))
+        max_new = req.sampling_params.max_tokens or self.config.scheduler.max_model_len
+        cost = len(req.prompt_token_ids) + max_new
+        self.owner[req.request_id], self.cost[req.request_id] = dp, cost
+        self.load[dp] += cost
+        self._send(dp, RankCommand(requests=[req]))
+
+    def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for rid in request_ids:
+            if rid in self.owner:
+                by_rank.setdefault(self.owner[rid], []).append(rid)
+                self._forget(rid)
+        for dp, ids in by_rank.items():
+            self._send(dp, RankCommand(aborts=ids, abort_status=reason.value))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.owner)
+
+    def step(self, poll_s: float = 0.05) -> list[EngineCoreOutput]:
+        """Outputs reported since the last call (waits up to poll_s for the first)."""
+        self._check_alive()
+        outputs: list[EngineCoreOutput] = []
+        timeout_ms = int(poll_s * 1000)
+        while self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            report = self._recv()
+            self.rank_stats[report.dp_rank] = report.stats or self.rank_stats[report.dp_rank]
+            for out in report.outputs:
+                if out.request_id not in self.owner:
+                    continue  # aborted here already
+                self.load[self.owner[out.request_id]] -= len(out.new_token_ids)
+                self.cost[out.request_id] -= len(out.new_token_ids)
+                if out.finish_reason is not None:
+                    self._forget(out.request_id)
+                outputs.append(out)
+        if outputs or not self.owner:
+            self._last_progress = time.monotonic()
+        elif time.monotonic() - self._last_progress > self.timeout:
+            self._fail(f"no output from any rank for {self.timeout:.0f} s (--distributed-timeout) while "
+                       f"{len(self.owner)} request(s) are unfinished")
+        return outputs
+
+    def stats(self) -> EngineStats:
+        """Sums over DP ranks (comm bytes and phase seconds of the TP leaders)."""
+        total = EngineStats()
+        for s in self.rank_stats:
+            total.num_running += s.num_running
+            total.num_waiting += s.num_waiting
+            total.num_preemptions += s.num_preemptions
+            total.num_steps = max(total.num_steps, s.num_steps)
+            total.num_dummy_steps += s.num_dummy_steps
+            total.kv_cache_usage = max(total.kv_cache_usage, s.kv_cache_usage)
+            for k, v in s.comm_bytes.items():
+                total.comm_bytes[k] = total.comm_bytes.get(k, 0) + v
+            for k, v in s.phase_seconds.items():
+                total.phase_seconds[k] = total.phase_seconds.get(k, 0.0) + v
+        total.outstanding_tokens = sum(self.load)
+        return total
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _forget(self, rid: str) -> None:
+        dp = self.owner.pop(rid)
+        self.load[dp] -= self.cost.pop(rid)
+
+    def _send(self, dp: int, cmd: RankCommand) -> None:
+        self.sock.send_multipart([f"dp{dp}".encode(), msgspec.msgpack.encode(cmd)])
+
+    def _recv(self) -> RankReport:
+        _, payload = self.sock.recv_multipart()
+        report = self.decoder.decode(payload)
+        if report.error:
+            # A rank whose collective failed usually reports before the dead peer is reaped: give the
+            # cause a moment to show, and name it first.
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and not any(c < 0 for c in self.ranks.dead().values()):
+                time.sleep(0.05)
+            cause = self._dead_rank_text()
+            self._fail(f"{cause} (then {report.error})" if cause else report.error)
+        return report
+
+    def _wait_ready(self) -> None:
+        ready: set[int] = set()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < self.dp_size:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                self._fail(f"DP ranks {sorted(set(range(self.dp_size)) - ready)} did not start within "
+                           f"{STARTUP_TIMEOUT_S:.0f} s")
+            if self.sock.poll(100):
+                report = self._recv()
+                ready.add(report.dp_rank)
+
+    def _check_alive(self) -> None:
+        if self.dead:
+            raise EngineDeadError(self.dead)
+        cause = self._dead_rank_text()
+        if cause:
+            self._fail(cause)
+
+    def _dead_rank_text(self) -> str | None:
+        dead = self.ranks.dead()
+        if not dead:
+            return None
+        # A rank killed by a signal is the cause; ranks that exited 1 failed in a collective after it.
+        first = min(dead, key=lambda r: (dead[r] >= 0, r))
+        t = self.tp_size
+        return f"rank {first} (dp {first // t}, tp {first % t}) {_exit_text(dead[first])}; the engine stopped"
+
+    def _fail(self, message: str) -> None:
+        self.dead = message
+        self._finalizer()
+        raise EngineDeadError(message)
+
+
+def _stop(sock, ranks: LocalRanks, dp_size: int) -> None:
+    """Ask every DP rank to shut down, then make sure the local processes are gone."""
+    try:
+        for dp in range(dp_size):
+            sock.send_multipart([f"dp{dp}".encode(), msgspec.msgpack.encode(RankCommand(shutdown=True))],
+                                flags=zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+    ranks.join(timeout=10)
+    ranks.kill()
+    sock.close()

@@ -1,0 +1,168 @@
+"""One rank process of a multi-rank engine: an EngineCore stepping in lockstep with all other ranks.
+
+Lifecycle: rank_main() joins the process group -> builds its EngineCore (its shard of the model) -> the
+TP leader (tp_rank 0) of each DP rank connects to the front end over ZMQ and reports ready -> loop:
+  1. the leader drains RankCommands (msgspec) from the front end; with T > 1 it broadcasts them to its TP
+     peers, so all TP ranks of a DP rank run identical schedulers;
+  2. a tiny all-gather over all ranks: [has work, shutdown, prefill demand, decodes]; nobody has work ->
+     wait for commands; anyone shuts down -> all leave together;
+  3. every rank steps (a rank with no work runs an empty forward: the MoE layers are collectives), with a
+     token budget that evens prefill tokens across DP ranks (prefill bucketing);
+  4. the leader sends the step's outputs and stats back.
+A failed collective (a dead peer, a timeout) ends the rank with a RankReport naming it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import msgspec
+import torch
+import zmq
+
+from moeserve.config import EngineConfig
+from moeserve.distributed import comm
+from moeserve.distributed.parallel_state import (RankInfo, destroy_distributed, get_tp_group, get_world_group,
+                                                 init_distributed)
+from moeserve.engine.engine_core import EngineCore
+from moeserve.engine.request import RequestStatus
+from moeserve.protocol import EngineStats, RankCommand, RankReport
+
+IDLE_POLL_MS = 10  # how long an idle leader waits for commands before the next agreement round
+MIN_PREFILL_CHUNK = 32  # prefill balancing never chunks below this many tokens per rank and step
+
+
+def balanced_budget(flags: torch.Tensor, dp_size: int, tp_size: int, max_tokens: int, decodes: int) -> int | None:
+    """Token budget of this rank: its decodes plus an even share of all ranks' prefill demand.
+
+    flags [W, 4] per rank (has work, shutdown, prefill demand, decodes); TP peers repeat their DP rank.
+    """
+    if dp_size == 1:
+        return None
+    total = int(flags[:, 2].sum()) // tp_size
+    share = max(-(-total // dp_size), MIN_PREFILL_CHUNK)
+    return min(max_tokens, decodes + share)
+
+
+class RankWorker:
+    def __init__(self, config: EngineConfig, info: RankInfo, zmq_addr: str, parent_pid: int | None) -> None:
+        self.config, self.info, self.parent_pid = config, info, parent_pid
+        self.world, self.tp = get_world_group(), get_tp_group()
+        self.leader = info.tp_rank == 0
+        self.core = EngineCore(config)
+        self.stats = EngineStats()
+        self.sock = None
+        if self.leader:
+            self.sock = zmq.Context.instance().socket(zmq.DEALER)
+            self.sock.setsockopt(zmq.IDENTITY, f"dp{info.dp_rank}".encode())
+            self.sock.setsockopt(zmq.LINGER, 1000)
+            self.sock.connect(zmq_addr)
+            self.report(RankReport(info.dp_rank, ready=True))
+        self.decoder = msgspec.msgpack.Decoder(RankCommand)  # from the front end
+        self.list_decoder = msgspec.msgpack.Decoder(list[RankCommand])  # from the TP leader
+
+    def report(self, msg: RankReport) -> None:
+        self.sock.send(msgspec.msgpack.encode(msg))
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+    def run(self) -> None:
+        anyone_busy = False
+        while True:
+            shutdown = self._apply(self._commands(wait=not anyone_busy))
+            s = self.core.scheduler
+            mine = torch.tensor([[int(self.core.has_unfinished()), int(shutdown), s.prefill_demand(),
+                                  s.num_decodes()]], dtype=torch.long)
+            flags = self.world.all_gather(mine, kind="step_sync")  # [W, 4]
+            if flags[:, 1].any():
+                return
+            anyone_busy = bool(flags[:, 0].any())
+            if anyone_busy:
+                self._step(flags, int(mine[0, 3]))
+
+    def _step(self, flags: torch.Tensor, decodes: int) -> None:
+        p = self.config.parallel
+        budget = balanced_budget(flags, p.data_parallel_size, p.tensor_parallel_size,
+                                 self.config.scheduler.max_num_batched_tokens, decodes)
+        idle = not self.core.has_unfinished()
+        outputs = self.core.step(budget, lockstep=True)
+        step = comm.STATS.reset()
+        st = self.stats
+        st.num_steps += 1
+        st.num_dummy_steps += int(idle)
+        for k, v in step.bytes.items():
+            st.comm_bytes[k] = st.comm_bytes.get(k, 0) + v
+        for k, v in step.seconds.items():
+            st.phase_seconds[k] = st.phase_seconds.get(k, 0.0) + v
+        if self.leader:  # every step, so idle ranks' stats (their empty steps) are seen too
+            s = self.core.stats()
+            st.num_running, st.num_waiting, st.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
+            st.num_preemptions, st.outstanding_tokens = s.num_preemptions, s.outstanding_tokens
+            self.report(RankReport(self.info.dp_rank, outputs, st))
+
+    def _commands(self, wait: bool) -> list[RankCommand]:
+        """This step's commands: read by the leader, identical on every TP rank of the DP rank."""
+        cmds: list[RankCommand] = []
+        if self.leader:
+            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                raise RuntimeError("the front-end process exited")
+            timeout = IDLE_POLL_MS if wait and not self.core.has_unfinished() else 0
+            while self.sock.poll(timeout):
+                cmds.append(self.decoder.decode(self.sock.recv()))
+                timeout = 0
+        if self.tp.world_size > 1:
+            payload = msgspec.msgpack.encode(cmds) if self.leader else None
+            cmds = self.list_decoder.decode(self.tp.broadcast_bytes(payload))
+        return cmds
+
+    def _apply(self, cmds: list[RankCommand]) -> bool:
+        """Apply commands in order; True if one asks to shut down."""
+        for cmd in cmds:
+            for req in cmd.requests:
+                self.core.add_request(req)
+            if cmd.aborts:
+                self.core.abort_requests(cmd.aborts, RequestStatus(cmd.abort_status))
+        return any(c.shutdown for c in cmds)
+
+
+def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, parent_pid: int | None,
+              num_threads: int) -> None:
+    """Entry point of a rank process (spawned by launch.py, or called per process under torchrun)."""
+    torch.set_num_threads(num_threads)
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    info = RankInfo.of(rank, config.parallel)
+    worker = None
+    try:
+        init_distributed(config.parallel, rank, init_method)
+        worker = RankWorker(config, info, zmq_addr, parent_pid)
+        worker.run()
+    except BaseException as e:  # noqa: BLE001 - report any failure, then exit non-zero
+        msg = f"{info.describe()} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        print(f"moeserve: {msg}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if worker is not None and worker.sock is not None:
+            worker.report(RankReport(info.dp_rank, error=msg))
+            time.sleep(0.2)  # let ZMQ flush the report
+        os._exit(1)  # skip process-group teardown: peers may be gone and it could block
+    worker.close()
+    destroy_distributed()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="one moeserve rank (started by moeserve.engine.launch)")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--init-method", required=True)
+    ap.add_argument("--zmq-addr", required=True)
+    ap.add_argument("--parent-pid", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    rank_main(sys.stdin.buffer.read(), a.rank, a.init_method, a.zmq_addr, a.parent_pid, a.threads)
+
+
+if __name__ == "__main__":
+    main()

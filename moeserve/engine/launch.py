@@ -1,0 +1,156 @@
+"""Where the rank processes of a multi-rank engine come from.
+
+- One node: the front end (LLM, or the server's engine-core process) spawns all D x T ranks locally.
+- Several nodes (--nnodes N --node-rank i --master-addr A --master-port P): every node runs the same
+  command; each spawns its D x T / N local ranks; node 0 also hosts the front end, which the TP-leader
+  ranks reach over ZMQ at A:P+1 (torch.distributed uses A:P).
+- torchrun: each torchrun process is one rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are honoured);
+  RANK 0 hosts the front end and runs its own rank in a thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+import moeserve
+
+from moeserve.config import ConfigError, EngineConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def detect(cls) -> "TorchrunEnv | None":
+        env = os.environ
+        if "TORCHELASTIC_RUN_ID" not in env and "LOCAL_RANK" not in env:
+            return None
+        return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), env.get("MASTER_ADDR", "127.0.0.1"),
+                   int(env.get("MASTER_PORT", "29500")))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_endpoints(parallel: ParallelConfig, torchrun: TorchrunEnv | None) -> tuple[ParallelConfig, str, str]:
+    """(parallel with a fixed master port, torch.distributed init method, ZMQ address of the front end)."""
+    if torchrun is not None:
+        if torchrun.world_size != parallel.world_size:
+            raise ConfigError(f"torchrun started {torchrun.world_size} processes but --data-parallel-size x "
+                              f"--tensor-parallel-size is {parallel.world_size}; make them agree")
+        parallel = dataclasses.replace(parallel, master_addr=torchrun.master_addr, master_port=torchrun.master_port)
+        return parallel, "env://", f"tcp://{torchrun.master_addr}:{torchrun.master_port + 1}"
+    if parallel.master_port is None:
+        parallel = dataclasses.replace(parallel, master_port=free_port())
+    addr, port = parallel.master_addr, parallel.master_port
+    zmq_port = port + 1 if parallel.nnodes > 1 else free_port()
+    return parallel, f"tcp://{addr}:{port}", f"tcp://{addr}:{zmq_port}"
+
+
+def check_parallel_layout(config: EngineConfig, arch) -> None:
+    """Refuse layouts the model cannot take, before any process starts (messages name the flag)."""
+    from moeserve.layers.moe.placement import build_plan
+
+    parallel = config.parallel
+    if config.speculative is not None and parallel.world_size > 1:
+        # The MTP draft layer has an MoE block; idle ranks would have to join its collectives too.
+        raise ConfigError("--speculative-config is not supported with several ranks yet: drop it or use "
+                          "--data-parallel-size 1 --tensor-parallel-size 1")
+    t = parallel.tensor_parallel_size
+    if arch.num_attention_heads % t:
+        raise ConfigError(f"--tensor-parallel-size {t} does not divide the model's {arch.num_attention_heads} "
+                          "attention heads; choose a divisor")
+    build_plan(parallel, arch, 0)
+
+
+def run_ranks_only(config: EngineConfig, torchrun: TorchrunEnv | None) -> None:
+    """A node (or torchrun process) without the front end: run its ranks until the front end stops them."""
+    parallel, init_method, zmq_addr = resolve_endpoints(config.parallel, torchrun)
+    config = EngineConfig(config.model, config.cache, config.scheduler, parallel)
+    if torchrun is not None:
+        from moeserve.engine.dp_worker import rank_main
+        rank_main(msgspec.msgpack.encode(config), torchrun.rank, init_method, zmq_addr, None, 1)
+        return
+    ranks = LocalRanks(config, init_method, zmq_addr)
+    ranks.join()
+    bad = {r: c for r, c in ranks.dead().items() if c != 0}
+    if bad:
+        raise RuntimeError(f"rank(s) {sorted(bad)} on node {parallel.node_rank} failed (exit codes {bad})")
+
+
+def needs_ranks(parallel: ParallelConfig, torchrun: TorchrunEnv | None) -> bool:
+    return parallel.world_size > 1 or torchrun is not None
+
+
+def hosts_front_end(parallel: ParallelConfig, torchrun: TorchrunEnv | None) -> bool:
+    return torchrun.rank == 0 if torchrun is not None else parallel.node_rank == 0
+
+
+class LocalRanks:
+    """The rank processes this node runs (or, under torchrun, this process's rank in a thread).
+
+    Ranks are fresh interpreters (`python -m moeserve.engine.dp_worker`) that read their EngineConfig as
+    msgpack from stdin: no pickling, and no re-import of the user's __main__ module.
+    """
+
+    def __init__(self, config: EngineConfig, init_method: str, zmq_addr: str,
+                 torchrun: TorchrunEnv | None = None) -> None:
+        p = config.parallel
+        payload = msgspec.msgpack.encode(config)
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.thread: threading.Thread | None = None
+        if torchrun is not None:
+            from moeserve.engine.dp_worker import rank_main
+            self.thread = threading.Thread(target=rank_main, daemon=True, name=f"rank{torchrun.rank}",
+                                           args=(payload, torchrun.rank, init_method, zmq_addr, None, 1))
+            self.thread.start()
+            return
+        threads = max(1, (os.cpu_count() or 1) // p.ranks_per_node)
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(moeserve.__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([root] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+        first = p.node_rank * p.ranks_per_node
+        for rank in range(first, first + p.ranks_per_node):
+            cmd = [sys.executable, "-m", "moeserve.engine.dp_worker", "--rank", str(rank), "--init-method",
+                   init_method, "--zmq-addr", zmq_addr, "--parent-pid", str(os.getpid()), "--threads", str(threads)]
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
+            proc.stdin.write(payload)
+            proc.stdin.close()
+            self.procs[rank] = proc
+
+    def dead(self) -> dict[int, int]:
+        """rank -> exit code of local ranks that have exited."""
+        return {r: p.poll() for r, p in self.procs.items() if p.poll() is not None}
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the ranks, at most `timeout` seconds in all."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(None if deadline is None else max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if self.thread is not None:
+            self.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def kill(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            p.wait(5)

@@ -1,0 +1,185 @@
+"""Expert placement as data: per MoE layer, which logical expert each physical slot holds.
+
+A layer has P = n_routed_experts + --num-redundant-experts physical slots, split evenly over the EP ranks
+(rank r holds slots [r * P/W, (r+1) * P/W)). phys_to_logical[s] is the logical expert of slot s; an expert
+with several slots is replicated, and the (token, choice) pairs routed to it are spread over its replicas
+round-robin. The router output goes through this map; replication and rebalancing change the map only.
+
+Without expert parallelism (W > 1) each rank holds every expert, TP-sharded: the map is the identity and
+every slot is local (experts_tp_sharded).
+
+--expert-placement FILE is JSON: {"default": [P logical ids], "layers": {"<decoder layer>": [P ids]}}
+(either key may be absent).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.config import ConfigError, ParallelConfig
+
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    phys_to_logical: tuple[int, ...]  # (P,) logical expert of each physical slot
+    num_ranks: int  # EP ranks the slots are split over
+    rank: int  # this rank
+    experts_tp_sharded: bool = False  # every rank holds all experts (sliced); all slots are local
+
+    @property
+    def num_physical(self) -> int:
+        return len(self.phys_to_logical)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.num_physical if self.experts_tp_sharded else self.num_physical // self.num_ranks
+
+    def local_slot_experts(self) -> list[int]:
+        """Logical expert of each slot this rank holds."""
+        if self.experts_tp_sharded:
+            return list(self.phys_to_logical)
+        s = self.slots_per_rank
+        return list(self.phys_to_logical[self.rank * s:(self.rank + 1) * s])
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """replicas [E, max_replicas] physical slots of each expert (padded), num_replicas [E]."""
+        num_logical = max(self.phys_to_logical) + 1
+        reps: list[list[int]] = [[] for _ in range(num_logical)]
+        for slot, e in enumerate(self.phys_to_logical):
+            reps[e].append(slot)
+        width = max(len(r) for r in reps)
+        # Explicit CPU device: models are constructed under torch.device("meta").
+        table = torch.tensor([r + [r[0]] * (width - len(r)) for r in reps], dtype=torch.long, device="cpu")
+        return table, torch.tensor([len(r) for r in reps], dtype=torch.long, device="cpu")
+
+
+class ExpertMap:
+    """The router-side view of a LayerPlacement: logical ids -> physical slots, replicas spread."""
+
+    def __init__(self, placement: LayerPlacement) -> None:
+        self.placement = placement
+        self.replicas, self.num_replicas = placement.tables()  # [E, R_max], [E]
+        self.trivial = list(placement.phys_to_logical) == list(range(len(self.num_replicas)))
+
+    def to_physical(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """expert_ids [T, k] logical -> [T, k] physical slots; pair i goes to replica i mod #replicas."""
+        if self.trivial:
+            return expert_ids
+        if self.replicas.device != expert_ids.device:
+            self.replicas, self.num_replicas = self.replicas.to(expert_ids.device), self.num_replicas.to(expert_ids.device)
+        t, k = expert_ids.shape
+        pair = torch.arange(t * k, device=expert_ids.device).view(t, k)
+        choice = pair % self.num_replicas[expert_ids]  # [T, k]
+        return self.replicas[expert_ids, choice]
+
+
+@dataclass(frozen=True)
+class MoePlan:
+    """How every MoE layer of one model is laid out and talks: comm kind plus per-layer placement."""
+
+    comm: str  # "local", "alltoall" or "allgather"
+    layers: dict[int, LayerPlacement]
+
+    def layer(self, idx: int) -> LayerPlacement:
+        return self.layers[idx]
+
+
+def default_map(num_experts: int, redundant: int, num_ranks: int) -> list[int]:
+    """Experts in contiguous blocks per rank; rank r's replicas copy the next rank's experts."""
+    _require_even(num_experts, redundant, num_ranks)
+    per, extra = num_experts // num_ranks, redundant // num_ranks
+    slots: list[int] = []
+    for r in range(num_ranks):
+        slots += list(range(r * per, (r + 1) * per))
+        nxt = (r + 1) % num_ranks
+        slots += [nxt * per + j % per for j in range(extra)]
+    return slots
+
+
+def _require_even(num_experts: int, redundant: int, num_ranks: int) -> None:
+    if num_experts % num_ranks or redundant % num_ranks:
+        raise ConfigError(
+            f"{num_experts} routed experts + {redundant} redundant do not spread evenly over {num_ranks} EP "
+            f"ranks: choose --num-redundant-experts as a multiple of {num_ranks} and a rank count dividing "
+            f"{num_experts}, or give --expert-placement")
+
+
+def validate_map(phys: list[int], num_experts: int, num_ranks: int, where: str) -> None:
+    bad = [e for e in phys if not (isinstance(e, int) and 0 <= e < num_experts)]
+    if bad:
+        raise ConfigError(f"{where}: expert id {bad[0]!r} is not in 0..{num_experts - 1}")
+    missing = sorted(set(range(num_experts)) - set(phys))
+    if missing:
+        raise ConfigError(f"{where}: expert(s) {missing[:8]} have no physical slot; every expert needs a replica")
+    if len(phys) % num_ranks:
+        raise ConfigError(f"{where}: {len(phys)} expert slots are not divisible over {num_ranks} EP ranks; "
+                          f"use a multiple of {num_ranks} slots")
+
+
+def build_plan(parallel: ParallelConfig, arch, rank: int) -> MoePlan:
+    """The MoePlan of `arch` for global rank `rank` (validates the whole map on every rank)."""
+    world = parallel.world_size
+    moe_layers = [i for i in range(arch.num_hidden_layers) if arch.is_moe_layer(i)]
+    e, r = arch.n_routed_experts or 0, parallel.num_redundant_experts
+    if not moe_layers:
+        return MoePlan("local", {})
+    tp_sharded = world > 1 and not parallel.enable_expert_parallel
+    if tp_sharded:
+        if arch.moe_intermediate_size % world:
+            raise ConfigError(f"moe_intermediate_size {arch.moe_intermediate_size} does not split over {world} "
+                              "ranks; use --enable-expert-parallel or another --data/--tensor-parallel-size")
+        ident = tuple(range(e))
+        return MoePlan("allgather", {i: LayerPlacement(ident, world, rank, True) for i in moe_layers})
+    file_maps = _read_placement_file(parallel.expert_placement) if parallel.expert_placement else {}
+    layers = {}
+    for i in moe_layers:
+        phys = file_maps.get(i, file_maps.get("default"))
+        where = f"--expert-placement {parallel.expert_placement} layer {i}"
+        if phys is None:
+            phys, where = default_map(e, r, world), "default placement"
+        elif r and len(phys) != e + r:
+            raise ConfigError(f"{where}: {len(phys)} slots, but {e} experts + --num-redundant-experts {r} "
+                              f"= {e + r}; make them agree")
+        validate_map(phys, e, world, where)
+        layers[i] = LayerPlacement(tuple(phys), world, rank)
+    return MoePlan("local" if world == 1 else parallel.resolved_moe_comm, layers)
+
+
+def _read_placement_file(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--expert-placement {path}: cannot read a JSON placement ({err})") from err
+    if not isinstance(data, dict) or not set(data) <= {"default", "layers"}:
+        raise ConfigError(f"--expert-placement {path}: expected {{\"default\": [...], \"layers\": "
+                          "{\"<layer>\": [...]}}")
+    maps: dict = {}
+    if "default" in data:
+        maps["default"] = list(data["default"])
+    for key, phys in (data.get("layers") or {}).items():
+        maps[int(key)] = list(phys)
+    return maps
+
+
+_CURRENT: MoePlan | None = None
+
+
+@contextlib.contextmanager
+def moe_plan_context(plan: MoePlan):
+    """MoE layers constructed inside read their placement and comm kind from `plan`."""
+    global _CURRENT
+    prev, _CURRENT = _CURRENT, plan
+    try:
+        yield plan
+    finally:
+        _CURRENT = prev
+
+
+def current_layer_placement(layer_idx: int, num_experts: int) -> tuple[str, LayerPlacement]:
+    if _CURRENT is None or layer_idx not in _CURRENT.layers:
+        return "local", LayerPlacement(tuple(range(num_experts)), 1, 0)
+    return _CURRENT.comm, _CURRENT.layer(layer_idx)

@@ -1,0 +1,152 @@
+"""Multi-rank engines (rank processes over gloo, float32) give the single-process engine's greedy tokens.
+
+Each test starts real rank processes; one engine per layout is shared by the scenarios that need it.
+"""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from moeserve import LLM, SamplingParams
+from moeserve.config import ConfigError
+from moeserve.engine.dp_client import EngineDeadError
+from moeserve.protocol import EngineCoreRequest
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61)), [7, 8, 9, 10, 11]]
+NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path(ckpt_dir):
+    return ckpt_dir("v3")
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    llm = LLM(path, dtype="float32")
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def tokens(llm, prompts=PROMPTS):
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def dp2(path):
+    # 16-token steps: the 41-token prompt prefills in chunks on one rank while the other rank decodes.
+    llm = LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
+              max_num_batched_tokens=16, distributed_timeout=30)
+    yield llm
+    llm.shutdown()
+
+
+def test_dp2_ep_alltoall_matches_single_process(dp2, reference):
+    assert tokens(dp2) == reference
+    stats = dp2.engine.stats()
+    assert stats.comm_bytes["alltoall"] > 0 and stats.phase_seconds["experts"] > 0
+    assert set(stats.phase_seconds) >= {"attention", "router", "dispatch", "experts", "combine", "shared_experts"}
+
+
+def test_dp2_rank_with_no_requests_runs_empty_steps(dp2, reference):
+    before = dp2.engine.stats().num_dummy_steps
+    assert tokens(dp2, [PROMPTS[1]]) == [reference[1]]  # one request: the other DP rank has none
+    # The idle rank's reports of its last steps may still be in flight; most have arrived.
+    assert dp2.engine.stats().num_dummy_steps >= before + NEW // 2
+
+
+def test_dp2_chunked_prefill_on_one_rank_while_the_other_decodes(dp2, reference):
+    engine = dp2.engine
+    # The short request lands on the idle rank first; the long one goes to the other (least outstanding).
+    got = run_requests(engine, [(0, 1), (1, 2)], {})
+    assert got == {"r1": reference[1], "r2": reference[2]}
+
+
+def test_dp2_uneven_arrivals(dp2, reference):
+    # Requests join while others are mid-decode: arrival step -> prompt index.
+    got = run_requests(dp2.engine, [(0, 0), (3, 2), (5, 1), (9, 3)], {})
+    assert got == {f"r{i}": reference[i] for i in range(4)}
+
+
+def run_requests(engine, arrivals, owners):
+    """Feed (step, prompt index) arrivals through the EngineCore-shaped interface; collect tokens."""
+    out, step, pending = {}, 0, sorted(arrivals)
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, i = pending.pop(0)
+            engine.add_request(EngineCoreRequest(f"r{i}", PROMPTS[i], GREEDY, [1]))
+            owners[f"r{i}"] = engine.owner[f"r{i}"]
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+    assert len(set(owners.values())) == 2, owners  # both DP ranks got work
+    return out
+
+
+@pytest.mark.parametrize("layout", [
+    dict(data_parallel_size=4, enable_expert_parallel=True),
+    dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True),
+    dict(data_parallel_size=2, enable_expert_parallel=True, moe_comm="allgather", num_redundant_experts=2),
+    dict(data_parallel_size=2),  # experts TP-sharded over both ranks, allgather/reduce-scatter
+], ids=["dp4-ep", "dp2-tp2-ep", "dp2-ep-allgather-redundant", "dp2-tp-sharded-experts"])
+def test_layouts_match_single_process(path, reference, layout):
+    llm = LLM(path, dtype="float32", distributed_timeout=30, **layout)
+    try:
+        assert tokens(llm) == reference
+    finally:
+        llm.shutdown()
+
+
+def test_single_process_redundant_experts_and_placement_file(path, reference, tmp_path):
+    assert tokens(LLM(path, dtype="float32", num_redundant_experts=2)) == reference
+    f = tmp_path / "placement.json"
+    f.write_text(json.dumps({"default": [7, 6, 5, 4, 3, 2, 1, 0, 0, 7]}))
+    assert tokens(LLM(path, dtype="float32", expert_placement=str(f))) == reference
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(data_parallel_size=2, moe_comm="alltoall"), "--enable-expert-parallel"),
+    (dict(data_parallel_size=2, num_redundant_experts=2), "--enable-expert-parallel"),
+    (dict(tensor_parallel_size=3), "--tensor-parallel-size 3"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=1), "--num-redundant-experts"),
+    (dict(data_parallel_size=3, enable_expert_parallel=True), "do not spread evenly"),
+])
+def test_bad_layouts_are_refused_before_starting_ranks(path, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(path, dtype="float32", **kwargs)
+
+
+@pytest.mark.parametrize("placement, message", [
+    ({"default": [0, 1, 2, 3, 4, 5, 6, 6]}, r"expert\(s\) \[7\] have no physical slot"),
+    ({"default": [0, 1, 2, 3, 4, 5, 6, 7, 0]}, "not divisible over 2 EP ranks"),
+    ({"default": [0, 1, 2, 3, 4, 5, 6, 9]}, "expert id 9"),
+])
+def test_invalid_placement_files_are_refused(path, tmp_path, placement, message):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(placement))
+    with pytest.raises(ConfigError, match=message):
+        LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True, expert_placement=str(f))
+
+
+def test_killed_rank_stops_the_engine_with_an_error_naming_it(path):
+    llm = LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True, distributed_timeout=20)
+    try:
+        engine = llm.engine
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(EngineCoreRequest(f"k{i}", p, SamplingParams(temperature=0, max_tokens=400,
+                                                                            ignore_eos=True), [1]))
+        while not engine.step():
+            pass
+        victim = engine.ranks.procs[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"rank 1 \(dp 1, tp 0\) was killed by signal SIGKILL"):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - start < 20
+        engine.ranks.join(timeout=15)
+        assert all(code is not None for code in engine.ranks.dead().values()) and len(engine.ranks.dead()) == 2
+    finally:
+        llm.shutdown()
