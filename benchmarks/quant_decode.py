@@ -1,0 +1,108 @@
+"""Decode tokens/s with --quantization a8w8 vs BF16 on the core engine's bench config, same process.
+
+Usage: python benchmarks/quant_decode.py [--batches 1 8 32] [--new-tokens 32] [--repeats 3] [--threads 1]
+Each (batch, mode) is measured `repeats` times, alternating modes, and the best run counts (the machine is
+shared; the best run is the least disturbed). Also prints: the INT8 linear against the BF16 linear on the
+bench's expert and attention shapes (weights streamed from memory), and the bytes per token of an MoE dispatch payload in INT8 (values +
+per-token float32 scale) vs BF16, from the real quantized tensors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import BENCH_CONFIG, bench_checkpoint  # noqa: E402
+from benchmarks.offline_throughput import moeserve_decode_tps  # noqa: E402
+from moeserve.layers.quant import int8_linear, quantize_per_channel, quantize_per_token  # noqa: E402
+
+
+def _best_ms(fn, repeats: int = 64) -> float:
+    fn(0)
+    best = float("inf")
+    for r in range(repeats):
+        t = time.perf_counter()
+        fn(r)
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def gemm_table(batch_rows: list[int], copies: int = 64) -> list[dict]:
+    """INT8 linear (quantize x, _int_mm, dequantize) vs BF16 F.linear on bench shapes [M, K] x [N, K].
+
+    Each call uses the next of `copies` distinct weights (64 = one layer's experts), so weights come from
+    memory as in the model rather than from cache."""
+    h, i = BENCH_CONFIG["hidden_size"], BENCH_CONFIG["moe_intermediate_size"]
+    shapes = {"expert w13": (2 * i, h), "expert w2": (h, i), "q_b_proj": (16 * 192, 384), "o_proj": (h, 16 * 128)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        ws = [torch.randn(n, k) * 0.02 for _ in range(copies)]
+        wb, wq = [w.to(torch.bfloat16) for w in ws], [quantize_per_channel(w) for w in ws]
+        for m in batch_rows:
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            bf16 = _best_ms(lambda r: F.linear(x, wb[r % copies]))
+            int8 = _best_ms(lambda r: int8_linear(x, *wq[r % copies]))
+            rows.append(dict(shape=name, M=m, N=n, K=k, bf16_ms=bf16, int8_ms=int8, speedup=bf16 / int8))
+    return rows
+
+
+def dispatch_bytes(tokens: int = 32) -> dict:
+    """Bytes per token copy sent to an expert rank: BF16 hidden vs INT8 hidden + one float32 scale."""
+    x = torch.randn(tokens, BENCH_CONFIG["hidden_size"], dtype=torch.bfloat16)
+    q, s = quantize_per_token(x)
+    bf16 = x.numel() * x.element_size() / tokens
+    int8 = (q.numel() * q.element_size() + s.numel() * s.element_size()) / tokens
+    return dict(bf16_bytes_per_token=bf16, int8_bytes_per_token=int8, ratio=int8 / bf16)
+
+
+def decode_table(args) -> list[dict]:
+    from moeserve import LLM
+
+    path = bench_checkpoint()
+    seqs = max(args.batches)
+    llms = {"bf16": LLM(path, dtype="bfloat16", max_num_seqs=seqs),
+            "a8w8": LLM(path, dtype="bfloat16", quantization="a8w8", max_num_seqs=seqs)}
+    rows = []
+    for b in args.batches:
+        best = {m: 0.0 for m in llms}
+        for _ in range(args.repeats):
+            for mode, llm in llms.items():
+                best[mode] = max(best[mode], moeserve_decode_tps(llm, b, args.prompt_len, args.new_tokens))
+        rows.append(dict(batch=b, bf16_tps=best["bf16"], a8w8_tps=best["a8w8"], speedup=best["a8w8"] / best["bf16"]))
+        print(f"batch {b:3d}: bf16 {best['bf16']:8.1f} tok/s  a8w8 {best['a8w8']:8.1f} tok/s  "
+              f"x{best['a8w8'] / best['bf16']:.2f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    decode = [] if args.skip_decode else decode_table(args)
+    gemms = gemm_table([1, 3, 8, 32, 192])
+    for r in gemms:
+        print(f"{r['shape']:11s} M={r['M']:4d}: bf16 {r['bf16_ms']:.3f} ms  int8 {r['int8_ms']:.3f} ms  "
+              f"x{r['speedup']:.2f}")
+    comm = dispatch_bytes()
+    print(f"dispatch payload per token: bf16 {comm['bf16_bytes_per_token']:.0f} B, int8 "
+          f"{comm['int8_bytes_per_token']:.0f} B (x{comm['ratio']:.3f})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(threads=args.threads, decode=decode, gemm=gemms, dispatch=comm), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
