@@ -6,6 +6,7 @@ import json
 import sys
 
 from moeserve.planner.deploy import QUANT, KV_BYTES, MOE_COMM, Instance, Workload
+from moeserve.planner.hardware import PROFILES
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -13,6 +14,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="deepseek-v3", help="preset or path to a config.json / checkpoint")
     g.add_argument("--hardware", default="hgx-h800", help="device or system name (plan hardware lists)")
     g.add_argument("--hardware-file", help="YAML/JSON with extra devices/systems/efficiency")
+    g.add_argument("--efficiency-profile", choices=PROFILES, default=None,
+                   help="end_to_end (default): a serving step; kernel: kernel-level factors only")
     g.add_argument("--scale-up-domain", type=int, help="cards per scale-up domain (override)")
     g.add_argument("--scale-up-gbps", type=float, help="scale-up GB/s per card, one direction")
     g.add_argument("--scale-out-gbps", type=float, help="scale-out GB/s per card, one direction")
@@ -43,7 +46,7 @@ def _ctx(args):
     from moeserve.planner.hardware import HardwareDB
     from moeserve.planner.models import load_model
     m = load_model(args.model)
-    hw = HardwareDB(args.hardware_file).get(args.hardware).with_overrides(
+    hw = HardwareDB(args.hardware_file, args.efficiency_profile).get(args.hardware).with_overrides(
         scale_up_domain=args.scale_up_domain, scale_up_gbps=args.scale_up_gbps,
         scale_out_gbps=args.scale_out_gbps)
     imb = args.imbalance

@@ -165,24 +165,29 @@ def cmd_simulate(a):
 
 
 def args_validate(p):
+    from moeserve.planner.hardware import PROFILES
     p.add_argument("--hardware-file", help="YAML/JSON with extra devices/systems/efficiency")
+    p.add_argument("--efficiency-profile", choices=PROFILES, default=None,
+                   help="profile for `predicted` (default end_to_end); rows also carry predicted_kernel")
     p.add_argument("--json", action="store_true")
 
 
 def cmd_validate(a):
     from moeserve.planner.calibrate import format_table, validate
-    res = validate(a.hardware_file)
+    res = validate(a.hardware_file, a.efficiency_profile)
     return _emit(a, res, format_table(res))
 
 
 def args_hardware(p):
+    from moeserve.planner.hardware import PROFILES
     p.add_argument("--hardware-file")
+    p.add_argument("--efficiency-profile", choices=PROFILES, default=None)
     p.add_argument("--json", action="store_true")
 
 
 def cmd_hardware(a):
     from moeserve.planner.hardware import HardwareDB
-    db = HardwareDB(a.hardware_file)
+    db = HardwareDB(a.hardware_file, a.efficiency_profile)
     hws = {n: db.get(n) for n in db.names()}
     obj = {n: {**{k: v for k, v in asdict(h).items() if k != "eff"}, "efficiency": asdict(h.eff)}
            for n, h in hws.items()}

@@ -1,7 +1,8 @@
 """Per-operator cost of one engine step on one card (the busiest one), in seconds.
 
-Roofline per operator: max(FLOPs / (peak * eff), bytes / (HBM bw * eff)); efficiency factors come from
-hardware.yaml (documented facts, identical for every deployment). Communication is in comm.py.
+Roofline per operator: max(FLOPs / (peak * eff * serving), bytes / (HBM bw * eff * serving)); the
+kernel-level factors `eff` and the end-to-end serving factor come from hardware.yaml (documented facts,
+identical for every device and deployment). Communication is in comm.py.
 Shapes: q = tokens one DP group runs this step (B sequences x (1 + drafts) in decode), N = tokens of the
 whole instance (dp * q), k = top-k routed experts per token, H = hidden size.
 """
@@ -57,8 +58,8 @@ class Step:
 
 def roofline(hw: Hardware, name: str, flops: float, nbytes: float, dtype: str,
              compute_eff: float | None = None, mem_eff: float | None = None) -> Op:
-    peak = hw.peak_flops(dtype) * (compute_eff or hw.eff.gemm)
-    bw = hw.hbm_bw * (mem_eff or hw.eff.memory)
+    peak = hw.peak_flops(dtype) * (compute_eff or hw.eff.gemm) * hw.eff.serving
+    bw = hw.hbm_bw * (mem_eff or hw.eff.memory) * hw.eff.serving
     return Op(name, max(flops / peak, nbytes / bw), "compute", flops, nbytes)
 
 

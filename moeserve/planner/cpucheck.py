@@ -78,7 +78,8 @@ def profile(threads: int | None = None) -> dict:
 
 def cpu_hardware(prof: dict, overhead_ms: float) -> Hardware:
     eff = Efficiency(gemm=1.0, attention=1.0, memory=1.0, link=1.0, link_latency_us=0.0,
-                     step_overhead_ms=overhead_ms, memory_utilization=0.9)
+                     step_overhead_ms=overhead_ms, memory_utilization=0.9,
+                     serving=1.0)  # measured rates and per-op cost stand in for the serving derating
     rate = prof["gemm_decode_gflops"] / 1e3  # TFLOPS at decode shapes, not the 1024^3 peak
     return Hardware(key="this-cpu", name="this CPU (measured)", bf16_tflops=rate, int8_tops=rate,
                     fp8_tflops=None, hbm_gib=16, hbm_tbps=prof["mem_bw_gbs"] / 1e3, scale_up_gbps=1.0,

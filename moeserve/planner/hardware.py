@@ -14,7 +14,8 @@ import yaml
 
 GIB = 2 ** 30
 _EFF_KEYS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_overhead_ms",
-             "memory_utilization")
+             "memory_utilization", "serving")
+PROFILES = ("end_to_end", "kernel")
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class Efficiency:
     link_latency_us: float   # fixed cost per collective / dispatch / combine
     step_overhead_ms: float  # per engine step (scheduling, launch, sampling)
     memory_utilization: float  # usable fraction of HBM
+    # End-to-end serving / kernel-level achieved rate, applied to every on-device compute operator
+    # (GEMM, attention, memory-bound kernels; not to collectives, whose constants are already measured
+    # operation times, nor to the per-step overhead). 1.0 = the kernel-level profile.
+    serving: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -85,20 +90,34 @@ def _merge(base: dict, extra: dict) -> dict:
     eff = extra.get("efficiency") or {}
     out["efficiency"]["default"] = {**out["efficiency"]["default"], **(eff.get("default") or {})}
     out["efficiency"]["devices"] = {**(out["efficiency"].get("devices") or {}), **(eff.get("devices") or {})}
+    profiles = dict(out["efficiency"].get("profiles") or {})
+    for name, vals in (eff.get("profiles") or {}).items():
+        profiles[name] = {**(profiles.get(name) or {}), **(vals or {})}
+    out["efficiency"]["profiles"] = profiles
+    if eff.get("default_profile"):
+        out["efficiency"]["default_profile"] = eff["default_profile"]
     return out
 
 
 class HardwareDB:
-    def __init__(self, extra_file: str | Path | None = None):
+    """`profile`: 'end_to_end' (default, data/hardware.yaml efficiency.default_profile) prices a serving
+    step; 'kernel' uses the kernel-level factors alone (what kernel microbenchmarks reach)."""
+
+    def __init__(self, extra_file: str | Path | None = None, profile: str | None = None):
         self.raw = _read(None)
         if extra_file:
             self.raw = _merge(self.raw, _read(Path(extra_file)))
+        self.profile = profile or self.raw["efficiency"].get("default_profile", "kernel")
+        profiles = self.raw["efficiency"].get("profiles") or {}
+        if self.profile not in profiles:
+            raise ValueError(f"unknown efficiency profile {self.profile!r}; known: {', '.join(sorted(profiles))}")
 
     def names(self) -> list[str]:
         return sorted(self.raw["devices"]) + sorted(self.raw["systems"])
 
     def _eff(self, device_key: str) -> Efficiency:
         eff = dict(self.raw["efficiency"]["default"])
+        eff.update(self.raw["efficiency"]["profiles"][self.profile] or {})
         eff.update((self.raw["efficiency"].get("devices") or {}).get(device_key) or {})
         return Efficiency(**{k: float(eff[k]) for k in _EFF_KEYS})
 
@@ -125,5 +144,5 @@ class HardwareDB:
                         scale_up_domain=int(dev.get("scale_up_domain", 8)), eff=self._eff(dev_key))
 
 
-def load_hardware(name: str, extra_file: str | Path | None = None) -> Hardware:
-    return HardwareDB(extra_file).get(name)
+def load_hardware(name: str, extra_file: str | Path | None = None, profile: str | None = None) -> Hardware:
+    return HardwareDB(extra_file, profile).get(name)
