@@ -56,6 +56,7 @@ class SchedulerConfig:
 
 
 MOE_COMMS = ("auto", "alltoall", "allgather")
+MOE_COMM_DTYPES = ("bfloat16", "int8")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -72,6 +73,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     moe_comm: str = "auto"  # auto: alltoall with EP, allgather/reduce-scatter without
+    moe_comm_dtype: str = "bfloat16"  # dispatch payload: activations as they are, or int8 + per-token scales
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # JSON file with the logical->physical map
     nnodes: int = 1
@@ -85,6 +87,8 @@ class ParallelConfig:
         _require(self.data_parallel_size >= 1, "--data-parallel-size must be >= 1")
         _require(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1")
         _require(self.moe_comm in MOE_COMMS, f"--moe-comm must be one of {', '.join(MOE_COMMS)}, got {self.moe_comm!r}")
+        _require(self.moe_comm_dtype in MOE_COMM_DTYPES, f"--moe-comm-dtype must be one of "
+                 f"{', '.join(MOE_COMM_DTYPES)}, got {self.moe_comm_dtype!r}")
         _require(self.distributed_backend in BACKENDS,
                  f"--distributed-backend must be one of {', '.join(BACKENDS)}, got {self.distributed_backend!r}")
         _require(self.num_redundant_experts >= 0, "--num-redundant-experts must be >= 0")
@@ -241,6 +245,7 @@ class EngineArgs:
     quantization: str | None = None  # "a8w8"; None = the checkpoint's own (compressed-tensors INT8) or none
     speculative_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
     moe_comm: str = "auto"
+    moe_comm_dtype: str = "bfloat16"
     num_redundant_experts: int = 0
     expert_placement: str | None = None
     nnodes: int = 1

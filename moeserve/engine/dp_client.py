@@ -10,6 +10,7 @@ stopped (their collectives fail, or they are killed after the timeout).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -44,7 +45,7 @@ def _exit_text(code: int) -> str:
 class DPEngineClient:
     def __init__(self, config: EngineConfig, torchrun: TorchrunEnv | None = None) -> None:
         parallel, init_method, zmq_addr = resolve_endpoints(config.parallel, torchrun)
-        self.config = EngineConfig(config.model, config.cache, config.scheduler, parallel)
+        self.config = dataclasses.replace(config, parallel=parallel)  # keeps quant, speculative, ...
         self.dp_size, self.tp_size = parallel.data_parallel_size, parallel.tensor_parallel_size
         self.timeout = parallel.distributed_timeout
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)

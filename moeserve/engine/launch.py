@@ -81,7 +81,7 @@ def check_parallel_layout(config: EngineConfig, arch) -> None:
 def run_ranks_only(config: EngineConfig, torchrun: TorchrunEnv | None) -> None:
     """A node (or torchrun process) without the front end: run its ranks until the front end stops them."""
     parallel, init_method, zmq_addr = resolve_endpoints(config.parallel, torchrun)
-    config = EngineConfig(config.model, config.cache, config.scheduler, parallel)
+    config = dataclasses.replace(config, parallel=parallel)  # keeps quant, speculative, ...
     if torchrun is not None:
         from moeserve.engine.dp_worker import rank_main
         rank_main(msgspec.msgpack.encode(config), torchrun.rank, init_method, zmq_addr, None, 1)

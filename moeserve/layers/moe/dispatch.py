@@ -11,8 +11,9 @@ phys_ids are physical expert slots (placement.ExpertMap already chose a replica 
   per-rank split sizes), the expert outputs come back the same way and are weighted and summed here.
 - AllGatherDispatcher: all ranks' tokens are gathered, each rank computes the pairs whose slot it holds
   (or, with TP-sharded experts, its intermediate slice of every pair) and reduce-scatter returns the sums.
-Payloads go through a PayloadCodec, so an INT8 codec (int8 rows + per-row scales) slots in later without
-touching the dispatchers.
+Dispatch payloads go through a PayloadCodec: the identity, or Int8PayloadCodec (--moe-comm-dtype int8:
+int8 rows + one float32 scale per row, sent as two concurrent collectives, ~half the bytes). The way back
+(combine) always travels in the activation dtype.
 """
 from __future__ import annotations
 
@@ -33,6 +34,29 @@ class PayloadCodec:
 
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         return parts[0]
+
+
+class Int8PayloadCodec(PayloadCodec):
+    """Rows [N, H] -> (int8 [N, H], float32 scale [N, 1]) per token; decode gives float32 rows, which INT8
+    experts re-quantize to the same int8 values (same per-row scale), so INT8 dispatch == local INT8."""
+
+    def encode(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        from moeserve.layers.quant import quantize_per_token
+
+        q, scale = quantize_per_token(rows.reshape(-1, rows.shape[-1]))
+        return [q.contiguous(), scale.contiguous()]
+
+    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        q, scale = parts
+        return q.float() * scale
+
+
+def make_codec(comm_dtype: str) -> PayloadCodec:
+    if comm_dtype == "int8":
+        return Int8PayloadCodec()
+    if comm_dtype == "bfloat16":
+        return PayloadCodec()
+    raise ValueError(f"unknown --moe-comm-dtype {comm_dtype!r}")
 
 
 def _weighted_sum(pair_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -96,9 +120,9 @@ class AllToAllDispatcher:
             slots = h.slots[0].long()
         with timed("experts"):
             y = experts(recv, slots, torch.ones(recv.shape[0], dtype=torch.float32))  # unweighted
-        with timed("combine"):
-            back = self.codec.decode([self.group.all_to_all(p, h.recv_counts, h.send_counts, kind="alltoall")
-                                      for p in self.codec.encode(y)])  # [T*k, H] in send order
+        with timed("combine"):  # back in the activation dtype (an INT8 payload decodes to float32)
+            y = y.to(h.x.dtype).contiguous()
+            back = self.group.all_to_all(y, h.recv_counts, h.send_counts, kind="alltoall")  # [T*k, H] send order
             pair_out = torch.empty_like(back)
             pair_out[h.order] = back
             return _weighted_sum(pair_out, h.weights, h.x.dtype)
@@ -106,6 +130,7 @@ class AllToAllDispatcher:
 
 @dataclass
 class _AGHandle:
+    dtype: torch.dtype  # the activations' (partial sums are reduced in it)
     num_tokens: int
     width: int  # padded tokens per rank
     gathered: list  # (tensor, work): rows, weights, phys ids of all ranks
@@ -124,7 +149,7 @@ class AllGatherDispatcher:
             padded = [_pad(p, width) for p in self.codec.encode(x)]
             meta = [_pad(weights, width), _pad(phys_ids, width, fill=-1)]
             gathered = [self.group.all_gather(p, async_op=True) for p in padded + meta]
-        return _AGHandle(t, width, gathered)
+        return _AGHandle(x.dtype, t, width, gathered)
 
     def combine(self, h: _AGHandle, experts: FusedExperts) -> torch.Tensor:
         with timed("dispatch"):
@@ -140,7 +165,7 @@ class AllGatherDispatcher:
             rows = x.repeat_interleave(k, dim=0)
             partial = experts(rows, local.reshape(-1), weights.reshape(-1)).view(-1, k, x.shape[1]).sum(dim=1)
         with timed("combine"):
-            return self.group.reduce_scatter(partial.contiguous())[: h.num_tokens]
+            return self.group.reduce_scatter(partial.to(h.dtype).contiguous())[: h.num_tokens]
 
     def _local_slots(self, phys: torch.Tensor) -> torch.Tensor:
         if self.placement.experts_tp_sharded:
@@ -156,11 +181,12 @@ def _pad(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
     return out
 
 
-def make_dispatcher(comm: str, group: GroupCoordinator, placement: LayerPlacement):
+def make_dispatcher(comm: str, group: GroupCoordinator, placement: LayerPlacement,
+                    codec: PayloadCodec | None = None):
     if comm == "local" or group.world_size == 1:
-        return LocalDispatcher()
+        return LocalDispatcher()  # nothing travels: the payload dtype does not apply
     if comm == "alltoall":
-        return AllToAllDispatcher(group, placement)
+        return AllToAllDispatcher(group, placement, codec)
     if comm == "allgather":
-        return AllGatherDispatcher(group, placement)
+        return AllGatherDispatcher(group, placement, codec)
     raise ValueError(f"unknown MoE communication {comm!r}")

@@ -69,6 +69,7 @@ class FusedExperts(nn.Module):
         Returns [N, H] in x.dtype, each row weighted by its routing weight.
         """
         assert x.dim() == 2 and expert_ids.shape == weights.shape == (x.shape[0],)
+        x = x.to(self.w13.dtype)  # e.g. float32 rows decoded from an INT8 dispatch payload
         out = torch.zeros_like(x)
         if x.shape[0] == 0:
             return out

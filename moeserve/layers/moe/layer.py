@@ -12,9 +12,9 @@ from torch import nn
 from moeserve.distributed.comm import timed
 from moeserve.distributed.parallel_state import get_ep_group, get_tp_group
 from moeserve.layers.mlp import DenseMLP
-from moeserve.layers.moe.dispatch import make_dispatcher
+from moeserve.layers.moe.dispatch import make_codec, make_dispatcher
 from moeserve.layers.moe.experts import FusedExperts
-from moeserve.layers.moe.placement import ExpertMap, current_layer_placement
+from moeserve.layers.moe.placement import ExpertMap, current_comm_dtype, current_layer_placement
 from moeserve.layers.moe.router import Router
 from moeserve.models.config import DeepseekArch
 
@@ -33,7 +33,7 @@ class MoE(nn.Module):
         self.expert_map = ExpertMap(placement)
         self.shared_experts = (DenseMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts)
                                if arch.n_shared_experts else None)
-        self.dispatcher = make_dispatcher(comm, ep, placement)
+        self.dispatcher = make_dispatcher(comm, ep, placement, make_codec(current_comm_dtype()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.tensor_split(self.tp.world_size)[self.tp.rank] if self.tp.world_size > 1 else x  # [T_tp, H]

@@ -82,6 +82,7 @@ class MoePlan:
 
     comm: str  # "local", "alltoall" or "allgather"
     layers: dict[int, LayerPlacement]
+    comm_dtype: str = "bfloat16"  # dispatch payload: "bfloat16" (activation dtype) or "int8" (+ scales)
 
     def layer(self, idx: int) -> LayerPlacement:
         return self.layers[idx]
@@ -132,7 +133,8 @@ def build_plan(parallel: ParallelConfig, arch, rank: int) -> MoePlan:
             raise ConfigError(f"moe_intermediate_size {arch.moe_intermediate_size} does not split over {world} "
                               "ranks; use --enable-expert-parallel or another --data/--tensor-parallel-size")
         ident = tuple(range(e))
-        return MoePlan("allgather", {i: LayerPlacement(ident, world, rank, True) for i in moe_layers})
+        return MoePlan("allgather", {i: LayerPlacement(ident, world, rank, True) for i in moe_layers},
+                       parallel.moe_comm_dtype)
     file_maps = _read_placement_file(parallel.expert_placement) if parallel.expert_placement else {}
     layers = {}
     for i in moe_layers:
@@ -145,7 +147,7 @@ def build_plan(parallel: ParallelConfig, arch, rank: int) -> MoePlan:
                               f"= {e + r}; make them agree")
         validate_map(phys, e, world, where)
         layers[i] = LayerPlacement(tuple(phys), world, rank)
-    return MoePlan("local" if world == 1 else parallel.resolved_moe_comm, layers)
+    return MoePlan("local" if world == 1 else parallel.resolved_moe_comm, layers, parallel.moe_comm_dtype)
 
 
 def _read_placement_file(path: str) -> dict:
@@ -177,6 +179,10 @@ def moe_plan_context(plan: MoePlan):
         yield plan
     finally:
         _CURRENT = prev
+
+
+def current_comm_dtype() -> str:
+    return "bfloat16" if _CURRENT is None else _CURRENT.comm_dtype
 
 
 def current_layer_placement(layer_idx: int, num_experts: int) -> tuple[str, LayerPlacement]:
