@@ -120,6 +120,8 @@ class ModelRunner:
     def _spec_logprobs(self, logits: torch.Tensor, num_rows: list[int], emitted: list[list[int]],
                        params: list) -> list:
         """Emitted token j of a request comes from its row j (the distribution it was drawn from)."""
+        if all(p.logprobs is None for p in params):
+            return [None] * sum(len(t) for t in emitted)
         first = [sum(num_rows[:i]) for i in range(len(num_rows))]
         sel = [f + j for f, toks in zip(first, emitted) for j in range(len(toks))]
         flat_params = [p for p, toks in zip(params, emitted) for _ in toks]

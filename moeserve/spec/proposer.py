@@ -56,7 +56,7 @@ class MTPProposer:
             new = sampled.get(s.request.request_id, [])
             valid = _num_valid(s, new)
             spans.append(SeqSpan(s.start, valid, s.block_ids))
-            rows.append(torch.arange(row, row + valid))
+            rows.extend(range(row, row + valid))
             tokens.extend(_next_tokens(s, new, valid))
             mtp_rows += valid
             if s.num_new_drafts > 0 and new:
@@ -65,7 +65,7 @@ class MTPProposer:
             row += s.num_tokens
         if not spans:
             return {}
-        h = self._run(spans, torch.tensor(tokens, dtype=torch.long), hidden[torch.cat(rows)])  # [T', H]
+        h = self._run(spans, torch.tensor(tokens, dtype=torch.long), hidden[torch.tensor(rows)])  # [T', H]
         return self._chain(chains, h[torch.tensor(last_rows, dtype=torch.long)]) if chains else {}
 
     def _chain(self, chains: list[_Chain], h: torch.Tensor) -> dict[str, list[int]]:

@@ -1,0 +1,182 @@
+"""MTP speculative decoding: acceptance, tokens per step and decode tokens/s with vs without, same process.
+
+Usage: python benchmarks/mtp_decode.py [--model PATH] [--batches 1 16] [--ks 1 2 3] [--new-tokens 64]
+Model: the bundled trained model (moeserve/models/bundled/tiny-deepseek-v3) by default; prompts are 64-token
+slices of its held-out files (the training script's rule: stdlib files with crc32(relpath) % 10 == 0).
+Without a trained model it falls back to the random test checkpoint with a hand-made MTP layer and says so
+(its acceptance rate means nothing). Greedy decoding, ignore_eos. Per configuration it prints: acceptance
+rate, per-position acceptance, tokens per request-step, decode tokens/s and the ratio to the no-MTP baseline
+at the same batch, and where a step's time goes: main model (forward + lm_head), MTP layer (all k
+applications, its head and its batch preparation) and the rest (scheduler, batch/metadata preparation, verification, bookkeeping).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROMPT_LEN = 64
+
+
+def pick_model(path: str | None) -> tuple[str, str]:
+    from moeserve.models.default import BUNDLED
+
+    if path:
+        return path, "given"
+    if os.path.isfile(os.path.join(BUNDLED, "config.json")):
+        return BUNDLED, "bundled trained model"
+    from tests.checkpoints import write_mtp_checkpoint
+    cache = os.environ.get("MOESERVE_CACHE", os.path.expanduser("~/.cache/moeserve"))
+    return write_mtp_checkpoint(os.path.join(cache, "bench-mtp-random")), "RANDOM test checkpoint (no trained model)"
+
+
+def heldout_prompts(tokenizer, vocab: int, n: int) -> list[list[int]]:
+    """64-token slices of held-out stdlib files; random ids when the tokenizer's vocab does not fit."""
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    files = []
+    for dirpath, dirs, names in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d not in {"site-packages", "dist-packages", "test", "tests",
+                                                     "idle_test", "__pycache__"})
+        for name in sorted(names):
+            rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
+            if name.endswith(".py") and zlib.crc32(rel.encode()) % 10 == 0:
+                files.append(os.path.join(dirpath, name))
+    prompts = []
+    for f in files:
+        with open(f, errors="replace") as fh:
+            ids = tokenizer.encode(fh.read())
+        if len(ids) >= 4 * PROMPT_LEN and max(ids) < vocab:
+            mid = len(ids) // 2  # past the license header / imports
+            prompts.append(ids[mid: mid + PROMPT_LEN])
+        if len(prompts) == n:
+            return prompts
+    g = torch.Generator().manual_seed(0)
+    return prompts + [torch.randint(2, vocab, (PROMPT_LEN,), generator=g).tolist() for _ in range(n - len(prompts))]
+
+
+class Timer:
+    """Wall time spent inside some modules' forward (forward pre/post hooks)."""
+
+    def __init__(self, *modules) -> None:
+        self.total, self._t = 0.0, 0.0
+        self.handles = [h for m in modules for h in (m.register_forward_pre_hook(self._start),
+                                                     m.register_forward_hook(self._stop))]
+
+    def _start(self, *_):
+        self._t = time.perf_counter()
+
+    def _stop(self, *_):
+        self.total += time.perf_counter() - self._t
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class MethodTimer:
+    """Wall time spent in one bound method of an object (the proposer's propose: layer, head and its prep)."""
+
+    def __init__(self, obj, name: str) -> None:
+        self.total, self.obj, self.name = 0.0, obj, name
+        inner = getattr(obj, name)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.total += time.perf_counter() - t
+        setattr(obj, name, timed)
+
+    def remove(self) -> None:
+        delattr(self.obj, self.name)  # back to the class's method
+
+
+def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Decode phase only: requests are prefilled (first token out) before the clock starts."""
+    from moeserve.protocol import EngineCoreRequest
+    from moeserve.sampling_params import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(EngineCoreRequest(f"b{time.monotonic_ns()}-{i}", p, params))
+    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
+        eng.step()
+    main = Timer(eng.runner.model, eng.runner.model.lm_head)
+    mtp = MethodTimer(eng.runner.proposer, "propose") if eng.runner.proposer else None
+    before = eng.stats()
+    tokens, steps, wall = 0, 0, 0.0
+    while eng.has_unfinished():
+        t = time.perf_counter()
+        outs = eng.step()
+        wall += time.perf_counter() - t
+        steps += 1
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    after = eng.stats()
+    main.remove()
+    if mtp:
+        mtp.remove()
+    drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    acc = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    per_pos = [(a - a0) / max(d - d0, 1) for a, a0, d, d0 in zip(
+        after.spec_accepted_per_position, before.spec_accepted_per_position or [0] * 8,
+        after.spec_drafts_per_position, before.spec_drafts_per_position or [0] * 8)]
+    model_s, mtp_s = main.total, (mtp.total if mtp else 0.0)
+    return {"tokens": tokens, "steps": steps, "tok_s": tokens / wall,
+            "tokens_per_req_step": tokens / steps / len(prompts),
+            "acceptance": acc / drafts if drafts else None, "per_position": [round(x, 3) for x in per_pos],
+            "ms_step": 1e3 * wall / steps, "ms_main": 1e3 * model_s / steps, "ms_mtp": 1e3 * mtp_s / steps,
+            "ms_other": 1e3 * (wall - model_s - mtp_s) / steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from moeserve import LLM
+
+    path, label = pick_model(args.model)
+    print(f"model: {path} ({label}); dtype {args.dtype}, {args.threads} thread(s), greedy, "
+          f"{PROMPT_LEN}-token held-out prompts, {args.new_tokens} new tokens")
+    engines = {0: LLM(path, dtype=args.dtype)}
+    for k in args.ks:
+        engines[k] = LLM(path, dtype=args.dtype, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    prompts = heldout_prompts(engines[0].tokenizer, engines[0].arch.vocab_size, max(args.batches))
+    for llm in engines.values():  # warm-up
+        run(llm, prompts[:2], 8)
+    rows = []
+    for b in args.batches:
+        base = None
+        for k, llm in engines.items():
+            # best of --repeats (the machine is shared; the fastest run is the least disturbed)
+            reps = [run(llm, prompts[:b], args.new_tokens) for _ in range(args.repeats)]
+            r = {"batch": b, "k": k, **max(reps, key=lambda x: x["tok_s"])}
+            base = base or r["tok_s"]
+            r["speedup"] = r["tok_s"] / base
+            rows.append(r)
+            acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f} {r['per_position']}"
+            print(f"batch {b:3d} k={k}: {r['tok_s']:8.1f} tok/s  x{r['speedup']:.2f}  "
+                  f"tokens/req-step {r['tokens_per_req_step']:.2f}  acceptance {acc}  step {r['ms_step']:.2f} ms "
+                  f"= main {r['ms_main']:.2f} + mtp {r['ms_mtp']:.2f} + other {r['ms_other']:.2f}")
+    print(json.dumps({"model": label, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
