@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from moeserve.bench import datasets
 from moeserve.bench.metrics import LATENCIES, compute, latency_series
+from moeserve.bench.spec_metrics import scrape, spec_figures
 from moeserve.bench.request import RequestResult, send
 
 
@@ -93,6 +94,7 @@ def run(args) -> int:
     samples = _samples(args, tokenizer)
     url = args.base_url.rstrip("/") + args.endpoint
     extra = {"ignore_eos": True} if args.ignore_eos else {}
+    spec_before = scrape(args.base_url, _headers(args))
     results, duration = asyncio.run(run_requests(url, args.model, samples, args.request_rate,
                                                  args.max_concurrency, args.seed, extra, _headers(args),
                                                  progress=not args.no_progress))
@@ -103,6 +105,7 @@ def run(args) -> int:
                               ("e2el", args.e2el_slo_ms)) if v is not None}
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     m = compute(results, duration, args.num_devices, slos, percentiles)
+    m.update(spec_figures(spec_before, scrape(args.base_url, _headers(args))))
     print_report(m, percentiles)
     if args.result_json:
         write_json(args, m, results)
@@ -128,6 +131,11 @@ def print_report(m: dict, percentiles: list[float]) -> None:
         rows += [(f"Mean {name.upper()} (ms)", m[f"mean_{name}_ms"]),
                  (f"Median {name.upper()} (ms)", m[f"median_{name}_ms"])]
         rows += [(f"P{p:g} {name.upper()} (ms)", m[f"p{p:g}_{name}_ms"]) for p in percentiles]
+    if "spec_decode_acceptance_rate" in m:
+        rows += [("Spec decode acceptance rate", m["spec_decode_acceptance_rate"]),
+                 ("Spec decode mean accepted length", m["spec_decode_mean_accepted_length"]),
+                 ("Spec decode per-position acceptance",
+                  " ".join(f"{a:.2f}" for a in m["spec_decode_per_position_acceptance"]))]
     for k, v in rows:
         print(f"{k:<36}{v:>14.2f}" if isinstance(v, float) else f"{k:<36}{v:>14}")
     print(line)

@@ -4,7 +4,8 @@ With several API-server processes each one writes its own counters and histogram
 PROMETHEUS_MULTIPROC_DIR (the launcher sets it before any server starts) and /metrics in any of them sums
 them up. Engine-wide gauges (running, waiting, KV usage) come from the engine core's stats, which every
 API server receives; they use the "mostrecent" mode so the freshest report wins instead of being summed.
-The engine's cumulative preemption count is turned into counter increments by API server 0 only.
+The engine's cumulative counts (preemptions, speculative-decoding drafts and acceptances) are turned into
+counter increments by API server 0 only.
 Names follow vLLM's (vllm:... -> moeserve:...).
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ class ServerMetrics:
         self.prompt_tokens = labelled(Counter("moeserve:prompt_tokens", "Prefilled prompt tokens", **m))
         self.generation_tokens = labelled(Counter("moeserve:generation_tokens", "Generated tokens", **m))
         self.preemptions = labelled(Counter("moeserve:num_preemptions", "Preempted requests (engine)", **m))
+        self.spec = SpecDecodeMetrics(model_name)
         gauge = {"multiprocess_mode": "mostrecent", **m}
         self.running = labelled(Gauge("moeserve:num_requests_running", "Requests in the running batch", **gauge))
         self.waiting = labelled(Gauge("moeserve:num_requests_waiting", "Requests waiting to run", **gauge))
@@ -65,6 +67,7 @@ class ServerMetrics:
             if self._preemptions_seen is not None and stats.num_preemptions > self._preemptions_seen:
                 self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
+            self.spec.update(stats)
 
     def observe_finished(self, st, outcome: str) -> None:
         """st: the engine client's per-request timing record (_Stream)."""
@@ -82,6 +85,43 @@ class ServerMetrics:
 
     def http_error(self, status: int) -> None:
         self.http_errors.labels(model_name=self._model, status=str(status)).inc()
+
+
+class SpecDecodeMetrics:
+    """vLLM's spec-decode counters from the engine's cumulative EngineStats.spec_* fields.
+
+    acceptance rate = accepted_tokens / draft_tokens; mean accepted length = 1 + accepted_tokens / drafts;
+    per-position acceptance = accepted_tokens_per_pos{position=j} / drafts reaching position j.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self._seen: dict[str, int] = {}  # the engine counts from its start, as these counters do
+        lab = {"model_name": model_name}
+        names = {"spec_num_drafts": ("moeserve:spec_decode_num_drafts", "Request-steps that verified drafts"),
+                 "spec_num_draft_tokens": ("moeserve:spec_decode_num_draft_tokens", "Draft tokens verified"),
+                 "spec_num_accepted_tokens": ("moeserve:spec_decode_num_accepted_tokens", "Draft tokens accepted")}
+        self.totals = {f: Counter(n, d, ["model_name"]).labels(**lab) for f, (n, d) in names.items()}
+        self.per_pos = Counter("moeserve:spec_decode_num_accepted_tokens_per_pos",
+                               "Drafts accepted at each draft position", ["model_name", "position"])
+        self.drafts_per_pos = Counter("moeserve:spec_decode_num_draft_tokens_per_pos",
+                                      "Drafts verified at each draft position", ["model_name", "position"])
+        self._model = model_name
+
+    def update(self, stats: EngineStats) -> None:
+        now = {f: getattr(stats, f) for f in self.totals}
+        for j, (a, d) in enumerate(zip(stats.spec_accepted_per_position, stats.spec_drafts_per_position)):
+            now[f"acc{j}"], now[f"drafts{j}"] = a, d
+        for key, value in now.items():
+            delta = value - self._seen.get(key, 0)
+            if delta > 0:
+                self._counter(key).inc(delta)
+        self._seen = now
+
+    def _counter(self, key: str):
+        if key in self.totals:
+            return self.totals[key]
+        metric = self.per_pos if key.startswith("acc") else self.drafts_per_pos
+        return metric.labels(model_name=self._model, position=key.lstrip("acdrfts"))
 
 
 def render() -> bytes:

@@ -1,0 +1,45 @@
+"""Speculative-decoding figures of a benchmark run, from the server's /metrics before and after it.
+
+The engine counts cumulatively (moeserve:spec_decode_* counters, see entrypoints/metrics.py); the run's
+share is the difference. acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted /
+drafts (tokens per verification step, vLLM's definition); per-position acceptance = accepted at draft
+position j / drafts verified at position j.
+"""
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = "moeserve:spec_decode_"
+
+
+def scrape(base_url: str, headers: dict) -> dict[str, float]:
+    """Spec-decode counter samples by (name, position); empty when the server has none or no /metrics."""
+    try:
+        text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith(PREFIX) and s.name.endswith("_total"):
+                key = s.name[len(PREFIX):-len("_total")] + (f"@{s.labels['position']}" if "position" in s.labels
+                                                            else "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def spec_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The run's acceptance figures; {} when no drafts were verified during it."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    drafts, tokens = d.get("num_drafts", 0.0), d.get("num_draft_tokens", 0.0)
+    if tokens <= 0:
+        return {}
+    accepted = d.get("num_accepted_tokens", 0.0)
+    positions = sorted(int(k.split("@")[1]) for k in d if k.startswith("num_draft_tokens_per_pos@"))
+    per_pos = [d.get(f"num_accepted_tokens_per_pos@{j}", 0.0) / d[f"num_draft_tokens_per_pos@{j}"]
+               if d[f"num_draft_tokens_per_pos@{j}"] else 0.0 for j in positions]
+    return {"spec_decode_num_drafts": int(drafts), "spec_decode_num_draft_tokens": int(tokens),
+            "spec_decode_num_accepted_tokens": int(accepted), "spec_decode_acceptance_rate": accepted / tokens,
+            "spec_decode_mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
+            "spec_decode_per_position_acceptance": per_pos}
