@@ -5,7 +5,7 @@ Model: the bundled trained model (moeserve/models/bundled/tiny-deepseek-v3) by d
 slices of its held-out files (the training script's rule: stdlib files with crc32(relpath) % 10 == 0).
 Without a trained model it falls back to the random test checkpoint with a hand-made MTP layer and says so
 (its acceptance rate means nothing). Greedy decoding, ignore_eos. Per configuration it prints: acceptance
-rate, per-position acceptance, tokens per request-step, decode tokens/s and the ratio to the no-MTP baseline
+rate, per-position acceptance, tokens per request-step (1 + accepted drafts per verification), decode tokens/s and the ratio to the no-MTP baseline
 at the same batch, and where a step's time goes: main model (forward + lm_head), MTP layer (all k
 applications, its head and its batch preparation) and the rest (scheduler, batch/metadata preparation, verification, bookkeeping).
 """
@@ -126,6 +126,7 @@ def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
     main.remove()
     if mtp:
         mtp.remove()
+    verifications = after.spec_num_drafts - before.spec_num_drafts
     drafts = after.spec_num_draft_tokens - before.spec_num_draft_tokens
     acc = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
     per_pos = [(a - a0) / max(d - d0, 1) for a, a0, d, d0 in zip(
@@ -133,7 +134,8 @@ def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
         after.spec_drafts_per_position, before.spec_drafts_per_position or [0] * 8)]
     model_s, mtp_s = main.total, (mtp.total if mtp else 0.0)
     return {"tokens": tokens, "steps": steps, "tok_s": tokens / wall,
-            "tokens_per_req_step": tokens / steps / len(prompts),
+            # tokens a request gets per step it verifies drafts in (1 without MTP)
+            "tokens_per_req_step": 1 + acc / verifications if verifications else 1.0,
             "acceptance": acc / drafts if drafts else None, "per_position": [round(x, 3) for x in per_pos],
             "ms_step": 1e3 * wall / steps, "ms_main": 1e3 * model_s / steps, "ms_mtp": 1e3 * mtp_s / steps,
             "ms_other": 1e3 * (wall - model_s - mtp_s) / steps}
