@@ -59,6 +59,19 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
         return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
+SPEC_FIELDS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",
+               "spec_accepted_per_position", "spec_drafts_per_position")
+
+
+def add_spec_stats(total: EngineStats, s: EngineStats) -> None:
+    """total += s for the speculative-decoding counters (DP ranks' sums; per-position lists elementwise)."""
+    for f in SPEC_FIELDS[:3]:
+        setattr(total, f, getattr(total, f) + getattr(s, f))
+    for f in SPEC_FIELDS[3:]:
+        a, b = getattr(total, f), getattr(s, f)
+        setattr(total, f, [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))])
+
+
 # ---- engine-core process <-> API server processes (ZMQ ROUTER/DEALER, see entrypoints/engine_core_proc.py) ----
 # Every ZMQ message is two frames: [kind, msgpack payload]. Kinds below; payload struct named beside.
 MSG_HELLO = b"H"  # client -> core: EngineCoreHello;  core -> client: EngineCoreReady

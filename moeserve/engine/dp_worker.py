@@ -28,7 +28,7 @@ from moeserve.distributed.parallel_state import (RankInfo, destroy_distributed, 
                                                  init_distributed)
 from moeserve.engine.engine_core import EngineCore
 from moeserve.engine.request import RequestStatus
-from moeserve.protocol import EngineStats, RankCommand, RankReport
+from moeserve.protocol import SPEC_FIELDS, EngineStats, RankCommand, RankReport
 
 IDLE_POLL_MS = 10  # how long an idle leader waits for commands before the next agreement round
 MIN_PREFILL_CHUNK = 32  # prefill balancing never chunks below this many tokens per rank and step
@@ -102,6 +102,8 @@ class RankWorker:
             s = self.core.stats()
             st.num_running, st.num_waiting, st.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
             st.num_preemptions, st.outstanding_tokens = s.num_preemptions, s.outstanding_tokens
+            for f in SPEC_FIELDS:
+                setattr(st, f, getattr(s, f))
             self.report(RankReport(self.info.dp_rank, outputs, st))
 
     def _commands(self, wait: bool) -> list[RankCommand]:

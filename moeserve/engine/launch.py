@@ -67,15 +67,11 @@ def check_parallel_layout(config: EngineConfig, arch) -> None:
     from moeserve.layers.moe.placement import build_plan
 
     parallel = config.parallel
-    if config.speculative is not None and parallel.world_size > 1:
-        # The MTP draft layer has an MoE block; idle ranks would have to join its collectives too.
-        raise ConfigError("--speculative-config is not supported with several ranks yet: drop it or use "
-                          "--data-parallel-size 1 --tensor-parallel-size 1")
     t = parallel.tensor_parallel_size
     if arch.num_attention_heads % t:
         raise ConfigError(f"--tensor-parallel-size {t} does not divide the model's {arch.num_attention_heads} "
                           "attention heads; choose a divisor")
-    build_plan(parallel, arch, 0)
+    build_plan(parallel, arch, 0, mtp=config.speculative is not None)
 
 
 def run_ranks_only(config: EngineConfig, torchrun: TorchrunEnv | None) -> None:

@@ -63,7 +63,7 @@ class ModelRunner:
         self.config, self.arch = config, arch
         self.dtype = resolve_dtype(config.model.dtype, arch)
         self.block_size = config.cache.block_size
-        self.moe_plan = build_plan(config.parallel, arch, get_world_group().rank)
+        self.moe_plan = build_plan(config.parallel, arch, get_world_group().rank, mtp=config.speculative is not None)
         with moe_plan_context(self.moe_plan):  # MoE layers read their expert placement from the plan
             self.model, self.checkpoint = build_model(config.model.model, arch, self.dtype,
                                                       config.scheduler.max_model_len, config.quant)
@@ -76,8 +76,11 @@ class ModelRunner:
         if config.speculative is not None:
             from moeserve.spec.proposer import MTPProposer
             from moeserve.spec.verify import RejectionSampler
-            self.proposer = MTPProposer(self.model, self.checkpoint.mtp_weights, self.num_blocks,
-                                        self.block_size, self.dtype, self.kv_caches, config.quant)
+            with moe_plan_context(self.moe_plan):
+                self.proposer = MTPProposer(self.model, self.checkpoint.mtp_weights, self.num_blocks,
+                                            self.block_size, self.dtype, self.kv_caches, config.quant,
+                                            lockstep=get_world_group().world_size > 1,
+                                            num_speculative_tokens=config.speculative.num_speculative_tokens)
             self.rejection_sampler = RejectionSampler(config.model.seed)
             self.checkpoint.mtp_weights.clear()  # copied into the MTP layer: free the memory
 
@@ -134,6 +137,8 @@ class ModelRunner:
         meta = AttentionMetadata(empty, [], None, self.kv_caches)
         with attention_context(meta):
             self.model(empty, empty)
+        if self.proposer is not None:  # the MTP layer's MoE block is a collective too
+            self.proposer.execute_dummy()
 
     @torch.inference_mode()
     def all_logits(self, out: SchedulerOutput) -> torch.Tensor:

@@ -12,6 +12,8 @@ Lifecycle
   3. Nothing carries over between steps but the drafts (Request.spec_token_ids): MTP KV of rejected and
      lookahead positions is rewritten when those positions become valid, and the scheduler trims the blocks
      past num_computed_tokens after the step, so nothing leaks.
+With several ranks (lockstep) the MTP layer's MoE block is a collective: every rank runs exactly k MTP passes
+per step, empty ones included (execute_dummy on a rank without work), so the ranks meet in each.
 """
 from __future__ import annotations
 
@@ -38,8 +40,9 @@ class _Chain:
 class MTPProposer:
     def __init__(self, main_model: torch.nn.Module, mtp_weights: dict[str, torch.Tensor], num_blocks: int,
                  block_size: int, dtype: torch.dtype, main_kv_caches: list[torch.Tensor],
-                 quant: QuantConfig | None = None) -> None:
+                 quant: QuantConfig | None = None, lockstep: bool = False, num_speculative_tokens: int = 1) -> None:
         self.main = main_model
+        self.lockstep, self.k = lockstep, num_speculative_tokens
         self.mtp = build_mtp(main_model, mtp_weights, dtype, quant)
         self.block_size = block_size
         arch = main_model.arch
@@ -63,21 +66,34 @@ class MTPProposer:
                 last_rows.append(mtp_rows - 1)
                 chains.append(_Chain(s.request.request_id, s.start + valid, s.block_ids, s.num_new_drafts - 1))
             row += s.num_tokens
-        if not spans:
+        if not spans and not self.lockstep:
             return {}
-        h = self._run(spans, torch.tensor(tokens, dtype=torch.long), hidden[torch.tensor(rows)])  # [T', H]
-        return self._chain(chains, h[torch.tensor(last_rows, dtype=torch.long)]) if chains else {}
+        h = self._run(spans, torch.tensor(tokens, dtype=torch.long),
+                      hidden[torch.tensor(rows, dtype=torch.long)])  # [T', H]
+        if not chains and not self.lockstep:
+            return {}
+        return self._chain(chains, h[torch.tensor(last_rows, dtype=torch.long)])
+
+    @torch.inference_mode()
+    def execute_dummy(self) -> None:
+        """This rank has no work: the k empty MTP passes the other ranks' collectives wait for."""
+        self._chain([], self._run([], torch.zeros(0, dtype=torch.long), self.kv_cache.new_zeros(
+            0, self.main.arch.hidden_size)))
 
     def _chain(self, chains: list[_Chain], h: torch.Tensor) -> dict[str, list[int]]:
-        """h [B, H]: MTP output at each chain's last valid position -> all drafts of each chain."""
+        """h [B, H]: MTP output at each chain's last valid position -> all drafts of each chain.
+
+        With lockstep the chain makes k - 1 more passes whatever is left in it (possibly nothing)."""
         drafts = {c.request_id: [] for c in chains}
+        passes = 1
         while True:
             ids = self.mtp.compute_logits(h, self.main.lm_head.weight).argmax(dim=-1)  # [B]
             for c, t in zip(chains, ids.tolist()):
                 drafts[c.request_id].append(t)
             keep = [i for i, c in enumerate(chains) if c.remaining > 0]
-            if not keep:
+            if not keep and not (self.lockstep and passes < self.k):
                 return drafts
+            passes += 1
             chains = [chains[i] for i in keep]
             sel = torch.tensor(keep, dtype=torch.long)
             spans = [SeqSpan(c.position, 1, c.block_ids) for c in chains]
@@ -87,6 +103,7 @@ class MTPProposer:
                 c.remaining -= 1
 
     def _run(self, spans: list[SeqSpan], token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """One MTP pass over the spans' tokens -> h' [T, H] (T may be 0 on a rank without work)."""
         positions, meta = build_attention_metadata(spans, self.block_size, self.kv_caches)
         with attention_context(meta):
             return self.mtp(self.main.model.embed_tokens(token_ids), prev_hidden, positions)

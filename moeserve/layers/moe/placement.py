@@ -120,10 +120,12 @@ def validate_map(phys: list[int], num_experts: int, num_ranks: int, where: str) 
                           f"use a multiple of {num_ranks} slots")
 
 
-def build_plan(parallel: ParallelConfig, arch, rank: int) -> MoePlan:
-    """The MoePlan of `arch` for global rank `rank` (validates the whole map on every rank)."""
+def build_plan(parallel: ParallelConfig, arch, rank: int, mtp: bool = False) -> MoePlan:
+    """The MoePlan of `arch` for global rank `rank` (validates the whole map on every rank).
+
+    mtp: also lay out the MTP layer (decoder index num_hidden_layers), whose MoE block is one more layer."""
     world = parallel.world_size
-    moe_layers = [i for i in range(arch.num_hidden_layers) if arch.is_moe_layer(i)]
+    moe_layers = [i for i in range(arch.num_hidden_layers + int(mtp)) if arch.is_moe_layer(i)]
     e, r = arch.n_routed_experts or 0, parallel.num_redundant_experts
     if not moe_layers:
         return MoePlan("local", {})
