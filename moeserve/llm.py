@@ -8,7 +8,6 @@ import os
 from tqdm import tqdm
 
 from moeserve.config import EngineArgs
-from moeserve.engine.engine_core import EngineCore
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.request import RequestStatus
 from moeserve.models.config import DeepseekArch
@@ -35,19 +34,10 @@ class LLM:
         self._ids = itertools.count()
 
     def _make_engine(self):
-        """EngineCore in this process, or the front end of D x T rank processes (same interface)."""
-        from moeserve.engine import launch
-
-        torchrun = launch.TorchrunEnv.detect()
-        if not launch.needs_ranks(self.config.parallel, torchrun):
-            return EngineCore(self.config, self.arch)
-        launch.check_parallel_layout(self.config, self.arch)
-        if not launch.hosts_front_end(self.config.parallel, torchrun):
-            # Other nodes / torchrun ranks only serve their ranks; node 0 (RANK 0) drives them.
-            launch.run_ranks_only(self.config, torchrun)
-            raise SystemExit(0)
-        from moeserve.engine.dp_client import DPEngineClient
-        return DPEngineClient(self.config, torchrun)
+        """EngineCore in this process, or the front end of D x T rank processes (same interface).
+        On other nodes (or torchrun ranks > 0) LLM() serves its ranks until node 0 is done, then exits."""
+        from moeserve.engine.launch import make_engine_core
+        return make_engine_core(self.config, self.arch)
 
     def shutdown(self) -> None:
         """Stop the rank processes of a multi-rank engine (also done at exit)."""

@@ -121,4 +121,5 @@ class RankReport(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     stats: EngineStats | None = None
     ready: bool = False
+    num_kv_blocks: int = 0  # sent with ready
     error: str | None = None  # the rank stopped; the message names it and the cause

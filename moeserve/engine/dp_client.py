@@ -61,6 +61,7 @@ class DPEngineClient:
         self.load = [0] * self.dp_size  # outstanding tokens per DP rank
         self.rank_stats: list[EngineStats] = [EngineStats() for _ in range(self.dp_size)]
         self.dead: str | None = None
+        self.num_kv_blocks = 0
         self._last_progress = time.monotonic()
         self._wait_ready()
 
@@ -84,6 +85,10 @@ class DPEngineClient:
 
     def has_unfinished(self) -> bool:
         return bool(self.owner)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(s.num_waiting for s in self.rank_stats)
 
     def step(self, poll_s: float = 0.05) -> list[EngineCoreOutput]:
         """Outputs reported since the last call (waits up to poll_s for the first)."""
@@ -162,6 +167,7 @@ class DPEngineClient:
             if self.sock.poll(100):
                 report = self._recv()
                 ready.add(report.dp_rank)
+                self.num_kv_blocks = report.num_kv_blocks  # per DP rank (all ranks size their pool alike)
 
     def _check_alive(self) -> None:
         if self.dead:

@@ -59,7 +59,7 @@ class RankWorker:
             self.sock.setsockopt(zmq.IDENTITY, f"dp{info.dp_rank}".encode())
             self.sock.setsockopt(zmq.LINGER, 1000)
             self.sock.connect(zmq_addr)
-            self.report(RankReport(info.dp_rank, ready=True))
+            self.report(RankReport(info.dp_rank, ready=True, num_kv_blocks=self.core.num_kv_blocks))
         self.decoder = msgspec.msgpack.Decoder(RankCommand)  # from the front end
         self.list_decoder = msgspec.msgpack.Decoder(list[RankCommand])  # from the TP leader
 

@@ -49,6 +49,14 @@ class EngineCore:
                 self.scheduler.finish_request(rid, reason)
                 self.runner.release(rid)
 
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv.pool.num_blocks
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 

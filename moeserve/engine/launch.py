@@ -74,6 +74,27 @@ def check_parallel_layout(config: EngineConfig, arch) -> None:
     build_plan(parallel, arch, 0, mtp=config.speculative is not None)
 
 
+def make_engine_core(config: EngineConfig, arch=None):
+    """EngineCore in this process, or the front end of D x T rank processes (same interface).
+
+    On a node (or torchrun process) that does not host the front end this serves its ranks until node 0
+    shuts them down, then exits the process.
+    """
+    from moeserve.engine.engine_core import EngineCore
+    from moeserve.models.config import DeepseekArch
+
+    arch = arch or DeepseekArch.from_pretrained(config.model.model)
+    torchrun = TorchrunEnv.detect()
+    if not needs_ranks(config.parallel, torchrun):
+        return EngineCore(config, arch)
+    check_parallel_layout(config, arch)
+    if not hosts_front_end(config.parallel, torchrun):
+        run_ranks_only(config, torchrun)
+        raise SystemExit(0)
+    from moeserve.engine.dp_client import DPEngineClient
+    return DPEngineClient(config, torchrun)
+
+
 def run_ranks_only(config: EngineConfig, torchrun: TorchrunEnv | None) -> None:
     """A node (or torchrun process) without the front end: run its ranks until the front end stops them."""
     parallel, init_method, zmq_addr = resolve_endpoints(config.parallel, torchrun)

@@ -85,13 +85,13 @@ class EngineCoreProc:
         elif kind == MSG_HELLO:
             self.dec_hello.decode(payload)
             self.clients.add(ident)
-            ready = EngineCoreReady(self.engine_index, os.getpid(), self.core.kv.pool.num_blocks)
+            ready = EngineCoreReady(self.engine_index, os.getpid(), self.core.num_kv_blocks)
             self._send(ident, MSG_HELLO, ready)
         else:
             logger.error("unknown message kind %r from %r", kind, ident)
 
     def _add(self, ident: bytes, req: EngineCoreRequest) -> None:
-        if self.max_waiting is not None and self.core.scheduler.num_waiting >= self.max_waiting:
+        if self.max_waiting is not None and self.core.num_waiting >= self.max_waiting:
             err = EngineCoreOutput(req.request_id, [], finish_reason="abort", error_kind="overloaded",
                                    error=f"the server is overloaded: {self.max_waiting} requests are already "
                                          "waiting (--max-waiting-requests); retry later")
@@ -148,9 +148,9 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
                     log_level: str = "INFO", ready_event=None) -> None:
     """Process entry point (spawned by the launcher)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(message)s")
-    from moeserve.engine.engine_core import EngineCore
+    from moeserve.engine.launch import make_engine_core
 
-    core = EngineCore(config)
+    core = make_engine_core(config)  # EngineCore, or the front end of D x T rank processes
     proc = EngineCoreProc(core, address, engine_index, max_waiting_requests)
 
     def stop(signum, frame):
@@ -159,7 +159,7 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     logger.info("engine core %d ready (pid %d, %d KV blocks) on %s", engine_index, os.getpid(),
-                core.kv.pool.num_blocks, address)
+                core.num_kv_blocks, address)
     if ready_event is not None:
         ready_event.set()
     proc.run()
