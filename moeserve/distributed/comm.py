@@ -53,6 +53,10 @@ def timed(phase: str):
         STATS.add_time(phase, time.perf_counter() - start)
 
 
+# torch 2.13 renamed all_gather_into_tensor (the old name warns on every call).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -86,7 +90,7 @@ class GroupCoordinator:
         assert x.is_contiguous(), "all_gather needs a contiguous tensor"
         out = x.new_empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]))
         STATS.add_bytes(kind, _nbytes(x) * (self.world_size - 1))
-        work = dist.all_gather_into_tensor(out, x, group=self.group, async_op=async_op)
+        work = _all_gather_single(out, x, group=self.group, async_op=async_op)
         return (out, work) if async_op else out
 
     def all_gather_varlen(self, x: torch.Tensor) -> torch.Tensor:

@@ -150,3 +150,24 @@ def test_killed_rank_stops_the_engine_with_an_error_naming_it(path):
         assert all(code is not None for code in engine.ranks.dead().values()) and len(engine.ranks.dead()) == 2
     finally:
         llm.shutdown()
+
+
+def test_two_nodes_by_flags_generate_like_one_process(path):
+    """Two `moeserve generate` commands as node 0 and node 1 (--nnodes/--node-rank/--master-*)."""
+    import subprocess
+    import sys
+
+    from moeserve.engine.launch import free_port
+
+    port = free_port()
+    gen = [sys.executable, "-m", "moeserve.cli", "generate", "--model", path, "--dtype", "float32",
+           "--max-tokens", "8", "--ignore-eos", "--prompt", "def f(x):"]
+    base = gen + ["--data-parallel-size", "2", "--enable-expert-parallel", "--nnodes", "2", "--master-addr",
+                  "127.0.0.1", "--master-port", str(port)]
+    node1 = subprocess.Popen(base + ["--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    node0 = subprocess.run(base + ["--node-rank", "0"], capture_output=True, text=True, timeout=150)
+    rc1 = node1.wait(timeout=60)
+    single = subprocess.run(gen, capture_output=True, text=True, timeout=150)
+    assert node0.returncode == 0 and rc1 == 0, node0.stderr[-2000:]
+    text = [line for line in node0.stdout.splitlines() if not line.startswith("---")]
+    assert text and text == [line for line in single.stdout.splitlines() if not line.startswith("---")]

@@ -1,0 +1,125 @@
+"""MoE communication of data-parallel attention + expert parallelism: alltoall vs allgather, D = 2 and 4.
+
+Usage: python benchmarks/dp_ep.py [--layouts 1 2 4] [--batch 8] [--prompt-len 32] [--new-tokens 32]
+For each layout it runs the same greedy batch through LLM(...) and prints
+  - decode tokens/s and its ratio to the single-process engine measured in the same run;
+  - bytes sent per token per MoE layer by the MoE collectives, next to the formula:
+      alltoall:  tokens x top-k x hidden x bytes x 2 (dispatch + combine) x (W-1)/W (rows to other ranks)
+      allgather: tokens x hidden x bytes x (W-1) (gather) + the same for the reduce-scatter, plus the
+                 routing weights/ids; independent of top-k, padded to the busiest rank;
+  - the share of MoE/attention time per phase (attention, router, dispatch, experts, combine, shared).
+The model is the core engine's bench config shrunk to fit a small CPU (BF16).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import BENCH_CONFIG, bench_checkpoint  # noqa: E402
+
+SHRUNK = {**BENCH_CONFIG, "hidden_size": 512, "intermediate_size": 1024, "moe_intermediate_size": 128,
+          "num_hidden_layers": 4, "n_routed_experts": 32, "num_experts_per_tok": 6, "n_group": 4, "topk_group": 2,
+          "num_attention_heads": 8, "num_key_value_heads": 8, "vocab_size": 8000, "kv_lora_rank": 128,
+          "q_lora_rank": 192, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64}
+MOE_KINDS = ("alltoall", "allgather", "reduce_scatter")  # the token payload collectives of the MoE layers
+PHASES = ("attention", "router", "dispatch", "experts", "combine", "shared_experts")
+
+
+def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    from moeserve import LLM
+
+    kw = dict(data_parallel_size=d, enable_expert_parallel=True, moe_comm=comm) if d > 1 else {}
+    llm = LLM(path, dtype="bfloat16", max_num_seqs=batch, **kw)
+    prompts = [[(7 * i + j) % (SHRUNK["vocab_size"] - 2) + 2 for j in range(prompt_len)] for i in range(batch)]
+    drive(llm.engine, prompts, 2, "warm")  # warm-up
+    before = _stats(llm)
+    tokens, decode_s = drive(llm.engine, prompts, new_tokens, "run")
+    after = _stats(llm)
+    if hasattr(llm, "shutdown"):
+        llm.shutdown()
+    processed = batch * (prompt_len + new_tokens - 1)  # every token the model processed in the measured run
+    moe_layers = SHRUNK["num_hidden_layers"] - SHRUNK["first_k_dense_replace"]
+    bytes_ = {k: after["bytes"].get(k, 0) - before["bytes"].get(k, 0) for k in after["bytes"]}
+    secs = {k: after["seconds"].get(k, 0.0) - before["seconds"].get(k, 0.0) for k in PHASES}
+    return dict(layout=f"D={d} {comm}", d=d, comm=comm, decode_tps=batch * (new_tokens - 1) / decode_s,
+                bytes_per_token_layer=sum(bytes_.get(k, 0) for k in MOE_KINDS) / (processed * moe_layers),
+                formula=formula(comm, d), seconds=secs, bytes=bytes_, tokens=tokens)
+
+
+def drive(engine, prompts, new_tokens: int, tag: str) -> tuple[list[list[int]], float]:
+    """Run the batch through the engine interface; decode time = first token of all -> last token."""
+    from moeserve import SamplingParams
+    from moeserve.protocol import EngineCoreRequest
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    got: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineCoreRequest(f"{tag}{i}", p, params, [1]))
+    t0 = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+        if t0 is None and all(got.values()):
+            t0 = time.perf_counter()  # every prefill is done: decode starts
+    return list(got.values()), time.perf_counter() - t0
+
+
+def _stats(llm) -> dict:
+    if not hasattr(llm.engine, "rank_stats"):  # single process: this process's own counters
+        from moeserve.distributed.comm import STATS
+        return {"bytes": dict(STATS.bytes), "seconds": dict(STATS.seconds)}
+    # Let the ranks' last reports arrive, then read the summed counters.
+    time.sleep(0.3)
+    llm.engine.step(poll_s=0.05)
+    s = llm.engine.stats()
+    return {"bytes": dict(s.comm_bytes), "seconds": dict(s.phase_seconds)}
+
+
+def formula(comm: str, w: int) -> float:
+    """Expected bytes per token per MoE layer (uniform routing, BF16 rows, int32 slot ids not counted)."""
+    h, k, b = SHRUNK["hidden_size"], SHRUNK["num_experts_per_tok"], 2
+    if w == 1:
+        return 0.0
+    if comm == "alltoall":
+        return k * h * b * 2 * (w - 1) / w
+    return h * b * (w - 1) + h * b * (w - 1) + k * (4 + 8) * (w - 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layouts", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the single-process engine (ranks get cpu_count / ranks each)")
+    args = ap.parse_args()
+    import torch
+    torch.set_num_threads(args.threads)
+    path = bench_checkpoint(config=SHRUNK)
+    results = []
+    for d in args.layouts:
+        for comm in (("local",) if d == 1 else ("alltoall", "allgather")):
+            results.append(run(path, d, comm, args.batch, args.prompt_len, args.new_tokens))
+            print(f"done {results[-1]['layout']}", file=sys.stderr)
+    base = next((r for r in results if r["d"] == 1), None)
+    print(f"{'layout':<16}{'decode tok/s':>13}{'vs D=1':>8}{'B/token/layer':>15}{'formula':>10}  phase share "
+          "(attention router dispatch experts combine shared)")
+    for r in results:
+        ratio = r["decode_tps"] / base["decode_tps"] if base else float("nan")
+        tot = sum(r["seconds"].values()) or 1.0
+        share = " ".join(f"{100 * r['seconds'][p] / tot:4.0f}%" for p in PHASES)
+        same = "" if base is None or r["tokens"] == base["tokens"] else "  (tokens differ from D=1)"
+        print(f"{r['layout']:<16}{r['decode_tps']:>13.1f}{ratio:>8.2f}{r['bytes_per_token_layer']:>15.0f}"
+              f"{r['formula']:>10.0f}  {share}{same}")
+    if args.json:
+        print(json.dumps([{k: v for k, v in r.items() if k != "tokens"} for r in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()
