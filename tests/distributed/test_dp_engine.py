@@ -99,6 +99,16 @@ def test_layouts_match_single_process(path, reference, layout):
         llm.shutdown()
 
 
+def test_ranks_get_the_whole_engine_config_int8_included(path):
+    """Every rank runs the engine the flags describe (here A8W8), not just its parallel layout."""
+    want = tokens(LLM(path, dtype="float32", quantization="a8w8"), PROMPTS[:2])
+    llm = LLM(path, dtype="float32", quantization="a8w8", data_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert tokens(llm, PROMPTS[:2]) == want
+    finally:
+        llm.shutdown()
+
+
 def test_single_process_redundant_experts_and_placement_file(path, reference, tmp_path):
     assert tokens(LLM(path, dtype="float32", num_redundant_experts=2)) == reference
     f = tmp_path / "placement.json"
@@ -112,6 +122,8 @@ def test_single_process_redundant_experts_and_placement_file(path, reference, tm
     (dict(tensor_parallel_size=3), "--tensor-parallel-size 3"),
     (dict(data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=1), "--num-redundant-experts"),
     (dict(data_parallel_size=3, enable_expert_parallel=True), "do not spread evenly"),
+    (dict(data_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+     "--speculative-config is not supported with several ranks"),
 ])
 def test_bad_layouts_are_refused_before_starting_ranks(path, kwargs, message):
     with pytest.raises(ConfigError, match=message):
