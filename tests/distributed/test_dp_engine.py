@@ -122,8 +122,6 @@ def test_single_process_redundant_experts_and_placement_file(path, reference, tm
     (dict(tensor_parallel_size=3), "--tensor-parallel-size 3"),
     (dict(data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=1), "--num-redundant-experts"),
     (dict(data_parallel_size=3, enable_expert_parallel=True), "do not spread evenly"),
-    (dict(data_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
-     "--speculative-config is not supported with several ranks"),
 ])
 def test_bad_layouts_are_refused_before_starting_ranks(path, kwargs, message):
     with pytest.raises(ConfigError, match=message):
