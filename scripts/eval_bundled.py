@@ -159,14 +159,16 @@ def heldout_metrics(model, mtp, stream: torch.Tensor, max_windows: int, batch: i
 
 def prompts_from(held: list[str], root: Path, k: int) -> list[tuple[str, str]]:
     """Deterministic prompts: from k evenly spaced held-out files, the 4 lines up to and including the
-    first `def` line (after a module's first 20 lines) whose next line is a docstring or code."""
+    first `def` line after a module's first 20 lines."""
     out = []
     step = max(1, len(held) // k)
     for r in held[::step]:
         lines = read_source(root / r).splitlines()
         for j in range(20, len(lines) - 1):
             if re.match(r"^\s*def \w+\(.*\):\s*$", lines[j]):
-                out.append((r, "\n".join(lines[max(0, j - 3):j + 1]) + "\n"))
+                # no trailing newline: the BPE merges "\n" with the next line's indentation, so a prompt
+                # ending in a bare "\n" token would tell the model that column 0 follows
+                out.append((r, "\n".join(lines[max(0, j - 3):j + 1])))
                 break
         if len(out) == k:
             break
