@@ -13,8 +13,10 @@ NEW_TOKENS = 32
 def hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
-                             eos_token_id=None, pad_token_id=0)
+        ids = torch.tensor([prompt])
+        # Explicit mask: without it transformers infers padding from pad_token_id (0 is also BOS here).
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             min_new_tokens=n, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
