@@ -105,28 +105,22 @@ class MethodTimer:
         delattr(self.obj, self.name)  # back to the class's method
 
 
-def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
-    """Decode phase only: requests are prefilled (first token out) before the clock starts."""
-    from moeserve.protocol import EngineCoreRequest
-    from moeserve.sampling_params import SamplingParams
-
+def run(llm, groups: list[list[list[int]]], new_tokens: int) -> dict:
+    """Decode phase of each group of prompts in turn (a group = one batch): requests are prefilled (first
+    token out) before the clock starts. Every batch size covers the same prompts."""
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(EngineCoreRequest(f"b{time.monotonic_ns()}-{i}", p, params))
-    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
-        eng.step()
     main = Timer(eng.runner.model, eng.runner.model.lm_head)
     mtp = MethodTimer(eng.runner.proposer, "propose") if eng.runner.proposer else None
     before = eng.stats()
-    tokens, steps, wall, cpu = 0, 0, 0.0, 0.0
-    while eng.has_unfinished():
-        t, c = time.perf_counter(), CLOCK()
-        outs = eng.step()
-        wall += time.perf_counter() - t
-        cpu += CLOCK() - c
-        steps += 1
-        tokens += sum(len(o.new_token_ids) for o in outs)
+    tokens = steps = 0
+    wall = cpu = 0.0
+    model_s = mtp_s = 0.0
+    for prompts in groups:
+        _prefill(eng, prompts, new_tokens)
+        m0, p0 = main.total, (mtp.total if mtp else 0.0)
+        t, n, w, c = _decode(eng)
+        tokens, steps, wall, cpu = tokens + t, steps + n, wall + w, cpu + c
+        model_s, mtp_s = model_s + main.total - m0, mtp_s + (mtp.total - p0 if mtp else 0.0)
     after = eng.stats()
     main.remove()
     if mtp:
@@ -137,13 +131,37 @@ def run(llm, prompts: list[list[int]], new_tokens: int) -> dict:
     per_pos = [(a - a0) / max(d - d0, 1) for a, a0, d, d0 in zip(
         after.spec_accepted_per_position, before.spec_accepted_per_position or [0] * 8,
         after.spec_drafts_per_position, before.spec_drafts_per_position or [0] * 8)]
-    model_s, mtp_s = main.total, (mtp.total if mtp else 0.0)
     return {"tokens": tokens, "steps": steps, "tok_s": tokens / cpu, "wall_tok_s": tokens / wall,
             # tokens a request gets per step it verifies drafts in (1 without MTP)
             "tokens_per_req_step": 1 + acc / verifications if verifications else 1.0,
             "acceptance": acc / drafts if drafts else None, "per_position": [round(x, 3) for x in per_pos],
             "ms_step": 1e3 * cpu / steps, "ms_main": 1e3 * model_s / steps, "ms_mtp": 1e3 * mtp_s / steps,
             "ms_other": 1e3 * (cpu - model_s - mtp_s) / steps}
+
+
+def _prefill(eng, prompts: list[list[int]], new_tokens: int) -> None:
+    """Add one batch and step until every request has its first token."""
+    from moeserve.protocol import EngineCoreRequest
+    from moeserve.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(EngineCoreRequest(f"b{time.monotonic_ns()}-{i}", p, params))
+    while any(r.num_output_tokens == 0 for r in eng.scheduler.requests.values()):
+        eng.step()
+
+
+def _decode(eng) -> tuple[int, int, float, float]:
+    """(tokens, steps, wall s, cpu s) of the decode phase of the running batch."""
+    tokens, steps, wall, cpu = 0, 0, 0.0, 0.0
+    while eng.has_unfinished():
+        t, c = time.perf_counter(), CLOCK()
+        outs = eng.step()
+        wall += time.perf_counter() - t
+        cpu += CLOCK() - c
+        steps += 1
+        tokens += sum(len(o.new_token_ids) for o in outs)
+    return tokens, steps, wall, cpu
 
 
 def main() -> None:
@@ -161,13 +179,14 @@ def main() -> None:
 
     path, label = pick_model(args.model)
     print(f"model: {path} ({label}); dtype {args.dtype}, {args.threads} thread(s), greedy, "
-          f"{PROMPT_LEN}-token held-out prompts, {args.new_tokens} new tokens")
+          f"{max(args.batches)} {PROMPT_LEN}-token held-out prompts at every batch size, {args.new_tokens} new tokens")
     engines = {0: LLM(path, dtype=args.dtype)}
     for k in args.ks:
         engines[k] = LLM(path, dtype=args.dtype, speculative_config={"method": "mtp", "num_speculative_tokens": k})
-    prompts = heldout_prompts(engines[0].tokenizer, engines[0].arch.vocab_size, max(args.batches))
+    n = max(args.batches)
+    prompts = heldout_prompts(engines[0].tokenizer, engines[0].arch.vocab_size, n)
     for llm in engines.values():  # warm-up
-        run(llm, prompts[:2], 8)
+        run(llm, [prompts[:2]], 8)
     rows = []
     for b in args.batches:
         # Repeats interleave the configurations (the machine is shared: load drifts between runs) and the
@@ -175,7 +194,8 @@ def main() -> None:
         reps = {k: [] for k in engines}
         for _ in range(args.repeats):
             for k, llm in engines.items():
-                reps[k].append(run(llm, prompts[:b], args.new_tokens))
+                groups = [prompts[i: i + b] for i in range(0, n - b + 1, b)]  # all n prompts, b at a time
+                reps[k].append(run(llm, groups, args.new_tokens))
         base = max(reps[0], key=lambda x: x["tok_s"])["tok_s"]
         for k in engines:
             r = {"batch": b, "k": k, **max(reps[k], key=lambda x: x["tok_s"])}
