@@ -74,6 +74,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     moe_comm: str = "auto"  # auto: alltoall with EP, allgather/reduce-scatter without
     moe_comm_dtype: str = "bfloat16"  # dispatch payload: activations as they are, or int8 + per-token scales
+    flashcomm: str = "off"  # attention TP: "on" = ReduceScatter + AllGather, "int8" = INT8 AllGather
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # JSON file with the logical->physical map
     nnodes: int = 1
@@ -89,6 +90,11 @@ class ParallelConfig:
         _require(self.moe_comm in MOE_COMMS, f"--moe-comm must be one of {', '.join(MOE_COMMS)}, got {self.moe_comm!r}")
         _require(self.moe_comm_dtype in MOE_COMM_DTYPES, f"--moe-comm-dtype must be one of "
                  f"{', '.join(MOE_COMM_DTYPES)}, got {self.moe_comm_dtype!r}")
+        _require(self.flashcomm in ("off", "on", "int8"),
+                 f"--flashcomm must be one of off, on, int8, got {self.flashcomm!r}")
+        _require(self.flashcomm == "off" or self.tensor_parallel_size > 1,
+                 f"--flashcomm {self.flashcomm} shards attention's tensor parallelism: it needs "
+                 "--tensor-parallel-size > 1")
         _require(self.distributed_backend in BACKENDS,
                  f"--distributed-backend must be one of {', '.join(BACKENDS)}, got {self.distributed_backend!r}")
         _require(self.num_redundant_experts >= 0, "--num-redundant-experts must be >= 0")
@@ -246,6 +252,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
     moe_comm: str = "auto"
     moe_comm_dtype: str = "bfloat16"
+    flashcomm: str = "off"
     num_redundant_experts: int = 0
     expert_placement: str | None = None
     nnodes: int = 1

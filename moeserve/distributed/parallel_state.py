@@ -43,6 +43,7 @@ class RankInfo:
 
 
 _GROUPS: dict[str, GroupCoordinator] = {}
+_FLASHCOMM = ["off"]  # --flashcomm of this rank's grid (layers/models ask get_flashcomm())
 
 
 def _group(name: str) -> GroupCoordinator:
@@ -64,6 +65,10 @@ def get_dp_group() -> GroupCoordinator:
 
 def get_ep_group() -> GroupCoordinator:
     return _group("ep")
+
+
+def get_flashcomm() -> str:
+    return _FLASHCOMM[0]
 
 
 def is_initialized() -> bool:
@@ -89,6 +94,7 @@ def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
     # Every rank must create every group, in the same order (torch.distributed.new_group is collective).
     tp_groups = [[dp * t + i for i in range(t)] for dp in range(d)]
     dp_groups = [[dp * t + i for dp in range(d)] for i in range(t)]
+    _FLASHCOMM[0] = parallel.flashcomm
     _GROUPS["world"] = GroupCoordinator("world", world, rank, dist.group.WORLD, device)
     _GROUPS["ep"] = GroupCoordinator("ep", world, rank, dist.group.WORLD, device)
     for name, groups in (("tp", tp_groups), ("dp", dp_groups)):
@@ -102,5 +108,6 @@ def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
 
 def destroy_distributed() -> None:
     _GROUPS.clear()
+    _FLASHCOMM[0] = "off"
     if dist.is_initialized():
         dist.destroy_process_group()

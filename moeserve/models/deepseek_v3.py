@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moeserve.distributed.flashcomm import sequence_parallel
+from moeserve.distributed.parallel_state import get_flashcomm, get_tp_group
 from moeserve.layers.attention.mla import MLAttention
 from moeserve.layers.mlp import DenseMLP
 from moeserve.layers.moe.layer import MoE
@@ -41,9 +43,13 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions)
-        return self.norm(x)
+        # FlashComm (distributed/flashcomm.py): with --flashcomm the residual stream is this TP rank's
+        # share of the tokens; otherwise shard/gather are the identity.
+        with sequence_parallel(get_tp_group(), get_flashcomm(), x.shape[0]) as sp:
+            x = sp.shard(x)
+            for layer in self.layers:
+                x = layer(x, positions)
+            return sp.gather(self.norm(x), allow_int8=False)
 
 
 class DeepseekV3ForCausalLM(nn.Module):

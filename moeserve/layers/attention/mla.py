@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.distributed.comm import timed
+from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_tp_group
 from moeserve.layers.attention.metadata import get_attention_metadata
 from moeserve.layers.linear import Linear
@@ -65,9 +66,13 @@ class MLAttention(nn.Module):
         return q.view(x.shape[0], self.num_heads, self.dn + self.dr)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (all scheduled tokens) -> [T, hidden]."""
+        """x [T, hidden] (all scheduled tokens; with FlashComm this rank's shard) -> same rows."""
+        sp = current_seq_parallel()
         with timed("attention"):
-            return self.tp.all_reduce(self._attend(x, positions))
+            if sp is None:
+                return self.tp.all_reduce(self._attend(x, positions))
+            # FlashComm: x is this rank's token shard (normed); gather all tokens, scatter the sums back
+            return sp.reduce_scatter(self._attend(sp.gather(x), positions))
 
     def _attend(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """This rank's heads; o_proj's partial output (summed over the TP group by the caller)."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from moeserve.distributed.comm import timed
+from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_ep_group, get_tp_group
 from moeserve.layers.mlp import DenseMLP
 from moeserve.layers.moe.dispatch import make_codec, make_dispatcher
@@ -36,7 +37,8 @@ class MoE(nn.Module):
         self.dispatcher = make_dispatcher(comm, ep, placement, make_codec(current_comm_dtype()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.tensor_split(self.tp.world_size)[self.tp.rank] if self.tp.world_size > 1 else x  # [T_tp, H]
+        sharded = self.tp.world_size > 1 and current_seq_parallel() is None  # FlashComm: x is the shard already
+        rows = x.tensor_split(self.tp.world_size)[self.tp.rank] if sharded else x  # [T_tp, H]
         with timed("router"):
             weights, expert_ids = self.gate(rows)  # [T_tp, k] float32, logical ids
             phys_ids = self.expert_map.to_physical(expert_ids)  # [T_tp, k] physical slots
@@ -48,4 +50,4 @@ class MoE(nn.Module):
         out = self.dispatcher.combine(handle, self.experts)
         if shared is not None:
             out = out + shared
-        return self.tp.all_gather_varlen(out) if self.tp.world_size > 1 else out
+        return self.tp.all_gather_varlen(out) if sharded else out
