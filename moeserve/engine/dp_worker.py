@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -132,7 +133,7 @@ class RankWorker:
 
 
 def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, parent_pid: int | None,
-              num_threads: int) -> None:
+              num_threads: int, own_process: bool = False) -> None:
     """Entry point of a rank process (spawned by launch.py, or called per process under torchrun)."""
     torch.set_num_threads(num_threads)
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
@@ -148,8 +149,12 @@ def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, p
         if worker is not None and worker.sock is not None:
             worker.report(RankReport(info.dp_rank, error=msg))
             time.sleep(0.2)  # let ZMQ flush the report
-        os._exit(1)  # skip process-group teardown: peers may be gone and it could block
+        if own_process or threading.current_thread() is threading.main_thread():
+            os._exit(1)  # skip process-group teardown: peers may be gone and it could block
+        return  # torchrun rank 0's thread: the front end in this process raises from the report
     worker.close()
+    if own_process:
+        os._exit(0)  # a rank process: skip interpreter/process-group teardown, which can block on gone peers
     destroy_distributed()
 
 
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
-    rank_main(sys.stdin.buffer.read(), a.rank, a.init_method, a.zmq_addr, a.parent_pid, a.threads)
+    rank_main(sys.stdin.buffer.read(), a.rank, a.init_method, a.zmq_addr, a.parent_pid, a.threads, own_process=True)
 
 
 if __name__ == "__main__":

@@ -176,7 +176,7 @@ def test_two_nodes_by_flags_generate_like_one_process(path):
                   "127.0.0.1", "--master-port", str(port)]
     node1 = subprocess.Popen(base + ["--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     node0 = subprocess.run(base + ["--node-rank", "0"], capture_output=True, text=True, timeout=150)
-    rc1 = node1.wait(timeout=60)
+    rc1 = node1.wait(timeout=120)
     single = subprocess.run(gen, capture_output=True, text=True, timeout=150)
     assert node0.returncode == 0 and rc1 == 0, node0.stderr[-2000:]
     text = [line for line in node0.stdout.splitlines() if not line.startswith("---")]
