@@ -95,8 +95,9 @@ class DPEngineClient:
         self._check_alive()
         outputs: list[EngineCoreOutput] = []
         timeout_ms = int(poll_s * 1000)
+        heard = False
         while self.sock.poll(timeout_ms):
-            timeout_ms = 0
+            timeout_ms, heard = 0, True
             report = self._recv()
             self.rank_stats[report.dp_rank] = report.stats or self.rank_stats[report.dp_rank]
             for out in report.outputs:
@@ -107,10 +108,10 @@ class DPEngineClient:
                 if out.finish_reason is not None:
                     self._forget(out.request_id)
                 outputs.append(out)
-        if outputs or not self.owner:
+        if heard or not self.owner:  # every step reports, so a long chunked prefill is progress too
             self._last_progress = time.monotonic()
         elif time.monotonic() - self._last_progress > self.timeout:
-            self._fail(f"no output from any rank for {self.timeout:.0f} s (--distributed-timeout) while "
+            self._fail(f"no report from any rank for {self.timeout:.0f} s (--distributed-timeout) while "
                        f"{len(self.owner)} request(s) are unfinished")
         return outputs
 
