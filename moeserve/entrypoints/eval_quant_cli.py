@@ -10,7 +10,7 @@ import sysconfig
 
 from moeserve.config import EngineArgs
 
-DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "calendar.py")  # not a tokenizer-training file
+DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "calendar.py")  # held out by the bundled model
 
 
 def register(sub) -> None:
