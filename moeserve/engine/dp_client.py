@@ -116,7 +116,9 @@ class DPEngineClient:
         return outputs
 
     def stats(self) -> EngineStats:
-        """Sums over DP ranks (comm bytes and phase seconds of the TP leaders)."""
+        """Sums over DP ranks (comm bytes and phase seconds of the TP leaders). Also the liveness check of
+        an idle engine (the server's heartbeat calls it): raises EngineDeadError when a rank is gone."""
+        self._check_alive()
         total = EngineStats()
         for s in self.rank_stats:
             total.num_running += s.num_running
