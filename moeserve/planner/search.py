@@ -114,15 +114,25 @@ def split(cards: int, dec: Candidate, pre: Candidate, wl: Workload) -> dict | No
 
 def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float, base: Instance,
            ttft_ms: float | None = None, top: int = 5) -> dict:
-    decs = best_decode(m, hw, cards, base, wl, tpot_ms, top)
-    pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top)
+    decs = best_decode(m, hw, cards, base, wl, tpot_ms, top=None)
+    pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top=None)
     plans = []
-    for d in decs:
-        for p in pres:
+    # Pair the best layout of every instance size: the overall top decode layouts may be too big to leave
+    # room for any prefill instance (e.g. 32-card decode on 32 cards), while a smaller pair fits.
+    for d in _best_per_size(decs):
+        for p in _best_per_size(pres):
             s = split(cards, d, p, wl)
             if s:
                 plans.append({**s, "decode": d.to_dict(), "prefill": p.to_dict()})
     plans.sort(key=lambda p: -p["goodput_tok_s_card"])
     return {"cards": cards, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "plans": plans[:top],
-            "decode_candidates": [d.to_dict() for d in decs],
-            "prefill_candidates": [p.to_dict() for p in pres]}
+            "decode_candidates": [d.to_dict() for d in decs[:top]],
+            "prefill_candidates": [p.to_dict() for p in pres[:top]]}
+
+
+def _best_per_size(cands: list[Candidate]) -> list[Candidate]:
+    """The best candidate of each instance size (cands sorted best first)."""
+    best: dict[int, Candidate] = {}
+    for c in cands:
+        best.setdefault(c.inst.cards, c)
+    return list(best.values())

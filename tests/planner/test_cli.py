@@ -73,3 +73,13 @@ def test_estimate_with_separate_prefill_instance(capsys):
     d, p = obj["decode"], obj["prefill"]
     ratio = (d["tok_s_card"] * 32 / 2048) / (p["tok_s_card"] * 16 / 2048)
     assert obj["prefill_instances_per_decode_instance"] == pytest.approx(ratio, rel=1e-2)
+
+
+def test_search_pairs_smaller_instances_when_the_best_decode_layout_fills_the_cards(capsys):
+    # The best decode layouts for 32 H800s use all 32 cards; a 16:16 prefill:decode split must still be found.
+    assert main(["plan", "search", "--model", "deepseek-v3", "--hardware", "h800", "--cards", "32", "--tpot-ms", "50",
+                 "--input-len", "2048", "--output-len", "2048", "--json"]) in (0, None)
+    res = json.loads(capsys.readouterr().out)
+    assert res["plans"], "no plan found"
+    best = res["plans"][0]
+    assert best["cards_used"] <= 32 and best["prefill_instances"] >= 1 and best["decode_instances"] >= 1
