@@ -18,16 +18,16 @@ outside (the MTP draft layer) sees None and works on whole batches as before.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch
 
 from moeserve.distributed.comm import GroupCoordinator
+from moeserve.scoped import Scoped
 from moeserve.layers.quant import quantize_per_token
 
 FLASHCOMM_MODES = ("off", "on", "int8")
-_CURRENT: contextvars.ContextVar["SeqParallel | None"] = contextvars.ContextVar("seq_parallel", default=None)
+_CURRENT: Scoped["SeqParallel"] = Scoped("seq_parallel")
 
 
 @dataclass
@@ -100,8 +100,5 @@ def sequence_parallel(tp: GroupCoordinator, mode: str, num_tokens: int):
         yield _Unsharded()
         return
     sp = SeqParallel(tp, num_tokens, mode == "int8")
-    token = _CURRENT.set(sp)
-    try:
+    with _CURRENT.use(sp):
         yield sp
-    finally:
-        _CURRENT.reset(token)

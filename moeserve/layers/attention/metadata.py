@@ -7,10 +7,11 @@ chunks, recompute) use the decompressed form, one sequence at a time.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
+
+from moeserve.scoped import Scoped
 
 
 ABSORBED_MAX_QUERY = 9  # queries per sequence still sent down the absorbed path (1 + max drafts)
@@ -90,19 +91,14 @@ def _decode_batch(rows: list[int], tables: list[list[int]], lens: list[int], blo
     return DecodeBatch(torch.tensor(rows), table, ctx, mask)
 
 
-_current: AttentionMetadata | None = None
+_CURRENT: Scoped[AttentionMetadata] = Scoped("attention_metadata")
 
 
-@contextlib.contextmanager
 def attention_context(meta: AttentionMetadata):
-    global _current
-    prev, _current = _current, meta
-    try:
-        yield meta
-    finally:
-        _current = prev
+    return _CURRENT.use(meta)
 
 
 def get_attention_metadata() -> AttentionMetadata:
-    assert _current is not None, "attention layers run inside attention_context(...)"
-    return _current
+    meta = _CURRENT.get()
+    assert meta is not None, "attention layers run inside attention_context(...)"
+    return meta

@@ -13,13 +13,13 @@ every slot is local (experts_tp_sharded).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from dataclasses import dataclass
 
 import torch
 
 from moeserve.config import ConfigError, ParallelConfig
+from moeserve.scoped import Scoped
 
 
 @dataclass(frozen=True)
@@ -169,25 +169,21 @@ def _read_placement_file(path: str) -> dict:
     return maps
 
 
-_CURRENT: MoePlan | None = None
+_CURRENT: Scoped[MoePlan] = Scoped("moe_plan")
 
 
-@contextlib.contextmanager
 def moe_plan_context(plan: MoePlan):
     """MoE layers constructed inside read their placement and comm kind from `plan`."""
-    global _CURRENT
-    prev, _CURRENT = _CURRENT, plan
-    try:
-        yield plan
-    finally:
-        _CURRENT = prev
+    return _CURRENT.use(plan)
 
 
 def current_comm_dtype() -> str:
-    return "bfloat16" if _CURRENT is None else _CURRENT.comm_dtype
+    plan = _CURRENT.get()
+    return "bfloat16" if plan is None else plan.comm_dtype
 
 
 def current_layer_placement(layer_idx: int, num_experts: int) -> tuple[str, LayerPlacement]:
-    if _CURRENT is None or layer_idx not in _CURRENT.layers:
+    plan = _CURRENT.get()
+    if plan is None or layer_idx not in plan.layers:
         return "local", LayerPlacement(tuple(range(num_experts)), 1, 0)
-    return _CURRENT.comm, _CURRENT.layer(layer_idx)
+    return plan.comm, plan.layer(layer_idx)
