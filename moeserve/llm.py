@@ -88,13 +88,13 @@ class LLM:
                     self.engine.abort_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
                 if delta.finished:
                     ro, i = children[out.request_id]
-                    ro.outputs[i] = self._completion(i, processor, out.request_id, delta)
+                    ro.outputs[i] = self._completion(i, delta)
                     bar.update(1)
         bar.close()
 
     @staticmethod
-    def _completion(index: int, processor: OutputProcessor, rid: str, delta) -> CompletionOutput:
-        st = processor.last_finished[rid]
+    def _completion(index: int, delta) -> CompletionOutput:
+        st = delta.final
         logprobs = None
         cumulative = None
         if st.params.logprobs is not None:

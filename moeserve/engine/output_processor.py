@@ -32,13 +32,13 @@ class Delta:
     finished: bool
     finish_reason: str | None
     stop_reason: int | str | None
+    final: DetokState | None = None  # the request's whole state, once it finished (it is dropped here)
 
 
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, DetokState] = {}
-        self.last_finished: dict[str, DetokState] = {}  # final state of finished requests, for the caller
 
     def add(self, request_id: str, params: SamplingParams, prompt_len: int) -> None:
         self.states[request_id] = DetokState(params, prompt_len)
@@ -65,7 +65,7 @@ class OutputProcessor:
         delta = Delta(delta_text, list(out.new_token_ids), list(out.new_logprobs or []), finished,
                       st.finish_reason, st.stop_reason)
         if finished:
-            self.last_finished[out.request_id] = self.states.pop(out.request_id)
+            delta.final = self.states.pop(out.request_id)
         return delta, hit is not None and out.finish_reason is None
 
     @staticmethod
