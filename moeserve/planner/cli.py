@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from moeserve.planner.deploy import QUANT, KV_BYTES, MOE_COMM, Instance, Workload
+from moeserve.planner.deploy import FLASHCOMM, QUANT, KV_BYTES, MOE_COMM, Instance, Workload
 from moeserve.planner.hardware import PROFILES
 
 
@@ -32,6 +32,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     d.add_argument("--mtp-acceptance", type=float, default=0.7)
     d.add_argument("--moe-comm", choices=MOE_COMM, default="alltoall")
     d.add_argument("--micro-batch-overlap", action=argparse.BooleanOptionalAction, default=False)
+    d.add_argument("--overlap-shared", action=argparse.BooleanOptionalAction, default=True,
+                   help="shared experts (and the gate, with allgather) run during the first MoE collective")
+    d.add_argument("--flashcomm", choices=FLASHCOMM, default="off",
+                   help="with attention TP: ReduceScatter + BF16 ('on') or INT8 AllGather instead of AllReduce")
+    d.add_argument("--weight-prefetch", action=argparse.BooleanOptionalAction, default=False,
+                   help="prefetch attention weights while collectives run (capped at the published +10%%)")
     d.add_argument("--imbalance", type=float, default=None, help="residual expert-load max/mean (>=1)")
     d.add_argument("--eplb-stats", help="JSON of per-expert (or [layer][expert]) loads -> imbalance")
     w = p.add_argument_group("workload")
@@ -58,7 +64,9 @@ def _ctx(args):
     inst = Instance(cards=args.cards, tp=args.tp, shared_expert_ranks=args.shared_expert_ranks,
                     redundant_experts=red, quantization=args.quantization, kv_dtype=args.kv_dtype,
                     mtp_drafts=args.mtp_drafts, mtp_acceptance=args.mtp_acceptance, moe_comm=args.moe_comm,
-                    micro_batch_overlap=args.micro_batch_overlap, imbalance=imb or 1.0)
+                    micro_batch_overlap=args.micro_batch_overlap, imbalance=imb or 1.0,
+                    overlap_shared=args.overlap_shared, flashcomm=args.flashcomm,
+                    weight_prefetch=args.weight_prefetch)
     return m, hw, inst, Workload(args.input_len, args.output_len)
 
 

@@ -24,9 +24,10 @@ def args_estimate(p):
 
 
 def _prefill_instance(a, inst, m):
-    """The prefill layout: --prefill-* flags, else the decode layout without MTP drafts."""
+    """The prefill layout: --prefill-* flags, else the decode layout (MTP drafts kept: the prefill
+    instance runs the MTP layer over the prompt for the decode instance)."""
     from moeserve.planner.deploy import Instance
-    kw = {**asdict(inst), "tp": a.prefill_tp or inst.tp, "mtp_drafts": 0,
+    kw = {**asdict(inst), "tp": a.prefill_tp or inst.tp,
           "moe_comm": a.prefill_moe_comm or inst.moe_comm, "micro_batch_overlap": a.prefill_micro_batch_overlap}
     if a.prefill_cards:  # a separate instance: no dedicated shared ranks, fewest redundant slots
         red = -m.n_routed_experts % a.prefill_cards if m.n_routed_experts else 0

@@ -29,6 +29,7 @@ class Op:
     kind: str            # 'compute' or 'comm'
     flops: float = 0.0
     nbytes: float = 0.0  # HBM bytes (compute) or link bytes are not tracked (comm)
+    prefetchable: float = 0.0  # seconds of weight reads the op waits on beyond its FLOPs (prefetch can hide)
 
 
 @dataclass
@@ -40,7 +41,8 @@ class Step:
 
     def add(self, op: Op, times: float = 1.0) -> None:
         if times and op.seconds:
-            self.ops.append(Op(op.name, op.seconds * times, op.kind, op.flops * times, op.nbytes * times))
+            self.ops.append(Op(op.name, op.seconds * times, op.kind, op.flops * times, op.nbytes * times,
+                               op.prefetchable * times))
 
     def seconds(self, kind: str) -> float:
         return sum(o.seconds for o in self.ops if o.kind == kind)
@@ -57,10 +59,14 @@ class Step:
 
 
 def roofline(hw: Hardware, name: str, flops: float, nbytes: float, dtype: str,
-             compute_eff: float | None = None, mem_eff: float | None = None) -> Op:
+             compute_eff: float | None = None, mem_eff: float | None = None,
+             weight_bytes: float = 0.0) -> Op:
+    """`weight_bytes` (part of `nbytes`): what could be fetched ahead of the op."""
     peak = hw.peak_flops(dtype) * (compute_eff or hw.eff.gemm) * hw.eff.serving
     bw = hw.hbm_bw * (mem_eff or hw.eff.memory) * hw.eff.serving
-    return Op(name, max(flops / peak, nbytes / bw), "compute", flops, nbytes)
+    t_flops, t_mem = flops / peak, nbytes / bw
+    return Op(name, max(t_flops, t_mem), "compute", flops, nbytes,
+              min(max(0.0, t_mem - t_flops), weight_bytes / bw))
 
 
 def gemm(hw: Hardware, inst: Instance, name: str, tokens: float, params: float, n_in: float,
@@ -70,7 +76,7 @@ def gemm(hw: Hardware, inst: Instance, name: str, tokens: float, params: float, 
     wbytes = inst.weight_bytes if wbytes is None else wbytes
     act_in = 1.0 if dtype != "bf16" else ACT
     nbytes = params * wbytes + tokens * (n_in * act_in + n_out * ACT)
-    return roofline(hw, name, 2.0 * tokens * params, nbytes, dtype)
+    return roofline(hw, name, 2.0 * tokens * params, nbytes, dtype, weight_bytes=params * wbytes)
 
 
 # ---- attention ----------------------------------------------------------------------------------
@@ -108,14 +114,26 @@ def attn_prefill(m: ModelSpec, hw: Hardware, inst: Instance, seqs: float, new: f
     return roofline(hw, "attn_prefill", flops, nbytes, "bf16", compute_eff=eff, mem_eff=eff)
 
 
-def elementwise(m: ModelSpec, hw: Hardware, q: float) -> Op:
-    nbytes = ELEMENTWISE_PASSES * q * m.hidden_size * ACT
+def elementwise(m: ModelSpec, hw: Hardware, inst: Instance, q: float) -> Op:
+    """Norms, residual adds, dynamic quantisation; with FlashComm each TP rank does its token shard."""
+    tokens = q / inst.tp if inst.flashcomm != "off" else q
+    nbytes = ELEMENTWISE_PASSES * tokens * m.hidden_size * ACT
     return roofline(hw, "elementwise", 0.0, nbytes, "bf16")
 
 
-def tp_allreduce(m: ModelSpec, hw: Hardware, inst: Instance, q: float) -> Op:
-    """Attention/dense-MLP output reduction inside the TP group (BF16)."""
-    return Op("tp_allreduce", comm.allreduce(hw, inst.tp, q * m.hidden_size * ACT), "comm")
+def tp_allreduce(m: ModelSpec, hw: Hardware, inst: Instance, q: float) -> list[Op]:
+    """Attention/dense-MLP output reduction inside the TP group.
+
+    Plain: an AllReduce (= ReduceScatter + AllGather) of BF16 rows. FlashComm (system-brief item 7,
+    moeserve --flashcomm): ReduceScatter after o_proj, the residual stream stays sharded by token, and
+    the AllGather before the next projections moves BF16 ('on') or INT8 rows + fp32 scales ('int8').
+    """
+    rows = q * m.hidden_size
+    if inst.flashcomm == "off":
+        return [Op("tp_allreduce", comm.allreduce(hw, inst.tp, rows * ACT), "comm")]
+    gather = rows * ACT if inst.flashcomm == "on" else rows + 4.0 * q
+    return [Op("tp_reduce_scatter", comm.reduce_scatter(hw, inst.tp, rows * ACT), "comm"),
+            Op("tp_allgather", comm.allgather(hw, inst.tp, gather), "comm")]
 
 
 def dense_mlp(m: ModelSpec, hw: Hardware, inst: Instance, q: float) -> Op:

@@ -15,6 +15,7 @@ QUANT = {  # weight bytes, GEMM compute dtype, MoE dispatch bytes per element
 }
 KV_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0}
 MOE_COMM = ("alltoall", "allgather")
+FLASHCOMM = ("off", "on", "int8")
 
 
 class PlanError(ValueError):
@@ -39,6 +40,10 @@ class Instance:
     moe_comm: str = "alltoall"
     micro_batch_overlap: bool = False  # two-batch overlap of compute and communication
     imbalance: float = 1.0           # residual expert-load skew (max/mean rank load) beyond sampling noise
+    overlap_shared: bool = True      # shared experts (and, with allgather, the gate) run while the first
+                                     # MoE collective is in flight (moeserve's engine; system-brief item 8)
+    flashcomm: str = "off"           # TP AllReduce -> ReduceScatter + AllGather (BF16 'on' or 'int8')
+    weight_prefetch: bool = False    # next layer's attention weights stream in while the network is busy
 
     def __post_init__(self):
         _require(self.cards >= 1, f"cards must be >= 1, got {self.cards}")
@@ -50,6 +55,7 @@ class Instance:
         _require(self.quantization in QUANT, f"quantization must be one of {sorted(QUANT)}")
         _require(self.kv_dtype in KV_BYTES, f"kv dtype must be one of {sorted(KV_BYTES)}")
         _require(self.moe_comm in MOE_COMM, f"moe-comm must be one of {MOE_COMM}")
+        _require(self.flashcomm in FLASHCOMM, f"flashcomm must be one of {FLASHCOMM}")
         _require(self.mtp_drafts >= 0 and 0.0 <= self.mtp_acceptance <= 1.0,
                  "MTP drafts must be >= 0 and acceptance in [0, 1]")
         _require(self.imbalance >= 1.0, f"imbalance is max/mean load, >= 1; got {self.imbalance}")

@@ -14,7 +14,7 @@ import yaml
 
 GIB = 2 ** 30
 _EFF_KEYS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_overhead_ms",
-             "memory_utilization", "serving")
+             "memory_utilization", "serving", "prefetch_attention_gain")
 PROFILES = ("end_to_end", "kernel")
 
 
@@ -31,6 +31,9 @@ class Efficiency:
     # (GEMM, attention, memory-bound kernels; not to collectives, whose constants are already measured
     # operation times, nor to the per-step overhead). 1.0 = the kernel-level profile.
     serving: float = 1.0
+    # Measured speed-up of the attention block from prefetching its weights during communication
+    # (Instance.weight_prefetch); an upper bound on what step.py lets the technique hide.
+    prefetch_attention_gain: float = 0.10
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,23 @@ def moe_compute(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: 
     return ops
 
 
+def moe_permute(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: float) -> Op:
+    """Memory traffic around the expert GEMMs that neither the GEMMs nor the collectives do.
+
+    alltoall: the origin sums its k (+1) returned BF16 copies per token into the hidden state.
+    allgather: every card writes a full [N, H] BF16 output buffer (its experts' weighted rows
+    scattered in, zeros elsewhere) for the reduce-scatter, after reading its copies' outputs.
+    """
+    h = m.hidden_size
+    if inst.moe_comm == "allgather":
+        copies, _ = routed_load(m, inst, n_tokens)
+        nbytes = (copies + n_tokens) * h * ACT
+    else:
+        tokens = q / inst.tp
+        nbytes = tokens * (m.num_experts_per_tok + (1 if inst.shared_expert_ranks else 0) + 1) * h * ACT
+    return roofline(hw, "moe_permute", 0.0, nbytes, "bf16")
+
+
 def moe_comm(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: float) -> list[Op]:
     """Dispatch + combine (all-to-all) or allgather + reduce-scatter, per MoE layer."""
     h, cards = m.hidden_size, inst.cards

@@ -69,7 +69,7 @@ def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5) -> list[Candidate]
             red = _redundancy(m.n_routed_experts, size) if m.n_routed_experts else 0
             for comm in ("alltoall", "allgather"):
                 inst = replace(base, cards=size, tp=tp, redundant_experts=red, moe_comm=comm,
-                               mtp_drafts=0, shared_expert_ranks=0, micro_batch_overlap=False)
+                               shared_expert_ranks=0, micro_batch_overlap=False)  # MTP kept: see step.py
                 cand = _prefill_candidate(m, hw, inst, wl, ttft_ms)
                 if cand:
                     out.append(cand)

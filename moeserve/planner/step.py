@@ -45,34 +45,73 @@ class Batch:
                      None if self.n_tokens is None else self.n_tokens * f)
 
 
-def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, is_moe: bool) -> list[Op]:
+def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, is_moe: bool,
+               overlap: bool = True) -> list[Op]:
+    """One decoder layer on the busiest card; `overlap` False under two-batch overlap (which already
+    hides communication behind the other micro-batch)."""
     q = b.q
-    ops = [cost.attn_proj(m, hw, inst, q), cost.elementwise(m, hw, q)]
+    proj = cost.attn_proj(m, hw, inst, q)
+    attn = [proj]
     if b.decode_seqs:
-        ops.append(cost.mla_decode(m, hw, inst, b.decode_seqs, b.decode_new, b.decode_ctx + b.decode_new))
-    ops += [cost.attn_prefill(m, hw, inst, s, n, p) for s, n, p in b.prefill]
-    ops.append(cost.tp_allreduce(m, hw, inst, q))
+        attn.append(cost.mla_decode(m, hw, inst, b.decode_seqs, b.decode_new, b.decode_ctx + b.decode_new))
+    attn += [cost.attn_prefill(m, hw, inst, s, n, p) for s, n, p in b.prefill]
+    ops = attn + [cost.elementwise(m, hw, inst, q)] + cost.tp_allreduce(m, hw, inst, q)
     if is_moe:
         n_tokens = b.n_tokens if b.n_tokens is not None else q * inst.dp
-        ops += moe.moe_compute(m, hw, inst, q, n_tokens) + moe.moe_comm(m, hw, inst, q, n_tokens)
+        compute = moe.moe_compute(m, hw, inst, q, n_tokens)
+        comm = moe.moe_comm(m, hw, inst, q, n_tokens)
+        ops += compute + [moe.moe_permute(m, hw, inst, q, n_tokens)] + comm
+        if overlap and inst.overlap_shared:
+            ops.append(_shared_overlap(inst, compute, comm))
     else:
-        ops += [cost.dense_mlp(m, hw, inst, q), cost.tp_allreduce(m, hw, inst, q)]
+        ops += [cost.dense_mlp(m, hw, inst, q)] + cost.tp_allreduce(m, hw, inst, q)
+    if overlap and inst.weight_prefetch:
+        ops.append(_weight_prefetch(hw, proj, attn, ops))
     return ops
 
 
-def _main_model(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
+def _weight_prefetch(hw: Hardware, proj: Op, attn: list[Op], ops: list[Op]) -> Op:
+    """Attention weights fetched while the layer's collectives keep the network busy (negative seconds).
+
+    Only the projections' weight reads beyond their FLOPs can be hidden, only within the communication window not
+    already used by other overlapped work,
+    and by no more than the published gain of the technique (system-brief item 8: +10% MLA, i.e. the
+    attention block takes 1/1.1 of its time), from hardware.yaml `prefetch_attention_gain`.
+    """
+    # The window left after other overlaps (shared experts) took their share of it.
+    window = sum(o.seconds for o in ops if o.kind in ("comm", "overlap"))
+    gain = hw.eff.prefetch_attention_gain
+    cap = (1.0 - 1.0 / (1.0 + gain)) * sum(o.seconds for o in attn)
+    return Op("weight_prefetch", -min(window, proj.prefetchable, cap), "overlap")
+
+
+def _shared_overlap(inst: Instance, compute: list[Op], comm: list[Op]) -> Op:
+    """Work independent of the first MoE collective runs while it is in flight (negative seconds).
+
+    Local shared experts need only the layer input; with allgather the gate does not feed the gather
+    either (system-brief item 8: gate overlapped with the AllGather, shared expert on a side stream;
+    moeserve's dispatchers launch the collective async and run the shared experts meanwhile). With
+    dedicated shared-expert ranks those run elsewhere already.
+    """
+    names = {"shared_experts"} | ({"router"} if inst.moe_comm == "allgather" else set())
+    independent = 0.0 if inst.shared_expert_ranks else sum(o.seconds for o in compute if o.name in names)
+    first = comm[0].seconds if comm else 0.0
+    return Op("comm_overlap", -min(independent, first), "overlap")
+
+
+def _main_model(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, overlap: bool = True) -> Step:
     step = Step()
     for op in _layer_ops(m, hw, inst, b, is_moe=False):
         step.add(op, m.num_dense_layers)
     if m.num_moe_layers:
-        for op in _layer_ops(m, hw, inst, b, is_moe=True):
+        for op in _layer_ops(m, hw, inst, b, is_moe=True, overlap=overlap):
             step.add(op, m.num_moe_layers)
     step.add(cost.lm_head(m, hw, inst, b.head_tokens))
     return step
 
 
 def _overlapped(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> tuple[Step, float]:
-    h = _main_model(m, hw, inst, b.scaled(0.5))
+    h = _main_model(m, hw, inst, b.scaled(0.5), overlap=False)  # TBO subsumes it
     c, x = h.seconds("compute"), h.seconds("comm")
     step = Step(overlapped=True)
     for op in h.ops:
@@ -82,16 +121,27 @@ def _overlapped(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> tuple[S
 
 
 def _mtp_draft(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
-    """MTP drafts for the decode sequences: the first pass covers every verified position, later ones
-    one position each (each pass: eh_proj + one decoder layer + the shared LM head)."""
+    """MTP passes (each: eh_proj + one decoder layer + the shared LM head on each sequence's last row).
+
+    The first pass covers every position the main model ran: all verified decode positions, and the
+    whole prompt of a prefill (the MTP layer's own KV cache must hold it, and the first draft needs the
+    prompt's last hidden state: a PD prefill instance pays this too). Later passes are one position per
+    sequence.
+    """
     step = Step()
+    seqs = b.decode_seqs + sum(s for s, _, _ in b.prefill)
     for i in range(inst.mtp_drafts):
-        new = b.decode_new if i == 0 else 1.0
-        sub = Batch(b.decode_seqs, new, b.decode_ctx + b.decode_new + i)
+        if i == 0:
+            sub = Batch(b.decode_seqs, b.decode_new, b.decode_ctx + b.decode_new, b.prefill)
+        else:
+            sub = Batch(b.decode_seqs, 1.0, b.decode_ctx + b.decode_new + i,
+                        tuple((s, 1.0, p + n + i) for s, n, p in b.prefill))
+        n_tokens = None if b.n_tokens is None else b.n_tokens * sub.q / b.q
+        sub = Batch(sub.decode_seqs, sub.decode_new, sub.decode_ctx, sub.prefill, n_tokens)
         q = sub.q
         eh = cost.gemm(hw, inst, "eh_proj", q, 2 * m.hidden_size ** 2, 2 * m.hidden_size, m.hidden_size)
         ops = [eh] + _layer_ops(m, hw, inst, sub, is_moe=bool(m.n_routed_experts))
-        ops.append(cost.lm_head(m, hw, inst, b.decode_seqs))
+        ops.append(cost.lm_head(m, hw, inst, seqs))
         for op in ops:
             step.add(Op("mtp_" + op.name, op.seconds, op.kind, op.flops, op.nbytes))
     return step
@@ -102,11 +152,11 @@ def run_step(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
         step, total = _overlapped(m, hw, inst, b)
     else:
         step = _main_model(m, hw, inst, b)
-        total = step.seconds("compute") + step.seconds("comm")
-    if b.decode_seqs and inst.mtp_drafts:
+        total = step.seconds("compute") + step.seconds("comm") + step.seconds("overlap")
+    if inst.mtp_drafts and b.q:
         draft = _mtp_draft(m, hw, inst, b)
         step.ops += draft.ops
-        total += draft.seconds("compute") + draft.seconds("comm")
+        total += draft.seconds("compute") + draft.seconds("comm") + draft.seconds("overlap")
     step.overhead = hw.eff.step_overhead_ms * 1e-3
     step.total = total + step.overhead
     return step

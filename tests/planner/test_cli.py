@@ -69,7 +69,9 @@ def test_estimate_with_separate_prefill_instance(capsys):
     args = ["plan", "estimate", *SMALL, "--prefill-cards", "16", "--prefill-tp", "2", "--json"]
     assert main(args) == 0
     obj = json.loads(capsys.readouterr().out)
-    assert obj["prefill_layout"]["cards"] == 16 and obj["prefill_layout"]["mtp_drafts"] == 0
+    # The prefill instance keeps the decode layout's MTP drafts: it fills the MTP layer's KV cache.
+    assert obj["prefill_layout"]["cards"] == 16
+    assert obj["prefill_layout"]["mtp_drafts"] == obj["layout"]["mtp_drafts"]
     d, p = obj["decode"], obj["prefill"]
     ratio = (d["tok_s_card"] * 32 / 2048) / (p["tok_s_card"] * 16 / 2048)
     assert obj["prefill_instances_per_decode_instance"] == pytest.approx(ratio, rel=1e-2)

@@ -10,7 +10,9 @@ V3 = load_model("deepseek-v3")
 HW = load_hardware("hgx-h800")
 layouts = st.builds(Instance, cards=st.sampled_from([16, 32, 64]), tp=st.sampled_from([1, 2]),
                     moe_comm=st.sampled_from(["alltoall", "allgather"]),
-                    micro_batch_overlap=st.booleans(), mtp_drafts=st.sampled_from([0, 1]))
+                    micro_batch_overlap=st.booleans(), mtp_drafts=st.sampled_from([0, 1]),
+                    overlap_shared=st.booleans(), weight_prefetch=st.booleans(),
+                    flashcomm=st.sampled_from(["off", "on", "int8"]))
 faster = st.floats(1.0, 4.0)
 
 
