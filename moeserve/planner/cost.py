@@ -8,7 +8,6 @@ whole instance (dp * q), k = top-k routed experts per token, H = hidden size.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from moeserve.planner import comm

@@ -8,7 +8,6 @@ timed. One DP group is simulated; the instance's other DP groups run the same lo
 """
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass, field
 
