@@ -3,7 +3,6 @@ sigmoid router, one MTP layer). Kept apart from the training loop; exported weig
 DeepseekV3ForCausalLM computes (train_tiny.check_hf_parity)."""
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn

@@ -37,7 +37,6 @@ import zlib
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
@@ -157,7 +156,7 @@ def tokenize_files(tok, root: Path, rels: list[str]) -> torch.Tensor:
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_model import RMSNorm, rope_cos_sin, apply_rope_interleave, MLA, MLP, MoE, Block, MTPLayer, TinyDeepseekV3  # noqa: E402
+from tiny_model import MLP, Block, TinyDeepseekV3  # noqa: E402
 
 # ----------------------------------------------------------------------------------------- HF export
 def hf_config(c: dict) -> dict:

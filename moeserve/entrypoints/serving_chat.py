@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest
-from moeserve.entrypoints.serving import Child, Serving, sse
+from moeserve.entrypoints.serving import Serving, sse
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}"

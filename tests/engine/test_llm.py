@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.engine.scheduler import RequestRejected
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 50)), [7, 8, 9, 10, 11]]
 
