@@ -141,7 +141,8 @@ def _lay(c: dict) -> str:
     l = c["layout"]
     extra = f", {l['shared_expert_ranks']} shared" if l["shared_expert_ranks"] else ""
     tbo = ", overlap" if l["micro_batch_overlap"] else ""
-    return f"[{l['cards']} cards TP{l['tp']} {l['moe_comm']}{extra}{tbo}, batch {c['batch_per_dp']}]"
+    fc = f", flashcomm {l['flashcomm']}" if l["flashcomm"] != "off" else ""
+    return f"[{l['cards']} cards TP{l['tp']} {l['moe_comm']}{extra}{tbo}{fc}, batch {c['batch_per_dp']}]"
 
 
 def args_simulate(p):

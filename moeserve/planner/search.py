@@ -17,6 +17,11 @@ SIZES = (8, 16, 24, 32, 48, 64, 72, 96, 128, 144, 160, 192, 256, 288, 320, 384)
 TPS = (1, 2, 4, 8)
 
 
+def _flashcomm_options(tp: int) -> tuple[str, ...]:
+    """With attention TP, also try FlashComm with the INT8 AllGather (moeserve --flashcomm int8)."""
+    return ("off", "int8") if tp > 1 else ("off",)
+
+
 @dataclass
 class Candidate:
     role: str
@@ -46,8 +51,10 @@ def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance):
                 red = _redundancy(m.n_routed_experts, size - shared) if m.n_routed_experts else 0
                 for comm in ("alltoall", "allgather"):
                     for tbo in (False, True):
-                        yield replace(base, cards=size, tp=tp, shared_expert_ranks=shared,
-                                      redundant_experts=red, moe_comm=comm, micro_batch_overlap=tbo)
+                        for fc in _flashcomm_options(tp):
+                            yield replace(base, cards=size, tp=tp, shared_expert_ranks=shared,
+                                          redundant_experts=red, moe_comm=comm, micro_batch_overlap=tbo,
+                                          flashcomm=fc)
 
 
 def best_decode(m, hw, cards, base, wl, tpot_ms, top=5) -> list[Candidate]:
@@ -68,11 +75,13 @@ def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5) -> list[Candidate]
         for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
             red = _redundancy(m.n_routed_experts, size) if m.n_routed_experts else 0
             for comm in ("alltoall", "allgather"):
-                inst = replace(base, cards=size, tp=tp, redundant_experts=red, moe_comm=comm,
-                               shared_expert_ranks=0, micro_batch_overlap=False)  # MTP kept: see step.py
-                cand = _prefill_candidate(m, hw, inst, wl, ttft_ms)
-                if cand:
-                    out.append(cand)
+                for fc in _flashcomm_options(tp):
+                    inst = replace(base, cards=size, tp=tp, redundant_experts=red, moe_comm=comm,
+                                   shared_expert_ranks=0, micro_batch_overlap=False,  # MTP kept: step.py
+                                   flashcomm=fc)
+                    cand = _prefill_candidate(m, hw, inst, wl, ttft_ms)
+                    if cand:
+                        out.append(cand)
     return sorted(out, key=lambda c: -c.tok_s_card)[:top]
 
 
