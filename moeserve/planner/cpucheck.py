@@ -1,10 +1,14 @@
 """CPU check: predict moeserve's own CPU decode step times from a measured CPU profile.
 
-Profile (this machine, torch): read bandwidth (float32 sum over 256 MB, best of 5), BF16 GEMM rate
-(1024^3, best of 3, reported) and at a decode shape (64 x 1024 x 1024, used), and the cost of one
-small eager op (Python + dispatcher, over a mix of tiny linear/softmax/topk/index/cat ops). The prediction is the planner's own cost model on a one-card "device" built from those numbers
-(efficiency 1.0: the profile already measures achieved rates) plus ops-per-step x cost-per-op, where the
-op count comes from one traced decode step of the engine (a structural count, not a timing).
+Profile (this machine, torch): read bandwidth (float32 sum over 256 MB, best of 5, reported), the
+bandwidth and fixed cost of weight streaming through BF16 GEMMs (one-row F.linear over a pool of distinct
+weight matrices larger than the caches, at 0.5 MB and 8 MB per matrix: t = fixed + bytes / bw, best of
+3), the BF16 GEMM rate (1024^3, reported) and at a decode shape (64 x 1024 x 1024, used), and the cost of
+one small eager op (Python + dispatcher, over a mix of tiny linear/softmax/topk/index/cat ops). The
+prediction is the planner's own cost model on a one-card "device" built from those numbers (efficiency
+1.0: the profile already measures achieved rates; HBM bandwidth = the GEMM weight-streaming bandwidth,
+since decode reads its bytes through GEMMs) plus GEMM calls x fixed cost + other ops x cost-per-op, where
+the op counts come from one traced decode step of the engine (a structural count, not a timing).
 Measured side: engine step times of decode-only steps on the bench model (benchmarks/common.py). The
 profile takes the best of several runs, so the error is reported against the fastest measured step
 (uncontended, like the profile); the median is shown too (shared machines are noisy).
@@ -34,6 +38,28 @@ def measure_gemm(n: int = 1024, dtype=torch.bfloat16, repeats: int = 3) -> float
     a @ b  # warm-up: kernel selection, page faults
     best = min(_timed(lambda: a @ b) for _ in range(repeats))
     return 2 * n ** 3 / best
+
+
+def measure_weight_streaming(repeats: int = 3, pool_mb: int = 256) -> tuple[float, float]:
+    """(bytes/s, seconds per call) of one-row BF16 F.linear over cold weights: decode's weight reads.
+
+    Each size cycles through distinct matrices totalling `pool_mb`, so the weights come from DRAM as in
+    a decode step (a repeated single matrix would be served from cache); two sizes separate the fixed
+    per-call cost (kernel setup, packing) from the streaming rate.
+    """
+    def per_call(rows: int, cols: int) -> float:
+        count = max(4, pool_mb * (1 << 20) // (rows * cols * 2))
+        ws = [torch.randn(rows, cols).to(torch.bfloat16) for _ in range(count)]
+        x = torch.randn(1, cols).to(torch.bfloat16)
+        for w in ws[:4]:
+            torch.nn.functional.linear(x, w)
+        return min(_timed(lambda: [torch.nn.functional.linear(x, w) for w in ws]) for _ in range(repeats)) / count
+
+    small, large = (256, 1024), (4096, 1024)
+    t_small, t_large = per_call(*small), per_call(*large)
+    b_small, b_large = 2 * small[0] * small[1], 2 * large[0] * large[1]
+    bw = (b_large - b_small) / max(t_large - t_small, 1e-9)
+    return bw, max(0.0, t_small - b_small / bw)
 
 
 def measure_decode_gemm(m: int = 64, k: int = 1024, n: int = 1024, repeats: int = 10) -> float:
@@ -71,7 +97,9 @@ def _timed(fn) -> float:
 def profile(threads: int | None = None) -> dict:
     if threads:
         torch.set_num_threads(threads)
+    stream_bw, gemm_call = measure_weight_streaming()
     return {"threads": torch.get_num_threads(), "mem_bw_gbs": measure_bandwidth() / 1e9,
+            "gemm_stream_gbs": stream_bw / 1e9, "gemm_call_us": gemm_call * 1e6,
             "gemm_bf16_gflops": measure_gemm() / 1e9, "gemm_decode_gflops": measure_decode_gemm() / 1e9,
             "op_cost_us": measure_op_cost() * 1e6}
 
@@ -82,32 +110,37 @@ def cpu_hardware(prof: dict, overhead_ms: float) -> Hardware:
                      serving=1.0)  # measured rates and per-op cost stand in for the serving derating
     rate = prof["gemm_decode_gflops"] / 1e3  # TFLOPS at decode shapes, not the 1024^3 peak
     return Hardware(key="this-cpu", name="this CPU (measured)", bf16_tflops=rate, int8_tops=rate,
-                    fp8_tflops=None, hbm_gib=16, hbm_tbps=prof["mem_bw_gbs"] / 1e3, scale_up_gbps=1.0,
+                    fp8_tflops=None, hbm_gib=16, hbm_tbps=prof["gemm_stream_gbs"] / 1e3, scale_up_gbps=1.0,
                     scale_out_gbps=1.0, scale_up_domain=1, eff=eff)
 
 
-def predict(prof: dict, batch: int, context: float, ops_per_step: float) -> dict:
+def predict(prof: dict, batch: int, context: float, ops_per_step: float, gemms_per_step: float = 0.0) -> dict:
     m = load_model("moeserve-bench")
-    hw = cpu_hardware(prof, ops_per_step * prof["op_cost_us"] * 1e-3)
+    overhead_us = gemms_per_step * prof["gemm_call_us"] + (ops_per_step - gemms_per_step) * prof["op_cost_us"]
+    hw = cpu_hardware(prof, overhead_us * 1e-3)
     st = decode_step(m, hw, Instance(cards=1, quantization="bf16"), batch, context)
     return {"step_ms": st.total * 1e3, "roofline_ms": (st.total - st.overhead) * 1e3,
             "overhead_ms": st.overhead * 1e3}
 
 
-def count_ops(engine) -> int:
-    """aten ops in one engine step (runs the step)."""
+GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm")  # linear stays whole under inference_mode
+
+
+def count_ops(engine) -> tuple[int, int]:
+    """(aten ops, of which GEMM calls) in one engine step (runs the step)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):
-        n = 0
+        n = gemms = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Counter.n += 1
+            Counter.gemms += func.overloadpacket.__name__ in GEMM_OPS
             return func(*args, **(kwargs or {}))
 
     with Counter():
         engine.step()
-    return Counter.n
+    return Counter.n, Counter.gemms
 
 
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16) -> list[dict]:
@@ -128,12 +161,13 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16) -
             ids = [(7 * i + j) % 31000 + 2 for j in range(prompt_len)]
             eng.add_request(EngineCoreRequest(f"b{b}-{i}", ids, params, []))
         eng.step()  # prefill
-        ops = count_ops(eng)
+        ops, gemms = count_ops(eng)
         times = [_timed(eng.step) for _ in range(steps)]
         while eng.has_unfinished():
             eng.step()
         times.sort()
         rows.append({"batch": b, "context": prompt_len + 2 + steps / 2, "ops_per_step": ops,
+                     "gemms_per_step": gemms,
                      "measured_ms": 1e3 * times[0], "measured_median_ms": round(1e3 * times[len(times) // 2], 3)})
     return rows
 
@@ -141,9 +175,10 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16) -
 def run_check(batches: list[int], measure: bool = False, threads: int | None = None) -> dict:
     prof = profile(threads)
     rows = measure_engine(batches) if measure else [
-        {"batch": b, "context": 138.0, "ops_per_step": None, "measured_ms": None} for b in batches]
+        {"batch": b, "context": 138.0, "ops_per_step": None, "gemms_per_step": None, "measured_ms": None}
+        for b in batches]
     for r in rows:
-        p = predict(prof, r["batch"], r["context"], r["ops_per_step"] or 0)
+        p = predict(prof, r["batch"], r["context"], r["ops_per_step"] or 0, r["gemms_per_step"] or 0)
         r.update({"predicted_ms": round(p["step_ms"], 3), "predicted_roofline_ms": round(p["roofline_ms"], 3),
                   "predicted_overhead_ms": round(p["overhead_ms"], 3)})
         if r["measured_ms"]:
@@ -154,8 +189,10 @@ def run_check(batches: list[int], measure: bool = False, threads: int | None = N
 
 def format_report(res: dict) -> str:
     p = res["profile"]
-    lines = [f"CPU profile: {p['mem_bw_gbs']:.1f} GB/s read, {p['gemm_bf16_gflops']:.0f} GFLOP/s BF16 GEMM, "
-             f"({p['gemm_decode_gflops']:.0f} at 64x1024x1024), {p['op_cost_us']:.1f} us per small op, {p['threads']:.0f} threads",
+    lines = [f"CPU profile: {p['mem_bw_gbs']:.1f} GB/s read, weights through GEMMs {p['gemm_stream_gbs']:.1f} GB/s "
+             f"+ {p['gemm_call_us']:.1f} us per call, {p['gemm_bf16_gflops']:.0f} GFLOP/s BF16 GEMM "
+             f"({p['gemm_decode_gflops']:.0f} at 64x1024x1024), {p['op_cost_us']:.1f} us per small op, "
+             f"{p['threads']:.0f} threads",
              f"{'batch':>5} {'ops':>6} {'roofline ms':>12} {'overhead ms':>12} {'predicted ms':>13} "
              f"{'best ms':>9} {'median ms':>10} {'error':>7}"]
     for r in res["rows"]:

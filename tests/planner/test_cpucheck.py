@@ -3,24 +3,28 @@ import pytest
 
 from moeserve.planner import cpucheck
 
-PROF = {"threads": 1, "mem_bw_gbs": 10.0, "gemm_bf16_gflops": 1000.0, "gemm_decode_gflops": 500.0,
-        "op_cost_us": 10.0}
+PROF = {"threads": 1, "mem_bw_gbs": 12.0, "gemm_stream_gbs": 10.0, "gemm_call_us": 30.0,
+        "gemm_bf16_gflops": 1000.0, "gemm_decode_gflops": 500.0, "op_cost_us": 10.0}
 
 
-def test_prediction_is_roofline_plus_ops_times_op_cost():
-    p = cpucheck.predict(PROF, batch=1, context=128, ops_per_step=1000)
-    assert p["overhead_ms"] == pytest.approx(10.0)  # 1000 ops x 10 us
-    assert p["step_ms"] == pytest.approx(p["roofline_ms"] + 10.0)
+def test_prediction_is_roofline_plus_gemm_calls_and_ops():
+    p = cpucheck.predict(PROF, batch=1, context=128, ops_per_step=1000, gemms_per_step=100)
+    assert p["overhead_ms"] == pytest.approx(100 * 0.030 + 900 * 0.010)  # GEMM calls x 30 us + 900 ops x 10 us
+    assert p["step_ms"] == pytest.approx(p["roofline_ms"] + p["overhead_ms"])
     # batch 1 is weight-streaming bound: ~active BF16 weights / 10 GB/s (bench model ~190M active+head)
     assert 20 < p["roofline_ms"] < 80
+    # weights stream at the GEMM rate, not the plain read rate
+    faster_read = cpucheck.predict({**PROF, "mem_bw_gbs": 50.0}, 1, 128, 1000, 100)
+    assert faster_read["roofline_ms"] == pytest.approx(p["roofline_ms"])
 
 
 def test_faster_profile_predicts_faster():
-    slow = cpucheck.predict(PROF, 4, 128, 500)["step_ms"]
-    fast = cpucheck.predict({**PROF, "mem_bw_gbs": 20.0, "op_cost_us": 5.0}, 4, 128, 500)["step_ms"]
+    slow = cpucheck.predict(PROF, 4, 128, 500, 50)["step_ms"]
+    fast = cpucheck.predict({**PROF, "gemm_stream_gbs": 20.0, "op_cost_us": 5.0}, 4, 128, 500, 50)["step_ms"]
     assert fast < slow
 
 
 def test_profile_measures_positive_rates():
     prof = cpucheck.profile()
     assert prof["mem_bw_gbs"] > 0.1 and prof["gemm_bf16_gflops"] > 1 and prof["op_cost_us"] > 0
+    assert prof["gemm_stream_gbs"] > 0.1 and prof["gemm_call_us"] >= 0
