@@ -85,3 +85,23 @@ def test_search_pairs_smaller_instances_when_the_best_decode_layout_fills_the_ca
     assert res["plans"], "no plan found"
     best = res["plans"][0]
     assert best["cards_used"] <= 32 and best["prefill_instances"] >= 1 and best["decode_instances"] >= 1
+
+
+def test_overlap_and_flashcomm_flags_reach_the_layout_and_the_breakdown(capsys):
+    args = ["plan", "estimate", "--hardware", "atlas-800i-a2", "--cards", "32", "--tp", "2", "--batch", "32",
+            "--moe-comm", "allgather", "--flashcomm", "int8", "--weight-prefetch", "--json"]
+    assert main(args) == 0
+    obj = json.loads(capsys.readouterr().out)
+    lay, br = obj["layout"], obj["decode"]["breakdown_ms"]
+    assert lay["flashcomm"] == "int8" and lay["weight_prefetch"] and lay["overlap_shared"]
+    assert "tp_reduce_scatter" in br and "tp_allgather" in br and "tp_allreduce" not in br
+    assert br["weight_prefetch"] < 0 and br["comm_overlap"] < 0
+    assert main([*args[:-4], "--no-overlap-shared", "--json"]) == 0
+    br = json.loads(capsys.readouterr().out)["decode"]["breakdown_ms"]
+    assert "comm_overlap" not in br and "tp_allreduce" in br
+
+
+def test_bad_flashcomm_value_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "estimate", "--flashcomm", "fp4"])
+    assert "--flashcomm" in capsys.readouterr().err
