@@ -11,6 +11,7 @@ SUBCOMMANDS = [
     "moeserve.planner.cli",
     "moeserve.entrypoints.quantize_cli",
     "moeserve.entrypoints.eval_quant_cli",
+    "moeserve.entrypoints.eplb_cli",
     "moeserve.entrypoints.serve_cli",
     "moeserve.bench.cli",
 ]

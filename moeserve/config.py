@@ -77,6 +77,7 @@ class ParallelConfig:
     flashcomm: str = "off"  # attention TP: "on" = ReduceScatter + AllGather, "int8" = INT8 AllGather
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # JSON file with the logical->physical map
+    expert_load_stats: str | None = None  # record per-expert routed pairs to this JSON (layers/moe/load_stats.py)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -255,6 +256,7 @@ class EngineArgs:
     flashcomm: str = "off"
     num_redundant_experts: int = 0
     expert_placement: str | None = None
+    expert_load_stats: str | None = None
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

@@ -68,6 +68,7 @@ class RankWorker:
         self.sock.send(msgspec.msgpack.encode(msg))
 
     def close(self) -> None:
+        self.core.flush_stats()
         if self.sock is not None:
             self.sock.close()
 

@@ -92,6 +92,10 @@ class EngineCore:
                 self.runner.release(req.request_id)
         return outputs
 
+    def flush_stats(self) -> None:
+        """Write --expert-load-stats now (LLM.generate calls it when a batch is done)."""
+        self.runner.flush_stats()
+
     def score(self, prompt_token_ids: list[int]):
         """Logits [L, V] float32 for every position of a prompt, outside the normal schedule."""
         req = Request(f"score-{id(prompt_token_ids)}", list(prompt_token_ids), SamplingParams(max_tokens=1))

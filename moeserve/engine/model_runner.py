@@ -17,6 +17,7 @@ from moeserve.engine.scheduler import SchedulerOutput
 from moeserve.distributed.parallel_state import get_world_group
 from moeserve.layers.attention.metadata import (AttentionMetadata, SeqSpan, attention_context,
                                                 build_attention_metadata)
+from moeserve.layers.moe.load_stats import ExpertLoadRecorder, recording
 from moeserve.layers.moe.placement import build_plan, moe_plan_context
 from moeserve.layers.sampler import Sampler, TokenLogprobs
 from moeserve.models.config import DeepseekArch
@@ -83,6 +84,15 @@ class ModelRunner:
                                             num_speculative_tokens=config.speculative.num_speculative_tokens)
             self.rejection_sampler = RejectionSampler(config.model.seed)
             self.checkpoint.mtp_weights.clear()  # copied into the MTP layer: free the memory
+        world = get_world_group()
+        self.load_recorder = (ExpertLoadRecorder(config.parallel.expert_load_stats, arch.n_routed_experts or 0,
+                                                 world.rank, world.world_size)
+                              if config.parallel.expert_load_stats else None)
+
+    def flush_stats(self) -> None:
+        """Write the expert-load statistics now (end of a run; the file is also refreshed while running)."""
+        if self.load_recorder is not None:
+            self.load_recorder.write()
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -92,13 +102,16 @@ class ModelRunner:
         if out.is_empty:
             return StepResult({}, {})
         input_ids, positions, meta, sample_rows = self._prepare(out)
-        with attention_context(meta):
-            hidden = self.model(input_ids, positions)
-        result = StepResult({}, {})
-        if sample_rows:
-            self._sample(hidden, sample_rows, result)
-        if self.proposer is not None:
-            result.draft_tokens = self.proposer.propose(out, hidden, result.sampled)
+        with recording(self.load_recorder):
+            with attention_context(meta):
+                hidden = self.model(input_ids, positions)
+            result = StepResult({}, {})
+            if sample_rows:
+                self._sample(hidden, sample_rows, result)
+            if self.proposer is not None:
+                result.draft_tokens = self.proposer.propose(out, hidden, result.sampled)
+        if self.load_recorder is not None:
+            self.load_recorder.step_done()
         return result
 
     def _sample(self, hidden: torch.Tensor, sample_rows: list, result: StepResult) -> None:

@@ -39,7 +39,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     d.add_argument("--weight-prefetch", action=argparse.BooleanOptionalAction, default=False,
                    help="prefetch attention weights while collectives run (capped at the published +10%%)")
     d.add_argument("--imbalance", type=float, default=None, help="residual expert-load max/mean (>=1)")
-    d.add_argument("--eplb-stats", help="JSON of per-expert (or [layer][expert]) loads -> imbalance")
+    d.add_argument("--eplb-stats", nargs="+", metavar="FILE",
+                   help="expert loads (moeserve --expert-load-stats files, or JSON per-expert / [layer][expert] "
+                        "lists) -> imbalance under the balanced placement of this layout's redundant slots")
+    d.add_argument("--eplb-placement", choices=("balanced", "contiguous"), default="balanced",
+                   help="placement --eplb-stats is scored under: EPLB's (balanced) or experts in rank blocks")
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", type=int, default=2048)
     w.add_argument("--output-len", type=int, default=2048)
@@ -55,12 +59,13 @@ def _ctx(args):
     hw = HardwareDB(args.hardware_file, args.efficiency_profile).get(args.hardware).with_overrides(
         scale_up_domain=args.scale_up_domain, scale_up_gbps=args.scale_up_gbps,
         scale_out_gbps=args.scale_out_gbps)
-    imb = args.imbalance
-    if imb is None and args.eplb_stats:
-        imb = imbalance_from_file(args.eplb_stats, m.n_routed_experts, args.cards - args.shared_expert_ranks)
     red = args.redundant_experts
     if red is None:
         red = -m.n_routed_experts % (args.cards - args.shared_expert_ranks) if m.n_routed_experts else 0
+    imb = args.imbalance
+    if imb is None and args.eplb_stats:
+        imb = imbalance_from_file(args.eplb_stats, m.n_routed_experts, args.cards - args.shared_expert_ranks,
+                                  red, balanced=args.eplb_placement == "balanced")
     inst = Instance(cards=args.cards, tp=args.tp, shared_expert_ranks=args.shared_expert_ranks,
                     redundant_experts=red, quantization=args.quantization, kv_dtype=args.kv_dtype,
                     mtp_drafts=args.mtp_drafts, mtp_acceptance=args.mtp_acceptance, moe_comm=args.moe_comm,

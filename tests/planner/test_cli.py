@@ -105,3 +105,25 @@ def test_bad_flashcomm_value_names_the_flag(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "estimate", "--flashcomm", "fp4"])
     assert "--flashcomm" in capsys.readouterr().err
+
+
+def test_eplb_stats_from_engine_files_use_the_balanced_placement_of_the_layout(tmp_path, capsys):
+    """Two ranks' --expert-load-stats files add up; redundant slots let EPLB split the hot expert."""
+    hot = [10.0] * 256
+    hot[0] = 10.0 * 17
+    files = []
+    for r in range(2):
+        f = tmp_path / f"load.json.rank{r}"
+        f.write_text(json.dumps({"format": "moeserve-expert-load", "version": 1, "num_experts": 256, "rank": r,
+                                 "world_size": 2, "steps": 1, "layers": {"3": [x / 2 for x in hot]}}))
+        files.append(str(f))
+
+    def imbalance(*extra):
+        assert main(["plan", "estimate", *SMALL, "--eplb-stats", *files, *extra, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["layout"]["imbalance"]
+
+    mean = sum(hot) / 32
+    assert imbalance("--redundant-experts", "0") == pytest.approx((170 + 70) / mean)  # hot expert + 7 others
+    # 32 spare slots: the hot expert gets replicas (17 -> ~2 x 8.5) and the packing evens the ranks out
+    assert imbalance("--redundant-experts", "32") < 1.1
+    assert imbalance("--redundant-experts", "32", "--eplb-placement", "contiguous") == pytest.approx((170 + 70) / mean)

@@ -15,6 +15,7 @@ from moeserve.distributed.parallel_state import get_ep_group, get_tp_group
 from moeserve.layers.mlp import DenseMLP
 from moeserve.layers.moe.dispatch import make_codec, make_dispatcher
 from moeserve.layers.moe.experts import FusedExperts
+from moeserve.layers.moe.load_stats import current_recorder
 from moeserve.layers.moe.placement import ExpertMap, current_comm_dtype, current_layer_placement
 from moeserve.layers.moe.router import Router
 from moeserve.models.config import DeepseekArch
@@ -41,6 +42,9 @@ class MoE(nn.Module):
         rows = x.tensor_split(self.tp.world_size)[self.tp.rank] if sharded else x  # [T_tp, H]
         with timed("router"):
             weights, expert_ids = self.gate(rows)  # [T_tp, k] float32, logical ids
+            recorder = current_recorder()
+            if recorder is not None:  # --expert-load-stats: logical loads, before replicas split them
+                recorder.record(self.layer_idx, expert_ids)
             phys_ids = self.expert_map.to_physical(expert_ids)  # [T_tp, k] physical slots
         handle = self.dispatcher.dispatch(rows, weights, phys_ids)
         shared = None
