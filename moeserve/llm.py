@@ -71,9 +71,7 @@ class LLM:
         self._run(processor, children, use_tqdm)
         for ro in results:
             ro.finished = True
-        flush = getattr(self.engine, "flush_stats", None)  # in-process engine; ranks write on their own
-        if flush is not None:
-            flush()
+        self.engine.flush_stats()  # --expert-load-stats: the counts of this batch are on disk
         return results
 
     def _run(self, processor: OutputProcessor, children: dict, use_tqdm: bool) -> None:

@@ -135,6 +135,9 @@ class DPEngineClient:
         total.outstanding_tokens = sum(self.load)
         return total
 
+    def flush_stats(self) -> None:
+        """--expert-load-stats: each rank process writes its own file (periodically and when it stops)."""
+
     def shutdown(self) -> None:
         self._finalizer()
 

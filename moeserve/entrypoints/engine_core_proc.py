@@ -163,7 +163,5 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
     if ready_event is not None:
         ready_event.set()
     proc.run()
-    flush = getattr(core, "flush_stats", None)  # --expert-load-stats: the last counts (ranks flush themselves)
-    if flush is not None:
-        flush()
+    core.flush_stats()  # --expert-load-stats: the last counts
     logger.info("engine core %d stopped", engine_index)

@@ -73,12 +73,11 @@ def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, is_moe: boo
 def _weight_prefetch(hw: Hardware, proj: Op, attn: list[Op], ops: list[Op]) -> Op:
     """Attention weights fetched while the layer's collectives keep the network busy (negative seconds).
 
-    Only the projections' weight reads beyond their FLOPs can be hidden, only within the communication window not
-    already used by other overlapped work,
-    and by no more than the published gain of the technique (system-brief item 8: +10% MLA, i.e. the
-    attention block takes 1/1.1 of its time), from hardware.yaml `prefetch_attention_gain`.
+    Only the projections' weight reads beyond their FLOPs can be hidden, only within the communication
+    window other overlapped work (shared experts) left, and by no more than the published gain of the
+    technique (system-brief item 8: +10% MLA, i.e. the attention block takes 1/1.1 of its time), from
+    hardware.yaml `prefetch_attention_gain`.
     """
-    # The window left after other overlaps (shared experts) took their share of it.
     window = sum(o.seconds for o in ops if o.kind in ("comm", "overlap"))
     gain = hw.eff.prefetch_attention_gain
     cap = (1.0 - 1.0 / (1.0 + gain)) * sum(o.seconds for o in attn)
@@ -101,7 +100,7 @@ def _shared_overlap(inst: Instance, compute: list[Op], comm: list[Op]) -> Op:
 
 def _main_model(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, overlap: bool = True) -> Step:
     step = Step()
-    for op in _layer_ops(m, hw, inst, b, is_moe=False):
+    for op in _layer_ops(m, hw, inst, b, is_moe=False, overlap=overlap):
         step.add(op, m.num_dense_layers)
     if m.num_moe_layers:
         for op in _layer_ops(m, hw, inst, b, is_moe=True, overlap=overlap):
@@ -131,14 +130,11 @@ def _mtp_draft(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
     step = Step()
     seqs = b.decode_seqs + sum(s for s, _, _ in b.prefill)
     for i in range(inst.mtp_drafts):
-        if i == 0:
-            sub = Batch(b.decode_seqs, b.decode_new, b.decode_ctx + b.decode_new, b.prefill)
-        else:
-            sub = Batch(b.decode_seqs, 1.0, b.decode_ctx + b.decode_new + i,
-                        tuple((s, 1.0, p + n + i) for s, n, p in b.prefill))
-        n_tokens = None if b.n_tokens is None else b.n_tokens * sub.q / b.q
-        sub = Batch(sub.decode_seqs, sub.decode_new, sub.decode_ctx, sub.prefill, n_tokens)
-        q = sub.q
+        new = b.decode_new if i == 0 else 1.0
+        prefill = b.prefill if i == 0 else tuple((s, 1.0, p + n + i) for s, n, p in b.prefill)
+        q = b.decode_seqs * new + sum(s * n for s, n, _ in prefill)
+        sub = Batch(b.decode_seqs, new, b.decode_ctx + b.decode_new + i, prefill,
+                    None if b.n_tokens is None else b.n_tokens * q / b.q)
         eh = cost.gemm(hw, inst, "eh_proj", q, 2 * m.hidden_size ** 2, 2 * m.hidden_size, m.hidden_size)
         ops = [eh] + _layer_ops(m, hw, inst, sub, is_moe=bool(m.n_routed_experts))
         ops.append(cost.lm_head(m, hw, inst, seqs))
@@ -152,11 +148,11 @@ def run_step(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
         step, total = _overlapped(m, hw, inst, b)
     else:
         step = _main_model(m, hw, inst, b)
-        total = step.seconds("compute") + step.seconds("comm") + step.seconds("overlap")
+        total = sum(o.seconds for o in step.ops)  # compute + comm - overlapped (negative) seconds
     if inst.mtp_drafts and b.q:
         draft = _mtp_draft(m, hw, inst, b)
         step.ops += draft.ops
-        total += draft.seconds("compute") + draft.seconds("comm") + draft.seconds("overlap")
+        total += sum(o.seconds for o in draft.ops)
     step.overhead = hw.eff.step_overhead_ms * 1e-3
     step.total = total + step.overhead
     return step

@@ -10,10 +10,6 @@ from tests.planner.helpers import TOY_HW as HW, TOY_MODEL as M
 H = M.hidden_size
 
 
-def _by_name(step):
-    return step.by_name()
-
-
 def test_moe_permute_hand_cases():
     a2a = moe.moe_permute(M, HW, Instance(cards=4), q=100, n_tokens=400)
     assert a2a.nbytes == 100 * (2 + 1) * H * 2          # k=2 copies summed back + the token's row written
@@ -28,7 +24,7 @@ def test_moe_permute_hand_cases():
 def test_shared_experts_hide_behind_the_first_collective(comm):
     on = decode_step(M, HW, Instance(cards=4, moe_comm=comm), 32, 100)
     off = decode_step(M, HW, Instance(cards=4, moe_comm=comm, overlap_shared=False), 32, 100)
-    b_on, b_off = _by_name(on), _by_name(off)
+    b_on, b_off = on.by_name(), off.by_name()
     first = b_off["dispatch" if comm == "alltoall" else "allgather"]
     independent = b_off["shared_experts"] + (b_off["router"] if comm == "allgather" else 0.0)
     assert b_on["comm_overlap"] == pytest.approx(-min(first, independent))
@@ -38,12 +34,12 @@ def test_shared_experts_hide_behind_the_first_collective(comm):
 
 def test_dedicated_shared_ranks_get_no_overlap_credit():
     st = decode_step(M, HW, Instance(cards=5, shared_expert_ranks=1), 32, 100)
-    assert _by_name(st).get("comm_overlap", 0.0) == 0.0
+    assert st.by_name().get("comm_overlap", 0.0) == 0.0
 
 
 def test_two_batch_overlap_does_not_also_take_the_shared_credit():
     st = decode_step(M, HW, Instance(cards=4, micro_batch_overlap=True, weight_prefetch=True), 32, 100)
-    names = _by_name(st)
+    names = st.by_name()
     assert "comm_overlap" not in names and "weight_prefetch" not in names
 
 
@@ -70,7 +66,7 @@ def test_weight_prefetch_is_capped_by_the_published_gain_and_the_window():
     inst = Instance(cards=4, weight_prefetch=True)
     st = decode_step(M, HW, inst, 8, 100)
     base = decode_step(M, HW, Instance(cards=4), 8, 100)
-    b, b0 = _by_name(st), _by_name(base)
+    b, b0 = st.by_name(), base.by_name()
     hidden = -b["weight_prefetch"]
     attention = b0["attn_proj"] + b0["mla_decode"]
     assert 0 < hidden <= attention * (1 - 1 / 1.1) + 1e-12
@@ -97,7 +93,7 @@ def test_weight_prefetch_does_nothing_when_projections_are_compute_bound():
 def test_prefill_with_mtp_runs_the_mtp_layer_over_the_prompt():
     base = prefill_step(M, HW, Instance(cards=4), 2, 512)
     mtp = prefill_step(M, HW, Instance(cards=4, mtp_drafts=1), 2, 512)
-    b = _by_name(mtp)
-    assert b["mtp_attn_prefill"] == pytest.approx(_by_name(base)["attn_prefill"] / M.num_hidden_layers)
+    b = mtp.by_name()
+    assert b["mtp_attn_prefill"] == pytest.approx(base.by_name()["attn_prefill"] / M.num_hidden_layers)
     assert b["mtp_lm_head"] == pytest.approx(cost.lm_head(M, HW, Instance(cards=4), 2).seconds)
     assert mtp.total > base.total

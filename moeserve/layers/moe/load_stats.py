@@ -33,7 +33,8 @@ class ExpertLoadRecorder:
         self._last_write = 0.0
 
     def record(self, layer_idx: int, expert_ids: torch.Tensor) -> None:
-        c = torch.bincount(expert_ids.reshape(-1).to("cpu", torch.long), minlength=self.num_experts)
+        # Counted on the ids' device: no host sync per MoE layer; write() copies them out.
+        c = torch.bincount(expert_ids.reshape(-1), minlength=self.num_experts)
         prev = self.counts.get(layer_idx)
         self.counts[layer_idx] = c if prev is None else prev + c
 
