@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moeserve.planner import comm
 from moeserve.planner.deploy import Instance, PlanError, Workload
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.memory import MemoryReport, memory_report, refusal_reason
@@ -103,6 +104,15 @@ class PrefillPoint:
         return {"requests": self.requests, "input_len": self.length, "ttft_ms": round(self.ttft_ms, 3),
                 "tok_s_card": round(self.tok_s_card, 1),
                 "breakdown_ms": {k: round(v, 3) for k, v in self.breakdown_ms.items()}}
+
+
+def kv_pull_ms(m: ModelSpec, hw: Hardware, inst: Instance, length: int, deployment_cards: int) -> float:
+    """Milliseconds for a PD decode instance to pull one `length`-token prompt's KV cache (main layers, and
+    the MTP layer's when the deployment drafts) from the prefill instance. Over scale-up only when every
+    card of the deployment sits in one scale-up domain; latent KV is replicated over attention TP, so a
+    decode TP rank pulls one full copy in parallel with its peers."""
+    nbytes = length * m.kv_bytes_per_token(inst.kv_bytes, with_mtp=inst.mtp_drafts > 0)
+    return comm.kv_pull(hw, nbytes, in_domain=deployment_cards <= hw.scale_up_domain) * 1e3
 
 
 def prefill_point(m: ModelSpec, hw: Hardware, inst: Instance, requests: int, length: int) -> PrefillPoint:

@@ -36,7 +36,7 @@ def _prefill_instance(a, inst, m):
 
 
 def cmd_estimate(a):
-    from moeserve.planner.analysis import decode_point, prefill_point, require_fits
+    from moeserve.planner.analysis import decode_point, kv_pull_ms, prefill_point, require_fits
     m, hw, inst, wl = _ctx(a)
     mem = require_fits(m, hw, inst, wl)
     batch = min(a.batch or mem.max_batch, mem.max_batch)
@@ -46,9 +46,12 @@ def cmd_estimate(a):
     # PD balance: requests/s one decode instance finishes vs one prefill instance starts.
     dec_req = pt.tok_s_card * inst.cards / wl.output_len
     pre_req = pre.tok_s_card * pre_inst.cards / wl.input_len
+    # A separate prefill instance hands each prompt's KV to the decode instance before its first step.
+    pull = kv_pull_ms(m, hw, inst, wl.input_len, inst.cards + pre_inst.cards) if a.prefill_cards else 0.0
     obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst), "decode": pt.to_dict(),
            "memory": mem.to_dict(), "prefill_layout": asdict(pre_inst), "prefill": pre.to_dict(),
-           "prefill_instances_per_decode_instance": round(dec_req / pre_req, 3)}
+           "prefill_instances_per_decode_instance": round(dec_req / pre_req, 3),
+           "kv_pull_ms": round(pull, 3), "ttft_with_kv_pull_ms": round(pre.ttft_ms + pull, 3)}
     text = (f"{m.name} on {hw.name}, {inst.cards} cards (DP{inst.dp} x TP{inst.tp}, EP{inst.ep}), "
             f"context {wl.mean_decode_context:.0f}\n"
             f"decode batch {batch}/DP: step {pt.step_ms:.2f} ms, TPOT {pt.tpot_ms:.2f} ms, "
@@ -58,7 +61,8 @@ def cmd_estimate(a):
             f"max batch {mem.max_batch}/DP\n"
             f"prefill ({pre_inst.cards} cards, TP{pre_inst.tp}) {pre.requests} x {pre.length}: TTFT "
             f"{pre.ttft_ms:.1f} ms, {pre.tok_s_card:.0f} tok/s/card; "
-            f"{dec_req / pre_req:.2f} prefill instances per decode instance")
+            f"{dec_req / pre_req:.2f} prefill instances per decode instance"
+            + (f"\nKV pull to decode {pull:.1f} ms per request: TTFT {pre.ttft_ms + pull:.1f} ms" if pull else ""))
     return _emit(a, obj, text)
 
 

@@ -61,6 +61,17 @@ def allreduce(hw: Hardware, ranks: int, nbytes: float) -> float:
     return 2 * allgather(hw, ranks, nbytes)
 
 
+def kv_pull(hw: Hardware, nbytes: float, in_domain: bool) -> float:
+    """A decode rank pulls one request's prompt KV from the prefill card that holds it (system-brief item 1:
+    "decode pulls it"): one point-to-point read over scale-up when both instances share a scale-up domain
+    (CloudMatrix's unified bus), else over the scale-out NIC. One message, so one latency."""
+    if nbytes <= 0:
+        return 0.0
+    if in_domain:
+        return link_time(hw, nbytes, 0.0)
+    return link_time(hw, 0.0, nbytes)
+
+
 def max_load_factor(mean: float, ranks: int) -> float:
     """Expected max/mean of per-rank loads when `mean` token copies per rank are drawn at random.
 

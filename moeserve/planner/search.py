@@ -1,14 +1,15 @@
 """Layout search: enumerate prefill and decode instances and the prefill:decode split, rank by goodput/card.
 
 Goodput per card = requests/s the whole deployment sustains with decode inside the TPOT SLO (and prefill
-inside the TTFT SLO when given), times output_len, divided by all cards used (prefill + decode).
+inside the TTFT SLO when given), times output_len, divided by all cards used (prefill + decode). The TTFT
+a PD deployment's client sees is the prefill batch plus the decode instance's pull of the prompt's KV.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
 
-from moeserve.planner.analysis import best_under_slo, prefill_point
+from moeserve.planner.analysis import best_under_slo, kv_pull_ms, prefill_point
 from moeserve.planner.deploy import Instance, PlanError, Workload
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.models import ModelSpec
@@ -69,7 +70,8 @@ def best_decode(m, hw, cards, base, wl, tpot_ms, top=5) -> list[Candidate]:
     return sorted(out, key=lambda c: -c.tok_s_card)[:top]
 
 
-def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5) -> list[Candidate]:
+def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0) -> list[Candidate]:
+    """kv_pull: ms the decode side needs to pull one prompt's KV, counted against the TTFT SLO."""
     out = []
     for size in (s for s in SIZES if s <= cards):
         for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
@@ -79,13 +81,13 @@ def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5) -> list[Candidate]
                     inst = replace(base, cards=size, tp=tp, redundant_experts=red, moe_comm=comm,
                                    shared_expert_ranks=0, micro_batch_overlap=False,  # MTP kept: step.py
                                    flashcomm=fc)
-                    cand = _prefill_candidate(m, hw, inst, wl, ttft_ms)
+                    cand = _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull)
                     if cand:
                         out.append(cand)
     return sorted(out, key=lambda c: -c.tok_s_card)[:top]
 
 
-def _prefill_candidate(m, hw, inst, wl, ttft_ms):
+def _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull=0.0):
     """Largest batch (one prompt per DP group, doubling) that fits and meets the TTFT SLO."""
     best, per_dp = None, 1
     while per_dp <= 64:
@@ -93,7 +95,7 @@ def _prefill_candidate(m, hw, inst, wl, ttft_ms):
             pt = prefill_point(m, hw, inst, per_dp * inst.dp, wl.input_len)
         except PlanError:
             break
-        if ttft_ms is not None and pt.ttft_ms > ttft_ms:
+        if ttft_ms is not None and pt.ttft_ms + kv_pull > ttft_ms:
             break
         if best is None or pt.tok_s_card > best.tok_s_card:
             best = Candidate("prefill", inst, pt.tok_s_card, pt.ttft_ms, per_dp)
@@ -124,7 +126,8 @@ def split(cards: int, dec: Candidate, pre: Candidate, wl: Workload) -> dict | No
 def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float, base: Instance,
            ttft_ms: float | None = None, top: int = 5) -> dict:
     decs = best_decode(m, hw, cards, base, wl, tpot_ms, top=None)
-    pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top=None)
+    pull = kv_pull_ms(m, hw, base, wl.input_len, cards)  # every instance within `cards`
+    pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top=None, kv_pull=pull)
     plans = []
     # Pair the best layout of every instance size: the overall top decode layouts may be too big to leave
     # room for any prefill instance (e.g. 32-card decode on 32 cards), while a smaller pair fits.
@@ -132,9 +135,11 @@ def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float,
         for p in _best_per_size(pres):
             s = split(cards, d, p, wl)
             if s:
-                plans.append({**s, "decode": d.to_dict(), "prefill": p.to_dict()})
+                plans.append({**s, "decode": d.to_dict(), "prefill": p.to_dict(),
+                              "ttft_with_kv_pull_ms": round(p.latency_ms + pull, 2)})
     plans.sort(key=lambda p: -p["goodput_tok_s_card"])
-    return {"cards": cards, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "plans": plans[:top],
+    return {"cards": cards, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "kv_pull_ms": round(pull, 3),
+            "plans": plans[:top],
             "decode_candidates": [d.to_dict() for d in decs[:top]],
             "prefill_candidates": [p.to_dict() for p in pres[:top]]}
 

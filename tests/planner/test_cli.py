@@ -75,6 +75,9 @@ def test_estimate_with_separate_prefill_instance(capsys):
     d, p = obj["decode"], obj["prefill"]
     ratio = (d["tok_s_card"] * 32 / 2048) / (p["tok_s_card"] * 16 / 2048)
     assert obj["prefill_instances_per_decode_instance"] == pytest.approx(ratio, rel=1e-2)
+    # A separate prefill instance: the client's TTFT adds the decode instance's pull of the prompt's KV.
+    assert obj["kv_pull_ms"] > 0
+    assert obj["ttft_with_kv_pull_ms"] == pytest.approx(p["ttft_ms"] + obj["kv_pull_ms"], abs=1e-2)
 
 
 def test_search_pairs_smaller_instances_when_the_best_decode_layout_fills_the_cards(capsys):

@@ -47,3 +47,10 @@ def test_max_load_factor():
         2 * math.log(round(math.e ** 4)) / 8))
     assert comm.max_load_factor(0, 10) == 1.0 and comm.max_load_factor(5, 1) == 1.0
     assert comm.max_load_factor(1e6, 128) < 1.01  # noise vanishes at large loads
+
+
+def test_kv_pull_hand_case():
+    # 0.1 GB over the NIC at 10 GB/s x 0.5 = 20 ms, or over scale-up at 100 x 0.5 = 2 ms; + 10 us
+    assert comm.kv_pull(HW, 0.1e9, in_domain=False) == pytest.approx(0.02001)
+    assert comm.kv_pull(HW, 0.1e9, in_domain=True) == pytest.approx(0.00201)
+    assert comm.kv_pull(HW, 0.0, in_domain=False) == 0.0

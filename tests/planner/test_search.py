@@ -1,3 +1,5 @@
+import pytest
+
 from moeserve.planner.deploy import Instance, Workload
 from moeserve.planner.hardware import load_hardware
 from moeserve.planner.models import load_model
@@ -31,3 +33,24 @@ def test_split_balances_prefill_and_decode():
     # 1 prefill instance (24 req/s) feeds 3 decode instances (8 req/s each): 32 cards, 750 tok/s/card
     assert (s["prefill_instances"], s["decode_instances"]) == (1, 3)
     assert s["goodput_tok_s_card"] == 750.0
+
+
+def test_kv_pull_counts_against_the_ttft_slo():
+    # A2: 8 cards per HCCS node, so a 48-card deployment pulls KV over RoCE; 8K prompts of DeepSeek-V3
+    # with the MTP layer are 8192 x 70272 x 62/61 B = 585 MB -> ~26 ms at 28 GB/s x 0.8.
+    from moeserve.planner.analysis import kv_pull_ms
+    hw = load_hardware("atlas-800i-a2")
+    base = Instance(cards=8, quantization="a8w8", mtp_drafts=1, moe_comm="allgather")
+    pull = kv_pull_ms(V3, hw, base, 8192, 48)
+    assert pull == pytest.approx(8192 * 70272 * 62 / 61 / (28e9 * 0.8) * 1e3 + 0.02, rel=1e-3)
+    assert kv_pull_ms(V3, hw, base, 8192, 8) < pull / 5   # one node: over HCCS
+    free = search(V3, hw, 48, Workload(8192, 512), 100.0, base, top=50)
+    assert free["kv_pull_ms"] == pytest.approx(pull, abs=1e-3)
+    ttfts = sorted(p["prefill"]["latency_ms"] for p in free["plans"])
+    # An SLO between a plan's prefill TTFT and its TTFT with the pull must drop that plan.
+    slo = ttfts[0] + pull / 2
+    tight = search(V3, hw, 48, Workload(8192, 512), 100.0, base, ttft_ms=slo, top=50)
+    assert tight["plans"], "smaller prefill batches still meet the SLO"
+    for p in tight["plans"]:
+        assert p["ttft_with_kv_pull_ms"] <= slo
+        assert p["ttft_with_kv_pull_ms"] == pytest.approx(p["prefill"]["latency_ms"] + pull, abs=0.01)
