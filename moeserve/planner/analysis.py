@@ -118,7 +118,10 @@ def kv_pull_ms(m: ModelSpec, hw: Hardware, inst: Instance, length: int, deployme
 def prefill_point(m: ModelSpec, hw: Hardware, inst: Instance, requests: int, length: int) -> PrefillPoint:
     """`requests` prompts of `length` tokens spread over the DP groups; the busiest group sets the pace."""
     per_dp = math.ceil(requests / inst.dp)
-    rep = memory_report(m, hw, inst, length, per_dp * length)
+    # Prefill samples one position per prompt (plus its MTP draft): logits for those rows only.
+    rows = per_dp * (1 + (1 if inst.mtp_drafts else 0))
+    rep = memory_report(m, hw, inst, length, per_dp * length, logit_rows=rows,
+                        total_tokens=requests * length)
     if rep.max_batch < per_dp:
         reason = refusal_reason(m, hw, inst, rep) or (
             f"{per_dp} prompts of {length} tokens per DP group need KV for {per_dp} sequences, room for "

@@ -56,28 +56,36 @@ def weights_per_card(m: ModelSpec, inst: Instance) -> dict[str, float]:
     return out
 
 
-def activation_bytes(m: ModelSpec, inst: Instance, q: float) -> float:
-    """Peak workspace of one step: hidden/residual/attention buffers, MoE buffers, logits (fp32)."""
+def activation_bytes(m: ModelSpec, inst: Instance, q: float, logit_rows: float | None = None,
+                     n_tokens: float | None = None) -> float:
+    """Peak workspace of one step: hidden/residual/attention buffers, MoE buffers, logits (fp32).
+
+    q: tokens of this DP group; logit_rows: positions that are sampled (every verified position in
+    decode, one per prompt in prefill; default q); n_tokens: tokens over all DP groups (default q x dp),
+    which the allgather mode gathers onto every card."""
     h = m.hidden_size
     heads = m.num_attention_heads / inst.tp
     attn = q * heads * (2 * (m.qk_nope_head_dim + m.qk_rope_head_dim) + 2 * m.v_head_dim) * ACT
-    n_tokens = q * inst.dp
+    n_tokens = q * inst.dp if n_tokens is None else n_tokens
+    logit_rows = q if logit_rows is None else logit_rows
     if inst.moe_comm == "allgather":
         moe_buf = n_tokens * h * (1 + ACT)  # gathered INT8 inputs + BF16 partial sums
     else:
         moe_buf = q * m.num_experts_per_tok * h * 3  # send + receive copies
     inter = q * m.num_experts_per_tok * 2 * m.moe_intermediate_size * ACT
-    logits = q * m.vocab_size / inst.tp * 4
+    logits = logit_rows * m.vocab_size / inst.tp * 4
     return 4 * q * h * ACT + attn + moe_buf + inter + logits
 
 
 def memory_report(m: ModelSpec, hw: Hardware, inst: Instance, context: float,
-                  step_tokens: float) -> MemoryReport:
-    """Memory at mean KV length `context` per sequence and `step_tokens` tokens per DP group per step."""
+                  step_tokens: float, logit_rows: float | None = None,
+                  total_tokens: float | None = None) -> MemoryReport:
+    """Memory at mean KV length `context` per sequence and `step_tokens` tokens per DP group per step
+    (logit_rows, total_tokens: see activation_bytes)."""
     usable = hw.hbm_bytes * hw.eff.memory_utilization
     detail = weights_per_card(m, inst)
     weights = sum(detail.values())
-    act = activation_bytes(m, inst, step_tokens)
+    act = activation_bytes(m, inst, step_tokens, logit_rows, total_tokens)
     kv_per_seq = context * m.kv_bytes_per_token(inst.kv_bytes, with_mtp=inst.mtp_drafts > 0)
     kv_free = usable - weights - act
     max_batch = int(kv_free // kv_per_seq) if kv_free > 0 and kv_per_seq > 0 else 0

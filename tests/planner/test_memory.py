@@ -48,3 +48,17 @@ def test_prefill_refusal_names_the_fix():
     with pytest.raises(PlanError, match="raise attention TP"):
         prefill_point(V3, hw, Instance(cards=16), 8, 2048)
     assert prefill_point(V3, hw, Instance(cards=16, tp=2), 8, 2048).ttft_ms > 0
+
+
+def test_prefill_workspace_holds_logits_for_sampled_rows_and_gathers_only_real_tokens():
+    from moeserve.planner.memory import activation_bytes
+    inst = Instance(cards=16, tp=2, moe_comm="allgather")
+    # One 2K prompt per DP group: fp32 logits for 2048 rows would be 2048 x 129280 x 4 / 2 (vocab over TP).
+    full = activation_bytes(V3, inst, 2048)
+    sampled = activation_bytes(V3, inst, 2048, logit_rows=1)
+    assert full - sampled == pytest.approx(2047 * 129280 / 2 * 4)
+    # 8 prompts on 8 DP groups gather 16K tokens; with only 4 prompts half the groups are idle.
+    busy = activation_bytes(V3, inst, 2048, logit_rows=1, n_tokens=8 * 2048)
+    half = activation_bytes(V3, inst, 2048, logit_rows=1, n_tokens=4 * 2048)
+    assert busy == pytest.approx(sampled)
+    assert busy - half == pytest.approx(4 * 2048 * 7168 * 3)   # INT8 inputs + BF16 partial sums
