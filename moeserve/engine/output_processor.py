@@ -1,7 +1,9 @@
 """Turns engine-core token outputs into text: incremental detokenization and stop strings.
 
 Stop strings are matched here, on text, as in vLLM; a match ends the request (the caller aborts it in the
-engine core). Used by the offline LLM and by every API server process.
+engine core). While a request with stop strings runs, the last len(longest stop) - 1 characters are held
+back, so a stop string that arrives over several tokens never has to retract text already streamed.
+Used by the offline LLM and by every API server process.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ class DetokState:
     prompt_len: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    sent: int = 0         # characters of `text` already handed out in deltas
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -60,8 +63,10 @@ class OutputProcessor:
             st.finish_reason, st.stop_reason = "stop", stop
         elif finished:
             st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
-        delta_text = full[len(st.text):] if full.startswith(st.text) else full
         st.text = full
+        hold = 0 if finished or not st.params.stop else max(len(x) for x in st.params.stop) - 1
+        upto = max(st.sent, len(full) - hold)
+        delta_text, st.sent = full[st.sent:upto], upto
         delta = Delta(delta_text, list(out.new_token_ids), list(out.new_logprobs or []), finished,
                       st.finish_reason, st.stop_reason)
         if finished:
