@@ -1,6 +1,7 @@
 """The offline API: `LLM(model=...).generate(prompts, sampling_params)`, as in vLLM."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -50,25 +51,36 @@ class LLM:
     def generate(self, prompts=None, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         texts, token_lists = self._normalise_prompts(prompts, prompt_token_ids)
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(token_lists)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        params = [params] * len(token_lists) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(token_lists):
             raise ValueError(f"got {len(params)} sampling_params for {len(token_lists)} prompts")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them")
         processor = OutputProcessor(self.tokenizer)
         results: list[RequestOutput] = []
         children: dict[str, tuple[RequestOutput, int]] = {}
+        pending: list[EngineCoreRequest] = []
         for text, ids, p in zip(texts, token_lists, params):
             rid = str(next(self._ids))
             ro = RequestOutput(rid, text, ids, [None] * p.n)
             results.append(ro)
             for i in range(p.n):
                 child = SamplingParams(**{**p.__dict__, "n": 1,
-                                          "seed": None if p.seed is None else p.seed + i})
+                                          "seed": p.child_seed(i)})
                 cid = f"{rid}-{i}" if p.n > 1 else rid
                 children[cid] = (ro, i)
                 processor.add(cid, child, len(ids))
-                self.engine.add_request(EngineCoreRequest(cid, ids, child, self.eos_token_ids))
-        self._run(processor, children, use_tqdm)
+                pending.append(EngineCoreRequest(cid, ids, child, self.eos_token_ids))
+        try:
+            for req in pending:
+                self.engine.add_request(req)
+            self._run(processor, children, use_tqdm)
+        except BaseException:
+            # Ctrl-C or an error: none of this call's requests may linger in the engine for the next call.
+            with contextlib.suppress(Exception):
+                self.engine.abort_requests(list(children))
+            raise
         for ro in results:
             ro.finished = True
         self.engine.flush_stats()  # --expert-load-stats: the counts of this batch are on disk
@@ -78,9 +90,7 @@ class LLM:
         bar = tqdm(total=len(children), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                if out.error:
-                    # One bad prompt fails the call; the rest of this batch must not linger in the engine.
-                    self.engine.abort_requests(list(children))
+                if out.error:  # one bad prompt fails the call (generate() aborts the rest)
                     raise ValueError(out.error)
                 if out.request_id not in processor.states:
                     continue

@@ -1,7 +1,18 @@
 """Sampling parameters, with vLLM's names and defaults."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+INT64_MAX = 2**63 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -22,36 +33,60 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
 
     def _validate(self) -> None:
+        ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens}
+        ints.update({k: v for k, v in (("max_tokens", self.max_tokens), ("seed", self.seed),
+                                        ("logprobs", self.logprobs)) if v is not None})
+        for name, v in ints.items():
+            if not _is_int(v):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        for name in ("temperature", "top_p", "min_p"):
+            if not _is_real(getattr(self, name)):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         checks = [
-            (isinstance(self.n, int) and self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),
+            (self.top_k == -1 or 1 <= self.top_k <= INT64_MAX,
+             f"top_k must be -1 (disabled) or a positive 64-bit integer, got {self.top_k}"),
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens is None or self.max_tokens >= 1,
-             f"max_tokens must be at least 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.seed is None or -(2**63) <= self.seed < 2**63 - 1024,
+            (self.max_tokens is None or 1 <= self.max_tokens <= INT64_MAX,
+             f"max_tokens must be at least 1 (and fit 64 bits), got {self.max_tokens}"),
+            (0 <= self.min_tokens <= INT64_MAX, f"min_tokens must be >= 0 (and fit 64 bits), got {self.min_tokens}"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
+            (self.seed is None or -(2**63) <= self.seed <= INT64_MAX,
              f"seed must be a 64-bit signed integer, got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            (all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
+            (all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.logit_bias),
+             "logit_bias keys must be token ids (non-negative integers)"),
+            (all(_is_real(b) and math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+             "logit_bias values must be numbers in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def child_seed(self, i: int) -> int | None:
+        """Seed of the i-th of n samples (seed + i, wrapped into 64 bits)."""
+        if self.seed is None:
+            return None
+        return (self.seed + i + 2**63) % 2**64 - 2**63
 
     @property
     def greedy(self) -> bool:

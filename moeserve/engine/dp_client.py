@@ -67,6 +67,7 @@ class DPEngineClient:
 
     # ---- EngineCore interface ----------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
+        self._check_alive()  # a stopped engine answers EngineDeadError, not a closed-socket error
         dp = min(range(self.dp_size), key=lambda d: (self.load[d], d))
         max_new = req.sampling_params.max_tokens or self.config.scheduler.max_model_len
         cost = len(req.prompt_token_ids) + max_new
@@ -75,6 +76,11 @@ class DPEngineClient:
         self._send(dp, RankCommand(requests=[req]))
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        if self.dead:  # nothing runs any more; forget the requests
+            for rid in request_ids:
+                if rid in self.owner:
+                    self._forget(rid)
+            return
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
             if rid in self.owner:

@@ -42,6 +42,10 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
+        bias = [t for t in request.sampling_params.logit_bias if t >= self.arch.vocab_size]
+        if bias:
+            raise RequestRejected(f"logit_bias token id {bias[0]} is outside the vocabulary "
+                                  f"(0..{self.arch.vocab_size - 1})")
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         for rid in request_ids:

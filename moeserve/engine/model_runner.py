@@ -19,7 +19,7 @@ from moeserve.layers.attention.metadata import (AttentionMetadata, SeqSpan, atte
                                                 build_attention_metadata)
 from moeserve.layers.moe.load_stats import ExpertLoadRecorder, recording
 from moeserve.layers.moe.placement import build_plan, moe_plan_context
-from moeserve.layers.sampler import Sampler, TokenLogprobs
+from moeserve.layers.sampler import Sampler, TokenLogprobs, apply_logits_processors
 from moeserve.models.config import DeepseekArch
 from moeserve.models.registry import build_model
 
@@ -119,6 +119,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor([r for rows, _ in sample_rows for r in rows])])
         reqs = [s.request for _, s in sample_rows]
         params = [r.sampling_params for r in reqs]
+        if any(p.logit_bias or p.min_tokens for p in params):
+            apply_logits_processors(logits, [(r.sampling_params, len(rows), r.num_output_tokens, r.stop_ids)
+                                             for (rows, _), r in zip(sample_rows, reqs)])
         gens = [self._generator(r) for r in reqs]
         if self.rejection_sampler is None:
             tokens, lps = self.sampler(logits, params, gens)

@@ -75,8 +75,8 @@ class OutputProcessor:
 
     @staticmethod
     def _find_stop(st: DetokState, text: str) -> tuple[int, str] | None:
-        if not st.params.stop:
-            return None
+        if not st.params.stop or len(st.token_ids) < st.params.min_tokens:
+            return None  # vLLM: stop strings count only once min_tokens are out
         lookback = max(len(s) for s in st.params.stop) + 8
         start = max(0, len(st.text) - lookback)
         best = None

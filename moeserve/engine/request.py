@@ -71,6 +71,11 @@ class Request:
             return self.prompt_token_ids[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
+    @property
+    def stop_ids(self) -> set[int]:
+        """Token ids that end this request (EOS unless ignore_eos, plus stop_token_ids)."""
+        return self._stop_ids
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Status after the newest token was appended, or None to keep generating."""
         params = self.sampling_params

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moeserve.sampling_params import SamplingParams
 
@@ -19,7 +19,7 @@ MAX_LOGPROBS = 20
 class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
@@ -34,7 +34,7 @@ class APIError(Exception):
 def validation_error(e: ValidationError) -> APIError:
     """The first problem pydantic found, as one readable line naming the field."""
     err = e.errors()[0]
-    loc = [str(x) for x in err["loc"] if not str(x).startswith(("str", "list[", "int", "float", "function"))]
+    loc = [str(x) for x in err["loc"] if not _is_union_tag(str(x))]
     if err["type"] == "json_invalid":
         return APIError(f"the request body is not valid JSON: {err['msg']}", code="invalid_json")
     if not loc:
@@ -43,8 +43,22 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(f"invalid value for '{field}': {err['msg']}", param=field.split(".")[0])
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "TextPart"}
+
+
+def _is_union_tag(x: str) -> bool:
+    """pydantic names the union member that failed in `loc` ("str", "list[int]", ...); fields are not those."""
+    return x in _TYPE_TAGS or "[" in x
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data):
+        # The OpenAI API lets clients send null for any optional field: it means "use the default".
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Strict):
@@ -70,6 +84,10 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
     user: str | None = None
 
     def _unsupported(self) -> None:
@@ -79,8 +97,23 @@ class _SamplingFields(_Strict):
         if self.repetition_penalty not in (None, 1.0):
             raise APIError("'repetition_penalty' is not supported by this server; omit it or pass 1",
                            param="repetition_penalty")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError("'response_format' other than {\"type\": \"text\"} (structured output) is not "
+                           "supported by this server; omit it", param="response_format")
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise APIError("tool calling is not supported by this server; omit 'tools' and 'tool_choice'",
+                           param="tools")
         if self.stream_options is not None and not self.stream:
             raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys, i.e. strings."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise APIError("logit_bias keys must be token ids, e.g. {\"1234\": -100}", param="logit_bias") from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._unsupported()
@@ -89,14 +122,20 @@ class _SamplingFields(_Strict):
             return SamplingParams(
                 n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-                include_stop_str_in_output=self.include_stop_str_in_output,
+                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
                 skip_special_tokens=self.skip_special_tokens, **{k: v for k, v in kwargs.items() if v is not None})
         except ValueError as e:
-            raise APIError(str(e)) from None
+            raise APIError(str(e), param=_param_of(str(e))) from None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _param_of(message: str) -> str | None:
+    """SamplingParams messages start with the field's name."""
+    name = message.split(" ", 1)[0].strip("'(")
+    return name if name in _SamplingFields.model_fields or name in ("max_tokens", "logprobs") else None
 
 
 class CompletionRequest(_SamplingFields):

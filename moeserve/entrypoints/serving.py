@@ -12,6 +12,7 @@ import functools
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -23,6 +24,9 @@ from moeserve.entrypoints.openai_protocol import APIError
 from moeserve.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25
+# Tokenizing a long prompt (or rendering a chat template) takes up to seconds: it runs on this one thread,
+# off the event loop, so other requests and /health keep being answered meanwhile.
+_TOKENIZE = ThreadPoolExecutor(1, thread_name_prefix="moeserve-tokenize")
 
 
 class ClientDisconnected(Exception):
@@ -48,7 +52,9 @@ def engine_error(e: Exception) -> APIError:
                         code="engine_dead")
     if isinstance(e, EngineRequestError):
         return APIError(str(e), 503 if e.kind == "overloaded" else 400, code=e.kind)
-    raise e
+    if isinstance(e, APIError):
+        return e
+    return APIError(f"internal server error: {type(e).__name__}: {e}", 500, code="internal_error")
 
 
 def sse(obj) -> str:
@@ -61,6 +67,11 @@ class Serving:
     def __init__(self, client: EngineClient, tokenizer, model_name: str, max_model_len: int) -> None:
         self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
+
+    @staticmethod
+    async def off_loop(fn, *args):
+        """Run tokenizer work on the tokenizer thread; its APIError reaches the caller unchanged."""
+        return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, functools.partial(fn, *args))
 
     # ---- validation ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -98,8 +109,7 @@ class Serving:
         children = []
         for p, ids in enumerate(prompts):
             for i in range(params.n):
-                seed = None if params.seed is None else params.seed + i
-                child = SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
+                child = SamplingParams(**{**params.__dict__, "n": 1, "seed": params.child_seed(i)})
                 children.append(Child(p * params.n + i, f"{base}-{p}-{i}", ids, child))
         return children
 
@@ -164,7 +174,9 @@ class Serving:
     async def _forward(self, child: Child, events: asyncio.Queue) -> None:
         try:
             await self._run_child(child, events)
-        except (EngineDeadError, EngineRequestError) as e:
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # whatever it is, the waiting client must hear of it, not hang
             events.put_nowait((child, e))
 
     @staticmethod

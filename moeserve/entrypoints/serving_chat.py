@@ -37,7 +37,7 @@ class ChatServing(Serving):
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
-        ids = self.render(req)
+        ids = await self.off_loop(self.render, req)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.check_length(len(ids), requested, "messages")
         params = req.sampling_params(max_tokens, req.num_logprobs())

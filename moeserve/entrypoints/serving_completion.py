@@ -12,7 +12,7 @@ class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         req.check()
-        prompts = self._prompts(req.prompt)
+        prompts = await self.off_loop(self._prompts, req.prompt)
         max_tokens = min(self.check_length(len(ids), req.max_tokens) for _, ids in prompts)
         params = req.sampling_params(max_tokens if req.max_tokens is not None else None, req.logprobs)
         children = self.make_children([ids for _, ids in prompts], params, "cmpl")

@@ -25,11 +25,32 @@ def apply_filters(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_logits, order = logits.sort(descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest prefix reaching top_p
+        drop[0] = False  # and always the best token (a top_p that rounds to 0 in float32 would drop all)
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if p.min_p > 0.0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return logits
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, int, set[int]]]) -> None:
+    """In place, before sampling: OpenAI's logit_bias, and min_tokens (vLLM): the stop tokens (EOS unless
+    ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens.
+
+    rows: per request (params, its number of rows = 1 + drafts, outputs so far, stop ids); row j of a
+    request samples its output token number `outputs + j`. Logprobs are reported from these processed logits."""
+    r = 0
+    for p, n_rows, n_out, stop_ids in rows:
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[r:r + n_rows, ids] += bias
+        short = min(n_rows, p.min_tokens - n_out)
+        if short > 0 and stop_ids:
+            ids = torch.tensor(sorted(t for t in stop_ids if t < logits.shape[-1]), dtype=torch.long,
+                               device=logits.device)
+            logits[r:r + short, ids] = float("-inf")
+        r += n_rows
 
 
 class Sampler:

@@ -71,6 +71,11 @@ def test_n_samples_and_eos(llm):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(min_p=2), "min_p"), (dict(logprobs=100), "logprobs"),
+    (dict(top_k=1.5), "top_k must be an integer"), (dict(seed=1.5), "seed must be an integer"),
+    (dict(max_tokens=2.5), "max_tokens must be an integer"), (dict(top_k=2**70), "top_k"),
+    (dict(min_tokens=2**64), "min_tokens"), (dict(stop_token_ids=[2**64]), "stop_token_ids"),
+    (dict(min_tokens=5, max_tokens=4), "min_tokens .* <= max_tokens"), (dict(temperature="1"), "number"),
+    (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
 ])
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -97,6 +102,60 @@ def test_sampler_filters_match_definitions():
     assert kept.tolist() == [True, True, True, False, False]
     kept = apply_filters(logits, SamplingParams(min_p=float(p[2] / p[0]) - 1e-4)).isfinite()
     assert kept.tolist() == [True, True, True, False, False]
+    # A top_p that rounds to 0 in float32 still keeps the best token (it used to mask all and give NaN).
+    for tiny in (1e-46, 1e-300):
+        assert apply_filters(logits, SamplingParams(top_p=tiny)).isfinite().tolist() == [True] + [False] * 4
+
+
+def test_child_seeds_wrap_into_64_bits():
+    p = SamplingParams(n=3, seed=2**63 - 2)
+    assert [p.child_seed(i) for i in range(3)] == [2**63 - 2, 2**63 - 1, -(2**63)]
+    assert SamplingParams().child_seed(1) is None
+
+
+def test_min_tokens_masks_stop_tokens_and_stop_strings(llm):
+    first = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=greedy(8))[0].outputs[0].token_ids
+    stop = first[0]
+    # Without min_tokens the first token stops the request; with it the stop token cannot be drawn
+    # before 3 tokens are out (and it is then never in the output before the end).
+    assert llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=8, stop_token_ids=[stop]))[0].outputs[0].token_ids == [stop]
+    out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(
+        temperature=0, max_tokens=8, stop_token_ids=[stop], min_tokens=3))[0].outputs[0]
+    assert len(out.token_ids) >= 3 and stop not in out.token_ids[:3]
+    assert stop not in out.token_ids[:-1]
+    text = llm.generate(["def foo(x):"], greedy(12))[0].outputs[0]
+    s = text.text[:2]
+    cut = llm.generate(["def foo(x):"], greedy(12, stop=[s], min_tokens=12))[0].outputs[0]
+    assert cut.text == text.text and cut.finish_reason == "length"
+
+
+def test_logit_bias_forces_a_token(llm):
+    g = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=greedy(4))[0].outputs[0].token_ids
+    target = (g[0] + 7) % 100 + 3
+    out = llm.generate(prompt_token_ids=[PROMPTS[1]],
+                       sampling_params=greedy(4, logit_bias={target: 100.0}))[0].outputs[0].token_ids
+    assert out == [target] * 4
+    with pytest.raises(ValueError, match="logit_bias token id"):
+        llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=greedy(4, logit_bias={10**6: 1.0}))
+    assert not llm.engine.has_unfinished()
+
+
+def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch):
+    calls = {"n": 0}
+    real = llm.engine.step
+
+    def interrupted():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real()
+    monkeypatch.setattr(llm.engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt_token_ids=PROMPTS, sampling_params=greedy(16))
+    monkeypatch.undo()
+    assert not llm.engine.has_unfinished()
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
 
 
 def test_a_rejected_prompt_leaves_nothing_behind(llm):

@@ -180,6 +180,19 @@ BAD = [
     ("completions", {"prompt": "x " * 300}, 400),  # over the 256-token context
     ("completions", {"prompt": "x", "max_tokens": 10 ** 6}, 400),
     ("completions", {"prompt": "x", "stream": "yes"}, 400),
+    ("completions", {"prompt": "x", "top_k": 10 ** 23}, 400),  # does not fit 64 bits
+    ("completions", {"prompt": "x", "top_k": 10 ** 23, "stream": True}, 400),
+    ("completions", {"prompt": "x", "min_tokens": 2 ** 64}, 400),
+    ("completions", {"prompt": "x", "stop_token_ids": [2 ** 64]}, 400),
+    ("completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 9}, 400),
+    ("completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400),
+    ("completions", {"prompt": "x", "logit_bias": {"1": 500}}, 400),
+    ("completions", {"prompt": "x", "logit_bias": {str(10 ** 6): 1}}, 400),
+    ("completions", {"prompt": "x", "logit_bias": {str(10 ** 6): 1}, "stream": True}, 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "response_format": {"type": "json_object"}}, 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     ("chat/completions", {"messages": []}, 400),
     ("chat/completions", {"messages": "hi"}, 400),
     ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
@@ -203,3 +216,55 @@ def test_bad_input_is_4xx_and_server_keeps_serving(openai_server, client, model,
     assert err["message"] and err["type"]
     ok = client.completions.create(model=model, prompt="x", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens >= 1
+
+
+def test_error_names_the_field(openai_server, model):
+    url = f"{openai_server.base_url}/completions"
+    for body, param in [({"stream": "yes"}, "stream"), ({"stream_options": "x", "stream": True}, "stream_options"),
+                        ({"top_p": 1.5}, "top_p"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")]:
+        err = httpx.post(url, json={"model": model, "prompt": "x", **body}, timeout=30).json()["error"]
+        assert err["param"] == param and param in err["message"], err
+
+
+def test_null_means_default_and_odd_values_are_served(openai_server, client, model, llm):
+    url = f"{openai_server.base_url}/completions"
+    want = offline(llm, [PROMPTS[0]], max_tokens=4)[0].text
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "n": None, "stream": None,
+            "echo": None, "ignore_eos": None, "logprobs": None, "stop": None, "logit_bias": None}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": None,
+            "response_format": {"type": "text"}, "tool_choice": "none"}
+    assert httpx.post(f"{openai_server.base_url}/chat/completions", json=chat, timeout=60).status_code == 200
+    # A top_p that is 0 in float32 samples the best token instead of killing the engine core.
+    tiny = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=4, top_p=1e-46)
+    assert tiny.choices[0].text == want
+    # n seeds next to the 64-bit limit wrap around instead of failing.
+    many = client.completions.create(model=model, prompt="x", max_tokens=2, n=3, seed=2 ** 63 - 2)
+    assert len(many.choices) == 3
+    assert httpx.get(openai_server.url + "/health").status_code == 200
+
+
+def test_logit_bias_is_applied(client, model, llm):
+    g = offline(llm, [PROMPTS[1]], max_tokens=3)[0].token_ids
+    target = (g[0] + 11) % 100 + 3
+    r = client.completions.create(model=model, prompt=PROMPTS[1], max_tokens=3, temperature=0,
+                                  logit_bias={str(target): 100}, logprobs=0)
+    assert r.choices[0].logprobs.tokens == [llm.get_tokenizer().decode([target])] * 3
+
+
+def test_streamed_stop_string_over_token_boundaries_equals_offline(client, model, llm):
+    full = offline(llm, [PROMPTS[2]], max_tokens=16)[0]
+    tok = llm.get_tokenizer()
+    pieces = [tok.decode(full.token_ids[:i + 1]) for i in range(len(full.token_ids))]
+    # A stop string that starts one character before a token boundary and runs into the next token.
+    k = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) - len(pieces[i - 1]) >= 2
+             and len(pieces[i + 1]) - len(pieces[i]) >= 2)
+    stop = full.text[len(pieces[k]) - 1: len(pieces[k]) + 1]
+    want = offline(llm, [PROMPTS[2]], max_tokens=16, stop=[stop])[0].text
+    assert want == full.text[: full.text.find(stop)]
+    got = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=16, temperature=0, stop=[stop])
+    assert got.choices[0].text == want
+    chunks = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                       stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
