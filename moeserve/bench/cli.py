@@ -50,6 +50,11 @@ def _run(args) -> int:
 
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    for flag, v in (("--input-len", args.input_len), ("--output-len", args.output_len)):
+        if v < 1:
+            raise ValueError(f"{flag} must be >= 1, got {v}")
+    if not 0 <= args.range_ratio < 1:
+        raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     try:

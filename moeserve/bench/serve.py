@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import random
+import sys
 import time
 from datetime import datetime, timezone
 
@@ -112,7 +113,11 @@ def run(args) -> int:
     if args.plot:
         from moeserve.bench.plot import plot_latencies
         plot_latencies(latency_series([r for r in results if r.success]), args.plot, percentiles)
-    return 0 if m["completed"] else 1
+    if not m["completed"]:
+        first = next((r.error for r in results if r.error), "no error text")
+        print(f"moeserve bench: every request failed; the first error: {first}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def print_report(m: dict, percentiles: list[float]) -> None:

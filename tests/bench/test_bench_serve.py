@@ -55,3 +55,17 @@ def test_bench_serve_bad_flags_fail_clearly(openai_server, capsys):
     assert main(["bench", "serve", "--base-url", openai_server.url, "--model", "v3",
                  "--request-rate", "0"]) == 2
     assert "--request-rate" in capsys.readouterr().err
+    for flags, name in ((["--input-len", "0"], "--input-len"), (["--output-len", "-3"], "--output-len"),
+                        (["--range-ratio", "1.5"], "--range-ratio")):
+        assert main(["bench", "serve", "--base-url", openai_server.url, "--model", "v3", *flags]) == 2
+        assert name in capsys.readouterr().err
+
+
+def test_bench_serve_against_no_server_says_why(ckpt_dir, capsys):
+    import socket
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "v3",
+                 "--tokenizer", ckpt_dir("v3"), "--num-prompts", "2", "--no-progress"]) == 1
+    assert "every request failed; the first error: ConnectError" in capsys.readouterr().err
