@@ -58,8 +58,11 @@ def run(args) -> int:
                          "--expert-placement needs per-layer maps: record with --expert-load-stats")
     res = plan_placement(loads, args.ep_size, args.num_redundant_experts)
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(res["placement"], f)
+        try:
+            with open(args.output, "w") as f:
+                json.dump(res["placement"], f)
+        except OSError as e:
+            raise ValueError(f"-o/--output {args.output!r} cannot be written ({e.strerror})") from None
     if args.json:
         print(json.dumps({k: v for k, v in res.items() if k != "placement" or not args.output}))
         return 0

@@ -105,3 +105,5 @@ def test_eplb_cli_errors_name_what_to_change(tmp_path, capsys):
     flat.write_text(json.dumps([1, 2, 3, 4]))
     assert main(["eplb", str(flat), "--ep-size", "2"]) == 2
     assert "--expert-load-stats" in capsys.readouterr().err
+    assert main(["eplb", str(stats), "--ep-size", "2", "-o", str(tmp_path / "no-such-dir" / "p.json")]) == 2
+    assert "--output" in capsys.readouterr().err
