@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from moeserve.planner.cli_args import fraction, imbalance, nonneg_int, positive_float, positive_int
 from moeserve.planner.deploy import FLASHCOMM, QUANT, KV_BYTES, MOE_COMM, Instance, Workload
 from moeserve.planner.hardware import PROFILES
 
@@ -16,20 +17,20 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware-file", help="YAML/JSON with extra devices/systems/efficiency")
     g.add_argument("--efficiency-profile", choices=PROFILES, default=None,
                    help="end_to_end (default): a serving step; kernel: kernel-level factors only")
-    g.add_argument("--scale-up-domain", type=int, help="cards per scale-up domain (override)")
-    g.add_argument("--scale-up-gbps", type=float, help="scale-up GB/s per card, one direction")
-    g.add_argument("--scale-out-gbps", type=float, help="scale-out GB/s per card, one direction")
+    g.add_argument("--scale-up-domain", type=positive_int, help="cards per scale-up domain (override)")
+    g.add_argument("--scale-up-gbps", type=positive_float, help="scale-up GB/s per card, one direction")
+    g.add_argument("--scale-out-gbps", type=positive_float, help="scale-out GB/s per card, one direction")
     d = p.add_argument_group("deployment instance")
-    d.add_argument("--cards", type=int, default=32, help="cards in the instance (= DP x TP)")
-    d.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1, help="attention TP")
-    d.add_argument("--shared-expert-ranks", type=int, default=0)
-    d.add_argument("--redundant-experts", type=int, default=None,
+    d.add_argument("--cards", type=positive_int, default=32, help="cards in the instance (= DP x TP)")
+    d.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=positive_int, default=1, help="attention TP")
+    d.add_argument("--shared-expert-ranks", type=nonneg_int, default=0)
+    d.add_argument("--redundant-experts", type=nonneg_int, default=None,
                    help="extra routed-expert slots (default: fewest making slots divisible)")
     d.add_argument("--quantization", choices=sorted(QUANT), default="a8w8")
     d.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", choices=sorted(KV_BYTES),
                    default="bf16")
-    d.add_argument("--num-speculative-tokens", "--mtp-drafts", dest="mtp_drafts", type=int, default=0)
-    d.add_argument("--mtp-acceptance", type=float, default=0.7)
+    d.add_argument("--num-speculative-tokens", "--mtp-drafts", dest="mtp_drafts", type=nonneg_int, default=0)
+    d.add_argument("--mtp-acceptance", type=fraction, default=0.7)
     d.add_argument("--moe-comm", choices=MOE_COMM, default="alltoall")
     d.add_argument("--micro-batch-overlap", action=argparse.BooleanOptionalAction, default=False)
     d.add_argument("--overlap-shared", action=argparse.BooleanOptionalAction, default=True,
@@ -38,15 +39,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="with attention TP: ReduceScatter + BF16 ('on') or INT8 AllGather instead of AllReduce")
     d.add_argument("--weight-prefetch", action=argparse.BooleanOptionalAction, default=False,
                    help="prefetch attention weights while collectives run (capped at the published +10%%)")
-    d.add_argument("--imbalance", type=float, default=None, help="residual expert-load max/mean (>=1)")
+    d.add_argument("--imbalance", type=imbalance, default=None, help="residual expert-load max/mean (>=1)")
     d.add_argument("--eplb-stats", nargs="+", metavar="FILE",
                    help="expert loads (moeserve --expert-load-stats files, or JSON per-expert / [layer][expert] "
                         "lists) -> imbalance under the balanced placement of this layout's redundant slots")
     d.add_argument("--eplb-placement", choices=("balanced", "contiguous"), default="balanced",
                    help="placement --eplb-stats is scored under: EPLB's (balanced) or experts in rank blocks")
     w = p.add_argument_group("workload")
-    w.add_argument("--input-len", type=int, default=2048)
-    w.add_argument("--output-len", type=int, default=2048)
+    w.add_argument("--input-len", type=positive_int, default=2048)
+    w.add_argument("--output-len", type=positive_int, default=2048)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -59,6 +60,9 @@ def _ctx(args):
     hw = HardwareDB(args.hardware_file, args.efficiency_profile).get(args.hardware).with_overrides(
         scale_up_domain=args.scale_up_domain, scale_up_gbps=args.scale_up_gbps,
         scale_out_gbps=args.scale_out_gbps)
+    if args.shared_expert_ranks >= args.cards:  # checked here: the default below divides by the routed ranks
+        raise ValueError(f"--shared-expert-ranks {args.shared_expert_ranks} must be below --cards {args.cards}: "
+                         "at least one card has to hold the routed experts")
     red = args.redundant_experts
     if red is None:
         red = -m.n_routed_experts % (args.cards - args.shared_expert_ranks) if m.n_routed_experts else 0
@@ -69,7 +73,7 @@ def _ctx(args):
     inst = Instance(cards=args.cards, tp=args.tp, shared_expert_ranks=args.shared_expert_ranks,
                     redundant_experts=red, quantization=args.quantization, kv_dtype=args.kv_dtype,
                     mtp_drafts=args.mtp_drafts, mtp_acceptance=args.mtp_acceptance, moe_comm=args.moe_comm,
-                    micro_batch_overlap=args.micro_batch_overlap, imbalance=imb or 1.0,
+                    micro_batch_overlap=args.micro_batch_overlap, imbalance=1.0 if imb is None else imb,
                     overlap_shared=args.overlap_shared, flashcomm=args.flashcomm,
                     weight_prefetch=args.weight_prefetch)
     return m, hw, inst, Workload(args.input_len, args.output_len)

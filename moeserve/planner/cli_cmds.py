@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
+from moeserve.planner.cli_args import positive_float, positive_int, positive_int_list
 from moeserve.planner.cli import _add_common, _ctx, _emit
 
 
@@ -14,11 +15,11 @@ def _fmt_breakdown(br: dict) -> str:
 
 def args_estimate(p):
     _add_common(p)
-    p.add_argument("--batch", type=int, default=None, help="sequences per DP group (default: max that fits)")
-    p.add_argument("--prefill-requests", type=int, default=None, help="default: one per DP group")
+    p.add_argument("--batch", type=positive_int, default=None, help="sequences per DP group (default: max that fits)")
+    p.add_argument("--prefill-requests", type=positive_int, default=None, help="default: one per DP group")
     g = p.add_argument_group("prefill instance (PD disaggregation; default: the decode layout)")
-    g.add_argument("--prefill-cards", type=int, default=None)
-    g.add_argument("--prefill-tp", type=int, default=None)
+    g.add_argument("--prefill-cards", type=positive_int, default=None)
+    g.add_argument("--prefill-tp", type=positive_int, default=None)
     g.add_argument("--prefill-moe-comm", choices=("alltoall", "allgather"), default=None)
     g.add_argument("--prefill-micro-batch-overlap", action="store_true")
 
@@ -27,9 +28,9 @@ def _prefill_instance(a, inst, m):
     """The prefill layout: --prefill-* flags, else the decode layout (MTP drafts kept: the prefill
     instance runs the MTP layer over the prompt for the decode instance)."""
     from moeserve.planner.deploy import Instance
-    kw = {**asdict(inst), "tp": a.prefill_tp or inst.tp,
+    kw = {**asdict(inst), "tp": inst.tp if a.prefill_tp is None else a.prefill_tp,
           "moe_comm": a.prefill_moe_comm or inst.moe_comm, "micro_batch_overlap": a.prefill_micro_batch_overlap}
-    if a.prefill_cards:  # a separate instance: no dedicated shared ranks, fewest redundant slots
+    if a.prefill_cards is not None:  # a separate instance: no dedicated shared ranks, fewest redundant slots
         red = -m.n_routed_experts % a.prefill_cards if m.n_routed_experts else 0
         kw.update(cards=a.prefill_cards, shared_expert_ranks=0, redundant_experts=red)
     return Instance(**kw)
@@ -39,15 +40,16 @@ def cmd_estimate(a):
     from moeserve.planner.analysis import decode_point, kv_pull_ms, prefill_point, require_fits
     m, hw, inst, wl = _ctx(a)
     mem = require_fits(m, hw, inst, wl)
-    batch = min(a.batch or mem.max_batch, mem.max_batch)
+    batch = mem.max_batch if a.batch is None else min(a.batch, mem.max_batch)
     pt = decode_point(m, hw, inst, wl, batch)
     pre_inst = _prefill_instance(a, inst, m)
-    pre = prefill_point(m, hw, pre_inst, a.prefill_requests or pre_inst.dp, wl.input_len)
+    requests = pre_inst.dp if a.prefill_requests is None else a.prefill_requests
+    pre = prefill_point(m, hw, pre_inst, requests, wl.input_len)
     # PD balance: requests/s one decode instance finishes vs one prefill instance starts.
     dec_req = pt.tok_s_card * inst.cards / wl.output_len
     pre_req = pre.tok_s_card * pre_inst.cards / wl.input_len
     # A separate prefill instance hands each prompt's KV to the decode instance before its first step.
-    pull = kv_pull_ms(m, hw, inst, wl.input_len, inst.cards + pre_inst.cards) if a.prefill_cards else 0.0
+    pull = kv_pull_ms(m, hw, inst, wl.input_len, inst.cards + pre_inst.cards) if a.prefill_cards is not None else 0.0
     obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst), "decode": pt.to_dict(),
            "memory": mem.to_dict(), "prefill_layout": asdict(pre_inst), "prefill": pre.to_dict(),
            "prefill_instances_per_decode_instance": round(dec_req / pre_req, 3),
@@ -68,7 +70,7 @@ def cmd_estimate(a):
 
 def args_decode(p):
     _add_common(p)
-    p.add_argument("--tpot-ms", type=float, default=50.0)
+    p.add_argument("--tpot-ms", type=positive_float, default=50.0)
     p.add_argument("--plot", help="write throughput-vs-TPOT PNG here")
 
 
@@ -93,13 +95,13 @@ def cmd_decode(a):
 
 def args_prefill(p):
     _add_common(p)
-    p.add_argument("--requests", type=int, default=None, help="prompts per batch (default: one per DP group)")
+    p.add_argument("--requests", type=positive_int, default=None, help="prompts per batch (default: one per DP group)")
 
 
 def cmd_prefill(a):
     from moeserve.planner.analysis import prefill_point
     m, hw, inst, wl = _ctx(a)
-    pt = prefill_point(m, hw, inst, a.requests or inst.dp, wl.input_len)
+    pt = prefill_point(m, hw, inst, inst.dp if a.requests is None else a.requests, wl.input_len)
     text = (f"prefill {pt.requests} x {pt.length} on {inst.cards} cards: TTFT {pt.ttft_ms:.1f} ms, "
             f"{pt.tok_s_card:.0f} tok/s/card\n{_fmt_breakdown(pt.breakdown_ms)}")
     return _emit(a, {"model": m.name, "hardware": hw.key, "layout": asdict(inst), **pt.to_dict()}, text)
@@ -123,9 +125,9 @@ def cmd_memory(a):
 
 def args_search(p):
     _add_common(p)
-    p.add_argument("--tpot-ms", type=float, default=50.0)
-    p.add_argument("--ttft-ms", type=float, default=None)
-    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--tpot-ms", type=positive_float, default=50.0)
+    p.add_argument("--ttft-ms", type=positive_float, default=None)
+    p.add_argument("--top", type=positive_int, default=5)
 
 
 def cmd_search(a):
@@ -151,14 +153,14 @@ def _lay(c: dict) -> str:
 
 def args_simulate(p):
     _add_common(p)
-    p.add_argument("--rate", type=float, default=None, help="requests/s into the instance (Poisson)")
-    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--rate", type=positive_float, default=None, help="requests/s into the instance (Poisson)")
+    p.add_argument("--num-requests", type=positive_int, default=200)
     p.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
     p.add_argument("--length-dist", choices=("fixed", "uniform", "exponential"), default="fixed")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="per DP group (default: memory limit)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
-    p.add_argument("--ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="per DP group (default: memory limit)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--tpot-ms", type=positive_float, default=None, help="goodput SLO on TPOT")
+    p.add_argument("--ttft-ms", type=positive_float, default=None, help="goodput SLO on TTFT")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--role", choices=("unified", "decode"), default="unified",
                    help="decode: a PD decode instance (prompts arrive with their KV)")
@@ -208,12 +210,12 @@ def args_profile_cpu(p):
     p.add_argument("--json", action="store_true")
     p.add_argument("--measure", action="store_true",
                    help="also run moeserve's CPU engine on the bench model and compare")
-    p.add_argument("--batches", default="1,4,16", help="decode batch sizes")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--batches", type=positive_int_list, default=[1, 4, 16], help="decode batch sizes")
+    p.add_argument("--threads", type=positive_int, default=None)
 
 
 
 def cmd_profile_cpu(a):
     from moeserve.planner.cpucheck import format_report, run_check
-    res = run_check([int(b) for b in a.batches.split(",")], measure=a.measure, threads=a.threads)
+    res = run_check(a.batches, measure=a.measure, threads=a.threads)
     return _emit(a, res, format_report(res))

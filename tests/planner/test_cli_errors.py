@@ -1,0 +1,69 @@
+"""Bad input to `moeserve plan` is one error line that names the flag, never a traceback or a silent default."""
+import pytest
+
+from moeserve.planner.cli import main
+
+
+def run(capsys, *argv):
+    """(exit code, stdout, stderr) of `moeserve plan ...`; argparse refusals exit through SystemExit."""
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+REFUSED = [  # (argv, flag the message must name)
+    (["estimate", "--batch", "-5"], "--batch"),
+    (["estimate", "--batch", "0"], "--batch"),  # 0 used to fall back to the default (max batch)
+    (["estimate", "--prefill-requests", "-3"], "--prefill-requests"),
+    (["estimate", "--prefill-requests", "0"], "--prefill-requests"),
+    (["estimate", "--prefill-cards", "0"], "--prefill-cards"),
+    (["estimate", "--prefill-tp", "0"], "--prefill-tp"),
+    (["prefill", "--requests", "-4"], "--requests"),
+    (["prefill", "--requests", "0"], "--requests"),
+    (["estimate", "--imbalance", "0"], "--imbalance"),
+    (["estimate", "--imbalance", "0.5"], "--imbalance"),
+    (["simulate", "--rate", "0"], "--rate"),
+    (["simulate", "--rate", "-1", "--arrival", "constant"], "--rate"),
+    (["simulate", "--rate", "inf"], "--rate"),
+    (["simulate", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["simulate", "--num-requests", "0"], "--num-requests"),
+    (["profile-cpu", "--threads", "0"], "--threads"),
+    (["profile-cpu", "--threads", "-1"], "--threads"),
+    (["profile-cpu", "--batches", "0,-4"], "--batches"),
+    (["estimate", "--cards", "0"], "--cards"),
+    (["search", "--cards", "0"], "--cards"),
+    (["estimate", "--cards", "16", "--shared-expert-ranks", "16"], "--shared-expert-ranks"),
+    (["estimate", "--shared-expert-ranks", "-1"], "--shared-expert-ranks"),
+    (["estimate", "--redundant-experts", "-2"], "--redundant-experts"),
+    (["estimate", "--output-len", "0"], "--output-len"),
+    (["decode", "--input-len", "0"], "--input-len"),
+    (["decode", "--input-len", "-100"], "--input-len"),
+    (["estimate", "--tp", "0"], "--tp"),
+    (["estimate", "--mtp-acceptance", "1.5"], "--mtp-acceptance"),
+    (["estimate", "--mtp-drafts", "-1"], "--mtp-drafts"),
+    (["search", "--top", "0"], "--top"),
+    (["search", "--top", "-1"], "--top"),
+    (["search", "--tpot-ms", "-5"], "--tpot-ms"),
+    (["search", "--ttft-ms", "0"], "--ttft-ms"),
+    (["decode", "--scale-up-gbps", "-100"], "--scale-up-gbps"),
+    (["decode", "--scale-up-gbps", "0"], "--scale-up-gbps"),
+    (["decode", "--scale-out-gbps", "0"], "--scale-out-gbps"),
+    (["decode", "--scale-up-domain", "0"], "--scale-up-domain"),
+    (["decode", "--scale-up-domain", "-8"], "--scale-up-domain"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_bad_value_is_refused_naming_the_flag(argv, flag, capsys):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert flag in err and "Traceback" not in err
+    assert len([l for l in err.splitlines() if "error" in l]) == 1
+
+
+def test_tp_error_names_the_flags(capsys):
+    code, _, err = run(capsys, "estimate", "--cards", "32", "--tp", "3")
+    assert code == 2 and "--cards" in err and "--tp" in err
