@@ -55,11 +55,14 @@ def _ctx(args):
     """(model, hardware, instance, workload) from parsed args."""
     from moeserve.planner.eplb_stats import imbalance_from_file
     from moeserve.planner.hardware import HardwareDB
+    from moeserve.planner.memory import check_tp
     from moeserve.planner.models import load_model
     m = load_model(args.model)
     hw = HardwareDB(args.hardware_file, args.efficiency_profile).get(args.hardware).with_overrides(
         scale_up_domain=args.scale_up_domain, scale_up_gbps=args.scale_up_gbps,
         scale_out_gbps=args.scale_out_gbps)
+    _check_lengths(m, args)
+    check_tp(m, args.tp)
     if args.shared_expert_ranks >= args.cards:  # checked here: the default below divides by the routed ranks
         raise ValueError(f"--shared-expert-ranks {args.shared_expert_ranks} must be below --cards {args.cards}: "
                          "at least one card has to hold the routed experts")
@@ -77,6 +80,21 @@ def _ctx(args):
                     overlap_shared=args.overlap_shared, flashcomm=args.flashcomm,
                     weight_prefetch=args.weight_prefetch)
     return m, hw, inst, Workload(args.input_len, args.output_len)
+
+
+def _check_lengths(m, args) -> None:
+    """Prompt + output must fit the model's context window when its config states one."""
+    limit = m.max_position_embeddings
+    if limit is None:
+        return
+    if getattr(args, "plan_command", None) == "prefill":  # prefill never generates: the prompt alone counts
+        if args.input_len > limit:
+            raise ValueError(f"--input-len {args.input_len} exceeds {m.name}'s context window of {limit} tokens "
+                             "(max_position_embeddings); use a shorter prompt")
+    elif args.input_len + args.output_len > limit:
+        raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} = "
+                         f"{args.input_len + args.output_len} tokens exceed {m.name}'s context window of {limit} "
+                         "(max_position_embeddings); shorten them")
 
 
 def _emit(args, obj: dict, text: str) -> int:

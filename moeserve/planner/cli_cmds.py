@@ -28,6 +28,9 @@ def _prefill_instance(a, inst, m):
     """The prefill layout: --prefill-* flags, else the decode layout (MTP drafts kept: the prefill
     instance runs the MTP layer over the prompt for the decode instance)."""
     from moeserve.planner.deploy import Instance
+    from moeserve.planner.memory import check_tp
+    if a.prefill_tp is not None:
+        check_tp(m, a.prefill_tp, "--prefill-tp")
     kw = {**asdict(inst), "tp": inst.tp if a.prefill_tp is None else a.prefill_tp,
           "moe_comm": a.prefill_moe_comm or inst.moe_comm, "micro_batch_overlap": a.prefill_micro_batch_overlap}
     if a.prefill_cards is not None:  # a separate instance: no dedicated shared ranks, fewest redundant slots

@@ -35,8 +35,17 @@ class MemoryReport:
                 "fits": self.fits, "weights_detail_gib": {k: g(v) for k, v in self.detail.items()}}
 
 
+def check_tp(m: ModelSpec, tp: int, flag: str = "--tp") -> None:
+    """Attention TP splits the heads: a TP size that does not divide them cannot run."""
+    heads = m.num_attention_heads
+    if heads % tp:
+        ok = ", ".join(str(t) for t in (1, 2, 4, 8, 16, 32, 64, 128) if heads % t == 0)
+        raise PlanError(f"{flag} {tp} does not divide {m.name}'s {heads} attention heads; use one of {ok}")
+
+
 def weights_per_card(m: ModelSpec, inst: Instance) -> dict[str, float]:
     """Bytes of weights on the routed-expert rank (the larger of the two rank kinds)."""
+    check_tp(m, inst.tp)
     w, tp = inst.weight_bytes, inst.tp
     layers = m.num_hidden_layers + m.num_nextn_predict_layers
     moe_layers = m.num_moe_layers + (m.num_nextn_predict_layers if m.n_routed_experts else 0)

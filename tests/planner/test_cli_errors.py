@@ -65,5 +65,41 @@ def test_bad_value_is_refused_naming_the_flag(argv, flag, capsys):
 
 
 def test_tp_error_names_the_flags(capsys):
-    code, _, err = run(capsys, "estimate", "--cards", "32", "--tp", "3")
+    code, _, err = run(capsys, "estimate", "--cards", "24", "--tp", "16")
     assert code == 2 and "--cards" in err and "--tp" in err
+
+
+@pytest.mark.parametrize("argv,words", [
+    # V3's context window is 163840 tokens (max_position_embeddings); this used to return a decode point
+    (["decode", "--hardware", "hgx-h200", "--input-len", "500000", "--tpot-ms", "1000"],
+     ["--input-len 500000", "--output-len 2048", "163840"]),
+    (["estimate", "--input-len", "163000", "--output-len", "1000"], ["--output-len 1000", "163840"]),
+    (["prefill", "--input-len", "200000"], ["--input-len 200000", "163840"]),
+])
+def test_context_beyond_the_model_window_is_refused(argv, words, capsys):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    for w in words:
+        assert w in err
+
+
+def test_prefill_ignores_the_output_length_for_the_window(capsys):
+    code, out, err = run(capsys, "prefill", "--input-len", "163000", "--output-len", "2048", "--requests", "1",
+                         "--hardware", "hgx-h200")
+    assert code == 0 and "prefill 1 x 163000" in out
+
+
+@pytest.mark.parametrize("argv,flag", [(["estimate", "--cards", "256", "--tp", "256"], "--tp 256"),
+                                       (["estimate", "--prefill-cards", "96", "--prefill-tp", "96"], "--prefill-tp 96"),
+                                       (["decode", "--model", "moeserve-bench", "--cards", "32", "--tp", "32"], "--tp 32")])
+def test_tp_must_divide_the_attention_heads(argv, flag, capsys):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and flag in err and "attention heads" in err
+
+
+def test_library_refuses_tp_that_does_not_divide_the_heads():
+    from moeserve.planner.deploy import Instance, PlanError
+    from moeserve.planner.memory import weights_per_card
+    from moeserve.planner.models import load_model
+    with pytest.raises(PlanError, match="attention heads"):
+        weights_per_card(load_model("deepseek-v3"), Instance(cards=256, tp=256))
