@@ -39,8 +39,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="with attention TP: ReduceScatter + BF16 ('on') or INT8 AllGather instead of AllReduce")
     d.add_argument("--weight-prefetch", action=argparse.BooleanOptionalAction, default=False,
                    help="prefetch attention weights while collectives run (capped at the published +10%%)")
-    d.add_argument("--imbalance", type=imbalance, default=None, help="residual expert-load max/mean (>=1)")
-    d.add_argument("--eplb-stats", nargs="+", metavar="FILE",
+    skew = d.add_mutually_exclusive_group()
+    skew.add_argument("--imbalance", type=imbalance, default=None, help="residual expert-load max/mean (>=1)")
+    skew.add_argument("--eplb-stats", nargs="+", metavar="FILE",
                    help="expert loads (moeserve --expert-load-stats files, or JSON per-expert / [layer][expert] "
                         "lists) -> imbalance under the balanced placement of this layout's redundant slots")
     d.add_argument("--eplb-placement", choices=("balanced", "contiguous"), default="balanced",
@@ -52,8 +53,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def _ctx(args):
-    """(model, hardware, instance, workload) from parsed args."""
-    from moeserve.planner.eplb_stats import imbalance_from_file
+    """(model, hardware, instance, workload) from parsed args. Also sets args.load_skew: the --eplb-stats
+    loads (or None), which give every other layout a command tries its own imbalance factor."""
+    from moeserve.planner.eplb_stats import LoadSkew
     from moeserve.planner.hardware import HardwareDB
     from moeserve.planner.memory import check_tp
     from moeserve.planner.models import load_model
@@ -69,16 +71,18 @@ def _ctx(args):
     red = args.redundant_experts
     if red is None:
         red = -m.n_routed_experts % (args.cards - args.shared_expert_ranks) if m.n_routed_experts else 0
-    imb = args.imbalance
-    if imb is None and args.eplb_stats:
-        imb = imbalance_from_file(args.eplb_stats, m.n_routed_experts, args.cards - args.shared_expert_ranks,
-                                  red, balanced=args.eplb_placement == "balanced")
     inst = Instance(cards=args.cards, tp=args.tp, shared_expert_ranks=args.shared_expert_ranks,
                     redundant_experts=red, quantization=args.quantization, kv_dtype=args.kv_dtype,
                     mtp_drafts=args.mtp_drafts, mtp_acceptance=args.mtp_acceptance, moe_comm=args.moe_comm,
-                    micro_batch_overlap=args.micro_batch_overlap, imbalance=1.0 if imb is None else imb,
+                    micro_batch_overlap=args.micro_batch_overlap,
+                    imbalance=1.0 if args.imbalance is None else args.imbalance,
                     overlap_shared=args.overlap_shared, flashcomm=args.flashcomm,
                     weight_prefetch=args.weight_prefetch)
+    args.load_skew = None
+    if args.eplb_stats and m.n_routed_experts:
+        args.load_skew = LoadSkew.from_files(args.eplb_stats, m.n_routed_experts,
+                                             balanced=args.eplb_placement == "balanced")
+        inst = args.load_skew.apply(inst)
     return m, hw, inst, Workload(args.input_len, args.output_len)
 
 

@@ -36,7 +36,8 @@ def _prefill_instance(a, inst, m):
     if a.prefill_cards is not None:  # a separate instance: no dedicated shared ranks, fewest redundant slots
         red = -m.n_routed_experts % a.prefill_cards if m.n_routed_experts else 0
         kw.update(cards=a.prefill_cards, shared_expert_ranks=0, redundant_experts=red)
-    return Instance(**kw)
+    inst = Instance(**kw)
+    return a.load_skew.apply(inst) if a.load_skew else inst  # its own EP size and spare slots
 
 
 def cmd_estimate(a):
@@ -136,7 +137,7 @@ def args_search(p):
 def cmd_search(a):
     from moeserve.planner.search import search
     m, hw, inst, wl = _ctx(a)
-    res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top)
+    res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top, skew=a.load_skew)
     lines = [f"{len(res['plans'])} plans for {a.cards} cards of {hw.key}, TPOT <= {a.tpot_ms:g} ms"]
     for i, pl in enumerate(res["plans"], 1):
         d, p = pl["decode"], pl["prefill"]

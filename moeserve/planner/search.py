@@ -42,7 +42,9 @@ def _redundancy(n_experts: int, ep: int) -> int:
     return -n_experts % ep
 
 
-def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance):
+def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance, skew=None):
+    """skew: eplb_stats.LoadSkew giving each layout the imbalance of its own EP size and spare slots
+    (None: every layout keeps base.imbalance, a residual skew)."""
     for size in (s for s in SIZES if s <= cards):
         for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
             shared_opts = {0}
@@ -53,14 +55,15 @@ def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance):
                 for comm in ("alltoall", "allgather"):
                     for tbo in (False, True):
                         for fc in _flashcomm_options(tp):
-                            yield replace(base, cards=size, tp=tp, shared_expert_ranks=shared,
-                                          redundant_experts=red, moe_comm=comm, micro_batch_overlap=tbo,
-                                          flashcomm=fc)
+                            inst = replace(base, cards=size, tp=tp, shared_expert_ranks=shared,
+                                           redundant_experts=red, moe_comm=comm, micro_batch_overlap=tbo,
+                                           flashcomm=fc)
+                            yield skew.apply(inst) if skew else inst
 
 
-def best_decode(m, hw, cards, base, wl, tpot_ms, top=5) -> list[Candidate]:
+def best_decode(m, hw, cards, base, wl, tpot_ms, top=5, skew=None) -> list[Candidate]:
     out = []
-    for inst in decode_layouts(m, hw, cards, base):
+    for inst in decode_layouts(m, hw, cards, base, skew):
         try:
             pt = best_under_slo(m, hw, inst, wl, tpot_ms)
         except PlanError:
@@ -70,8 +73,9 @@ def best_decode(m, hw, cards, base, wl, tpot_ms, top=5) -> list[Candidate]:
     return sorted(out, key=lambda c: -c.tok_s_card)[:top]
 
 
-def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0) -> list[Candidate]:
-    """kv_pull: ms the decode side needs to pull one prompt's KV, counted against the TTFT SLO."""
+def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0, skew=None) -> list[Candidate]:
+    """kv_pull: ms the decode side needs to pull one prompt's KV, counted against the TTFT SLO; skew: as in
+    decode_layouts."""
     out = []
     for size in (s for s in SIZES if s <= cards):
         for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
@@ -81,6 +85,7 @@ def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0) -> li
                     inst = replace(base, cards=size, tp=tp, redundant_experts=red, moe_comm=comm,
                                    shared_expert_ranks=0, micro_batch_overlap=False,  # MTP kept: step.py
                                    flashcomm=fc)
+                    inst = skew.apply(inst) if skew else inst
                     cand = _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull)
                     if cand:
                         out.append(cand)
@@ -124,10 +129,10 @@ def split(cards: int, dec: Candidate, pre: Candidate, wl: Workload) -> dict | No
 
 
 def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float, base: Instance,
-           ttft_ms: float | None = None, top: int = 5) -> dict:
-    decs = best_decode(m, hw, cards, base, wl, tpot_ms, top=None)
+           ttft_ms: float | None = None, top: int = 5, skew=None) -> dict:
+    decs = best_decode(m, hw, cards, base, wl, tpot_ms, top=None, skew=skew)
     pull = kv_pull_ms(m, hw, base, wl.input_len, cards)  # every instance within `cards`
-    pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top=None, kv_pull=pull)
+    pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top=None, kv_pull=pull, skew=skew)
     plans = []
     # Pair the best layout of every instance size: the overall top decode layouts may be too big to leave
     # room for any prefill instance (e.g. 32-card decode on 32 cards), while a smaller pair fits.
