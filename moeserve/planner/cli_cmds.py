@@ -75,20 +75,21 @@ def cmd_estimate(a):
 def args_decode(p):
     _add_common(p)
     p.add_argument("--tpot-ms", type=positive_float, default=50.0)
-    p.add_argument("--plot", help="write throughput-vs-TPOT PNG here")
+    p.add_argument("--plot", help="write the throughput-vs-TPOT plot here (.png added when the name has no suffix)")
 
 
 def cmd_decode(a):
     from moeserve.planner.analysis import best_under_slo, decode_curve
+    from moeserve.planner.plots import plot_curves, plot_path
     m, hw, inst, wl = _ctx(a)
+    plot = plot_path(a.plot) if a.plot is not None else None  # before the work: a bad path loses nothing
     curve = decode_curve(m, hw, inst, wl)
     best = best_under_slo(m, hw, inst, wl, a.tpot_ms)
-    if a.plot:
-        from moeserve.planner.plots import plot_curves
-        plot_curves({f"{hw.key} {inst.cards} cards": curve}, a.plot, tpot_slo_ms=a.tpot_ms)
+    if plot:
+        plot_curves({f"{hw.key} {inst.cards} cards": curve}, plot, tpot_slo_ms=a.tpot_ms)
     obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst),
            "curve": [{k: v for k, v in p.to_dict().items() if k != "breakdown_ms"} for p in curve],
-           "best_under_slo": best.to_dict() if best else None, "tpot_slo_ms": a.tpot_ms, "plot": a.plot}
+           "best_under_slo": best.to_dict() if best else None, "tpot_slo_ms": a.tpot_ms, "plot": plot}
     lines = [f"{'batch/DP':>8} {'TPOT ms':>9} {'tok/s/card':>11}"]
     lines += [f"{p.batch:>8} {p.tpot_ms:>9.2f} {p.tok_s_card:>11.0f}" for p in curve]
     lines.append(f"best under TPOT <= {a.tpot_ms:g} ms: " + (

@@ -103,3 +103,20 @@ def test_library_refuses_tp_that_does_not_divide_the_heads():
     from moeserve.planner.models import load_model
     with pytest.raises(PlanError, match="attention heads"):
         weights_per_card(load_model("deepseek-v3"), Instance(cards=256, tp=256))
+
+
+def test_unwritable_plot_path_is_refused_before_the_work(tmp_path, capsys):
+    blocker = tmp_path / "somefile.json"
+    blocker.write_text("{}")
+    for bad in (blocker / "x.png", tmp_path / "missing" / "x.png", tmp_path / "x.json", tmp_path):
+        code, out, err = run(capsys, "decode", "--plot", str(bad))
+        assert code == 2 and f"--plot {bad}" in err and "Traceback" not in err
+
+
+def test_plot_without_suffix_reports_the_file_written(tmp_path, capsys, monkeypatch):
+    import json
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "decode", "--hardware", "atlas-800i-a2", "--moe-comm", "allgather",
+                       "--plot", "curve", "--json")
+    assert code == 0 and json.loads(out)["plot"] == "curve.png"
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
