@@ -6,7 +6,7 @@ import json
 import sys
 
 from moeserve.planner.cli_args import fraction, imbalance, nonneg_int, positive_float, positive_int
-from moeserve.planner.deploy import FLASHCOMM, QUANT, KV_BYTES, MOE_COMM, Instance, Workload
+from moeserve.planner.deploy import FLASHCOMM, QUANT, KV_BYTES, MOE_COMM, DoesNotFit, Instance, Workload
 from moeserve.planner.hardware import PROFILES
 
 
@@ -106,11 +106,45 @@ def _emit(args, obj: dict, text: str) -> int:
     return 0
 
 
+# Exit codes (docs/planner.md): 0 answered; 1 refused (the layout does not fit in memory, search found no
+# plan); 2 bad input (a flag value, a file, a layout that cannot exist).
+EXIT_REFUSED, EXIT_BAD_INPUT = 1, 2
+
+
+class _PlanParser(argparse.ArgumentParser):
+    """A subcommand's parser: with --json, a refused flag value is also one JSON object on stdout."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._json = "--json" in (sys.argv[1:] if args is None else args)
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra:  # the subcommand takes the rest of the line: report leftovers here, where --json is known
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns, extra
+
+    def error(self, message):
+        if getattr(self, "_json", False):
+            print(json.dumps({"error": message}))
+        # One line, not argparse's usage block (30 lines for estimate) in front of it.
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def _run(func, args) -> int:
+    """One error line on stderr (and {"error": ...} on stdout with --json) instead of a traceback."""
+    try:
+        return func(args) or 0
+    except ValueError as e:
+        print(f"moeserve plan {args.plan_command}: error: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": str(e)}))
+        return EXIT_REFUSED if isinstance(e, DoesNotFit) else EXIT_BAD_INPUT
+
+
 def register(subparsers) -> None:
     from moeserve.planner import cli_cmds as c
     plan = subparsers.add_parser("plan", help="deployment planner: cost model, search, simulation",
                                  description=__doc__)
-    sub = plan.add_subparsers(dest="plan_command", required=True, metavar="PLAN_COMMAND")
+    sub = plan.add_subparsers(dest="plan_command", required=True, metavar="PLAN_COMMAND",
+                              parser_class=_PlanParser)
     specs = [
         ("estimate", "per-operator decode step breakdown at one batch, memory, prefill point", c.cmd_estimate),
         ("decode", "decode throughput vs batch/TPOT, best throughput under a TPOT SLO, PNG plot", c.cmd_decode),
@@ -126,18 +160,14 @@ def register(subparsers) -> None:
     for name, help_, func in specs:
         p = sub.add_parser(name, help=help_, description=help_.replace("%%", "%"))
         getattr(c, "args_" + name.replace("-", "_"), _add_common)(p)
-        p.set_defaults(func=lambda a, f=func: f(a))
+        p.set_defaults(func=lambda a, f=func: _run(f, a))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="moeserve")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    try:
-        return args.func(args) or 0
-    except ValueError as e:
-        print(f"moeserve plan: error: {e}", file=sys.stderr)
-        return 2
+    return args.func(args) or 0
 
 
 if __name__ == "__main__":

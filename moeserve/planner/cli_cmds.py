@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from moeserve.planner.cli_args import positive_float, positive_int, positive_int_list
-from moeserve.planner.cli import _add_common, _ctx, _emit
+from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit
 
 
 def _fmt_breakdown(br: dict) -> str:
@@ -125,7 +125,7 @@ def cmd_memory(a):
         f"{d['activations_gib']:.2f}, KV room {d['kv_free_gib']:.1f} -> max batch {rep.max_batch}/DP",
         f"REFUSED: {reason}" if reason else "fits"])
     _emit(a, obj, text)
-    return 1 if reason else 0
+    return EXIT_REFUSED if reason else 0
 
 
 def args_search(p):

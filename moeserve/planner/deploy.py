@@ -22,6 +22,10 @@ class PlanError(ValueError):
     """A deployment that cannot run; the message says what to change."""
 
 
+class DoesNotFit(PlanError):
+    """A valid layout whose weights, activations and KV do not fit in memory (the CLI exits 1, not 2)."""
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise PlanError(msg)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeserve.planner.cost import ACT
-from moeserve.planner.deploy import Instance, PlanError
+from moeserve.planner.deploy import DoesNotFit, Instance, PlanError
 from moeserve.planner.hardware import GIB, Hardware
 from moeserve.planner.models import ModelSpec
 
@@ -118,5 +118,5 @@ def check_fits(m: ModelSpec, hw: Hardware, inst: Instance, context: float, step_
     rep = memory_report(m, hw, inst, context, step_tokens)
     reason = refusal_reason(m, hw, inst, rep)
     if reason:
-        raise PlanError(reason)
+        raise DoesNotFit(reason)
     return rep

@@ -120,3 +120,36 @@ def test_plot_without_suffix_reports_the_file_written(tmp_path, capsys, monkeypa
                        "--plot", "curve", "--json")
     assert code == 0 and json.loads(out)["plot"] == "curve.png"
     assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+JSON_ERRORS = {  # subcommand -> (arguments that fail, exit code: 1 refused, 2 bad input)
+    "estimate": (["--cards", "30", "--redundant-experts", "0"], 2),
+    "decode": (["--hardware", "tpu-v9"], 2),
+    "prefill": (["--hardware", "910b", "--cards", "8"], 1),  # does not fit in memory
+    "memory": (["--cards", "24", "--tp", "16"], 2),
+    "search": (["--top", "0"], 2),
+    "simulate": (["--rate", "0"], 2),
+    "validate": (["--hardware-file", "/nonexistent/hw.yaml"], 2),
+    "hardware": (["--hardware-file", "/nonexistent/hw.yaml"], 2),
+    "profile-cpu": (["--threads", "0"], 2),
+}
+
+
+@pytest.mark.parametrize("cmd", sorted(JSON_ERRORS))
+def test_errors_with_json_print_one_error_object(cmd, capsys):
+    import json
+    argv, want = JSON_ERRORS[cmd]
+    code, out, err = run(capsys, cmd, "--json", *argv)
+    assert code == want
+    obj = json.loads(out)  # exactly one object on stdout...
+    assert list(obj) == ["error"] and obj["error"] in err  # ...and the same message on stderr
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_exit_codes_refused_vs_bad_input(capsys):
+    # the same memory refusal exits 1 from every subcommand (memory always did; estimate used to exit 2)
+    assert run(capsys, "memory", "--hardware", "910b", "--cards", "8")[0] == 1
+    assert run(capsys, "estimate", "--hardware", "910b", "--cards", "8")[0] == 1
+    assert run(capsys, "decode", "--hardware", "910b", "--cards", "8")[0] == 1
+    assert run(capsys, "estimate", "--hardware", "tpu-v9")[0] == 2
+    assert run(capsys, "estimate", "--no-such-flag")[0] == 2
