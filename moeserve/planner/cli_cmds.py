@@ -1,9 +1,11 @@
 """Implementations of the `moeserve plan` subcommands (argument groups + text/JSON output)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict
 
 from moeserve.planner.cli_args import positive_float, positive_int, positive_int_list
+from moeserve.planner.deploy import PlanError
 from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit
 
 
@@ -36,24 +38,42 @@ def _prefill_instance(a, inst, m):
     if a.prefill_cards is not None:  # a separate instance: no dedicated shared ranks, fewest redundant slots
         red = -m.n_routed_experts % a.prefill_cards if m.n_routed_experts else 0
         kw.update(cards=a.prefill_cards, shared_expert_ranks=0, redundant_experts=red)
+    if kw["cards"] % kw["tp"]:  # Instance would name --cards / --tp, the decode layout's flags
+        cards_flag = "--cards" if a.prefill_cards is None else "--prefill-cards"
+        tp_flag = "--tp" if a.prefill_tp is None else "--prefill-tp"
+        raise PlanError(f"{cards_flag} {kw['cards']} not divisible by prefill attention TP {kw['tp']}; "
+                        f"make {cards_flag} a multiple of {tp_flag}")
     inst = Instance(**kw)
     return a.load_skew.apply(inst) if a.load_skew else inst  # its own EP size and spare slots
+
+
+@contextmanager
+def _which(label: str):
+    """estimate prices two layouts: say which one a refusal is about."""
+    try:
+        yield
+    except PlanError as e:
+        raise type(e)(f"{label}: {e}") from None
 
 
 def cmd_estimate(a):
     from moeserve.planner.analysis import decode_point, kv_pull_ms, prefill_point, require_fits
     m, hw, inst, wl = _ctx(a)
-    mem = require_fits(m, hw, inst, wl)
-    batch = mem.max_batch if a.batch is None else min(a.batch, mem.max_batch)
-    pt = decode_point(m, hw, inst, wl, batch)
-    pre_inst = _prefill_instance(a, inst, m)
-    requests = pre_inst.dp if a.prefill_requests is None else a.prefill_requests
-    pre = prefill_point(m, hw, pre_inst, requests, wl.input_len)
+    with _which(f"decode instance ({inst.cards} cards)"):
+        mem = require_fits(m, hw, inst, wl)
+        batch = mem.max_batch if a.batch is None else min(a.batch, mem.max_batch)
+        pt = decode_point(m, hw, inst, wl, batch)
+    separate = a.prefill_cards is not None
+    with _which(f"prefill instance ({a.prefill_cards} cards)" if separate
+                else f"prefill on the decode layout ({inst.cards} cards)"):
+        pre_inst = _prefill_instance(a, inst, m)
+        requests = pre_inst.dp if a.prefill_requests is None else a.prefill_requests
+        pre = prefill_point(m, hw, pre_inst, requests, wl.input_len)
     # PD balance: requests/s one decode instance finishes vs one prefill instance starts.
     dec_req = pt.tok_s_card * inst.cards / wl.output_len
     pre_req = pre.tok_s_card * pre_inst.cards / wl.input_len
     # A separate prefill instance hands each prompt's KV to the decode instance before its first step.
-    pull = kv_pull_ms(m, hw, inst, wl.input_len, inst.cards + pre_inst.cards) if a.prefill_cards is not None else 0.0
+    pull = kv_pull_ms(m, hw, inst, wl.input_len, inst.cards + pre_inst.cards) if separate else 0.0
     obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst), "decode": pt.to_dict(),
            "memory": mem.to_dict(), "prefill_layout": asdict(pre_inst), "prefill": pre.to_dict(),
            "prefill_instances_per_decode_instance": round(dec_req / pre_req, 3),

@@ -105,9 +105,13 @@ def refusal_reason(m: ModelSpec, hw: Hardware, inst: Instance, rep: MemoryReport
     """None when the layout fits, else a message that says what to change."""
     g = lambda b: f"{b / GIB:.1f} GiB"
     if rep.weights + rep.activations > rep.usable:
+        if rep.activations > rep.weights:  # the step's workspace, not the weights, is what does not fit
+            fix = "put fewer tokens in one step (fewer prompts per batch, shorter prompts) or raise attention TP"
+        else:
+            fix = (f"spread experts over more ranks (now {inst.ep}), raise attention TP, or quantize "
+                   f"(now {inst.quantization})")
         return (f"weights {g(rep.weights)} + activations {g(rep.activations)} exceed {g(rep.usable)} usable "
-                f"per card ({hw.hbm_gib:g} GiB x {hw.eff.memory_utilization:g}) on {hw.name}; spread experts "
-                f"over more ranks (now {inst.ep}), raise attention TP, or quantize (now {inst.quantization})")
+                f"per card ({hw.hbm_gib:g} GiB x {hw.eff.memory_utilization:g}) on {hw.name}; {fix}")
     if rep.max_batch < 1:
         return (f"only {g(rep.kv_free)} left for KV after weights; one sequence needs {g(rep.kv_per_seq)}; "
                 "use more cards per instance, shorter contexts or a smaller KV dtype")

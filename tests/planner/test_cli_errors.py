@@ -153,3 +153,20 @@ def test_exit_codes_refused_vs_bad_input(capsys):
     assert run(capsys, "decode", "--hardware", "910b", "--cards", "8")[0] == 1
     assert run(capsys, "estimate", "--hardware", "tpu-v9")[0] == 2
     assert run(capsys, "estimate", "--no-such-flag")[0] == 2
+
+
+@pytest.mark.parametrize("argv,label", [
+    (["--hardware", "910b", "--cards", "8"], "decode instance (8 cards): weights"),
+    (["--prefill-cards", "8"], "prefill instance (8 cards): weights"),
+    (["--input-len", "100000", "--output-len", "100"], "prefill on the decode layout (32 cards): weights"),
+    (["--prefill-cards", "12", "--prefill-tp", "8"], "prefill instance (12 cards): --prefill-cards 12"),
+])
+def test_estimate_says_which_instance_is_refused(argv, label, capsys):
+    code, _, err = run(capsys, "estimate", *argv)
+    assert code in (1, 2) and label in err
+
+
+def test_activation_bound_refusal_does_not_advise_spreading_experts(capsys):
+    # 100K-token prompts: the prefill step's workspace (42.7 GiB), not the weights (37.4 GiB), overflows
+    _, _, err = run(capsys, "estimate", "--input-len", "100000", "--output-len", "100")
+    assert "fewer tokens in one step" in err and "spread experts" not in err
