@@ -159,13 +159,15 @@ def cmd_search(a):
     from moeserve.planner.search import search
     m, hw, inst, wl = _ctx(a)
     res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top, skew=a.load_skew)
-    lines = [f"{len(res['plans'])} plans for {a.cards} cards of {hw.key}, TPOT <= {a.tpot_ms:g} ms"]
+    lines = [f"{len(res['plans'])} plans for {a.cards} cards of {hw.key}, TPOT <= {a.tpot_ms:g} ms"
+             + (f": {res['refused']}" if not res["plans"] else "")]
     for i, pl in enumerate(res["plans"], 1):
         d, p = pl["decode"], pl["prefill"]
         lines.append(f"{i}. {pl['goodput_tok_s_card']:.0f} tok/s/card goodput: "
                      f"{pl['prefill_instances']} x prefill {_lay(p)} : {pl['decode_instances']} x decode "
                      f"{_lay(d)} ({pl['prefill_cards']}:{pl['decode_cards']} cards)")
-    return _emit(a, res, "\n".join(lines))
+    _emit(a, res, "\n".join(lines))
+    return 0 if res["plans"] else EXIT_REFUSED
 
 
 def _lay(c: dict) -> str:
