@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from moeserve.planner import comm
-from moeserve.planner.deploy import Instance, PlanError, Workload
+from moeserve.planner.deploy import DoesNotFit, Instance, Workload
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.memory import MemoryReport, memory_report, refusal_reason
 from moeserve.planner.models import ModelSpec
@@ -56,7 +56,7 @@ def require_fits(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload) -> Me
     rep = decode_memory(m, hw, inst, wl)
     reason = refusal_reason(m, hw, inst, rep)
     if reason:
-        raise PlanError(reason)
+        raise DoesNotFit(reason)
     return rep
 
 
@@ -126,7 +126,7 @@ def prefill_point(m: ModelSpec, hw: Hardware, inst: Instance, requests: int, len
         reason = refusal_reason(m, hw, inst, rep) or (
             f"{per_dp} prompts of {length} tokens per DP group need KV for {per_dp} sequences, room for "
             f"{rep.max_batch}; use more prefill cards or fewer requests per batch")
-        raise PlanError(reason)
+        raise DoesNotFit(reason)
     st = prefill_step(m, hw, inst, per_dp, length, n_tokens=requests * length)
     br = {k: v * 1e3 for k, v in sorted(st.by_name().items(), key=lambda kv: -kv[1])}
     br["framework_overhead"] = st.overhead * 1e3

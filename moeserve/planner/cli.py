@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from moeserve.planner.deploy import FLASHCOMM, QUANT, KV_BYTES, MOE_COMM, Instance, Workload
+from moeserve.planner.cli_args import fraction, imbalance, nonneg_int, positive_float, positive_int
+from moeserve.planner.deploy import FLASHCOMM, QUANT, KV_BYTES, MOE_COMM, DoesNotFit, Instance, Workload
 from moeserve.planner.hardware import PROFILES
 
 
@@ -16,20 +17,20 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware-file", help="YAML/JSON with extra devices/systems/efficiency")
     g.add_argument("--efficiency-profile", choices=PROFILES, default=None,
                    help="end_to_end (default): a serving step; kernel: kernel-level factors only")
-    g.add_argument("--scale-up-domain", type=int, help="cards per scale-up domain (override)")
-    g.add_argument("--scale-up-gbps", type=float, help="scale-up GB/s per card, one direction")
-    g.add_argument("--scale-out-gbps", type=float, help="scale-out GB/s per card, one direction")
+    g.add_argument("--scale-up-domain", type=positive_int, help="cards per scale-up domain (override)")
+    g.add_argument("--scale-up-gbps", type=positive_float, help="scale-up GB/s per card, one direction")
+    g.add_argument("--scale-out-gbps", type=positive_float, help="scale-out GB/s per card, one direction")
     d = p.add_argument_group("deployment instance")
-    d.add_argument("--cards", type=int, default=32, help="cards in the instance (= DP x TP)")
-    d.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=int, default=1, help="attention TP")
-    d.add_argument("--shared-expert-ranks", type=int, default=0)
-    d.add_argument("--redundant-experts", type=int, default=None,
+    d.add_argument("--cards", type=positive_int, default=32, help="cards in the instance (= DP x TP)")
+    d.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=positive_int, default=1, help="attention TP")
+    d.add_argument("--shared-expert-ranks", type=nonneg_int, default=0)
+    d.add_argument("--redundant-experts", type=nonneg_int, default=None,
                    help="extra routed-expert slots (default: fewest making slots divisible)")
     d.add_argument("--quantization", choices=sorted(QUANT), default="a8w8")
     d.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", choices=sorted(KV_BYTES),
                    default="bf16")
-    d.add_argument("--num-speculative-tokens", "--mtp-drafts", dest="mtp_drafts", type=int, default=0)
-    d.add_argument("--mtp-acceptance", type=float, default=0.7)
+    d.add_argument("--num-speculative-tokens", "--mtp-drafts", dest="mtp_drafts", type=nonneg_int, default=0)
+    d.add_argument("--mtp-acceptance", type=fraction, default=0.7)
     d.add_argument("--moe-comm", choices=MOE_COMM, default="alltoall")
     d.add_argument("--micro-batch-overlap", action=argparse.BooleanOptionalAction, default=False)
     d.add_argument("--overlap-shared", action=argparse.BooleanOptionalAction, default=True,
@@ -38,41 +39,66 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="with attention TP: ReduceScatter + BF16 ('on') or INT8 AllGather instead of AllReduce")
     d.add_argument("--weight-prefetch", action=argparse.BooleanOptionalAction, default=False,
                    help="prefetch attention weights while collectives run (capped at the published +10%%)")
-    d.add_argument("--imbalance", type=float, default=None, help="residual expert-load max/mean (>=1)")
-    d.add_argument("--eplb-stats", nargs="+", metavar="FILE",
+    skew = d.add_mutually_exclusive_group()
+    skew.add_argument("--imbalance", type=imbalance, default=None, help="residual expert-load max/mean (>=1)")
+    skew.add_argument("--eplb-stats", nargs="+", metavar="FILE",
                    help="expert loads (moeserve --expert-load-stats files, or JSON per-expert / [layer][expert] "
                         "lists) -> imbalance under the balanced placement of this layout's redundant slots")
     d.add_argument("--eplb-placement", choices=("balanced", "contiguous"), default="balanced",
                    help="placement --eplb-stats is scored under: EPLB's (balanced) or experts in rank blocks")
     w = p.add_argument_group("workload")
-    w.add_argument("--input-len", type=int, default=2048)
-    w.add_argument("--output-len", type=int, default=2048)
+    w.add_argument("--input-len", type=positive_int, default=2048)
+    w.add_argument("--output-len", type=positive_int, default=2048)
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _ctx(args):
-    """(model, hardware, instance, workload) from parsed args."""
-    from moeserve.planner.eplb_stats import imbalance_from_file
+    """(model, hardware, instance, workload) from parsed args. Also sets args.load_skew: the --eplb-stats
+    loads (or None), which give every other layout a command tries its own imbalance factor."""
+    from moeserve.planner.eplb_stats import LoadSkew
     from moeserve.planner.hardware import HardwareDB
+    from moeserve.planner.memory import check_tp
     from moeserve.planner.models import load_model
     m = load_model(args.model)
     hw = HardwareDB(args.hardware_file, args.efficiency_profile).get(args.hardware).with_overrides(
         scale_up_domain=args.scale_up_domain, scale_up_gbps=args.scale_up_gbps,
         scale_out_gbps=args.scale_out_gbps)
+    _check_lengths(m, args)
+    check_tp(m, args.tp)
+    if args.shared_expert_ranks >= args.cards:  # checked here: the default below divides by the routed ranks
+        raise ValueError(f"--shared-expert-ranks {args.shared_expert_ranks} must be below --cards {args.cards}: "
+                         "at least one card has to hold the routed experts")
     red = args.redundant_experts
     if red is None:
         red = -m.n_routed_experts % (args.cards - args.shared_expert_ranks) if m.n_routed_experts else 0
-    imb = args.imbalance
-    if imb is None and args.eplb_stats:
-        imb = imbalance_from_file(args.eplb_stats, m.n_routed_experts, args.cards - args.shared_expert_ranks,
-                                  red, balanced=args.eplb_placement == "balanced")
     inst = Instance(cards=args.cards, tp=args.tp, shared_expert_ranks=args.shared_expert_ranks,
                     redundant_experts=red, quantization=args.quantization, kv_dtype=args.kv_dtype,
                     mtp_drafts=args.mtp_drafts, mtp_acceptance=args.mtp_acceptance, moe_comm=args.moe_comm,
-                    micro_batch_overlap=args.micro_batch_overlap, imbalance=imb or 1.0,
+                    micro_batch_overlap=args.micro_batch_overlap,
+                    imbalance=1.0 if args.imbalance is None else args.imbalance,
                     overlap_shared=args.overlap_shared, flashcomm=args.flashcomm,
                     weight_prefetch=args.weight_prefetch)
+    args.load_skew = None
+    if args.eplb_stats and m.n_routed_experts:
+        args.load_skew = LoadSkew.from_files(args.eplb_stats, m.n_routed_experts,
+                                             balanced=args.eplb_placement == "balanced")
+        inst = args.load_skew.apply(inst)
     return m, hw, inst, Workload(args.input_len, args.output_len)
+
+
+def _check_lengths(m, args) -> None:
+    """Prompt + output must fit the model's context window when its config states one."""
+    limit = m.max_position_embeddings
+    if limit is None:
+        return
+    if getattr(args, "plan_command", None) == "prefill":  # prefill never generates: the prompt alone counts
+        if args.input_len > limit:
+            raise ValueError(f"--input-len {args.input_len} exceeds {m.name}'s context window of {limit} tokens "
+                             "(max_position_embeddings); use a shorter prompt")
+    elif args.input_len + args.output_len > limit:
+        raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} = "
+                         f"{args.input_len + args.output_len} tokens exceed {m.name}'s context window of {limit} "
+                         "(max_position_embeddings); shorten them")
 
 
 def _emit(args, obj: dict, text: str) -> int:
@@ -80,11 +106,45 @@ def _emit(args, obj: dict, text: str) -> int:
     return 0
 
 
+# Exit codes (docs/planner.md): 0 answered; 1 refused (the layout does not fit in memory, search found no
+# plan); 2 bad input (a flag value, a file, a layout that cannot exist).
+EXIT_REFUSED, EXIT_BAD_INPUT = 1, 2
+
+
+class _PlanParser(argparse.ArgumentParser):
+    """A subcommand's parser: with --json, a refused flag value is also one JSON object on stdout."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._json = "--json" in (sys.argv[1:] if args is None else args)
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra:  # the subcommand takes the rest of the line: report leftovers here, where --json is known
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns, extra
+
+    def error(self, message):
+        if getattr(self, "_json", False):
+            print(json.dumps({"error": message}))
+        # One line, not argparse's usage block (30 lines for estimate) in front of it.
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def _run(func, args) -> int:
+    """One error line on stderr (and {"error": ...} on stdout with --json) instead of a traceback."""
+    try:
+        return func(args) or 0
+    except ValueError as e:
+        print(f"moeserve plan {args.plan_command}: error: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": str(e)}))
+        return EXIT_REFUSED if isinstance(e, DoesNotFit) else EXIT_BAD_INPUT
+
+
 def register(subparsers) -> None:
     from moeserve.planner import cli_cmds as c
     plan = subparsers.add_parser("plan", help="deployment planner: cost model, search, simulation",
                                  description=__doc__)
-    sub = plan.add_subparsers(dest="plan_command", required=True, metavar="PLAN_COMMAND")
+    sub = plan.add_subparsers(dest="plan_command", required=True, metavar="PLAN_COMMAND",
+                              parser_class=_PlanParser)
     specs = [
         ("estimate", "per-operator decode step breakdown at one batch, memory, prefill point", c.cmd_estimate),
         ("decode", "decode throughput vs batch/TPOT, best throughput under a TPOT SLO, PNG plot", c.cmd_decode),
@@ -100,18 +160,14 @@ def register(subparsers) -> None:
     for name, help_, func in specs:
         p = sub.add_parser(name, help=help_, description=help_.replace("%%", "%"))
         getattr(c, "args_" + name.replace("-", "_"), _add_common)(p)
-        p.set_defaults(func=lambda a, f=func: f(a))
+        p.set_defaults(func=lambda a, f=func: _run(f, a))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="moeserve")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    try:
-        return args.func(args) or 0
-    except ValueError as e:
-        print(f"moeserve plan: error: {e}", file=sys.stderr)
-        return 2
+    return args.func(args) or 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """Implementations of the `moeserve plan` subcommands (argument groups + text/JSON output)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict
 
-from moeserve.planner.cli import _add_common, _ctx, _emit
+from moeserve.planner.cli_args import positive_float, positive_int, positive_int_list
+from moeserve.planner.deploy import PlanError
+from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit
 
 
 def _fmt_breakdown(br: dict) -> str:
@@ -14,11 +17,11 @@ def _fmt_breakdown(br: dict) -> str:
 
 def args_estimate(p):
     _add_common(p)
-    p.add_argument("--batch", type=int, default=None, help="sequences per DP group (default: max that fits)")
-    p.add_argument("--prefill-requests", type=int, default=None, help="default: one per DP group")
+    p.add_argument("--batch", type=positive_int, default=None, help="sequences per DP group (default: max that fits)")
+    p.add_argument("--prefill-requests", type=positive_int, default=None, help="default: one per DP group")
     g = p.add_argument_group("prefill instance (PD disaggregation; default: the decode layout)")
-    g.add_argument("--prefill-cards", type=int, default=None)
-    g.add_argument("--prefill-tp", type=int, default=None)
+    g.add_argument("--prefill-cards", type=positive_int, default=None)
+    g.add_argument("--prefill-tp", type=positive_int, default=None)
     g.add_argument("--prefill-moe-comm", choices=("alltoall", "allgather"), default=None)
     g.add_argument("--prefill-micro-batch-overlap", action="store_true")
 
@@ -27,27 +30,50 @@ def _prefill_instance(a, inst, m):
     """The prefill layout: --prefill-* flags, else the decode layout (MTP drafts kept: the prefill
     instance runs the MTP layer over the prompt for the decode instance)."""
     from moeserve.planner.deploy import Instance
-    kw = {**asdict(inst), "tp": a.prefill_tp or inst.tp,
+    from moeserve.planner.memory import check_tp
+    if a.prefill_tp is not None:
+        check_tp(m, a.prefill_tp, "--prefill-tp")
+    kw = {**asdict(inst), "tp": inst.tp if a.prefill_tp is None else a.prefill_tp,
           "moe_comm": a.prefill_moe_comm or inst.moe_comm, "micro_batch_overlap": a.prefill_micro_batch_overlap}
-    if a.prefill_cards:  # a separate instance: no dedicated shared ranks, fewest redundant slots
+    if a.prefill_cards is not None:  # a separate instance: no dedicated shared ranks, fewest redundant slots
         red = -m.n_routed_experts % a.prefill_cards if m.n_routed_experts else 0
         kw.update(cards=a.prefill_cards, shared_expert_ranks=0, redundant_experts=red)
-    return Instance(**kw)
+    if kw["cards"] % kw["tp"]:  # Instance would name --cards / --tp, the decode layout's flags
+        cards_flag = "--cards" if a.prefill_cards is None else "--prefill-cards"
+        tp_flag = "--tp" if a.prefill_tp is None else "--prefill-tp"
+        raise PlanError(f"{cards_flag} {kw['cards']} not divisible by prefill attention TP {kw['tp']}; "
+                        f"make {cards_flag} a multiple of {tp_flag}")
+    inst = Instance(**kw)
+    return a.load_skew.apply(inst) if a.load_skew else inst  # its own EP size and spare slots
+
+
+@contextmanager
+def _which(label: str):
+    """estimate prices two layouts: say which one a refusal is about."""
+    try:
+        yield
+    except PlanError as e:
+        raise type(e)(f"{label}: {e}") from None
 
 
 def cmd_estimate(a):
     from moeserve.planner.analysis import decode_point, kv_pull_ms, prefill_point, require_fits
     m, hw, inst, wl = _ctx(a)
-    mem = require_fits(m, hw, inst, wl)
-    batch = min(a.batch or mem.max_batch, mem.max_batch)
-    pt = decode_point(m, hw, inst, wl, batch)
-    pre_inst = _prefill_instance(a, inst, m)
-    pre = prefill_point(m, hw, pre_inst, a.prefill_requests or pre_inst.dp, wl.input_len)
+    with _which(f"decode instance ({inst.cards} cards)"):
+        mem = require_fits(m, hw, inst, wl)
+        batch = mem.max_batch if a.batch is None else min(a.batch, mem.max_batch)
+        pt = decode_point(m, hw, inst, wl, batch)
+    separate = a.prefill_cards is not None
+    with _which(f"prefill instance ({a.prefill_cards} cards)" if separate
+                else f"prefill on the decode layout ({inst.cards} cards)"):
+        pre_inst = _prefill_instance(a, inst, m)
+        requests = pre_inst.dp if a.prefill_requests is None else a.prefill_requests
+        pre = prefill_point(m, hw, pre_inst, requests, wl.input_len)
     # PD balance: requests/s one decode instance finishes vs one prefill instance starts.
     dec_req = pt.tok_s_card * inst.cards / wl.output_len
     pre_req = pre.tok_s_card * pre_inst.cards / wl.input_len
     # A separate prefill instance hands each prompt's KV to the decode instance before its first step.
-    pull = kv_pull_ms(m, hw, inst, wl.input_len, inst.cards + pre_inst.cards) if a.prefill_cards else 0.0
+    pull = kv_pull_ms(m, hw, inst, wl.input_len, inst.cards + pre_inst.cards) if separate else 0.0
     obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst), "decode": pt.to_dict(),
            "memory": mem.to_dict(), "prefill_layout": asdict(pre_inst), "prefill": pre.to_dict(),
            "prefill_instances_per_decode_instance": round(dec_req / pre_req, 3),
@@ -68,21 +94,22 @@ def cmd_estimate(a):
 
 def args_decode(p):
     _add_common(p)
-    p.add_argument("--tpot-ms", type=float, default=50.0)
-    p.add_argument("--plot", help="write throughput-vs-TPOT PNG here")
+    p.add_argument("--tpot-ms", type=positive_float, default=50.0)
+    p.add_argument("--plot", help="write the throughput-vs-TPOT plot here (.png added when the name has no suffix)")
 
 
 def cmd_decode(a):
     from moeserve.planner.analysis import best_under_slo, decode_curve
+    from moeserve.planner.plots import plot_curves, plot_path
     m, hw, inst, wl = _ctx(a)
+    plot = plot_path(a.plot) if a.plot is not None else None  # before the work: a bad path loses nothing
     curve = decode_curve(m, hw, inst, wl)
     best = best_under_slo(m, hw, inst, wl, a.tpot_ms)
-    if a.plot:
-        from moeserve.planner.plots import plot_curves
-        plot_curves({f"{hw.key} {inst.cards} cards": curve}, a.plot, tpot_slo_ms=a.tpot_ms)
+    if plot:
+        plot_curves({f"{hw.key} {inst.cards} cards": curve}, plot, tpot_slo_ms=a.tpot_ms)
     obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst),
            "curve": [{k: v for k, v in p.to_dict().items() if k != "breakdown_ms"} for p in curve],
-           "best_under_slo": best.to_dict() if best else None, "tpot_slo_ms": a.tpot_ms, "plot": a.plot}
+           "best_under_slo": best.to_dict() if best else None, "tpot_slo_ms": a.tpot_ms, "plot": plot}
     lines = [f"{'batch/DP':>8} {'TPOT ms':>9} {'tok/s/card':>11}"]
     lines += [f"{p.batch:>8} {p.tpot_ms:>9.2f} {p.tok_s_card:>11.0f}" for p in curve]
     lines.append(f"best under TPOT <= {a.tpot_ms:g} ms: " + (
@@ -93,13 +120,13 @@ def cmd_decode(a):
 
 def args_prefill(p):
     _add_common(p)
-    p.add_argument("--requests", type=int, default=None, help="prompts per batch (default: one per DP group)")
+    p.add_argument("--requests", type=positive_int, default=None, help="prompts per batch (default: one per DP group)")
 
 
 def cmd_prefill(a):
     from moeserve.planner.analysis import prefill_point
     m, hw, inst, wl = _ctx(a)
-    pt = prefill_point(m, hw, inst, a.requests or inst.dp, wl.input_len)
+    pt = prefill_point(m, hw, inst, inst.dp if a.requests is None else a.requests, wl.input_len)
     text = (f"prefill {pt.requests} x {pt.length} on {inst.cards} cards: TTFT {pt.ttft_ms:.1f} ms, "
             f"{pt.tok_s_card:.0f} tok/s/card\n{_fmt_breakdown(pt.breakdown_ms)}")
     return _emit(a, {"model": m.name, "hardware": hw.key, "layout": asdict(inst), **pt.to_dict()}, text)
@@ -118,27 +145,29 @@ def cmd_memory(a):
         f"{d['activations_gib']:.2f}, KV room {d['kv_free_gib']:.1f} -> max batch {rep.max_batch}/DP",
         f"REFUSED: {reason}" if reason else "fits"])
     _emit(a, obj, text)
-    return 1 if reason else 0
+    return EXIT_REFUSED if reason else 0
 
 
 def args_search(p):
     _add_common(p)
-    p.add_argument("--tpot-ms", type=float, default=50.0)
-    p.add_argument("--ttft-ms", type=float, default=None)
-    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--tpot-ms", type=positive_float, default=50.0)
+    p.add_argument("--ttft-ms", type=positive_float, default=None)
+    p.add_argument("--top", type=positive_int, default=5)
 
 
 def cmd_search(a):
     from moeserve.planner.search import search
     m, hw, inst, wl = _ctx(a)
-    res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top)
-    lines = [f"{len(res['plans'])} plans for {a.cards} cards of {hw.key}, TPOT <= {a.tpot_ms:g} ms"]
+    res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top, skew=a.load_skew)
+    lines = [f"{len(res['plans'])} plans for {a.cards} cards of {hw.key}, TPOT <= {a.tpot_ms:g} ms"
+             + (f": {res['refused']}" if not res["plans"] else "")]
     for i, pl in enumerate(res["plans"], 1):
         d, p = pl["decode"], pl["prefill"]
         lines.append(f"{i}. {pl['goodput_tok_s_card']:.0f} tok/s/card goodput: "
                      f"{pl['prefill_instances']} x prefill {_lay(p)} : {pl['decode_instances']} x decode "
                      f"{_lay(d)} ({pl['prefill_cards']}:{pl['decode_cards']} cards)")
-    return _emit(a, res, "\n".join(lines))
+    _emit(a, res, "\n".join(lines))
+    return 0 if res["plans"] else EXIT_REFUSED
 
 
 def _lay(c: dict) -> str:
@@ -151,14 +180,14 @@ def _lay(c: dict) -> str:
 
 def args_simulate(p):
     _add_common(p)
-    p.add_argument("--rate", type=float, default=None, help="requests/s into the instance (Poisson)")
-    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--rate", type=positive_float, default=None, help="requests/s into the instance (Poisson)")
+    p.add_argument("--num-requests", type=positive_int, default=200)
     p.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
     p.add_argument("--length-dist", choices=("fixed", "uniform", "exponential"), default="fixed")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="per DP group (default: memory limit)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
-    p.add_argument("--ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="per DP group (default: memory limit)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    p.add_argument("--tpot-ms", type=positive_float, default=None, help="goodput SLO on TPOT")
+    p.add_argument("--ttft-ms", type=positive_float, default=None, help="goodput SLO on TTFT")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--role", choices=("unified", "decode"), default="unified",
                    help="decode: a PD decode instance (prompts arrive with their KV)")
@@ -208,12 +237,12 @@ def args_profile_cpu(p):
     p.add_argument("--json", action="store_true")
     p.add_argument("--measure", action="store_true",
                    help="also run moeserve's CPU engine on the bench model and compare")
-    p.add_argument("--batches", default="1,4,16", help="decode batch sizes")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--batches", type=positive_int_list, default=[1, 4, 16], help="decode batch sizes")
+    p.add_argument("--threads", type=positive_int, default=None)
 
 
 
 def cmd_profile_cpu(a):
     from moeserve.planner.cpucheck import format_report, run_check
-    res = run_check([int(b) for b in a.batches.split(",")], measure=a.measure, threads=a.threads)
+    res = run_check(a.batches, measure=a.measure, threads=a.threads)
     return _emit(a, res, format_report(res))

@@ -95,7 +95,7 @@ def _timed(fn) -> float:
 
 
 def profile(threads: int | None = None) -> dict:
-    if threads:
+    if threads is not None:
         torch.set_num_threads(threads)
     stream_bw, gemm_call = measure_weight_streaming()
     return {"threads": torch.get_num_threads(), "mem_bw_gbs": measure_bandwidth() / 1e9,

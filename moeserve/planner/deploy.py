@@ -22,6 +22,10 @@ class PlanError(ValueError):
     """A deployment that cannot run; the message says what to change."""
 
 
+class DoesNotFit(PlanError):
+    """A valid layout whose weights, activations and KV do not fit in memory (the CLI exits 1, not 2)."""
+
+
 def _require(ok: bool, msg: str) -> None:
     if not ok:
         raise PlanError(msg)
@@ -46,20 +50,22 @@ class Instance:
     weight_prefetch: bool = False    # next layer's attention weights stream in while the network is busy
 
     def __post_init__(self):
-        _require(self.cards >= 1, f"cards must be >= 1, got {self.cards}")
-        _require(self.tp >= 1 and self.cards % self.tp == 0,
-                 f"cards {self.cards} not divisible by attention TP {self.tp}")
+        _require(self.cards >= 1, f"--cards must be >= 1, got {self.cards}")
+        _require(self.tp >= 1, f"--tp (attention TP) must be >= 1, got {self.tp}")
+        _require(self.cards % self.tp == 0,
+                 f"--cards {self.cards} not divisible by attention TP {self.tp}; make --cards a multiple of --tp")
         _require(0 <= self.shared_expert_ranks < self.cards,
-                 f"shared-expert ranks {self.shared_expert_ranks} must leave routed-expert ranks "
-                 f"out of {self.cards} cards")
+                 f"--shared-expert-ranks {self.shared_expert_ranks} must be >= 0 and leave routed-expert "
+                 f"ranks out of {self.cards} cards")
         _require(self.quantization in QUANT, f"quantization must be one of {sorted(QUANT)}")
         _require(self.kv_dtype in KV_BYTES, f"kv dtype must be one of {sorted(KV_BYTES)}")
         _require(self.moe_comm in MOE_COMM, f"moe-comm must be one of {MOE_COMM}")
         _require(self.flashcomm in FLASHCOMM, f"flashcomm must be one of {FLASHCOMM}")
-        _require(self.mtp_drafts >= 0 and 0.0 <= self.mtp_acceptance <= 1.0,
-                 "MTP drafts must be >= 0 and acceptance in [0, 1]")
-        _require(self.imbalance >= 1.0, f"imbalance is max/mean load, >= 1; got {self.imbalance}")
-        _require(self.redundant_experts >= 0, "redundant experts must be >= 0")
+        _require(self.mtp_drafts >= 0, f"--mtp-drafts must be >= 0, got {self.mtp_drafts}")
+        _require(0.0 <= self.mtp_acceptance <= 1.0,
+                 f"--mtp-acceptance is a probability in [0, 1], got {self.mtp_acceptance}")
+        _require(self.imbalance >= 1.0, f"--imbalance is max/mean expert load, >= 1; got {self.imbalance}")
+        _require(self.redundant_experts >= 0, f"--redundant-experts must be >= 0, got {self.redundant_experts}")
 
     @property
     def dp(self) -> int:

@@ -5,12 +5,11 @@ same shape (`--hardware-file`). Units: TFLOPS, GiB, TB/s, GB/s unidirectional pe
 """
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, replace
-from importlib import resources
 from pathlib import Path
 
-import yaml
+from moeserve.planner.hardware_file import merge, number, read
 
 GIB = 2 ** 30
 _EFF_KEYS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_overhead_ms",
@@ -35,6 +34,21 @@ class Efficiency:
     # (Instance.weight_prefetch); an upper bound on what step.py lets the technique hide.
     prefetch_attention_gain: float = 0.10
 
+    def __post_init__(self):
+        for k in ("gemm", "attention", "memory", "link", "memory_utilization", "serving"):
+            v = getattr(self, k)
+            if not 0.0 < v <= 1.0:  # a fraction of peak: 0 divides by zero, > 1 beats the hardware
+                raise ValueError(f"{k} is a fraction of peak, in (0, 1]; got {v:g}")
+        for k in ("link_latency_us", "step_overhead_ms"):
+            if not 0.0 <= getattr(self, k) < math.inf:
+                raise ValueError(f"{k} must be >= 0, got {getattr(self, k):g}")
+        if not 0.0 <= self.prefetch_attention_gain < 1.0:
+            raise ValueError(f"prefetch_attention_gain must be in [0, 1), "
+                             f"got {self.prefetch_attention_gain:g}")
+
+
+_POSITIVE = ("bf16_tflops", "int8_tops", "hbm_gib", "hbm_tbps", "scale_up_gbps", "scale_out_gbps")
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -49,6 +63,17 @@ class Hardware:
     scale_out_gbps: float
     scale_up_domain: int
     eff: Efficiency
+
+    def __post_init__(self):
+        # Physical figures: a zero divides by zero in the roofline, a negative one gives negative times.
+        for k in _POSITIVE:
+            if not 0.0 < getattr(self, k) < math.inf:
+                raise ValueError(f"hardware {self.key!r}: {k} must be > 0, got {getattr(self, k):g}")
+        if self.fp8_tflops is not None and not 0.0 < self.fp8_tflops < math.inf:
+            raise ValueError(f"hardware {self.key!r}: fp8_tflops must be > 0 (or null: no FP8 path), "
+                             f"got {self.fp8_tflops:g}")
+        if self.scale_up_domain < 1:
+            raise ValueError(f"hardware {self.key!r}: scale_up_domain must be >= 1 card, got {self.scale_up_domain}")
 
     def peak_flops(self, dtype: str) -> float:
         """FLOP/s for GEMM inputs of this dtype ('bf16', 'int8', 'fp8')."""
@@ -78,42 +103,22 @@ class Hardware:
         return replace(hw, eff=replace(hw.eff, **eff_kw)) if eff_kw else hw
 
 
-def _read(path: Path | None) -> dict:
-    if path is None:
-        text = resources.files("moeserve.planner").joinpath("data/hardware.yaml").read_text()
-        return yaml.safe_load(text)
-    text = Path(path).read_text()
-    return json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-    for section in ("devices", "systems"):
-        out.setdefault(section, {}).update(extra.get(section) or {})
-    eff = extra.get("efficiency") or {}
-    out["efficiency"]["default"] = {**out["efficiency"]["default"], **(eff.get("default") or {})}
-    out["efficiency"]["devices"] = {**(out["efficiency"].get("devices") or {}), **(eff.get("devices") or {})}
-    profiles = dict(out["efficiency"].get("profiles") or {})
-    for name, vals in (eff.get("profiles") or {}).items():
-        profiles[name] = {**(profiles.get(name) or {}), **(vals or {})}
-    out["efficiency"]["profiles"] = profiles
-    if eff.get("default_profile"):
-        out["efficiency"]["default_profile"] = eff["default_profile"]
-    return out
-
-
 class HardwareDB:
     """`profile`: 'end_to_end' (default, data/hardware.yaml efficiency.default_profile) prices a serving
     step; 'kernel' uses the kernel-level factors alone (what kernel microbenchmarks reach)."""
 
     def __init__(self, extra_file: str | Path | None = None, profile: str | None = None):
-        self.raw = _read(None)
+        self.raw = read(None)
+        self.source = f"--hardware-file {extra_file}: " if extra_file else ""
         if extra_file:
-            self.raw = _merge(self.raw, _read(Path(extra_file)))
+            self.raw = merge(self.raw, read(Path(extra_file)))
         self.profile = profile or self.raw["efficiency"].get("default_profile", "kernel")
         profiles = self.raw["efficiency"].get("profiles") or {}
         if self.profile not in profiles:
             raise ValueError(f"unknown efficiency profile {self.profile!r}; known: {', '.join(sorted(profiles))}")
+        if extra_file:  # every entry now, so a bad one is reported with its file, not at first use
+            for name in self.names():
+                self.get(name)
 
     def names(self) -> list[str]:
         return sorted(self.raw["devices"]) + sorted(self.raw["systems"])
@@ -122,7 +127,12 @@ class HardwareDB:
         eff = dict(self.raw["efficiency"]["default"])
         eff.update(self.raw["efficiency"]["profiles"][self.profile] or {})
         eff.update((self.raw["efficiency"].get("devices") or {}).get(device_key) or {})
-        return Efficiency(**{k: float(eff[k]) for k in _EFF_KEYS})
+        what = f"efficiency of {device_key!r} (profile {self.profile})"
+        vals = {k: number(eff, k, what) for k in _EFF_KEYS}
+        try:
+            return Efficiency(**vals)
+        except ValueError as err:
+            raise ValueError(f"{what}: {err}") from None
 
     def get(self, name: str) -> Hardware:
         key = name.lower()
@@ -130,21 +140,23 @@ class HardwareDB:
         sys_entry = {}
         if key in systems:
             sys_entry = dict(systems[key])
-            dev_key = sys_entry.pop("device")
+            dev_key = sys_entry.pop("device", None)
         elif key in devices:
             dev_key = key
         else:
             raise ValueError(f"unknown hardware {name!r}; known: {', '.join(self.names())}")
-        if dev_key not in devices:
-            raise ValueError(f"system {name!r} names unknown device {dev_key!r}")
+        if not isinstance(dev_key, str) or dev_key not in devices:
+            raise ValueError(f"{self.source}system {name!r} names unknown device {dev_key!r}")
         dev = {**devices[dev_key], **sys_entry}
-        return Hardware(key=key, name=dev.get("name", key), bf16_tflops=float(dev["bf16_tflops"]),
-                        int8_tops=float(dev["int8_tops"]),
-                        fp8_tflops=float(dev["fp8_tflops"]) if dev.get("fp8_tflops") else None,
-                        hbm_gib=float(dev["hbm_gib"]), hbm_tbps=float(dev["hbm_tbps"]),
-                        scale_up_gbps=float(dev["scale_up_gbps"]),
-                        scale_out_gbps=float(dev["scale_out_gbps"]),
-                        scale_up_domain=int(dev.get("scale_up_domain", 8)), eff=self._eff(dev_key))
+        what = f"{'system' if sys_entry else 'device'} {key!r}"
+        try:
+            return Hardware(key=key, name=str(dev.get("name", key)),
+                            **{k: number(dev, k, what) for k in _POSITIVE},
+                            fp8_tflops=number(dev, "fp8_tflops", what) if dev.get("fp8_tflops") is not None else None,
+                            scale_up_domain=number({"scale_up_domain": 8, **dev}, "scale_up_domain", what, int),
+                            eff=self._eff(dev_key))
+        except ValueError as err:
+            raise ValueError(f"{self.source}{err}") from None
 
 
 def load_hardware(name: str, extra_file: str | Path | None = None, profile: str | None = None) -> Hardware:

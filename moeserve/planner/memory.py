@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeserve.planner.cost import ACT
-from moeserve.planner.deploy import Instance, PlanError
+from moeserve.planner.deploy import DoesNotFit, Instance, PlanError
 from moeserve.planner.hardware import GIB, Hardware
 from moeserve.planner.models import ModelSpec
 
@@ -35,8 +35,17 @@ class MemoryReport:
                 "fits": self.fits, "weights_detail_gib": {k: g(v) for k, v in self.detail.items()}}
 
 
+def check_tp(m: ModelSpec, tp: int, flag: str = "--tp") -> None:
+    """Attention TP splits the heads: a TP size that does not divide them cannot run."""
+    heads = m.num_attention_heads
+    if heads % tp:
+        ok = ", ".join(str(t) for t in (1, 2, 4, 8, 16, 32, 64, 128) if heads % t == 0)
+        raise PlanError(f"{flag} {tp} does not divide {m.name}'s {heads} attention heads; use one of {ok}")
+
+
 def weights_per_card(m: ModelSpec, inst: Instance) -> dict[str, float]:
     """Bytes of weights on the routed-expert rank (the larger of the two rank kinds)."""
+    check_tp(m, inst.tp)
     w, tp = inst.weight_bytes, inst.tp
     layers = m.num_hidden_layers + m.num_nextn_predict_layers
     moe_layers = m.num_moe_layers + (m.num_nextn_predict_layers if m.n_routed_experts else 0)
@@ -96,9 +105,13 @@ def refusal_reason(m: ModelSpec, hw: Hardware, inst: Instance, rep: MemoryReport
     """None when the layout fits, else a message that says what to change."""
     g = lambda b: f"{b / GIB:.1f} GiB"
     if rep.weights + rep.activations > rep.usable:
+        if rep.activations > rep.weights:  # the step's workspace, not the weights, is what does not fit
+            fix = "put fewer tokens in one step (fewer prompts per batch, shorter prompts) or raise attention TP"
+        else:
+            fix = (f"spread experts over more ranks (now {inst.ep}), raise attention TP, or quantize "
+                   f"(now {inst.quantization})")
         return (f"weights {g(rep.weights)} + activations {g(rep.activations)} exceed {g(rep.usable)} usable "
-                f"per card ({hw.hbm_gib:g} GiB x {hw.eff.memory_utilization:g}) on {hw.name}; spread experts "
-                f"over more ranks (now {inst.ep}), raise attention TP, or quantize (now {inst.quantization})")
+                f"per card ({hw.hbm_gib:g} GiB x {hw.eff.memory_utilization:g}) on {hw.name}; {fix}")
     if rep.max_batch < 1:
         return (f"only {g(rep.kv_free)} left for KV after weights; one sequence needs {g(rep.kv_per_seq)}; "
                 "use more cards per instance, shorter contexts or a smaller KV dtype")
@@ -109,5 +122,5 @@ def check_fits(m: ModelSpec, hw: Hardware, inst: Instance, context: float, step_
     rep = memory_report(m, hw, inst, context, step_tokens)
     reason = refusal_reason(m, hw, inst, rep)
     if reason:
-        raise PlanError(reason)
+        raise DoesNotFit(reason)
     return rep

@@ -39,6 +39,7 @@ class ModelSpec:
     vocab_size: int
     num_nextn_predict_layers: int = 0
     moe_layer_freq: int = 1
+    max_position_embeddings: int | None = None  # context window (prompt + output); None: not stated
 
     def __post_init__(self):
         if self.n_routed_experts and self.num_experts_per_tok > self.n_routed_experts:
@@ -140,17 +141,36 @@ def preset_names() -> list[str]:
     return sorted(_preset_table())
 
 
-def from_hf_config(cfg: dict, name: str = "custom") -> ModelSpec:
-    """Build a spec from a HF DeepseekV2/V3 config dict (extra keys ignored)."""
+def from_hf_config(cfg: dict, name: str = "custom", where: str | None = None) -> ModelSpec:
+    """Build a spec from a HF DeepseekV2/V3 config dict (extra keys ignored); errors start with `where`
+    (default: the name)."""
+    where = where or name
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: expected a config mapping, got a {type(cfg).__name__}")
     missing = [f for f in _FIELDS if f not in cfg]
     if missing:
-        raise ValueError(f"{name}: config lacks {missing}; is it a DeepSeek-V2/V3 config.json?")
-    kw = {f: cfg[f] for f in _FIELDS}
-    kw["num_nextn_predict_layers"] = int(cfg.get("num_nextn_predict_layers") or 0)
-    kw["moe_layer_freq"] = int(cfg.get("moe_layer_freq") or 1)
-    kw["n_shared_experts"] = int(cfg.get("n_shared_experts") or 0)
-    kw["n_routed_experts"] = int(cfg.get("n_routed_experts") or 0)
+        raise ValueError(f"{where}: config lacks {missing}; is it a DeepSeek-V2/V3 config.json?")
+    kw = {f: _count(cfg, f, where, _OPTIONAL.get(f, ...)) for f in (*_FIELDS, *_OPTIONAL)}
     return ModelSpec(name=name, **kw)
+
+
+# Fields a config may leave out or null, and what that means (no routed experts, no q compression, ...).
+_OPTIONAL = {"num_nextn_predict_layers": 0, "moe_layer_freq": 1, "n_shared_experts": 0, "n_routed_experts": 0,
+             "q_lora_rank": None, "max_position_embeddings": None}
+_POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "moe_layer_freq",
+             "max_position_embeddings")
+
+
+def _count(cfg: dict, field: str, where: str, default=...):
+    """cfg[field] as a non-negative int (positive where zero makes no model); `default` when an optional
+    field is absent or null."""
+    v = cfg.get(field)
+    if v is None and default is not ...:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < (1 if field in _POSITIVE else 0):
+        low = "a positive" if field in _POSITIVE else "a non-negative"
+        raise ValueError(f"{where}: {field} must be {low} integer, got {v!r}")
+    return v
 
 
 @lru_cache(maxsize=None)
@@ -169,4 +189,10 @@ def load_model(name_or_path: str) -> ModelSpec:
     if not path.is_file():
         raise ValueError(f"unknown model {name_or_path!r}: not a preset ({', '.join(sorted(table))}) "
                          "nor a config.json / checkpoint folder")
-    return from_hf_config(json.loads(path.read_text()), name=path.parent.name or path.stem)
+    try:
+        cfg = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"--model {path}: cannot read it ({err.strerror or err})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--model {path}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
+    return from_hf_config(cfg, name=path.parent.name or path.stem, where=f"--model {path}")

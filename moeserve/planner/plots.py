@@ -1,6 +1,39 @@
 """PNG plots (matplotlib, headless): decode throughput per card against TPOT."""
 from __future__ import annotations
 
+from pathlib import Path
+
+
+def _figure_formats() -> dict:
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+    return Figure().canvas.get_supported_filetypes()
+
+
+def plot_path(path: str, flag: str = "--plot") -> str:
+    """The file a plot will be written to ('.png' added when the name has none, as matplotlib would),
+    checked before any work is done so a bad path costs no results: the folder must exist and accept the
+    file, and the suffix must be an image format."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file name such as {p / 'curve.png'}")
+    if not p.suffix:
+        p = p.with_name(p.name + ".png")
+    formats = _figure_formats()
+    if p.suffix[1:].lower() not in formats:
+        raise ValueError(f"{flag} {path}: {p.suffix!r} is not an image format; use .png "
+                         f"(or one of {', '.join('.' + f for f in sorted(formats))})")
+    existed = p.exists()
+    try:
+        with open(p, "ab"):  # the real test: permissions, missing folders, a file where a folder should be
+            pass
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write it ({err.strerror or err})") from None
+    if not existed:
+        p.unlink()
+    return str(p)
+
 
 def plot_curves(curves: dict, path: str, tpot_slo_ms: float | None = None,
                 published: list[tuple[float, float, str]] | None = None) -> str:
@@ -21,6 +54,10 @@ def plot_curves(curves: dict, path: str, tpot_slo_ms: float | None = None,
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as err:
+        raise ValueError(f"--plot {path}: cannot write it ({err.strerror or err})") from None
+    finally:
+        plt.close(fig)
     return path

@@ -7,10 +7,11 @@ a PD deployment's client sees is the prefill batch plus the decode instance's pu
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from moeserve.planner.analysis import best_under_slo, kv_pull_ms, prefill_point
-from moeserve.planner.deploy import Instance, PlanError, Workload
+from moeserve.planner.deploy import DoesNotFit, Instance, PlanError, Workload
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.models import ModelSpec
 
@@ -42,7 +43,9 @@ def _redundancy(n_experts: int, ep: int) -> int:
     return -n_experts % ep
 
 
-def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance):
+def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance, skew=None):
+    """skew: eplb_stats.LoadSkew giving each layout the imbalance of its own EP size and spare slots
+    (None: every layout keeps base.imbalance, a residual skew)."""
     for size in (s for s in SIZES if s <= cards):
         for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
             shared_opts = {0}
@@ -53,26 +56,36 @@ def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance):
                 for comm in ("alltoall", "allgather"):
                     for tbo in (False, True):
                         for fc in _flashcomm_options(tp):
-                            yield replace(base, cards=size, tp=tp, shared_expert_ranks=shared,
-                                          redundant_experts=red, moe_comm=comm, micro_batch_overlap=tbo,
-                                          flashcomm=fc)
+                            inst = replace(base, cards=size, tp=tp, shared_expert_ranks=shared,
+                                           redundant_experts=red, moe_comm=comm, micro_batch_overlap=tbo,
+                                           flashcomm=fc)
+                            yield skew.apply(inst) if skew else inst
 
 
-def best_decode(m, hw, cards, base, wl, tpot_ms, top=5) -> list[Candidate]:
-    out = []
-    for inst in decode_layouts(m, hw, cards, base):
+def _refusal(err: PlanError) -> str:
+    return "memory" if isinstance(err, DoesNotFit) else "layout"
+
+
+def best_decode(m, hw, cards, base, wl, tpot_ms, top=5, skew=None, tally: Counter | None = None) -> list[Candidate]:
+    """tally: counts layouts by outcome (fit, memory, layout, tpot), to say why a search found nothing."""
+    out, tally = [], Counter() if tally is None else tally
+    for inst in decode_layouts(m, hw, cards, base, skew):
         try:
             pt = best_under_slo(m, hw, inst, wl, tpot_ms)
-        except PlanError:
-            continue  # does not fit in memory
+        except PlanError as err:
+            tally[_refusal(err)] += 1
+            continue
+        tally["fit" if pt else "tpot"] += 1  # None: TPOT at batch 1 already over the SLO
         if pt:
             out.append(Candidate("decode", inst, pt.tok_s_card, pt.tpot_ms, pt.batch))
     return sorted(out, key=lambda c: -c.tok_s_card)[:top]
 
 
-def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0) -> list[Candidate]:
-    """kv_pull: ms the decode side needs to pull one prompt's KV, counted against the TTFT SLO."""
-    out = []
+def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0, skew=None,
+                 tally: Counter | None = None) -> list[Candidate]:
+    """kv_pull: ms the decode side needs to pull one prompt's KV, counted against the TTFT SLO; skew: as in
+    decode_layouts; tally: as in best_decode (fit, memory, layout, ttft)."""
+    out, tally = [], Counter() if tally is None else tally
     for size in (s for s in SIZES if s <= cards):
         for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
             red = _redundancy(m.n_routed_experts, size) if m.n_routed_experts else 0
@@ -81,22 +94,27 @@ def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0) -> li
                     inst = replace(base, cards=size, tp=tp, redundant_experts=red, moe_comm=comm,
                                    shared_expert_ranks=0, micro_batch_overlap=False,  # MTP kept: step.py
                                    flashcomm=fc)
-                    cand = _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull)
+                    inst = skew.apply(inst) if skew else inst
+                    cand = _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull, tally)
                     if cand:
                         out.append(cand)
     return sorted(out, key=lambda c: -c.tok_s_card)[:top]
 
 
-def _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull=0.0):
-    """Largest batch (one prompt per DP group, doubling) that fits and meets the TTFT SLO."""
-    best, per_dp = None, 1
+def _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull=0.0, tally: Counter | None = None):
+    """Largest batch (one prompt per DP group, doubling) that fits and meets the TTFT SLO; tally counts the
+    layout's outcome at its first batch."""
+    best, per_dp, tally = None, 1, Counter() if tally is None else tally
     while per_dp <= 64:
         try:
             pt = prefill_point(m, hw, inst, per_dp * inst.dp, wl.input_len)
-        except PlanError:
+        except PlanError as err:
+            tally[_refusal(err)] += per_dp == 1
             break
         if ttft_ms is not None and pt.ttft_ms + kv_pull > ttft_ms:
+            tally["ttft"] += per_dp == 1
             break
+        tally["fit"] += per_dp == 1
         if best is None or pt.tok_s_card > best.tok_s_card:
             best = Candidate("prefill", inst, pt.tok_s_card, pt.ttft_ms, per_dp)
         per_dp *= 2
@@ -124,10 +142,11 @@ def split(cards: int, dec: Candidate, pre: Candidate, wl: Workload) -> dict | No
 
 
 def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float, base: Instance,
-           ttft_ms: float | None = None, top: int = 5) -> dict:
-    decs = best_decode(m, hw, cards, base, wl, tpot_ms, top=None)
+           ttft_ms: float | None = None, top: int = 5, skew=None) -> dict:
+    dec_tally, pre_tally = Counter(), Counter()
+    decs = best_decode(m, hw, cards, base, wl, tpot_ms, top=None, skew=skew, tally=dec_tally)
     pull = kv_pull_ms(m, hw, base, wl.input_len, cards)  # every instance within `cards`
-    pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top=None, kv_pull=pull)
+    pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top=None, kv_pull=pull, skew=skew, tally=pre_tally)
     plans = []
     # Pair the best layout of every instance size: the overall top decode layouts may be too big to leave
     # room for any prefill instance (e.g. 32-card decode on 32 cards), while a smaller pair fits.
@@ -138,10 +157,32 @@ def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float,
                 plans.append({**s, "decode": d.to_dict(), "prefill": p.to_dict(),
                               "ttft_with_kv_pull_ms": round(p.latency_ms + pull, 2)})
     plans.sort(key=lambda p: -p["goodput_tok_s_card"])
-    return {"cards": cards, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "kv_pull_ms": round(pull, 3),
-            "plans": plans[:top],
-            "decode_candidates": [d.to_dict() for d in decs[:top]],
-            "prefill_candidates": [p.to_dict() for p in pres[:top]]}
+    res = {"cards": cards, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "kv_pull_ms": round(pull, 3),
+           "plans": plans[:top],
+           "decode_candidates": [d.to_dict() for d in decs[:top]],
+           "prefill_candidates": [p.to_dict() for p in pres[:top]],
+           "layouts_tried": {"decode": dict(dec_tally), "prefill": dict(pre_tally)}}
+    if not plans:
+        res["refused"] = no_plan_reason(cards, tpot_ms, ttft_ms, dec_tally, pre_tally, decs, pres)
+    return res
+
+
+def no_plan_reason(cards, tpot_ms, ttft_ms, dec_tally, pre_tally, decs, pres) -> str:
+    """Why a search found no plan: which role had no usable layout, and what refused its layouts."""
+    def counts(t: Counter, slo: str) -> str:
+        words = {"memory": "do not fit in memory", "layout": "cannot run on this model",
+                 slo: f"miss the {slo.upper()} SLO at batch 1"}
+        return ", ".join(f"{t[k]} {w}" for k, w in words.items() if t[k]) or "none to try"
+    if not decs:
+        return (f"no decode layout on up to {cards} cards meets TPOT <= {tpot_ms:g} ms: of "
+                f"{sum(dec_tally.values())} layouts, {counts(dec_tally, 'tpot')}")
+    if not pres:
+        slo = f" meets TTFT <= {ttft_ms:g} ms (with the KV pull)" if ttft_ms is not None else " fits"
+        return (f"no prefill layout on up to {cards} cards{slo}: of {sum(pre_tally.values())} layouts, "
+                f"{counts(pre_tally, 'ttft')}")
+    d, p = min(c.inst.cards for c in decs), min(c.inst.cards for c in pres)
+    return (f"no prefill + decode pair fits in {cards} cards: the smallest usable decode instance has {d} cards, "
+            f"the smallest prefill instance {p}; give --cards >= {d + p}")
 
 
 def _best_per_size(cands: list[Candidate]) -> list[Candidate]:

@@ -81,7 +81,7 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len) -> Sched
     per_token = m.kv_bytes_per_token(inst.kv_bytes, with_mtp=inst.mtp_drafts > 0)
     block = 16
     num_blocks = max(1, int(rep.kv_free // (per_token * block)))
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs or max(1, rep.max_batch),
+    cfg = SchedulerConfig(max_num_seqs=max(1, rep.max_batch) if max_num_seqs is None else max_num_seqs,
                           max_num_batched_tokens=max_batched, max_model_len=max_len)
     return Scheduler(cfg, KVCacheManager(num_blocks, block))
 
@@ -94,6 +94,8 @@ def run(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, rate: float, n
 
     role 'unified': prefill and decode share the instance (chunked prefill); 'decode': a PD decode
     instance whose prompts arrive prefilled."""
+    if num_requests < 1 or not rate > 0:  # no stream to measure; a non-positive rate has no arrivals
+        raise ValueError(f"simulate needs num_requests >= 1 and rate > 0, got {num_requests} and {rate}")
     rng = random.Random(seed)
     arr = arrivals(num_requests, rate / inst.dp, arrival, rng)
     ins = lengths(num_requests, wl.input_len, length_dist, rng)
@@ -144,7 +146,7 @@ def default_rate(m, hw, inst, wl, role: str) -> float:
 
 def simulate_from_args(a, m, hw, inst, wl) -> dict:
     from moeserve.planner.sim_report import analytic_steady_state, summarize
-    rate = a.rate or default_rate(m, hw, inst, wl, a.role)
+    rate = default_rate(m, hw, inst, wl, a.role) if a.rate is None else a.rate
     raw = run(m, hw, inst, wl, rate, a.num_requests, a.arrival, a.length_dist, a.max_num_seqs,
               a.max_num_batched_tokens, a.seed, role=a.role)
     res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9))

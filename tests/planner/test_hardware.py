@@ -52,3 +52,60 @@ def test_overrides_and_unknown():
     assert hw.scale_out_gbps == 100 and hw.eff.gemm == 0.5 and hw.scale_up_gbps == 450
     with pytest.raises(ValueError, match="unknown hardware"):
         load_hardware("tpu-v9")
+
+
+DEVICE = {"bf16_tflops": 100, "int8_tops": 200, "hbm_gib": 32, "hbm_tbps": 1.0, "scale_up_gbps": 50,
+          "scale_out_gbps": 10}
+BAD_FILES = {  # name -> (file text, words the one-line error must contain)
+    "negative_hbm": ({"devices": {"mychip": {**DEVICE, "hbm_tbps": -3.35}}}, ["mychip", "hbm_tbps", "-3.35"]),
+    "zero_scale_out": ({"devices": {"mychip": {**DEVICE, "scale_out_gbps": 0}}}, ["mychip", "scale_out_gbps"]),
+    "zero_domain": ({"systems": {"wide": {"device": "h100", "scale_up_domain": 0}}}, ["wide", "scale_up_domain"]),
+    "negative_gemm": ({"efficiency": {"default": {"gemm": -0.8}}}, ["gemm", "(0, 1]"]),
+    "gemm_above_one": ({"efficiency": {"devices": {"h100": {"gemm": 1.5}}}}, ["h100", "gemm"]),
+    "zero_serving": ({"efficiency": {"profiles": {"end_to_end": {"serving": 0}}}}, ["serving", "end_to_end"]),
+    "missing_field": ({"devices": {"half": {"bf16_tflops": 100}}}, ["half", "lacks int8_tops"]),
+    "text_value": ({"devices": {"mychip": {**DEVICE, "hbm_gib": "lots"}}}, ["mychip", "hbm_gib", "lots"]),
+    "top_level_list": (["h100"], ["expected a mapping", "list"]),
+    "devices_list": ({"devices": ["h100"]}, ["devices must be a mapping"]),
+    "system_unknown_device": ({"systems": {"s": {"device": "nope"}}}, ["'s'", "'nope'"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_bad_hardware_file_names_the_file_and_the_field(case, tmp_path):
+    data, words = BAD_FILES[case]
+    f = tmp_path / "hw.json"
+    f.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as e:
+        HardwareDB(f)
+    msg = str(e.value)
+    assert str(f) in msg and "\n" not in msg
+    for w in words:
+        assert w in msg
+
+
+@pytest.mark.parametrize("name,text,where", [("bad.yaml", "devices: [1, 2\n", "invalid YAML at line 2"),
+                                             ("bad.json", '{"devices": {', "invalid JSON at line 1")])
+def test_malformed_hardware_file_says_where(name, text, where, tmp_path):
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ValueError, match=where) as e:
+        HardwareDB(f)
+    assert str(f) in str(e.value)
+
+
+def test_plan_hardware_reports_a_broken_device_without_a_traceback(tmp_path, capsys):
+    from moeserve.planner.cli import main
+    f = tmp_path / "hw.yaml"
+    f.write_text("devices:\n  half:\n    bf16_tflops: 100\n")
+    assert main(["plan", "hardware", "--hardware-file", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "'half' lacks int8_tops" in err and str(f) in err
+
+
+@pytest.mark.parametrize("kw", [{"scale_up_gbps": 0.0}, {"scale_out_gbps": -100.0}, {"hbm_tbps": 0.0},
+                                {"scale_up_domain": 0}, {"serving": 0.0}, {"memory_utilization": 1.2}])
+def test_overrides_are_validated(kw):
+    # 0 GB/s used to divide by zero in comm.link_time, a negative one to behave as infinitely fast
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        load_hardware("h100").with_overrides(**kw)

@@ -49,3 +49,29 @@ def test_bad_model_inputs():
         load_model("no-such-model")
     with pytest.raises(ValueError, match="lacks"):
         from_hf_config({"hidden_size": 1})
+
+
+def test_context_window_is_read_from_presets_and_configs():
+    assert load_model("deepseek-v3").max_position_embeddings == 163840
+    cfg = {**_V3_CFG, "max_position_embeddings": 4096}
+    assert from_hf_config(cfg).max_position_embeddings == 4096
+    assert from_hf_config({k: v for k, v in cfg.items() if k != "max_position_embeddings"}).max_position_embeddings is None
+
+
+_V3_CFG = {k: v for k, v in load_model("deepseek-v3").__dict__.items() if k != "name"}
+
+
+@pytest.mark.parametrize("text,words", [
+    ('{"hidden_size": 7168,', ["invalid JSON at line 1"]),
+    ("[1, 2]", ["expected a config mapping", "list"]),
+    (json.dumps({**_V3_CFG, "hidden_size": "big"}), ["hidden_size", "'big'"]),
+    (json.dumps({**_V3_CFG, "num_attention_heads": 0}), ["num_attention_heads", "positive"]),
+])
+def test_bad_config_json_names_the_file_and_the_field(tmp_path, text, words):
+    f = tmp_path / "config.json"
+    f.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_model(str(f))
+    assert f"--model {f}" in str(e.value)
+    for w in words:
+        assert w in str(e.value)

@@ -54,3 +54,34 @@ def test_kv_pull_counts_against_the_ttft_slo():
     for p in tight["plans"]:
         assert p["ttft_with_kv_pull_ms"] <= slo
         assert p["ttft_with_kv_pull_ms"] == pytest.approx(p["prefill"]["latency_ms"] + pull, abs=0.01)
+
+
+@pytest.mark.parametrize("argv,words", [
+    # 8 H800s hold no decode layout of V3 (weights alone exceed the 72 GiB usable per card)
+    (["--cards", "8", "--tpot-ms", "5", "--ttft-ms", "10"], ["no decode layout", "28 do not fit in memory"]),
+    (["--hardware", "hgx-h200", "--cards", "16", "--tpot-ms", "1"], ["no decode layout", "miss the TPOT SLO"]),
+    (["--hardware", "hgx-h200", "--cards", "16", "--ttft-ms", "1"], ["no prefill layout", "miss the TTFT SLO"]),
+    (["--hardware", "hgx-h200", "--cards", "8"], ["no prefill + decode pair fits in 8 cards", "--cards >= 16"]),
+])
+def test_search_without_a_plan_says_why(argv, words, capsys):
+    import json
+    from moeserve.planner.cli import main
+    assert main(["plan", "search", *argv, "--json"]) == 1  # refused: no plan
+    res = json.loads(capsys.readouterr().out)
+    assert res["plans"] == []
+    for w in words:
+        assert w in res["refused"]
+    tried = res["layouts_tried"]["decode"]
+    assert sum(tried.values()) > 0
+    assert main(["plan", "search", *argv]) == 1
+    assert words[0] in capsys.readouterr().out
+
+
+def test_search_counts_the_layouts_it_tried():
+    from moeserve.planner.search import decode_layouts
+    hw = load_hardware("hgx-h200")
+    res = search(V3, hw, 16, Workload(), 50.0, Instance(cards=16))
+    assert res["plans"] and "refused" not in res
+    tried = res["layouts_tried"]["decode"]
+    assert sum(tried.values()) == len(list(decode_layouts(V3, hw, 16, Instance(cards=16))))
+    assert tried["fit"] >= 1

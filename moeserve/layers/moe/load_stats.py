@@ -10,6 +10,7 @@ into the planner's expert-load imbalance.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -77,7 +78,9 @@ def read_loads(paths: list[str], num_experts: int | None = None) -> dict[int, li
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}: cannot read expert-load statistics ({err})") from err
         if isinstance(data, dict) and data.get("format") == FORMAT:
-            layers = {int(k): v for k, v in data["layers"].items()}
+            if not isinstance(data.get("layers"), dict):
+                raise ValueError(f"{path}: {FORMAT} file without a 'layers' mapping (layer -> per-expert counts)")
+            layers = {_layer_number(path, k): v for k, v in data["layers"].items()}
         elif isinstance(data, list) and data and isinstance(data[0], list):
             layers = dict(enumerate(data))
         elif isinstance(data, list) and data:
@@ -86,6 +89,7 @@ def read_loads(paths: list[str], num_experts: int | None = None) -> dict[int, li
             raise ValueError(f"{path}: expected moeserve --expert-load-stats JSON, a list of per-expert counts, "
                              "or a list of such lists (one per layer)")
         for layer, loads in layers.items():
+            _check_counts(path, layer, loads)
             if num_experts is not None and len(loads) != num_experts:
                 raise ValueError(f"{path}: layer {layer} lists {len(loads)} expert loads, the model has "
                                  f"{num_experts}")
@@ -94,3 +98,19 @@ def read_loads(paths: list[str], num_experts: int | None = None) -> dict[int, li
                 raise ValueError(f"{path}: layer {layer} has {len(loads)} experts, other files {len(acc)}")
             total[layer] = [a + float(b) for a, b in zip(acc, loads)]
     return total
+
+
+def _layer_number(path, key) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        raise ValueError(f"{path}: layer key {key!r} is not a layer number") from None
+
+
+def _check_counts(path, layer: int, loads) -> None:
+    """Counts are (token, choice) pairs: a list of finite numbers >= 0 (a negative total means a broken file)."""
+    if not isinstance(loads, list):
+        raise ValueError(f"{path}: layer {layer} must be a list of per-expert counts, got {type(loads).__name__}")
+    for e, x in enumerate(loads):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+            raise ValueError(f"{path}: layer {layer}, expert {e}: a load is a count >= 0, got {x!r}")

@@ -1,0 +1,64 @@
+"""argparse value types for `moeserve plan`: bad values are refused at parse time, so the error names the
+flag ("argument --batch: must be an integer >= 1, got '-5'") instead of surfacing later as a nonsense
+figure or a traceback."""
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _int(text: str, low: int, what: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer {what}, got {text!r}") from None
+    if v < low:
+        raise argparse.ArgumentTypeError(f"must be an integer {what}, got {text!r}")
+    return v
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(v):  # inf/nan have no documented meaning for any flag
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
+def positive_int(text: str) -> int:
+    return _int(text, 1, ">= 1")
+
+
+def nonneg_int(text: str) -> int:
+    return _int(text, 0, ">= 0")
+
+
+def positive_float(text: str) -> float:
+    v = _float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def fraction(text: str) -> float:
+    v = _float(text)
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text!r}")
+    return v
+
+
+def imbalance(text: str) -> float:
+    v = _float(text)
+    if v < 1.0:
+        raise argparse.ArgumentTypeError(f"is max/mean expert load, so >= 1 (1 = balanced), got {text!r}")
+    return v
+
+
+def positive_int_list(text: str) -> list[int]:
+    """'1,4,16' -> [1, 4, 16]."""
+    try:
+        return [positive_int(t.strip()) for t in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of integers >= 1, got {text!r}") from None

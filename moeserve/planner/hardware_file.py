@@ -1,0 +1,86 @@
+"""Reading the hardware database's YAML/JSON (built-in data/hardware.yaml, plus --hardware-file): errors
+name the file and the entry, and the shape is checked before anything indexes into it."""
+from __future__ import annotations
+
+import json
+import math
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+
+def read(path: Path | None) -> dict:
+    """The built-in table (path None) or a user file, as a checked mapping."""
+    if path is None:
+        text = resources.files("moeserve.planner").joinpath("data/hardware.yaml").read_text()
+        return yaml.safe_load(text)
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ValueError(f"--hardware-file {path}: cannot read it ({err.strerror or err})") from None
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--hardware-file {path}: invalid JSON at line {err.lineno}, column {err.colno}: "
+                         f"{err.msg}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"--hardware-file {path}: invalid YAML{where}: "
+                         f"{getattr(err, 'problem', None) or err}") from None
+    data = {} if data is None else data
+    check_shape(data, f"--hardware-file {path}")
+    return data
+
+
+def check_shape(data, src: str) -> None:
+    """The file's sections are mappings of name -> mapping (what merge() and HardwareDB.get() index into)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{src}: expected a mapping with devices / systems / efficiency, got a "
+                         f"{type(data).__name__}")
+    for section in ("devices", "systems", "efficiency"):
+        sec = data.get(section)
+        if sec is not None and not isinstance(sec, dict):
+            raise ValueError(f"{src}: {section} must be a mapping, got a {type(sec).__name__}")
+        for name, entry in ((sec or {}).items() if section != "efficiency" else ()):
+            if not isinstance(entry, dict):
+                raise ValueError(f"{src}: {section[:-1]} {name!r} must be a mapping of fields, got "
+                                 f"{type(entry).__name__}")
+    eff = data.get("efficiency") or {}
+    for part in ("default", "devices", "profiles"):
+        if eff.get(part) is not None and not isinstance(eff[part], dict):
+            raise ValueError(f"{src}: efficiency.{part} must be a mapping, got a {type(eff[part]).__name__}")
+    for part in ("devices", "profiles"):
+        for name, vals in (eff.get(part) or {}).items():
+            if vals is not None and not isinstance(vals, dict):
+                raise ValueError(f"{src}: efficiency.{part}.{name} must be a mapping of factors, got "
+                                 f"{type(vals).__name__}")
+
+
+def number(entry: dict, field: str, what: str, cast=float):
+    """entry[field] as a number (ranges are the dataclasses' checks); errors say what lacks what."""
+    if field not in entry or entry[field] is None:
+        raise ValueError(f"{what} lacks {field}")
+    v = entry[field]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            cast is int and not (math.isfinite(v) and v == int(v))):
+        raise ValueError(f"{what}: {field} must be a{'n integer' if cast is int else ' number'}, got {v!r}")
+    return cast(v)
+
+
+def merge(base: dict, extra: dict) -> dict:
+    """base with the user file's devices/systems added and its efficiency factors overriding."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for section in ("devices", "systems"):
+        out.setdefault(section, {}).update(extra.get(section) or {})
+    eff = extra.get("efficiency") or {}
+    out["efficiency"]["default"] = {**out["efficiency"]["default"], **(eff.get("default") or {})}
+    out["efficiency"]["devices"] = {**(out["efficiency"].get("devices") or {}), **(eff.get("devices") or {})}
+    profiles = dict(out["efficiency"].get("profiles") or {})
+    for name, vals in (eff.get("profiles") or {}).items():
+        profiles[name] = {**(profiles.get(name) or {}), **(vals or {})}
+    out["efficiency"]["profiles"] = profiles
+    if eff.get("default_profile"):
+        out["efficiency"]["default_profile"] = eff["default_profile"]
+    return out

@@ -1,0 +1,172 @@
+"""Bad input to `moeserve plan` is one error line that names the flag, never a traceback or a silent default."""
+import pytest
+
+from moeserve.planner.cli import main
+
+
+def run(capsys, *argv):
+    """(exit code, stdout, stderr) of `moeserve plan ...`; argparse refusals exit through SystemExit."""
+    try:
+        code = main(["plan", *argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+REFUSED = [  # (argv, flag the message must name)
+    (["estimate", "--batch", "-5"], "--batch"),
+    (["estimate", "--batch", "0"], "--batch"),  # 0 used to fall back to the default (max batch)
+    (["estimate", "--prefill-requests", "-3"], "--prefill-requests"),
+    (["estimate", "--prefill-requests", "0"], "--prefill-requests"),
+    (["estimate", "--prefill-cards", "0"], "--prefill-cards"),
+    (["estimate", "--prefill-tp", "0"], "--prefill-tp"),
+    (["prefill", "--requests", "-4"], "--requests"),
+    (["prefill", "--requests", "0"], "--requests"),
+    (["estimate", "--imbalance", "0"], "--imbalance"),
+    (["estimate", "--imbalance", "0.5"], "--imbalance"),
+    (["simulate", "--rate", "0"], "--rate"),
+    (["simulate", "--rate", "-1", "--arrival", "constant"], "--rate"),
+    (["simulate", "--rate", "inf"], "--rate"),
+    (["simulate", "--max-num-seqs", "0"], "--max-num-seqs"),
+    (["simulate", "--num-requests", "0"], "--num-requests"),
+    (["profile-cpu", "--threads", "0"], "--threads"),
+    (["profile-cpu", "--threads", "-1"], "--threads"),
+    (["profile-cpu", "--batches", "0,-4"], "--batches"),
+    (["estimate", "--cards", "0"], "--cards"),
+    (["search", "--cards", "0"], "--cards"),
+    (["estimate", "--cards", "16", "--shared-expert-ranks", "16"], "--shared-expert-ranks"),
+    (["estimate", "--shared-expert-ranks", "-1"], "--shared-expert-ranks"),
+    (["estimate", "--redundant-experts", "-2"], "--redundant-experts"),
+    (["estimate", "--output-len", "0"], "--output-len"),
+    (["decode", "--input-len", "0"], "--input-len"),
+    (["decode", "--input-len", "-100"], "--input-len"),
+    (["estimate", "--tp", "0"], "--tp"),
+    (["estimate", "--mtp-acceptance", "1.5"], "--mtp-acceptance"),
+    (["estimate", "--mtp-drafts", "-1"], "--mtp-drafts"),
+    (["search", "--top", "0"], "--top"),
+    (["search", "--top", "-1"], "--top"),
+    (["search", "--tpot-ms", "-5"], "--tpot-ms"),
+    (["search", "--ttft-ms", "0"], "--ttft-ms"),
+    (["decode", "--scale-up-gbps", "-100"], "--scale-up-gbps"),
+    (["decode", "--scale-up-gbps", "0"], "--scale-up-gbps"),
+    (["decode", "--scale-out-gbps", "0"], "--scale-out-gbps"),
+    (["decode", "--scale-up-domain", "0"], "--scale-up-domain"),
+    (["decode", "--scale-up-domain", "-8"], "--scale-up-domain"),
+]
+
+
+@pytest.mark.parametrize("argv,flag", REFUSED, ids=[" ".join(a) for a, _ in REFUSED])
+def test_bad_value_is_refused_naming_the_flag(argv, flag, capsys):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert flag in err and "Traceback" not in err
+    assert len([l for l in err.splitlines() if "error" in l]) == 1
+
+
+def test_tp_error_names_the_flags(capsys):
+    code, _, err = run(capsys, "estimate", "--cards", "24", "--tp", "16")
+    assert code == 2 and "--cards" in err and "--tp" in err
+
+
+@pytest.mark.parametrize("argv,words", [
+    # V3's context window is 163840 tokens (max_position_embeddings); this used to return a decode point
+    (["decode", "--hardware", "hgx-h200", "--input-len", "500000", "--tpot-ms", "1000"],
+     ["--input-len 500000", "--output-len 2048", "163840"]),
+    (["estimate", "--input-len", "163000", "--output-len", "1000"], ["--output-len 1000", "163840"]),
+    (["prefill", "--input-len", "200000"], ["--input-len 200000", "163840"]),
+])
+def test_context_beyond_the_model_window_is_refused(argv, words, capsys):
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    for w in words:
+        assert w in err
+
+
+def test_prefill_ignores_the_output_length_for_the_window(capsys):
+    code, out, err = run(capsys, "prefill", "--input-len", "163000", "--output-len", "2048", "--requests", "1",
+                         "--hardware", "hgx-h200")
+    assert code == 0 and "prefill 1 x 163000" in out
+
+
+@pytest.mark.parametrize("argv,flag", [(["estimate", "--cards", "256", "--tp", "256"], "--tp 256"),
+                                       (["estimate", "--prefill-cards", "96", "--prefill-tp", "96"], "--prefill-tp 96"),
+                                       (["decode", "--model", "moeserve-bench", "--cards", "32", "--tp", "32"], "--tp 32")])
+def test_tp_must_divide_the_attention_heads(argv, flag, capsys):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and flag in err and "attention heads" in err
+
+
+def test_library_refuses_tp_that_does_not_divide_the_heads():
+    from moeserve.planner.deploy import Instance, PlanError
+    from moeserve.planner.memory import weights_per_card
+    from moeserve.planner.models import load_model
+    with pytest.raises(PlanError, match="attention heads"):
+        weights_per_card(load_model("deepseek-v3"), Instance(cards=256, tp=256))
+
+
+def test_unwritable_plot_path_is_refused_before_the_work(tmp_path, capsys):
+    blocker = tmp_path / "somefile.json"
+    blocker.write_text("{}")
+    for bad in (blocker / "x.png", tmp_path / "missing" / "x.png", tmp_path / "x.json", tmp_path):
+        code, out, err = run(capsys, "decode", "--plot", str(bad))
+        assert code == 2 and f"--plot {bad}" in err and "Traceback" not in err
+
+
+def test_plot_without_suffix_reports_the_file_written(tmp_path, capsys, monkeypatch):
+    import json
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run(capsys, "decode", "--hardware", "atlas-800i-a2", "--moe-comm", "allgather",
+                       "--plot", "curve", "--json")
+    assert code == 0 and json.loads(out)["plot"] == "curve.png"
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+JSON_ERRORS = {  # subcommand -> (arguments that fail, exit code: 1 refused, 2 bad input)
+    "estimate": (["--cards", "30", "--redundant-experts", "0"], 2),
+    "decode": (["--hardware", "tpu-v9"], 2),
+    "prefill": (["--hardware", "910b", "--cards", "8"], 1),  # does not fit in memory
+    "memory": (["--cards", "24", "--tp", "16"], 2),
+    "search": (["--top", "0"], 2),
+    "simulate": (["--rate", "0"], 2),
+    "validate": (["--hardware-file", "/nonexistent/hw.yaml"], 2),
+    "hardware": (["--hardware-file", "/nonexistent/hw.yaml"], 2),
+    "profile-cpu": (["--threads", "0"], 2),
+}
+
+
+@pytest.mark.parametrize("cmd", sorted(JSON_ERRORS))
+def test_errors_with_json_print_one_error_object(cmd, capsys):
+    import json
+    argv, want = JSON_ERRORS[cmd]
+    code, out, err = run(capsys, cmd, "--json", *argv)
+    assert code == want
+    obj = json.loads(out)  # exactly one object on stdout...
+    assert list(obj) == ["error"] and obj["error"] in err  # ...and the same message on stderr
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_exit_codes_refused_vs_bad_input(capsys):
+    # the same memory refusal exits 1 from every subcommand (memory always did; estimate used to exit 2)
+    assert run(capsys, "memory", "--hardware", "910b", "--cards", "8")[0] == 1
+    assert run(capsys, "estimate", "--hardware", "910b", "--cards", "8")[0] == 1
+    assert run(capsys, "decode", "--hardware", "910b", "--cards", "8")[0] == 1
+    assert run(capsys, "estimate", "--hardware", "tpu-v9")[0] == 2
+    assert run(capsys, "estimate", "--no-such-flag")[0] == 2
+
+
+@pytest.mark.parametrize("argv,label", [
+    (["--hardware", "910b", "--cards", "8"], "decode instance (8 cards): weights"),
+    (["--prefill-cards", "8"], "prefill instance (8 cards): weights"),
+    (["--input-len", "100000", "--output-len", "100"], "prefill on the decode layout (32 cards): weights"),
+    (["--prefill-cards", "12", "--prefill-tp", "8"], "prefill instance (12 cards): --prefill-cards 12"),
+])
+def test_estimate_says_which_instance_is_refused(argv, label, capsys):
+    code, _, err = run(capsys, "estimate", *argv)
+    assert code in (1, 2) and label in err
+
+
+def test_activation_bound_refusal_does_not_advise_spreading_experts(capsys):
+    # 100K-token prompts: the prefill step's workspace (42.7 GiB), not the weights (37.4 GiB), overflows
+    _, _, err = run(capsys, "estimate", "--input-len", "100000", "--output-len", "100")
+    assert "fewer tokens in one step" in err and "spread experts" not in err
