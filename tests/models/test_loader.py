@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
 from moeserve.models.config import UnsupportedModelError
-from moeserve.models.loader import CheckpointError, dequantize_fp8
+from moeserve.models.loader import CheckpointError, dequantize_fp8, load_weights
+from moeserve.models.registry import build_model
 
 PROMPT = [5, 17, 99, 200, 3, 45, 67]
 
@@ -79,17 +80,27 @@ def test_sharded_checkpoint_with_index(ckpt_dir, tmp_path):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
-def test_mtp_tensors_are_kept_aside(ckpt_dir, tmp_path):
+def test_mtp_tensors_are_kept_aside_only_for_speculative_decoding(ckpt_dir, tmp_path):
     src = ckpt_dir("v3")
     dst = copy_ckpt(src, str(tmp_path / "mtp"))
     tensors = load_file(os.path.join(src, "model.safetensors"))
     n = 3  # num_hidden_layers of the test checkpoints
     tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
     tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(64)
+    # An FP8 tensor without its scale: reading (dequantizing) it is an error, so loading proves it unread.
+    tensors[f"model.layers.{n}.hnorm.weight"] = torch.ones(64).to(torch.float8_e4m3fn)
     save_file(tensors, os.path.join(dst, "model.safetensors"))
-    llm = LLM(dst, dtype="float32")
-    assert set(llm.engine.runner.checkpoint.mtp_weights) == {f"model.layers.{n}.eh_proj.weight",
-                                                            f"model.layers.{n}.enorm.weight"}
+    llm = LLM(dst, dtype="float32")  # no speculative config: the MTP layer is neither read nor kept
+    assert llm.engine.runner.checkpoint.mtp_weights == {}
+
+    arch = llm.engine.runner.arch
+    model, _ = build_model(dst, arch, torch.float32, 64)
+    with pytest.raises(CheckpointError, match=rf"model\.layers\.{n}\.hnorm\.weight.*has no .*_scale_inv"):
+        load_weights(model, dst, keep_mtp=True)
+    tensors.pop(f"model.layers.{n}.hnorm.weight")
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    kept = load_weights(model, dst, keep_mtp=True).mtp_weights
+    assert set(kept) == {f"model.layers.{n}.eh_proj.weight", f"model.layers.{n}.enorm.weight"}
 
 
 def test_missing_tensor_is_named(ckpt_dir, tmp_path):
