@@ -1,5 +1,6 @@
 """The `moeserve` command as users run it (a real subprocess)."""
 import os
+import re
 import subprocess
 import sys
 
@@ -88,3 +89,24 @@ def test_max_model_len_zero_is_refused_and_none_is_the_model_maximum():
     with pytest.raises(ConfigError, match="--max-model-len must be >= 2, got 0"):
         EngineArgs(max_model_len=0).create_config(512)
     assert EngineArgs(distributed_timeout=5).create_config(512).scheduler.max_model_len == 512
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["eval-quant"], ["quantize"], ["bench", "serve"]])
+def test_help_states_each_default_once(command, capsys):
+    from moeserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default:" in text and not re.search(r"\(default: [^)]*\) \(default:", text)  # no "... (default: None)"
+    if command == ["generate"]:
+        assert "checkpoint folder (default: the bundled model) --prompt" in text
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_quantize_refuses_a_shard_size_that_is_not_positive(ckpt_dir, tmp_path, capsys, size):
+    from moeserve.cli import main
+
+    assert main(["quantize", ckpt_dir("v3"), str(tmp_path / "out"), "--shard-size", size]) == 2
+    assert "--shard-size must be a positive size" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -2,12 +2,12 @@
 (logit cosine similarity, top-1 and greedy agreement, perplexity on held-out text; see quant_eval.py)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import sysconfig
 
+from moeserve.cli import HelpFormatter
 from moeserve.config import EngineArgs
 
 DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "calendar.py")  # held out by the bundled model
@@ -15,7 +15,7 @@ DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "calendar.py")  # h
 
 def register(sub) -> None:
     p = sub.add_parser("eval-quant", help="accuracy of a quantized model vs its BF16 original",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint to quantize (default: the bundled model)")
     p.add_argument("--reference", default=None,
                    help="high-precision checkpoint to compare with (default: --model, without quantization)")
