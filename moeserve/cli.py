@@ -17,6 +17,14 @@ SUBCOMMANDS = [
 ]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, unless the help text already says what it is ("(default: the bundled model)")."""
+
+    def _get_help_string(self, action):
+        help_text = action.help or ""
+        return help_text if "default:" in help_text else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"moeserve {_version()}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import numbers
 from dataclasses import dataclass
 import typing
 
@@ -111,6 +112,12 @@ class ParallelConfig:
                  f"over --nnodes {self.nnodes}")
         _require(self.nnodes == 1 or self.master_port is not None,
                  "multi-node runs need --master-port (and --master-addr of node 0)")
+        # Multi-node: the front end's ZMQ socket takes the next port, so that one must exist too.
+        top = 65535 if self.nnodes == 1 else 65534
+        _require(self.master_port is None or 1 <= self.master_port <= top,
+                 f"--master-port must be in 1..{top}"
+                 + (" (the front end listens on --master-port + 1)" if self.nnodes > 1 else "")
+                 + f", got {self.master_port}")
         _require(self.distributed_timeout > 0, "--distributed-timeout must be > 0 seconds")
 
     @property
@@ -219,6 +226,26 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
 
+def _check_field_types(args: "EngineArgs") -> None:
+    """Integer, number and boolean options must be of that type (LLM keywords are not parsed by argparse)."""
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        kinds = set(typing.get_args(hints[f.name])) or {hints[f.name]}
+        value = getattr(args, f.name)
+        if value is None and type(None) in kinds:
+            continue
+        if bool in kinds:
+            ok, want = isinstance(value, bool), "True or False"
+        elif int in kinds:
+            ok, want = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
+        elif float in kinds:
+            ok, want = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+        else:
+            continue
+        _require(ok, f"{f.name} (--{f.name.replace('_', '-')}) must be {want}, "
+                     f"got {value!r} ({type(value).__name__})")
+
+
 def _parse_size(text: str) -> int:
     """Bytes, optionally with a K/M/G suffix (powers of 1024): '512M', '2G', '1073741824'."""
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -264,6 +291,9 @@ class EngineArgs:
     distributed_backend: str = "auto"
     distributed_timeout: float = 60.0
 
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
@@ -296,7 +326,9 @@ class EngineArgs:
         from moeserve.models.quantization import resolve_quant_config
         from moeserve.models.registry import resolve_model_path
 
-        max_len = self.max_model_len or model_max_len
+        _check_field_types(self)  # fields may have been set after construction
+        # `is None`, not `or`: an explicit 0 is an error (SchedulerConfig), not the model's maximum.
+        max_len = model_max_len if self.max_model_len is None else self.max_model_len
         _require(max_len <= model_max_len,
                  f"--max-model-len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
         path = resolve_model_path(self.model)

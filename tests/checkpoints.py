@@ -27,6 +27,9 @@ VARIANTS = {
     "v2_lite": dict(arch="v2", q_lora_rank=None, topk_method="greedy"),
     # V2 with group-limited greedy routing
     "v2_group": dict(arch="v2", topk_method="group_limited_greedy", n_group=4, topk_group=2),
+    # Top-1 routing: V3 renormalises the single weight to 1 (norm_topk_prob defaults to true), V2 does not
+    "v3_top1": dict(arch="v3", num_experts_per_tok=1),
+    "v2_top1": dict(arch="v2", num_experts_per_tok=1, norm_topk_prob=True),
 }
 
 

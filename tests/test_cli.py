@@ -1,11 +1,21 @@
 """The `moeserve` command as users run it (a real subprocess)."""
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from moeserve.config import EngineArgs
+from moeserve.config import ConfigError, EngineArgs
+
+
+def _nccl_usable() -> bool:
+    import torch
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()
+
+
+NCCL_USABLE = _nccl_usable()
 
 
 def run_cli(*args, timeout=180):
@@ -26,6 +36,12 @@ def test_generate_prints_completion(ckpt_dir):
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["--model", "/nonexistent/ckpt"], "not a local checkpoint folder"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 2, got 0"),  # not "0 = the model's maximum"
+    (["--master-port", "99999"], "--master-port must be in 1..65535, got 99999"),
+    (["--nnodes", "2", "--data-parallel-size", "2", "--master-port", "65535"], "--master-port must be in 1..65534"),
+    pytest.param(["--data-parallel-size", "2", "--distributed-backend", "nccl"],
+                 "--distributed-backend nccl: this torch", marks=pytest.mark.skipif(
+                     NCCL_USABLE, reason="NCCL and a GPU are available here")),
 ])
 def test_bad_flags_get_one_clear_line(args, message):
     r = run_cli("generate", "--max-tokens", "2", *args)
@@ -52,3 +68,45 @@ def test_kv_cache_memory_sizes_the_pool(ckpt_dir):
     arch = llm.arch
     per_block = 16 * arch.num_hidden_layers * arch.kv_cache_dim * 4
     assert llm.engine.runner.num_blocks == (1 << 20) // per_block
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_model_len="64"), "max_model_len (--max-model-len) must be an integer, got '64' (str)"),
+    (dict(block_size=2.5), "block_size (--block-size) must be an integer, got 2.5 (float)"),
+    (dict(max_num_seqs=True), "max_num_seqs (--max-num-seqs) must be an integer, got True (bool)"),
+    (dict(enable_chunked_prefill="no"), "enable_chunked_prefill (--enable-chunked-prefill) must be True or False"),
+    (dict(distributed_timeout="60"), "distributed_timeout (--distributed-timeout) must be a number"),
+])
+def test_llm_keyword_types_are_checked(ckpt_dir, kwargs, message):
+    from moeserve import LLM
+
+    with pytest.raises(ConfigError) as e:
+        LLM(ckpt_dir("v3"), dtype="float32", **kwargs)
+    assert message in str(e.value)
+
+
+def test_max_model_len_zero_is_refused_and_none_is_the_model_maximum():
+    with pytest.raises(ConfigError, match="--max-model-len must be >= 2, got 0"):
+        EngineArgs(max_model_len=0).create_config(512)
+    assert EngineArgs(distributed_timeout=5).create_config(512).scheduler.max_model_len == 512
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["eval-quant"], ["quantize"], ["bench", "serve"]])
+def test_help_states_each_default_once(command, capsys):
+    from moeserve.cli import main
+
+    with pytest.raises(SystemExit):
+        main([*command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "(default:" in text and not re.search(r"\(default: [^)]*\) \(default:", text)  # no "... (default: None)"
+    if command == ["generate"]:
+        assert "checkpoint folder (default: the bundled model) --prompt" in text
+
+
+@pytest.mark.parametrize("size", ["0", "-1"])
+def test_quantize_refuses_a_shard_size_that_is_not_positive(ckpt_dir, tmp_path, capsys, size):
+    from moeserve.cli import main
+
+    assert main(["quantize", ckpt_dir("v3"), str(tmp_path / "out"), "--shard-size", size]) == 2
+    assert "--shard-size must be a positive size" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

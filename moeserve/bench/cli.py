@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from moeserve.cli import HelpFormatter
+
 
 class _Given(argparse.Action):
     """Store the value and remember that the user gave it (ShareGPT output lengths default to the data's)."""
@@ -16,7 +18,7 @@ def register(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks against a running server")
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     p = bsub.add_parser("serve", help="serving benchmark: TTFT, TPOT, ITL, E2EL, throughput, goodput",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", required=True, help="model name the server serves (see /v1/models)")

@@ -67,11 +67,25 @@ def check_parallel_layout(config: EngineConfig, arch) -> None:
     from moeserve.layers.moe.placement import build_plan
 
     parallel = config.parallel
+    check_backend(parallel)
     t = parallel.tensor_parallel_size
     if arch.num_attention_heads % t:
         raise ConfigError(f"--tensor-parallel-size {t} does not divide the model's {arch.num_attention_heads} "
                           "attention heads; choose a divisor")
     build_plan(parallel, arch, 0, mtp=config.speculative is not None)
+
+
+def check_backend(parallel: ParallelConfig) -> None:
+    """NCCL needs a CUDA build of torch and a GPU; without them every rank would fail at init, one by one."""
+    if parallel.distributed_backend != "nccl":
+        return
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
+        why = "has no NCCL" if not (dist.is_available() and dist.is_nccl_available()) else "sees no CUDA device"
+        raise ConfigError(f"--distributed-backend nccl: this torch ({torch.__version__}) {why}; "
+                          "use --distributed-backend gloo (or auto)")
 
 
 def make_engine_core(config: EngineConfig, arch=None):

@@ -66,8 +66,10 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.moe_plan = build_plan(config.parallel, arch, get_world_group().rank, mtp=config.speculative is not None)
         with moe_plan_context(self.moe_plan):  # MoE layers read their expert placement from the plan
+            # The MTP layer's weights are read only when speculative decoding will use them.
             self.model, self.checkpoint = build_model(config.model.model, arch, self.dtype,
-                                                      config.scheduler.max_model_len, config.quant)
+                                                      config.scheduler.max_model_len, config.quant,
+                                                      keep_mtp=config.speculative is not None)
         self.num_blocks = num_kv_blocks(config, arch, self.dtype)
         self.kv_caches = [torch.zeros(self.num_blocks, self.block_size, arch.kv_cache_dim, dtype=self.dtype)
                           for _ in range(arch.num_hidden_layers)]

@@ -2,12 +2,12 @@
 (logit cosine similarity, top-1 and greedy agreement, perplexity on held-out text; see quant_eval.py)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import sysconfig
 
+from moeserve.cli import HelpFormatter
 from moeserve.config import EngineArgs
 
 DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "calendar.py")  # held out by the bundled model
@@ -15,7 +15,7 @@ DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "calendar.py")  # h
 
 def register(sub) -> None:
     p = sub.add_parser("eval-quant", help="accuracy of a quantized model vs its BF16 original",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint to quantize (default: the bundled model)")
     p.add_argument("--reference", default=None,
                    help="high-precision checkpoint to compare with (default: --model, without quantization)")
@@ -40,6 +40,7 @@ def run(args) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1")
     if not os.path.isfile(args.text_file):
         raise FileNotFoundError(f"--text-file {args.text_file!r} does not exist")
+    _check_lengths_fit(args)
     engine = {k: v for k, v in vars(EngineArgs.from_cli(args, None)).items() if k not in ("model", "quantization")}
     ref = LLM(args.reference or args.model, **engine)
     if ref.config.quant.method is not None:
@@ -59,3 +60,24 @@ def run(args) -> int:
             json.dump(result, f, indent=2)
     print(f"quantized {quant.config.model.model} vs {ref.config.model.model}", file=sys.stderr)
     return 0
+
+
+def _check_lengths_fit(args) -> None:
+    """Scored windows and greedy prompt + continuation are single sequences: each must be shorter than the
+    context (the engine's limit), or the engine rejects a "prompt" the user never wrote."""
+    from moeserve.models.config import DeepseekArch
+    from moeserve.models.registry import resolve_model_path
+
+    if args.max_model_len is not None:
+        limit, what = args.max_model_len, f"--max-model-len {args.max_model_len}"
+    else:
+        paths = {resolve_model_path(p) for p in (args.model, args.reference or args.model)}
+        limit = min(DeepseekArch.from_pretrained(p).max_position_embeddings for p in paths)
+        what = f"the model's context length {limit} (max_position_embeddings)"
+    if args.window >= limit:
+        raise ValueError(f"--window {args.window} does not fit {what}: a scored window must be shorter than "
+                         "the context; lower --window or raise --max-model-len")
+    if args.prompt_len + args.num_tokens >= limit:
+        raise ValueError(f"--prompt-len {args.prompt_len} + --num-tokens {args.num_tokens} does not fit {what}: "
+                         "each greedy prompt and its continuation are scored as one sequence, which must be "
+                         "shorter than the context; lower --num-tokens/--prompt-len or raise --max-model-len")

@@ -1,16 +1,16 @@
 """`moeserve generate`: run prompts through the offline engine and print the completions."""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from moeserve.cli import HelpFormatter
 from moeserve.config import EngineArgs
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text offline (default: the bundled model)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for a batch (default: a short Python prompt)")

@@ -1,15 +1,15 @@
 """`moeserve serve [MODEL]`: the OpenAI-compatible HTTP server (engine flags as for `generate`)."""
 from __future__ import annotations
 
-import argparse
 import os
 
+from moeserve.cli import HelpFormatter
 from moeserve.config import EngineArgs, ServerConfig
 
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (default: the bundled model)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint folder (default: the bundled model)")
     p.add_argument("--model", default=None, help="same as the positional MODEL")

@@ -12,6 +12,14 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+# Keys from_dict reads with no default: without them the model's shapes are unknown.
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# YaRN keys the rotary embedding reads as numbers (layers/rotary.py); `factor` is required.
+_YARN_NUMBERS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
+                 "mscale_all_dim", "attention_factor")
+
+
 @dataclass(frozen=True)
 class DeepseekArch:
     architecture: str
@@ -63,7 +71,8 @@ class DeepseekArch:
                 and layer_idx % self.moe_layer_freq == 0)
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "DeepseekArch":
+    def from_dict(cls, cfg: dict, source: str = "config.json") -> "DeepseekArch":
+        """source: the file cfg came from, for error messages."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -72,6 +81,10 @@ class DeepseekArch:
                 f"{' and '.join(SUPPORTED_ARCHITECTURES)} checkpoints")
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        missing = [k for k in REQUIRED_KEYS if cfg.get(k) is None]
+        if missing:
+            raise UnsupportedModelError(f"{source} is missing required key(s) {', '.join(missing)} "
+                                        f"(a {arch} config.json sets them)")
         v3 = arch == "DeepseekV3ForCausalLM"
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -94,7 +107,7 @@ class DeepseekArch:
             topk_method=cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy"),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope=normalize_rope(cfg),
+            rope=normalize_rope(cfg, source),
             rope_interleave=bool(cfg.get("rope_interleave", True)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
@@ -122,18 +135,38 @@ class DeepseekArch:
             raise FileNotFoundError(f"{path!r} is not a checkpoint folder: it has no config.json")
         with open(cfg_path) as f:
             try:
-                return cls.from_dict(json.load(f))
+                return cls.from_dict(json.load(f), cfg_path)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{cfg_path} is not valid JSON: {e}") from e
 
 
-def normalize_rope(cfg: dict) -> dict:
-    """One rope dict from either the transformers-5 `rope_parameters` or the classic `rope_scaling`."""
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+def normalize_rope(cfg: dict, source: str = "config.json") -> dict:
+    """One rope dict from either the transformers-5 `rope_parameters` or the classic `rope_scaling`.
+
+    Checked here, so that a bad entry is reported against the file, not as a KeyError when the model is built.
+    """
+    key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = dict(cfg.get(key) or {})
     rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
     rope.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     if rope["rope_type"] not in ("default", "yarn"):
-        raise UnsupportedModelError(f"rope type {rope['rope_type']!r} is not supported (default, yarn)")
+        raise UnsupportedModelError(f"{source}: rope type {rope['rope_type']!r} is not supported (default, yarn)")
+    if not _is_number(rope["rope_theta"]) or rope["rope_theta"] <= 0:
+        raise UnsupportedModelError(f"{source}: rope_theta must be a positive number, not {rope['rope_theta']!r}")
     if rope["rope_type"] == "yarn":
+        if rope.get("factor") is None:
+            raise UnsupportedModelError(f"{source}: {key} of type 'yarn' has no 'factor' (the context extension, "
+                                        f"e.g. 40 for DeepSeek-V3); add it")
         rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 4096))
+        bad = [f"{k}={rope[k]!r}" for k in _YARN_NUMBERS if rope.get(k) is not None and not _is_number(rope[k])]
+        if bad:
+            raise UnsupportedModelError(f"{source}: {key} values must be numbers: {', '.join(bad)}")
+        if rope["factor"] <= 0 or rope["original_max_position_embeddings"] <= 0:
+            raise UnsupportedModelError(f"{source}: {key} factor and original_max_position_embeddings must be "
+                                        f"positive (got {rope['factor']!r}, "
+                                        f"{rope['original_max_position_embeddings']!r})")
     return rope
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

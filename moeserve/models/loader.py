@@ -2,7 +2,8 @@
 
 - Shards listed by model.safetensors.index.json, or every *.safetensors in the folder.
 - DeepSeek FP8: float8_e4m3fn weights with `<name>_scale_inv` 128x128 block scales are dequantized.
-- MTP layers (decoder index >= num_hidden_layers) are kept aside (LoadedCheckpoint.mtp_weights).
+- MTP layers (decoder index >= num_hidden_layers) are kept aside (LoadedCheckpoint.mtp_weights) when
+  speculative decoding asks for them, and otherwise never read (DeepSeek-V3's is ~14B parameters).
 - Routed experts `mlp.experts.{j}.{gate,up,down}_proj.weight` go into the stacked per-layer tensors; only
   experts this rank holds are read (FusedExperts.slots_of).
 Every failure names the tensor or file and what was expected.
@@ -71,8 +72,11 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tenso
     return weight.float() * scale
 
 
-def iter_checkpoint(path: str):
-    """Yield (name, tensor) for every weight, FP8 already dequantized to float32."""
+def iter_checkpoint(path: str, skip=None):
+    """Yield (name, tensor) for every weight, FP8 already dequantized to float32.
+
+    skip(name) -> True leaves a tensor unread (not loaded, not dequantized).
+    """
     files = checkpoint_files(path)
     total = sum(os.path.getsize(f) for f in files)
     for fname in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=total < (1 << 30)):
@@ -83,7 +87,7 @@ def iter_checkpoint(path: str):
         with handle as f:
             names = set(f.keys())
             for name in sorted(names):
-                if name.endswith("_scale_inv"):
+                if name.endswith("_scale_inv") or (skip is not None and skip(name)):
                     continue
                 try:
                     tensor = f.get_tensor(name)
@@ -97,18 +101,25 @@ def iter_checkpoint(path: str):
                 yield name, tensor
 
 
-def load_weights(model: torch.nn.Module, path: str) -> LoadedCheckpoint:
+def is_mtp_tensor(name: str, num_hidden_layers: int) -> bool:
+    m = _LAYER.match(name)
+    return m is not None and int(m.group(1)) >= num_hidden_layers
+
+
+def load_weights(model: torch.nn.Module, path: str, keep_mtp: bool = False) -> LoadedCheckpoint:
     """Copy the checkpoint at `path` into `model` (built for the same config). Strict about gaps.
 
-    Tensors of layers >= num_hidden_layers (MTP) go to result.mtp_weights instead (see spec/mtp_model.py).
+    Tensors of layers >= num_hidden_layers (MTP) go to result.mtp_weights instead (see spec/mtp_model.py)
+    if keep_mtp; otherwise they are not read at all.
     """
     result = LoadedCheckpoint()
+    layers = model.arch.num_hidden_layers
+    skip = None if keep_mtp else (lambda name: is_mtp_tensor(name, layers))
 
     def main_tensors():
-        for name, tensor in iter_checkpoint(path):
+        for name, tensor in iter_checkpoint(path, skip):
             result.num_tensors += 1
-            m = _LAYER.match(name)
-            if m and int(m.group(1)) >= model.arch.num_hidden_layers:
+            if is_mtp_tensor(name, layers):
                 result.mtp_weights[name] = tensor
                 continue
             yield name, tensor

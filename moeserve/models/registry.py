@@ -36,14 +36,17 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(path: str, arch: DeepseekArch, dtype: torch.dtype, max_positions: int,
-                quant: QuantConfig | None = None) -> tuple[torch.nn.Module, LoadedCheckpoint]:
-    """Construct without initialising (meta device), quantize the layout, allocate, fill from the checkpoint."""
+                quant: QuantConfig | None = None, keep_mtp: bool = False) -> tuple[torch.nn.Module, LoadedCheckpoint]:
+    """Construct without initialising (meta device), quantize the layout, allocate, fill from the checkpoint.
+
+    keep_mtp: also read the MTP layer's tensors (checkpoint.mtp_weights), for speculative decoding.
+    """
     cls = MODEL_CLASSES[arch.architecture]
     with torch.device("meta"), _default_dtype(dtype):
         model = cls(arch, max_positions)
         apply_quantization(model, quant or QuantConfig())
     model.to_empty(device="cpu")
-    checkpoint = load_weights(model, path)
+    checkpoint = load_weights(model, path, keep_mtp)
     model.process_weights_after_loading()
     model.eval()
     return model, checkpoint

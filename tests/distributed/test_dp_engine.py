@@ -132,6 +132,13 @@ def test_bad_layouts_are_refused_before_starting_ranks(path, kwargs, message):
     ({"default": [0, 1, 2, 3, 4, 5, 6, 6]}, r"expert\(s\) \[7\] have no physical slot"),
     ({"default": [0, 1, 2, 3, 4, 5, 6, 7, 0]}, "not divisible over 2 EP ranks"),
     ({"default": [0, 1, 2, 3, 4, 5, 6, 9]}, "expert id 9"),
+    ({"default": [0, 1, 2, 3, 4, 5, 6, True]}, "expert id True"),
+    # malformed files name the flag, the file and what is wrong (not "'int' object is not iterable")
+    ({"default": 5}, r'--expert-placement \S+p\.json: "default" must be a list of logical expert ids'),
+    ({"layers": {"abc": list(range(8))}}, r"--expert-placement \S+p\.json: layer key 'abc' is not a decoder "
+                                           "layer number"),
+    ({"layers": {"1": {"0": 1}}}, r"--expert-placement \S+p\.json: layer 1 must be a list"),
+    ({"layers": [list(range(8))]}, r'--expert-placement \S+p\.json: "layers" must be an object'),
 ])
 def test_invalid_placement_files_are_refused(path, tmp_path, placement, message):
     f = tmp_path / "p.json"

@@ -6,6 +6,7 @@ import socket
 import pytest
 
 from moeserve.cli import main
+from tests.test_cli import NCCL_USABLE
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -14,6 +15,11 @@ from moeserve.cli import main
     (["--max-waiting-requests", "0"], "--max-waiting-requests"),
     (["--chat-template", "/no/such/file.jinja"], "--chat-template"),
     (["--max-model-len", "100000"], "--max-model-len"),
+    (["--max-model-len", "0"], "--max-model-len must be >= 2, got 0"),
+    (["--master-port", "99999"], "--master-port must be in 1..65535"),
+    # Refused before the engine-core process starts, not as a traceback from each rank
+    pytest.param(["--data-parallel-size", "2", "--distributed-backend", "nccl"], "--distributed-backend nccl",
+                 marks=pytest.mark.skipif(NCCL_USABLE, reason="NCCL and a GPU are available here")),
 ])
 def test_bad_server_flags(ckpt_dir, capsys, flags, needle):
     assert main(["serve", ckpt_dir("v3"), *flags]) == 2

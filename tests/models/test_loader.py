@@ -1,6 +1,7 @@
 """Checkpoint loading: FP8 block-scaled weights, sharded index, clear errors."""
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -9,7 +10,9 @@ from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
 from moeserve.models.config import UnsupportedModelError
-from moeserve.models.loader import CheckpointError, dequantize_fp8
+from moeserve.models.loader import CheckpointError, dequantize_fp8, load_weights
+from moeserve.models.registry import build_model
+from moeserve.tokenizer import load_tokenizer
 
 PROMPT = [5, 17, 99, 200, 3, 45, 67]
 
@@ -79,17 +82,27 @@ def test_sharded_checkpoint_with_index(ckpt_dir, tmp_path):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
-def test_mtp_tensors_are_kept_aside(ckpt_dir, tmp_path):
+def test_mtp_tensors_are_kept_aside_only_for_speculative_decoding(ckpt_dir, tmp_path):
     src = ckpt_dir("v3")
     dst = copy_ckpt(src, str(tmp_path / "mtp"))
     tensors = load_file(os.path.join(src, "model.safetensors"))
     n = 3  # num_hidden_layers of the test checkpoints
     tensors[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(64, 128)
     tensors[f"model.layers.{n}.enorm.weight"] = torch.ones(64)
+    # An FP8 tensor without its scale: reading (dequantizing) it is an error, so loading proves it unread.
+    tensors[f"model.layers.{n}.hnorm.weight"] = torch.ones(64).to(torch.float8_e4m3fn)
     save_file(tensors, os.path.join(dst, "model.safetensors"))
-    llm = LLM(dst, dtype="float32")
-    assert set(llm.engine.runner.checkpoint.mtp_weights) == {f"model.layers.{n}.eh_proj.weight",
-                                                            f"model.layers.{n}.enorm.weight"}
+    llm = LLM(dst, dtype="float32")  # no speculative config: the MTP layer is neither read nor kept
+    assert llm.engine.runner.checkpoint.mtp_weights == {}
+
+    arch = llm.engine.runner.arch
+    model, _ = build_model(dst, arch, torch.float32, 64)
+    with pytest.raises(CheckpointError, match=rf"model\.layers\.{n}\.hnorm\.weight.*has no .*_scale_inv"):
+        load_weights(model, dst, keep_mtp=True)
+    tensors.pop(f"model.layers.{n}.hnorm.weight")
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    kept = load_weights(model, dst, keep_mtp=True).mtp_weights
+    assert set(kept) == {f"model.layers.{n}.eh_proj.weight", f"model.layers.{n}.enorm.weight"}
 
 
 def test_missing_tensor_is_named(ckpt_dir, tmp_path):
@@ -132,3 +145,60 @@ def test_unsupported_architecture(ckpt_dir, tmp_path):
 def test_not_a_checkpoint_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a local checkpoint folder"):
         LLM(str(tmp_path / "nope"))
+
+
+def edited_config(src: str, dst: str, **changes) -> str:
+    """A copy of checkpoint src whose config.json has `changes` applied (value None deletes the key)."""
+    copy_ckpt(src, dst)
+    cfg_path = os.path.join(dst, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    for k, v in changes.items():
+        cfg.pop(k, None) if v is None else cfg.__setitem__(k, v)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+def test_missing_config_keys_are_named_with_the_file(ckpt_dir, tmp_path):
+    dst = edited_config(ckpt_dir("v3"), str(tmp_path / "nokeys"), kv_lora_rank=None, v_head_dim=None)
+    with pytest.raises(UnsupportedModelError, match=r"nokeys/config.json is missing required key\(s\) "
+                                                     r"kv_lora_rank, v_head_dim"):
+        LLM(dst, dtype="float32")
+
+
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 1.0,
+        "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("rope, words", [
+    ({k: v for k, v in YARN.items() if k != "factor"}, "rope_scaling of type 'yarn' has no 'factor'"),
+    ({**YARN, "factor": "4"}, "rope_scaling values must be numbers: factor='4'"),
+    ({**YARN, "factor": 0}, "rope_scaling factor and original_max_position_embeddings must be positive (got 0"),
+])
+def test_bad_yarn_rope_scaling_is_reported_against_config_json(ckpt_dir, tmp_path, rope, words):
+    src = ckpt_dir("v3")
+    dst = edited_config(src, str(tmp_path / "yarn"), rope_parameters=None, rope_scaling=rope)
+    for tokenizer in (None, src):  # with or without --tokenizer: a config error, not a tokenizer or KeyError one
+        with pytest.raises(UnsupportedModelError, match="config.json: " + re.escape(words)):
+            LLM(dst, dtype="float32", tokenizer=tokenizer)
+
+
+def test_tokenizer_errors_are_only_claimed_for_the_tokenizer(ckpt_dir, tmp_path):
+    src = ckpt_dir("v3")
+    # transformers rejects this config.json too (AutoTokenizer parses it): report the file, not the tokenizer
+    bad_cfg = edited_config(src, str(tmp_path / "cfg"), rope_parameters=None,
+                            rope_scaling={k: v for k, v in YARN.items() if k != "factor"})
+    with pytest.raises(ValueError, match=r"transformers cannot read .*cfg/config.json .*factor") as e:
+        load_tokenizer(bad_cfg)
+    assert "tokenizer PATH" not in str(e.value)
+    no_tok = copy_ckpt(src, str(tmp_path / "notok"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(os.path.join(no_tok, name))
+    with pytest.raises(ValueError, match="cannot load a tokenizer from .*notok.*pass --tokenizer PATH"):
+        load_tokenizer(no_tok)
+    tok_only = str(tmp_path / "tokonly")  # a tokenizer folder without config.json still loads
+    os.makedirs(tok_only)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(src, name), tok_only)
+    assert load_tokenizer(tok_only).encode("def f") == load_tokenizer(src).encode("def f")

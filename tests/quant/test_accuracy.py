@@ -49,3 +49,16 @@ def test_eval_quant_cli(ckpt_dir, tmp_path, capsys):
     assert 0.9 < figures["logit_cosine_mean"] <= 1.0 + 1e-6
     assert "greedy_agreement" in capsys.readouterr().out
     assert cli_main(["eval-quant", "--model", ckpt_dir("v3"), "--num-tokens", "0"]) == 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    # the defaults (--window 256, --prompt-len 16 + --num-tokens 256) do not fit a 256-token context
+    (["--max-model-len", "256"], "--window 256 does not fit --max-model-len 256"),
+    (["--max-model-len", "300", "--prompt-len", "44"], "--prompt-len 44 + --num-tokens 256 does not fit "
+                                                        "--max-model-len 300"),
+    (["--window", "512"], "--window 512 does not fit the model's context length 512"),
+])
+def test_eval_quant_lengths_that_do_not_fit_name_the_flags(ckpt_dir, capsys, flags, message):
+    assert cli_main(["eval-quant", "--model", ckpt_dir("v3"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "shorten the prompt" not in err

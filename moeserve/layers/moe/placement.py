@@ -109,7 +109,7 @@ def _require_even(num_experts: int, redundant: int, num_ranks: int) -> None:
 
 
 def validate_map(phys: list[int], num_experts: int, num_ranks: int, where: str) -> None:
-    bad = [e for e in phys if not (isinstance(e, int) and 0 <= e < num_experts)]
+    bad = [e for e in phys if not (isinstance(e, int) and not isinstance(e, bool) and 0 <= e < num_experts)]
     if bad:
         raise ConfigError(f"{where}: expert id {bad[0]!r} is not in 0..{num_experts - 1}")
     missing = sorted(set(range(num_experts)) - set(phys))
@@ -161,12 +161,29 @@ def _read_placement_file(path: str) -> dict:
     if not isinstance(data, dict) or not set(data) <= {"default", "layers"}:
         raise ConfigError(f"--expert-placement {path}: expected {{\"default\": [...], \"layers\": "
                           "{\"<layer>\": [...]}}")
+    where = f"--expert-placement {path}"
     maps: dict = {}
     if "default" in data:
-        maps["default"] = list(data["default"])
-    for key, phys in (data.get("layers") or {}).items():
-        maps[int(key)] = list(phys)
+        maps["default"] = _slot_list(data["default"], f"{where}: \"default\"")
+    layers = data.get("layers") or {}
+    if not isinstance(layers, dict):
+        raise ConfigError(f"{where}: \"layers\" must be an object {{\"<decoder layer>\": [...]}}, "
+                          f"got {type(layers).__name__}")
+    for key, phys in layers.items():
+        try:
+            idx = int(key)
+        except ValueError:
+            raise ConfigError(f"{where}: layer key {key!r} is not a decoder layer number") from None
+        maps[idx] = _slot_list(phys, f"{where}: layer {key}")
     return maps
+
+
+def _slot_list(value, where: str) -> list[int]:
+    """A JSON list of logical expert ids (the ids themselves are checked by validate_map)."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{where} must be a list of logical expert ids (one per physical slot), "
+                          f"got {json.dumps(value)[:40]}")
+    return value
 
 
 _CURRENT: Scoped[MoePlan] = Scoped("moe_plan")

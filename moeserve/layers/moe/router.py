@@ -20,7 +20,12 @@ class Router(nn.Module):
         self.top_k = arch.num_experts_per_tok
         self.n_group, self.topk_group = arch.n_group, arch.topk_group
         self.scoring, self.method = arch.scoring_func, arch.topk_method
-        self.norm_topk_prob, self.scaling = arch.norm_topk_prob, arch.routed_scaling_factor
+        self.scaling = arch.routed_scaling_factor
+        # As transformers: DeepseekV3 renormalises whenever norm_topk_prob is set, even for top-1 (the weight
+        # becomes 1); for V2 only more than one expert is renormalised (DeepSeek's V2 code; transformers' V2
+        # never renormalises, so the two agree at top-1).
+        v3 = arch.architecture == "DeepseekV3ForCausalLM"
+        self.renormalize = arch.norm_topk_prob and (v3 or self.top_k > 1)
         self.weight = nn.Parameter(torch.empty(self.num_experts, arch.hidden_size, dtype=torch.float32))
         if self.method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(
@@ -41,7 +46,7 @@ class Router(nn.Module):
             weights, ids = self._mask_groups(scores, group_scores, 0.0).topk(self.top_k, dim=-1, sorted=False)
         else:
             weights, ids = scores.topk(self.top_k, dim=-1, sorted=False)
-        if self.norm_topk_prob and self.top_k > 1:
+        if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids
 
