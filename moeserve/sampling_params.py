@@ -57,7 +57,7 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         checks = [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
+            (0.0 <= self.temperature < math.inf, f"temperature must be a finite number >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k == -1 or 1 <= self.top_k <= INT64_MAX,
              f"top_k must be -1 (disabled) or a positive 64-bit integer, got {self.top_k}"),

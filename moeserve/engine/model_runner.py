@@ -121,16 +121,19 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor([r for rows, _ in sample_rows for r in rows])])
         reqs = [s.request for _, s in sample_rows]
         params = [r.sampling_params for r in reqs]
+        raw = logits
         if any(p.logit_bias or p.min_tokens for p in params):
+            if any(p.logprobs is not None for p in params):
+                raw = logits.clone()  # logprobs report the model's own distribution
             apply_logits_processors(logits, [(r.sampling_params, len(rows), r.num_output_tokens, r.stop_ids)
                                              for (rows, _), r in zip(sample_rows, reqs)])
         gens = [self._generator(r) for r in reqs]
         if self.rejection_sampler is None:
-            tokens, lps = self.sampler(logits, params, gens)
+            tokens, lps = self.sampler(logits, params, gens, raw)
             emitted = [[t] for t in tokens]
         else:
             emitted = self.rejection_sampler(logits, [s.draft_token_ids for _, s in sample_rows], params, gens)
-            lps = self._spec_logprobs(logits, [len(rows) for rows, _ in sample_rows], emitted, params)
+            lps = self._spec_logprobs(raw, [len(rows) for rows, _ in sample_rows], emitted, params)
         i = 0
         for req, toks in zip(reqs, emitted):
             result.sampled[req.request_id] = toks

@@ -75,13 +75,13 @@ class OutputProcessor:
 
     @staticmethod
     def _find_stop(st: DetokState, text: str) -> tuple[int, str] | None:
+        """The earliest stop string that ends in text this output added (older text was checked before,
+        or came before min_tokens, when stop strings do not count: vLLM)."""
         if not st.params.stop or len(st.token_ids) < st.params.min_tokens:
-            return None  # vLLM: stop strings count only once min_tokens are out
-        lookback = max(len(s) for s in st.params.stop) + 8
-        start = max(0, len(st.text) - lookback)
+            return None
         best = None
         for s in st.params.stop:
-            i = text.find(s, start)
+            i = text.find(s, max(0, len(st.text) - len(s) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is None:

@@ -57,8 +57,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_ready=None) -> FastAPI:
     cfg = spec.server
     name = cfg.served_model_name
-    completions = CompletionServing(client, tokenizer, name, spec.max_model_len)
-    chat = ChatServing(client, tokenizer, name, spec.max_model_len, chat_template=cfg.chat_template)
+    completions = CompletionServing(client, tokenizer, name, spec.max_model_len, cfg.max_waiting_requests)
+    chat = ChatServing(client, tokenizer, name, spec.max_model_len, cfg.max_waiting_requests,
+                       chat_template=cfg.chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -51,7 +51,8 @@ def engine_error(e: Exception) -> APIError:
         return APIError(f"the engine is not available ({e}); the server cannot serve requests", 503,
                         code="engine_dead")
     if isinstance(e, EngineRequestError):
-        return APIError(str(e), 503 if e.kind == "overloaded" else 400, code=e.kind)
+        param = next((f for f in ("logit_bias", "prompt") if str(e).startswith(f)), None)
+        return APIError(str(e), 503 if e.kind == "overloaded" else 400, param=param, code=e.kind)
     if isinstance(e, APIError):
         return e
     return APIError(f"internal server error: {type(e).__name__}: {e}", 500, code="internal_error")
@@ -64,9 +65,11 @@ def sse(obj) -> str:
 class Serving:
     """Base of the completions and chat handlers."""
 
-    def __init__(self, client: EngineClient, tokenizer, model_name: str, max_model_len: int) -> None:
+    def __init__(self, client: EngineClient, tokenizer, model_name: str, max_model_len: int,
+                 max_waiting_requests: int | None = None) -> None:
         self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.max_waiting = max_waiting_requests
 
     @staticmethod
     async def off_loop(fn, *args):
@@ -79,7 +82,8 @@ class Serving:
             raise APIError(f"the model '{model}' does not exist; this server serves '{self.model_name}' "
                            "(see /v1/models)", 400, param="model", code="model_not_found")
 
-    def check_length(self, num_prompt: int, max_tokens: int | None, what: str = "prompt") -> int:
+    def check_length(self, num_prompt: int, max_tokens: int | None, what: str = "prompt",
+                     field: str = "max_tokens") -> int:
         """The request's max_tokens (None -> fill the context); 400 if it cannot fit the context."""
         if num_prompt == 0:
             raise APIError(f"the {what} is empty", param="prompt")
@@ -90,11 +94,11 @@ class Serving:
         if max_tokens is None:
             return limit - num_prompt
         if max_tokens < 1:
-            raise APIError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+            raise APIError(f"{field} must be at least 1, got {max_tokens}", param=field)
         if num_prompt + max_tokens > limit:
             raise APIError(f"this model's maximum context length is {limit} tokens, but {num_prompt + max_tokens} "
                            f"were requested ({num_prompt} in the {what}, {max_tokens} in the completion); "
-                           "reduce the length of the prompt or max_tokens", param="max_tokens",
+                           f"reduce the length of the prompt or {field}", param=field,
                            code="context_length_exceeded")
         return max_tokens
 
@@ -105,6 +109,11 @@ class Serving:
             raise APIError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
 
     def make_children(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> list[Child]:
+        if self.max_waiting is not None and len(prompts) * params.n > self.max_waiting:
+            # Every child waits in the engine at first; more than the queue holds could never be admitted.
+            raise APIError(f"this request needs {len(prompts) * params.n} engine requests ({len(prompts)} prompts "
+                           f"x n={params.n}), more than the server's --max-waiting-requests {self.max_waiting}; "
+                           "send fewer prompts or a smaller n", param="n")
         base = f"{prefix}-{uuid.uuid4().hex}"
         children = []
         for p, ids in enumerate(prompts):

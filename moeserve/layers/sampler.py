@@ -17,7 +17,8 @@ class TokenLogprobs:
 
 def apply_filters(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature-scaled, filtered logits [V] for one request (masked entries are -inf)."""
-    logits = logits / p.temperature
+    # Masked (-inf) entries stay masked: -inf / a temperature that overflows float32 would be NaN.
+    logits = torch.where(torch.isinf(logits), logits, logits / p.temperature)
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = logits.topk(p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -38,7 +39,8 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[tuple[SamplingParam
     ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens.
 
     rows: per request (params, its number of rows = 1 + drafts, outputs so far, stop ids); row j of a
-    request samples its output token number `outputs + j`. Logprobs are reported from these processed logits."""
+    request samples its output token number `outputs + j`. Logprobs stay those of the raw model output
+    (the caller keeps a copy), as vLLM reports them."""
     r = 0
     for p, n_rows, n_out, stop_ids in rows:
         if p.logit_bias:
@@ -57,15 +59,15 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits [B, V] float32 -> one token per row, plus logprobs where requested."""
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 raw_logits: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [B, V] float32 -> one token per row, plus logprobs (of raw_logits, default logits)."""
         tokens = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             if not p.greedy:
                 probs = apply_filters(logits[i], p).softmax(-1)
                 tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i] or self.generator))
-        return tokens, self.logprobs(logits, params, tokens)
+        return tokens, self.logprobs(logits if raw_logits is None else raw_logits, params, tokens)
 
     @staticmethod
     def logprobs(logits: torch.Tensor, params: list[SamplingParams],

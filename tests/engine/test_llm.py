@@ -76,6 +76,7 @@ def test_n_samples_and_eos(llm):
     (dict(min_tokens=2**64), "min_tokens"), (dict(stop_token_ids=[2**64]), "stop_token_ids"),
     (dict(min_tokens=5, max_tokens=4), "min_tokens .* <= max_tokens"), (dict(temperature="1"), "number"),
     (dict(logit_bias={1: 101}), "logit_bias"), (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(temperature=float("inf")), "temperature"),
 ])
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -128,6 +129,33 @@ def test_min_tokens_masks_stop_tokens_and_stop_strings(llm):
     s = text.text[:2]
     cut = llm.generate(["def foo(x):"], greedy(12, stop=[s], min_tokens=12))[0].outputs[0]
     assert cut.text == text.text and cut.finish_reason == "length"
+
+
+def test_stop_strings_before_min_tokens_do_not_count(llm):
+    full = llm.generate(["def foo(x):"], greedy(12))[0].outputs[0]
+    # A stop string that occurs only in the text of the first two tokens.
+    head = llm.get_tokenizer().decode(full.token_ids[:2])
+    stop = next(head[:k] for k in range(1, len(head) + 1) if full.text.find(head[:k], 1) == -1)
+    assert llm.generate(["def foo(x):"], greedy(12, stop=[stop]))[0].outputs[0].text == ""
+    late = llm.generate(["def foo(x):"], greedy(12, stop=[stop], min_tokens=3))[0].outputs[0]
+    assert late.text == full.text and late.finish_reason == "length"
+
+
+def test_huge_temperature_with_min_tokens_samples_uniformly_instead_of_failing(llm):
+    out = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=SamplingParams(
+        temperature=1e39, min_tokens=2, max_tokens=3, seed=1))[0].outputs[0]
+    assert len(out.token_ids) >= 2
+
+
+def test_logprobs_are_the_raw_model_distribution_under_logit_bias(llm):
+    plain = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=greedy(1, logprobs=5))[0].outputs[0]
+    target = (plain.token_ids[0] + 7) % 100 + 3
+    biased = llm.generate(prompt_token_ids=[PROMPTS[1]],
+                          sampling_params=greedy(1, logprobs=5, logit_bias={target: 100.0}))[0].outputs[0]
+    assert biased.token_ids == [target]
+    assert {t: round(v, 4) for t, v in biased.logprobs[0].items() if t != target} == \
+        {t: round(v, 4) for t, v in plain.logprobs[0].items() if t != target}
+    assert biased.logprobs[0][target] < -1.0   # its raw logprob, not ~0 as under the bias
 
 
 def test_logit_bias_forces_a_token(llm):

@@ -221,9 +221,13 @@ def test_bad_input_is_4xx_and_server_keeps_serving(openai_server, client, model,
 def test_error_names_the_field(openai_server, model):
     url = f"{openai_server.base_url}/completions"
     for body, param in [({"stream": "yes"}, "stream"), ({"stream_options": "x", "stream": True}, "stream_options"),
-                        ({"top_p": 1.5}, "top_p"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")]:
+                        ({"top_p": 1.5}, "top_p"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+                        ({"logit_bias": {str(10 ** 6): 1}}, "logit_bias"), ({"temperature": -1}, "temperature")]:
         err = httpx.post(url, json={"model": model, "prompt": "x", **body}, timeout=30).json()["error"]
         assert err["param"] == param and param in err["message"], err
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}
+    err = httpx.post(f"{openai_server.base_url}/chat/completions", json=chat, timeout=30).json()["error"]
+    assert err["param"] == "max_completion_tokens" and "max_completion_tokens" in err["message"], err
 
 
 def test_null_means_default_and_odd_values_are_served(openai_server, client, model, llm):

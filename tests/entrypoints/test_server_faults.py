@@ -63,6 +63,14 @@ def test_full_waiting_queue_answers_503(server, model):
     assert c.completions.create(model=model, prompt="y", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_a_fan_out_larger_than_the_waiting_queue_is_a_400_not_a_503_forever(server, model):
+    # max-waiting-requests 1: n=2 could never be admitted, so retrying (what a 503 asks for) cannot help.
+    for body in ({"prompt": "x", "n": 2}, {"prompt": ["x", "y"]}, {"prompt": "x", "n": 2, "stream": True}):
+        r = httpx.post(server.base_url + "/completions", json={"model": model, "max_tokens": 2, **body},
+                       headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 400 and "--max-waiting-requests" in r.json()["error"]["message"], r.text
+
+
 def _drain(server, model):
     body = {"model": model, "prompt": "z", "max_tokens": 4}
     httpx.post(server.base_url + "/completions", json=body, timeout=120, headers={"Authorization": f"Bearer {KEY}"})
