@@ -5,7 +5,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 
 from moeserve.planner.cli_args import positive_float, positive_int, positive_int_list
-from moeserve.planner.deploy import PlanError
+from moeserve.planner.deploy import DoesNotFit, PlanError
 from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit
 
 
@@ -61,7 +61,10 @@ def cmd_estimate(a):
     m, hw, inst, wl = _ctx(a)
     with _which(f"decode instance ({inst.cards} cards)"):
         mem = require_fits(m, hw, inst, wl)
-        batch = mem.max_batch if a.batch is None else min(a.batch, mem.max_batch)
+        if a.batch is not None and a.batch > mem.max_batch:
+            raise DoesNotFit(f"--batch {a.batch} does not fit: KV room for {mem.max_batch} sequences per DP "
+                             f"group at mean context {wl.mean_decode_context:.0f}; use --batch <= {mem.max_batch}")
+        batch = mem.max_batch if a.batch is None else a.batch
         pt = decode_point(m, hw, inst, wl, batch)
     separate = a.prefill_cards is not None
     with _which(f"prefill instance ({a.prefill_cards} cards)" if separate

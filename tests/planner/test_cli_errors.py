@@ -170,3 +170,9 @@ def test_activation_bound_refusal_does_not_advise_spreading_experts(capsys):
     # 100K-token prompts: the prefill step's workspace (42.7 GiB), not the weights (37.4 GiB), overflows
     _, _, err = run(capsys, "estimate", "--input-len", "100000", "--output-len", "100")
     assert "fewer tokens in one step" in err and "spread experts" not in err
+
+
+def test_batch_beyond_the_kv_room_is_refused_not_capped(capsys):
+    code, out, err = run(capsys, "estimate", "--batch", "100000", "--json")
+    assert code == 1 and "--batch 100000 does not fit" in err and "use --batch <=" in err
+    assert '"error"' in out
