@@ -258,6 +258,38 @@ def _parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M or 2G, got {text!r}") from None
 
 
+# One line per engine flag for --help (the formatter appends each default).
+ENGINE_HELP = {
+    "tokenizer": "tokenizer folder, if not the model's",
+    "dtype": "auto|float32|bfloat16|float16 for weights and KV cache (auto: the checkpoint's, BF16 for FP8)",
+    "seed": "seed of the sampler for requests without their own seed",
+    "max_model_len": "context length, >= 2 (None: the model's max_position_embeddings)",
+    "max_num_seqs": "running requests per step",
+    "max_num_batched_tokens": "tokens per step; longer prompts are prefilled in chunks",
+    "enable_chunked_prefill": "split prompts longer than the token budget over several steps",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "KV pool size in blocks (None: every sequence at full length, at most 2 GiB)",
+    "kv_cache_memory": "KV pool size in bytes, e.g. 512M or 2G (instead of --num-kv-blocks)",
+    "data_parallel_size": "attention data-parallel ranks (processes)",
+    "tensor_parallel_size": "attention tensor-parallel ranks inside each DP rank",
+    "enable_expert_parallel": "spread routed experts over all ranks instead of TP-sharding each one",
+    "quantization": "a8w8: INT8 weights and activations, BF16 KV (None: the checkpoint's own)",
+    "speculative_config": 'MTP drafts as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'',
+    "moe_comm": "auto|alltoall|allgather: how MoE layers move tokens between EP ranks",
+    "moe_comm_dtype": "bfloat16|int8 payload of the MoE dispatch",
+    "flashcomm": "off|on|int8: with TP, ReduceScatter + (INT8) AllGather instead of AllReduce",
+    "num_redundant_experts": "extra routed-expert replicas (EPLB)",
+    "expert_placement": "JSON file mapping logical experts to physical slots per layer (moeserve eplb -o)",
+    "expert_load_stats": "record routed tokens per expert and MoE layer to this JSON file (PATH.rank<r> per rank)",
+    "nnodes": "nodes of a multi-node run",
+    "node_rank": "this node's index",
+    "master_addr": "address of node 0 (torch.distributed rendezvous)",
+    "master_port": "rendezvous port (None: a free port on one node)",
+    "distributed_backend": "auto|gloo|nccl (auto: NCCL for CUDA, gloo otherwise)",
+    "distributed_timeout": "seconds a collective may wait before the engine reports a dead rank",
+}
+
+
 @dataclass
 class EngineArgs:
     """The flat list of engine options (CLI flags and LLM keywords)."""
@@ -308,14 +340,15 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             kind = hints[f.name]
+            text = ENGINE_HELP.get(f.name, " ")
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
             elif dict in typing.get_args(kind):
-                group.add_argument(flag, type=str, default=f.default, help="a JSON object")
+                group.add_argument(flag, type=str, default=f.default, help=text)
             else:
                 base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
                 group.add_argument(flag, type=_parse_size if f.name.endswith("_memory") else base,
-                                   default=f.default)
+                                   default=f.default, help=text)
 
     @classmethod
     def from_cli(cls, ns, model: str | None) -> "EngineArgs":

@@ -5,6 +5,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-# The CPU build of PyTorch; an unpinned torch would pull a multi-GB CUDA build.
-.venv/bin/python -m pip install -q "torch==2.13.0"
+# The CPU build of PyTorch (an unpinned torch from PyPI is a multi-GB CUDA build): a CPU wheel the machine's
+# pip configuration provides (find-links / a local index), else PyTorch's own CPU index.
+if ! .venv/bin/python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null; then
+    .venv/bin/python -m pip install -q "torch==2.13.0" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+fi
 .venv/bin/python -m pip install -q -e ".[test]"

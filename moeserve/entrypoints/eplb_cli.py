@@ -3,7 +3,7 @@
 Reads the per-layer expert loads a run recorded (one file per rank, summed), replicates hot experts into
 the --num-redundant-experts slots and packs every layer's slots over W EP ranks (layers/moe/eplb.py), writes
 the placement JSON the engine's --expert-placement reads, and reports each layer's max/mean rank load with
-the default contiguous placement and with the balanced one (the figure `moeserve plan --eplb-stats` uses).
+the default contiguous placement and with the balanced one (the figure `moeserve plan <subcommand> --eplb-stats` uses).
 """
 from __future__ import annotations
 

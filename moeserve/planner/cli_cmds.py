@@ -118,6 +118,8 @@ def cmd_decode(a):
     lines.append(f"best under TPOT <= {a.tpot_ms:g} ms: " + (
         f"batch {best.batch}/DP, {best.tok_s_card:.0f} tok/s/card at {best.tpot_ms:.1f} ms" if best
         else "none (TPOT at batch 1 already exceeds the SLO)"))
+    if plot:
+        lines.append(f"wrote {plot}")
     return _emit(a, obj, "\n".join(lines))
 
 
