@@ -125,6 +125,8 @@ class DPEngineClient:
         """Sums over DP ranks (comm bytes and phase seconds of the TP leaders). Also the liveness check of
         an idle engine (the server's heartbeat calls it): raises EngineDeadError when a rank is gone."""
         self._check_alive()
+        if not self.owner:  # idle: nobody calls step(), so read the reports ranks sent after aborts here
+            self.step(poll_s=0)
         total = EngineStats()
         for s in self.rank_stats:
             total.num_running += s.num_running

@@ -75,7 +75,8 @@ class RankWorker:
     def run(self) -> None:
         anyone_busy = False
         while True:
-            shutdown = self._apply(self._commands(wait=not anyone_busy))
+            cmds = self._commands(wait=not anyone_busy)
+            shutdown = self._apply(cmds)
             s = self.core.scheduler
             mine = torch.tensor([[int(self.core.has_unfinished()), int(shutdown), s.prefill_demand(),
                                   s.num_decodes()]], dtype=torch.long)
@@ -85,6 +86,8 @@ class RankWorker:
             anyone_busy = bool(flags[:, 0].any())
             if anyone_busy:
                 self._step(flags, int(mine[0, 3]))
+            elif self.leader and any(c.aborts for c in cmds):
+                self._report([])  # no step follows: the front end must still see the freed slots
 
     def _step(self, flags: torch.Tensor, decodes: int) -> None:
         p = self.config.parallel
@@ -101,12 +104,16 @@ class RankWorker:
         for k, v in step.seconds.items():
             st.phase_seconds[k] = st.phase_seconds.get(k, 0.0) + v
         if self.leader:  # every step, so idle ranks' stats (their empty steps) are seen too
-            s = self.core.stats()
-            st.num_running, st.num_waiting, st.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
-            st.num_preemptions, st.outstanding_tokens = s.num_preemptions, s.outstanding_tokens
-            for f in SPEC_FIELDS:
-                setattr(st, f, getattr(s, f))
-            self.report(RankReport(self.info.dp_rank, outputs, st))
+            self._report(outputs)
+
+    def _report(self, outputs) -> None:
+        """The leader sends this DP rank's outputs with its current load."""
+        st, s = self.stats, self.core.stats()
+        st.num_running, st.num_waiting, st.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
+        st.num_preemptions, st.outstanding_tokens = s.num_preemptions, s.outstanding_tokens
+        for f in SPEC_FIELDS:
+            setattr(st, f, getattr(s, f))
+        self.report(RankReport(self.info.dp_rank, outputs, st))
 
     def _commands(self, wait: bool) -> list[RankCommand]:
         """This step's commands: read by the leader, identical on every TP rank of the DP rank."""

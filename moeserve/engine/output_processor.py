@@ -49,33 +49,45 @@ class OutputProcessor:
     def process(self, out: EngineCoreOutput) -> tuple[Delta, bool]:
         """Apply one output. Returns (delta, hit_stop_string); a stop-string hit must be aborted upstream."""
         st = self.states[out.request_id]
-        st.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs:
-            st.logprobs.extend(out.new_logprobs)
-        full = self.tokenizer.decode(st.token_ids, skip_special_tokens=st.params.skip_special_tokens)
+        new_ids, new_lps = list(out.new_token_ids), list(out.new_logprobs or [])
+        base = len(st.token_ids)
+        st.token_ids.extend(new_ids)
+        st.logprobs.extend(new_lps)
+        full = self._decode(st, st.token_ids)
         finished = out.finish_reason is not None
         if not finished and full.endswith("\ufffd"):
             full = full[: len(full.rstrip("\ufffd"))]  # an incomplete UTF-8 sequence: wait for more bytes
         hit = self._find_stop(st, full)
         if hit is not None:
-            cut, stop = hit
+            at, stop = hit
+            cut = at + len(stop) if st.params.include_stop_str_in_output else at
             full, finished = full[:cut], True
             st.finish_reason, st.stop_reason = "stop", stop
+            # Speculative decoding hands over several tokens at once: keep them only up to the one that
+            # completed the stop string, as plain decoding would have stopped there.
+            keep = next((j for j in range(1, len(new_ids))
+                         if len(self._decode(st, st.token_ids[:base + j])) >= at + len(stop)), len(new_ids))
+            if keep < len(new_ids):
+                del st.token_ids[base + keep:]
+                del st.logprobs[len(st.logprobs) - len(new_lps) + min(keep, len(new_lps)):]
+                new_ids, new_lps = new_ids[:keep], new_lps[:keep]
         elif finished:
             st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
         st.text = full
         hold = 0 if finished or not st.params.stop else max(len(x) for x in st.params.stop) - 1
         upto = max(st.sent, len(full) - hold)
         delta_text, st.sent = full[st.sent:upto], upto
-        delta = Delta(delta_text, list(out.new_token_ids), list(out.new_logprobs or []), finished,
-                      st.finish_reason, st.stop_reason)
+        delta = Delta(delta_text, new_ids, new_lps, finished, st.finish_reason, st.stop_reason)
         if finished:
             delta.final = self.states.pop(out.request_id)
         return delta, hit is not None and out.finish_reason is None
 
+    def _decode(self, st: DetokState, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=st.params.skip_special_tokens)
+
     @staticmethod
     def _find_stop(st: DetokState, text: str) -> tuple[int, str] | None:
-        """The earliest stop string that ends in text this output added (older text was checked before,
+        """(index, stop string) of the earliest stop string that ends in text this output added (older text was checked before,
         or came before min_tokens, when stop strings do not count: vLLM)."""
         if not st.params.stop or len(st.token_ids) < st.params.min_tokens:
             return None
@@ -86,5 +98,4 @@ class OutputProcessor:
                 best = (i, s)
         if best is None:
             return None
-        i, s = best
-        return (i + len(s) if st.params.include_stop_str_in_output else i), s
+        return best

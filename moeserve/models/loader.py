@@ -101,6 +101,17 @@ def iter_checkpoint(path: str, skip=None):
                 yield name, tensor
 
 
+def has_mtp_tensors(path: str, num_hidden_layers: int) -> bool:
+    """Whether the checkpoint ships an MTP layer (reads only the index or the safetensors headers)."""
+    for fname, names in checkpoint_files(path).items():
+        if names is None:
+            with safe_open(fname, framework="pt") as handle:
+                names = list(handle.keys())
+        if any(is_mtp_tensor(n, num_hidden_layers) for n in names):
+            return True
+    return False
+
+
 def is_mtp_tensor(name: str, num_hidden_layers: int) -> bool:
     m = _LAYER.match(name)
     return m is not None and int(m.group(1)) >= num_hidden_layers

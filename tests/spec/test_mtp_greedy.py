@@ -101,3 +101,26 @@ def test_greedy_identical_with_int8_quantization(mtp_ckpt_dir):
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert_no_leak(llm)
+
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_stop_strings_with_mtp_keep_no_token_past_the_stop(k):
+    """Several tokens arrive per step with MTP; after a stop string only those up to it may be kept
+    (token ids, logprobs and usage as without MTP). The bundled model's trained MTP layer is accepted
+    often, so a step that completes a stop string usually carries drafts past it."""
+    from moeserve.models.default import BUNDLED
+    prompts = ["import os\nimport sys\n", "def fibonacci(n):", "class Stack:", "for i in range(10):"]
+    plain = LLM(BUNDLED, dtype="float32")
+    full = [o.outputs[0].text for o in plain.generate(prompts, SamplingParams(temperature=0, max_tokens=24))]
+    stops = [["\n"]] + [[t[len(t) // 2: len(t) // 2 + 3]] for t in full[1:]]  # "\n": drafts run past it
+    params = [SamplingParams(temperature=0, max_tokens=24, stop=st, logprobs=1) for st in stops]
+    want = [o.outputs[0] for o in plain.generate(prompts, params)]
+    llm = LLM(BUNDLED, dtype="float32", speculative_config=spec(k))
+    got = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+    assert [g.finish_reason for g in got] == ["stop"] * len(prompts)
+    assert [g.text for g in got] == [w.text for w in want]
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert [len(g.logprobs) for g in got] == [len(w.token_ids) for w in want]
+    assert_no_leak(llm)

@@ -42,6 +42,13 @@ def test_checkpoint_without_mtp_layer_is_a_clear_error(ckpt_dir):
         LLM(ckpt_dir("v3"), dtype="float32", speculative_config={"method": "mtp"})
 
 
+def test_checkpoint_without_mtp_layer_is_refused_before_dp_ranks_start(ckpt_dir):
+    # With ranks, every rank would load the model and fail on its own (tracebacks, EngineDeadError).
+    with pytest.raises(ConfigError, match=r"--speculative-config.*model\.layers\.3\."):
+        LLM(ckpt_dir("v3"), dtype="float32", speculative_config={"method": "mtp"}, data_parallel_size=2,
+            enable_expert_parallel=True)
+
+
 def test_llm_keyword_builds_the_mtp_layer(mtp_ckpt_dir):
     llm = LLM(mtp_ckpt_dir("v3"), dtype="float32", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert llm.engine.config.speculative == SpeculativeConfig("mtp", 2)
