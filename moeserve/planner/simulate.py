@@ -100,6 +100,10 @@ def run(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, rate: float, n
     arr = arrivals(num_requests, rate / inst.dp, arrival, rng)
     ins = lengths(num_requests, wl.input_len, length_dist, rng)
     outs = lengths(num_requests, wl.output_len, length_dist, rng)
+    if m.max_position_embeddings:  # tail draws stay inside the model's context window, as a server's would
+        cap = m.max_position_embeddings
+        ins = [min(i, cap - 1) for i in ins]
+        outs = [max(1, min(o, cap - i)) for i, o in zip(ins, outs)]
     max_len = max(i + o for i, o in zip(ins, outs)) + 1 + inst.mtp_drafts
     sched = make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len)
     traces = {str(i): Trace(a, p, o) for i, (a, p, o) in enumerate(zip(arr, ins, outs))}

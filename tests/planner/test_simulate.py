@@ -70,3 +70,12 @@ def test_overload_grows_ttft_and_poisson_spreads_it():
 
 def test_percentile():
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
+
+
+def test_drawn_lengths_stay_inside_the_context_window():
+    from dataclasses import replace
+    small = replace(LITE, max_position_embeddings=96)   # exponential draws around 48 + 32 often pass 96
+    raw = simulate.run(small, H100, Instance(cards=1, quantization="bf16"), Workload(48, 32), 50.0, 60,
+                       arrival="constant", length_dist="exponential", seed=3)
+    lens = [t.prompt_len + t.output_len for t in raw["traces"].values()]
+    assert max(lens) <= 96 and all(t.output_len >= 1 for t in raw["traces"].values())
