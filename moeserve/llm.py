@@ -66,8 +66,7 @@ class LLM:
             ro = RequestOutput(rid, text, ids, [None] * p.n)
             results.append(ro)
             for i in range(p.n):
-                child = SamplingParams(**{**p.__dict__, "n": 1,
-                                          "seed": p.child_seed(i)})
+                child = p.for_sample(i)
                 cid = f"{rid}-{i}" if p.n > 1 else rid
                 children[cid] = (ro, i)
                 processor.add(cid, child, len(ids))

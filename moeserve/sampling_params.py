@@ -15,6 +15,14 @@ def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
+class SamplingParamsError(ValueError):
+    """A bad sampling parameter; `param` names it (the HTTP error body's "param")."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. Validated on construction."""
@@ -51,42 +59,49 @@ class SamplingParams:
                                         ("logprobs", self.logprobs)) if v is not None})
         for name, v in ints.items():
             if not _is_int(v):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
+                raise SamplingParamsError(f"{name} must be an integer, got {v!r}", name)
         for name in ("temperature", "top_p", "min_p"):
             if not _is_real(getattr(self, name)):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+                raise SamplingParamsError(f"{name} must be a number, got {getattr(self, name)!r}", name)
         checks = [
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
-            (0.0 <= self.temperature < math.inf, f"temperature must be a finite number >= 0, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or 1 <= self.top_k <= INT64_MAX,
+            ("n", self.n >= 1, f"n must be >= 1, got {self.n}"),
+            ("temperature", 0.0 <= self.temperature < math.inf,
+             f"temperature must be a finite number >= 0, got {self.temperature}"),
+            ("top_p", 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+            ("top_k", self.top_k == -1 or 1 <= self.top_k <= INT64_MAX,
              f"top_k must be -1 (disabled) or a positive 64-bit integer, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.max_tokens is None or 1 <= self.max_tokens <= INT64_MAX,
+            ("min_p", 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+            ("max_tokens", self.max_tokens is None or 1 <= self.max_tokens <= INT64_MAX,
              f"max_tokens must be at least 1 (and fit 64 bits), got {self.max_tokens}"),
-            (0 <= self.min_tokens <= INT64_MAX, f"min_tokens must be >= 0 (and fit 64 bits), got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            ("min_tokens", 0 <= self.min_tokens <= INT64_MAX,
+             f"min_tokens must be >= 0 (and fit 64 bits), got {self.min_tokens}"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,
              f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            (self.seed is None or -(2**63) <= self.seed <= INT64_MAX,
+            ("seed", self.seed is None or -(2**63) <= self.seed <= INT64_MAX,
              f"seed must be a 64-bit signed integer, got {self.seed}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
-            (all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
+             f"logprobs must be in [0, 20], got {self.logprobs}"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
+            ("stop_token_ids", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
-            (all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.logit_bias),
+            ("logit_bias", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.logit_bias),
              "logit_bias keys must be token ids (non-negative integers)"),
-            (all(_is_real(b) and math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
+            ("logit_bias", all(_is_real(b) and math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
              "logit_bias values must be numbers in [-100, 100]"),
         ]
-        for ok, message in checks:
+        for param, ok, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise SamplingParamsError(message, param)
 
     def child_seed(self, i: int) -> int | None:
         """Seed of the i-th of n samples (seed + i, wrapped into 64 bits)."""
         if self.seed is None:
             return None
         return (self.seed + i + 2**63) % 2**64 - 2**63
+
+    def for_sample(self, i: int) -> "SamplingParams":
+        """The params of the i-th of n samples: one sample, seeded with child_seed(i)."""
+        return SamplingParams(**{**self.__dict__, "n": 1, "seed": self.child_seed(i)})
 
     @property
     def greedy(self) -> bool:

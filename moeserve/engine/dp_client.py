@@ -76,16 +76,13 @@ class DPEngineClient:
         self._send(dp, RankCommand(requests=[req]))
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        if self.dead:  # nothing runs any more; forget the requests
-            for rid in request_ids:
-                if rid in self.owner:
-                    self._forget(rid)
-            return
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
             if rid in self.owner:
                 by_rank.setdefault(self.owner[rid], []).append(rid)
                 self._forget(rid)
+        if self.dead:  # nothing runs any more: forgetting them is all there is to do
+            return
         for dp, ids in by_rank.items():
             self._send(dp, RankCommand(aborts=ids, abort_status=reason.value))
 

@@ -75,13 +75,10 @@ def check_parallel_layout(config: EngineConfig, arch) -> None:
     build_plan(parallel, arch, 0, mtp=config.speculative is not None)
     if config.speculative is not None:  # else every rank would load the model and then fail on its own
         from moeserve.models.loader import has_mtp_tensors
+        from moeserve.spec.mtp_model import missing_mtp_layer
 
         if arch.num_nextn_predict_layers < 1 or not has_mtp_tensors(config.model.model, arch.num_hidden_layers):
-            raise ConfigError(
-                f"--speculative-config method 'mtp' needs the checkpoint's MTP layer (model.layers."
-                f"{arch.num_hidden_layers}.*, num_nextn_predict_layers = {arch.num_nextn_predict_layers} in "
-                "config.json) and this checkpoint has none; drop --speculative-config or use a checkpoint "
-                "that ships its MTP layer")
+            raise ConfigError(missing_mtp_layer(arch))
 
 
 def check_backend(parallel: ParallelConfig) -> None:

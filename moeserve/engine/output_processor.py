@@ -50,7 +50,7 @@ class OutputProcessor:
         """Apply one output. Returns (delta, hit_stop_string); a stop-string hit must be aborted upstream."""
         st = self.states[out.request_id]
         new_ids, new_lps = list(out.new_token_ids), list(out.new_logprobs or [])
-        base = len(st.token_ids)
+        base, base_lp = len(st.token_ids), len(st.logprobs)
         st.token_ids.extend(new_ids)
         st.logprobs.extend(new_lps)
         full = self._decode(st, st.token_ids)
@@ -69,7 +69,7 @@ class OutputProcessor:
                          if len(self._decode(st, st.token_ids[:base + j])) >= at + len(stop)), len(new_ids))
             if keep < len(new_ids):
                 del st.token_ids[base + keep:]
-                del st.logprobs[len(st.logprobs) - len(new_lps) + min(keep, len(new_lps)):]
+                del st.logprobs[base_lp + keep:]
                 new_ids, new_lps = new_ids[:keep], new_lps[:keep]
         elif finished:
             st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
@@ -87,8 +87,8 @@ class OutputProcessor:
 
     @staticmethod
     def _find_stop(st: DetokState, text: str) -> tuple[int, str] | None:
-        """(index, stop string) of the earliest stop string that ends in text this output added (older text was checked before,
-        or came before min_tokens, when stop strings do not count: vLLM)."""
+        """(index, stop string) of the earliest stop string that ends in text this output added (older
+        text was checked before, or came before min_tokens, when stop strings do not count: vLLM)."""
         if not st.params.stop or len(st.token_ids) < st.params.min_tokens:
             return None
         best = None

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_N = 128  # choices per request; each one is a separate engine request
 MAX_LOGPROBS = 20
@@ -124,18 +124,12 @@ class _SamplingFields(_Strict):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
                 skip_special_tokens=self.skip_special_tokens, **{k: v for k, v in kwargs.items() if v is not None})
-        except ValueError as e:
-            raise APIError(str(e), param=_param_of(str(e))) from None
+        except SamplingParamsError as e:
+            raise APIError(str(e), param=e.param) from None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-def _param_of(message: str) -> str | None:
-    """SamplingParams messages start with the field's name."""
-    name = message.split(" ", 1)[0].strip("'(")
-    return name if name in _SamplingFields.model_fields or name in ("max_tokens", "logprobs") else None
 
 
 class CompletionRequest(_SamplingFields):

@@ -118,7 +118,7 @@ class Serving:
         children = []
         for p, ids in enumerate(prompts):
             for i in range(params.n):
-                child = SamplingParams(**{**params.__dict__, "n": 1, "seed": params.child_seed(i)})
+                child = params.for_sample(i)
                 children.append(Child(p * params.n + i, f"{base}-{p}-{i}", ids, child))
         return children
 

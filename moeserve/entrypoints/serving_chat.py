@@ -38,9 +38,8 @@ class ChatServing(Serving):
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         ids = await self.off_loop(self.render, req)
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.check_length(len(ids), requested, "messages", field)
+        max_tokens = self.check_length(len(ids), getattr(req, field), "messages", field)
         params = req.sampling_params(max_tokens, req.num_logprobs())
         children = self.make_children([ids], params, "chatcmpl")
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()

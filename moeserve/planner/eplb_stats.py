@@ -39,13 +39,13 @@ class LoadSkew:
 
     @classmethod
     def from_files(cls, paths: str | list[str], n_experts: int, balanced: bool = True) -> "LoadSkew":
+        paths = [paths] if isinstance(paths, str) else list(paths)
         try:
-            skew = cls(read_loads([paths] if isinstance(paths, str) else list(paths), n_experts), balanced)
+            skew = cls(read_loads(paths, n_experts), balanced)
         except ValueError as err:
             raise ValueError(f"--eplb-stats {err}") from None
         if not skew.layers:
-            raise ValueError(f"--eplb-stats {' '.join([paths] if isinstance(paths, str) else paths)}: "
-                             "no layer records any routed tokens")
+            raise ValueError(f"--eplb-stats {' '.join(paths)}: no layer records any routed tokens")
         return skew
 
     def factor(self, ranks: int, redundant: int = 0) -> float:

@@ -80,6 +80,14 @@ class DeepseekMTP(nn.Module):
         return F.linear(sh.norm(hidden), weight).float()
 
 
+def missing_mtp_layer(arch) -> str:
+    """What a user reads when --speculative-config asks for an MTP layer the checkpoint lacks."""
+    return (f"--speculative-config method 'mtp' needs the checkpoint's MTP layer (model.layers."
+            f"{arch.num_hidden_layers}.*, num_nextn_predict_layers = {arch.num_nextn_predict_layers} in "
+            "config.json) and this checkpoint has none; drop --speculative-config or use a checkpoint that "
+            "ships its MTP layer")
+
+
 def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype: torch.dtype,
               quant: QuantConfig | None = None) -> DeepseekMTP:
     """The MTP layer of a loaded main model, from the tensors its loader set aside (quantized like it)."""
@@ -87,10 +95,7 @@ def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype
     prefix = f"model.layers.{arch.num_hidden_layers}."
     weights = {n: t for n, t in mtp_weights.items() if n.startswith(prefix)}
     if not weights:
-        raise CheckpointError(
-            f"--speculative-config method 'mtp' needs the checkpoint's MTP layer ({prefix}*, "
-            f"num_nextn_predict_layers = {arch.num_nextn_predict_layers} in config.json) and this checkpoint "
-            "has none; drop --speculative-config or use a checkpoint that ships its MTP layer")
+        raise CheckpointError(missing_mtp_layer(arch))
     weights.pop(prefix + "embed_tokens.weight", None)  # a copy of the main embedding, which is used instead
     if arch.num_nextn_predict_layers > 1:
         logger.info("using MTP layer %d of %d; k > 1 re-applies it", 1, arch.num_nextn_predict_layers)
