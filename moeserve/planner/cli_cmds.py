@@ -19,11 +19,16 @@ def args_estimate(p):
     _add_common(p)
     p.add_argument("--batch", type=positive_int, default=None, help="sequences per DP group (default: max that fits)")
     p.add_argument("--prefill-requests", type=positive_int, default=None, help="default: one per DP group")
-    g = p.add_argument_group("prefill instance (PD disaggregation; default: the decode layout)")
+    _add_prefill_flags(p, "prefill instance (PD disaggregation; default: the decode layout)")
+
+
+def _add_prefill_flags(p, title: str):
+    g = p.add_argument_group(title)
     g.add_argument("--prefill-cards", type=positive_int, default=None)
     g.add_argument("--prefill-tp", type=positive_int, default=None)
     g.add_argument("--prefill-moe-comm", choices=("alltoall", "allgather"), default=None)
     g.add_argument("--prefill-micro-batch-overlap", action="store_true")
+    return g
 
 
 def _prefill_instance(a, inst, m):
@@ -194,13 +199,30 @@ def args_simulate(p):
     p.add_argument("--tpot-ms", type=positive_float, default=None, help="goodput SLO on TPOT")
     p.add_argument("--ttft-ms", type=positive_float, default=None, help="goodput SLO on TTFT")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--role", choices=("unified", "decode"), default="unified",
-                   help="decode: a PD decode instance (prompts arrive with their KV)")
+    p.add_argument("--role", choices=("unified", "decode", "pd"), default="unified",
+                   help="decode: a PD decode instance (prompts arrive with their KV); pd: a prefill and a decode "
+                        "instance behind a proxy (needs --prefill-cards)")
+    g = _add_prefill_flags(p, "PD deployment (--role pd; the deployment flags above are the decode instance)")
+    g.add_argument("--prefill-instances", type=positive_int, default=1)
+    g.add_argument("--decode-instances", type=positive_int, default=1)
 
 
 def cmd_simulate(a):
     from moeserve.planner.simulate import format_report, simulate_from_args
-    res = simulate_from_args(a, *_ctx(a))
+    m, hw, inst, wl = _ctx(a)
+    pre = None
+    if a.role == "pd":
+        if a.prefill_cards is None:
+            raise PlanError("--role pd needs --prefill-cards (the prefill instance's size)")
+        with _which(f"prefill instance ({a.prefill_cards} cards)"):
+            pre = _prefill_instance(a, inst, m)
+    else:
+        used = [f for f in ("prefill_cards", "prefill_tp", "prefill_moe_comm") if getattr(a, f) is not None]
+        used += [f for f in ("prefill_micro_batch_overlap",) if getattr(a, f)]
+        used += [f for f in ("prefill_instances", "decode_instances") if getattr(a, f) != 1]
+        if used:
+            raise PlanError(f"--{used[0].replace('_', '-')} describes a PD deployment; add --role pd")
+    res = simulate_from_args(a, m, hw, inst, wl, pre)
     return _emit(a, res, format_report(res))
 
 

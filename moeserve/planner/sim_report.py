@@ -24,8 +24,11 @@ def _pcts(xs: list[float]) -> dict:
 
 
 def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms: float | None,
-              window: tuple[float, float] = (0.0, 1.0)) -> dict:
-    """Latency percentiles over requests whose arrival rank lies in `window` (drop warm-up/drain)."""
+              window: tuple[float, float] = (0.0, 1.0), cards_per_group: float | None = None) -> dict:
+    """Latency percentiles over requests whose arrival rank lies in `window` (drop warm-up/drain).
+
+    Per-card figures divide the simulated group's tokens by `cards_per_group`: the group's TP cards
+    (default), or in a PD deployment all cards over the decode DP groups."""
     ttft, tpot, itl, good, tokens, done = [], [], [], 0, 0, 0
     traces = list(raw["traces"].values())
     lo, hi = int(window[0] * len(traces)), int(window[1] * len(traces))
@@ -45,12 +48,13 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
             tpot_slo_ms is None or per_tok * 1e3 <= tpot_slo_ms)
         good += ok * len(t.token_times) * len(traces) / max(1, hi - lo)
     span = raw["makespan"] or 1.0
-    # One DP group simulated: per card = its tokens / (time x TP cards of the group).
+    # One DP group simulated: per card = its tokens / (time x the cards it stands for).
+    cards = inst.tp if cards_per_group is None else cards_per_group
     return {"requests_measured": done, "steps": raw["steps"], "preemptions": raw["preemptions"],
             "makespan_s": round(span, 3), "busy_fraction": round(raw["busy"] / span, 4),
             "ttft_ms": _pcts(ttft), "tpot_ms": _pcts(tpot), "itl_ms": _pcts(itl),
-            "throughput_tok_s_card": round(tokens / span / inst.tp, 2),
-            "goodput_tok_s_card": round(good / span / inst.tp, 2)}
+            "throughput_tok_s_card": round(tokens / span / cards, 2),
+            "goodput_tok_s_card": round(good / span / cards, 2)}
 
 
 def analytic_steady_state(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload,

@@ -5,19 +5,29 @@ Lifecycle: requests arrive (Poisson or constant rate) -> Scheduler.add_request -
 Scheduler.schedule() picks work -> the cost model prices that exact batch -> the clock advances ->
 Scheduler.update_from_output() with sampled tokens (1 + accepted MTP drafts) -> finished requests are
 timed. One DP group is simulated; the instance's other DP groups run the same load (the rate is split).
+
+PD disaggregation (run_pd): a prefill DP group and a decode DP group, each its own Scheduler. The proxy
+deals requests round-robin over the prefill groups and over the decode groups (system-brief item 1 balances
+by load; round-robin is its even-load limit). The prefill group runs prompts to their first token; a
+request assigned to the simulated decode group takes the prefill latency the simulated prefill group saw
+at its arrival time (every prefill group carries the same load), then the KV pull, then joins the decode
+group with its first token already out.
 """
 from __future__ import annotations
 
+import bisect
 import random
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 
 from moeserve.config import SchedulerConfig
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.request import Request
 from moeserve.engine.scheduler import Scheduler
 from moeserve.planner.analysis import decode_memory
-from moeserve.planner.deploy import Instance, Workload
+from moeserve.planner.deploy import DoesNotFit, Instance, Workload
 from moeserve.planner.hardware import Hardware
+from moeserve.planner.memory import memory_report
 from moeserve.planner.models import ModelSpec
 from moeserve.planner.step import Batch, run_step
 from moeserve.sampling_params import SamplingParams
@@ -29,6 +39,11 @@ class Trace:
     prompt_len: int
     output_len: int
     token_times: list[float] = field(default_factory=list)
+    ready: float | None = None  # when it reaches the simulated instance (PD decode: after prefill + KV pull)
+
+    @property
+    def start(self) -> float:
+        return self.arrival if self.ready is None else self.ready
 
 
 def arrivals(n: int, rate: float, kind: str, rng: random.Random) -> list[float]:
@@ -76,14 +91,82 @@ def accepted(inst: Instance, rng: random.Random) -> int:
     return n
 
 
-def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len) -> Scheduler:
-    rep = decode_memory(m, hw, inst, wl)
+def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: str = "unified") -> Scheduler:
+    """KV blocks and the sequence cap from the memory model. A prefill instance sizes its workspace for a
+    full token budget and its KV for prompts (it frees each one once the decode side has it)."""
+    if role == "prefill":
+        rep = memory_report(m, hw, inst, wl.input_len, max_batched,
+                            logit_rows=max_batched / max(1, wl.input_len) * (1 + inst.mtp_drafts),
+                            total_tokens=max_batched * inst.dp)
+    else:
+        rep = decode_memory(m, hw, inst, wl)
     per_token = m.kv_bytes_per_token(inst.kv_bytes, with_mtp=inst.mtp_drafts > 0)
     block = 16
     num_blocks = max(1, int(rep.kv_free // (per_token * block)))
     cfg = SchedulerConfig(max_num_seqs=max(1, rep.max_batch) if max_num_seqs is None else max_num_seqs,
                           max_num_batched_tokens=max_batched, max_model_len=max_len)
     return Scheduler(cfg, KVCacheManager(num_blocks, block))
+
+
+def _stream(m: ModelSpec, wl: Workload, num_requests: int, rate: float, arrival: str, length_dist: str,
+            rng: random.Random) -> list[Trace]:
+    """Arrivals at `rate` and drawn lengths; tail draws stay inside the model's context window, as a
+    server's would."""
+    arr = arrivals(num_requests, rate, arrival, rng)
+    ins = lengths(num_requests, wl.input_len, length_dist, rng)
+    outs = lengths(num_requests, wl.output_len, length_dist, rng)
+    if m.max_position_embeddings:
+        cap = m.max_position_embeddings
+        ins = [min(i, cap - 1) for i in ins]
+        outs = [max(1, min(o, cap - i)) for i, o in zip(ins, outs)]
+    return [Trace(a, p, o) for a, p, o in zip(arr, ins, outs)]
+
+
+def _request(rid: str, t: Trace, role: str) -> Request:
+    """What the simulated instance's scheduler sees of a trace."""
+    if role == "prefill":  # prompt to first token, then the request leaves for decode
+        prompt, max_tokens = t.prompt_len, 1
+    elif role == "pd-decode":  # prompt + the first token (its KV pulled), the rest of the output to go
+        prompt, max_tokens = t.prompt_len + 1, t.output_len - 1
+    else:
+        prompt, max_tokens = t.prompt_len, t.output_len
+    return Request(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   arrival_time=t.start)
+
+
+def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces: dict[str, Trace], role: str,
+               max_num_seqs: int | None, max_batched: int, rng: random.Random, max_steps: int) -> dict:
+    """One DP group serving `traces` (ordered by Trace.start); appends each request's token times."""
+    order = sorted(traces, key=lambda r: traces[r].start)
+    starts = [traces[r].start for r in order]
+    max_len = max(t.prompt_len + t.output_len for t in traces.values()) + 1 + inst.mtp_drafts
+    sched = make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
+                           role="prefill" if role == "prefill" else "decode")
+    clock, nxt, steps, busy, n = 0.0, 0, 0, 0.0, len(order)
+    while steps < max_steps and (nxt < n or sched.has_unfinished()):
+        while nxt < n and starts[nxt] <= clock:
+            rid = order[nxt]
+            sched.add_request(_request(rid, traces[rid], role))
+            nxt += 1
+        out = sched.schedule()
+        if out.is_empty:
+            if nxt >= n:
+                break  # nothing runnable and nothing left to arrive
+            clock = max(clock, starts[nxt])
+            continue
+        dt = price(m, hw, inst, out, prefill_free=role in ("decode", "pd-decode"))
+        clock += dt
+        busy += dt
+        steps += 1
+        sampled = {}
+        for s in out.scheduled:
+            if s.samples:
+                k = 1 + accepted(inst, rng) if s.start >= s.request.num_prompt_tokens else 1
+                sampled[s.request.request_id] = [0] * k
+                traces[s.request.request_id].token_times += [clock] * k
+        sched.update_from_output(out, sampled)
+    return {"traces": traces, "makespan": clock, "steps": steps, "busy": busy,
+            "preemptions": sched.num_preemptions}
 
 
 def run(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, rate: float, num_requests: int,
@@ -94,69 +177,129 @@ def run(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, rate: float, n
 
     role 'unified': prefill and decode share the instance (chunked prefill); 'decode': a PD decode
     instance whose prompts arrive prefilled."""
+    _check_stream(num_requests, rate)
+    rng = random.Random(seed)
+    traces = {str(i): t for i, t in enumerate(_stream(m, wl, num_requests, rate / inst.dp, arrival,
+                                                       length_dist, rng))}
+    return _run_group(m, hw, inst, wl, traces, role, max_num_seqs, max_batched, rng, max_steps)
+
+
+def _check_stream(num_requests: int, rate: float) -> None:
     if num_requests < 1 or not rate > 0:  # no stream to measure; a non-positive rate has no arrivals
         raise ValueError(f"simulate needs num_requests >= 1 and rate > 0, got {num_requests} and {rate}")
+
+
+def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workload, rate: float,
+           num_requests: int, prefill_instances: int = 1, decode_instances: int = 1, arrival: str = "poisson",
+           length_dist: str = "fixed", max_num_seqs: int | None = None, max_batched: int = 8192,
+           seed: int = 0, max_steps: int = 2_000_000) -> dict:
+    """A PD deployment at `rate` requests/s: `prefill_instances` x `pre` and `decode_instances` x `dec`.
+
+    `num_requests` is what the simulated decode group serves (as in `run`): the deployment's stream
+    carries that many per decode DP group. Returns the decode group's raw traces (arrival = at the proxy;
+    token 1 = prefill done + KV pull), the prefill group's raw result under "prefill" and the pull times."""
+    from moeserve.planner.analysis import kv_pull_ms
+    _check_stream(num_requests, rate)
     rng = random.Random(seed)
-    arr = arrivals(num_requests, rate / inst.dp, arrival, rng)
-    ins = lengths(num_requests, wl.input_len, length_dist, rng)
-    outs = lengths(num_requests, wl.output_len, length_dist, rng)
-    if m.max_position_embeddings:  # tail draws stay inside the model's context window, as a server's would
-        cap = m.max_position_embeddings
-        ins = [min(i, cap - 1) for i in ins]
-        outs = [max(1, min(o, cap - i)) for i, o in zip(ins, outs)]
-    max_len = max(i + o for i, o in zip(ins, outs)) + 1 + inst.mtp_drafts
-    sched = make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len)
-    traces = {str(i): Trace(a, p, o) for i, (a, p, o) in enumerate(zip(arr, ins, outs))}
-    clock, nxt, steps, busy = 0.0, 0, 0, 0.0
-    while steps < max_steps and (nxt < num_requests or sched.has_unfinished()):
-        while nxt < num_requests and arr[nxt] <= clock:
-            t = traces[str(nxt)]
-            sched.add_request(Request(str(nxt), [1] * t.prompt_len,
-                                      SamplingParams(max_tokens=t.output_len, ignore_eos=True),
-                                      arrival_time=t.arrival))
-            nxt += 1
-        out = sched.schedule()
-        if out.is_empty:
-            if nxt >= num_requests:
-                break  # nothing runnable and nothing left to arrive
-            clock = max(clock, arr[nxt])
+    g_pre, g_dec = prefill_instances * pre.dp, decode_instances * dec.dp
+    stream = _stream(m, wl, num_requests * g_dec, rate, arrival, length_dist, rng)
+    # Round-robin: the simulated groups get every g-th request of the deployment's stream.
+    pre_traces = {str(i): Trace(t.arrival, t.prompt_len, 1) for i, t in enumerate(stream) if i % g_pre == 0}
+    pre_raw = _run_group(m, hw, pre, wl, pre_traces, "prefill", None, max_batched, rng, max_steps)
+    done = sorted((t.arrival, t.token_times[0] - t.arrival) for t in pre_traces.values() if t.token_times)
+    if not done:
+        raise ValueError("the prefill instance finished no prompt within the step cap; lower --rate")
+    times = [a for a, _ in done]
+    cards = prefill_instances * pre.cards + decode_instances * dec.cards
+    pull_cache: dict[int, float] = {}
+    traces = {}
+    for i, t in enumerate(stream):
+        if i % g_dec:
             continue
-        dt = price(m, hw, inst, out, prefill_free=role == "decode")
-        clock += dt
-        busy += dt
-        steps += 1
-        sampled = {}
-        for s in out.scheduled:
-            if s.samples:
-                n = 1 + accepted(inst, rng) if s.start >= s.request.num_prompt_tokens else 1
-                sampled[s.request.request_id] = [0] * n
-                traces[s.request.request_id].token_times += [clock] * n
-        sched.update_from_output(out, sampled)
-    return {"traces": traces, "makespan": clock, "steps": steps, "busy": busy,
-            "preemptions": sched.num_preemptions}
+        j = min(bisect.bisect_left(times, t.arrival), len(done) - 1)  # the prefill load at its arrival
+        if j and t.arrival - times[j - 1] < times[j] - t.arrival:
+            j -= 1
+        if t.prompt_len not in pull_cache:
+            pull_cache[t.prompt_len] = kv_pull_ms(m, hw, dec, t.prompt_len, cards) * 1e-3
+        first = t.arrival + done[j][1] + pull_cache[t.prompt_len]
+        traces[str(i)] = Trace(t.arrival, t.prompt_len, t.output_len, [first], ready=first)
+    decoding = {r: t for r, t in traces.items() if t.output_len > 1}
+    raw = _run_group(m, hw, dec, wl, decoding, "pd-decode", max_num_seqs, max_batched, rng, max_steps)
+    raw["traces"] = traces
+    raw["prefill"] = pre_raw
+    raw["kv_pull_ms"] = {p: round(s * 1e3, 3) for p, s in sorted(pull_cache.items())}
+    return raw
 
 
 def default_rate(m, hw, inst, wl, role: str) -> float:
     """80% of capacity (requests/s): decode at its memory-limited batch, plus prefill when unified."""
-    from moeserve.planner.analysis import decode_point
     from moeserve.planner.step import prefill_step
-    cap = decode_memory(m, hw, inst, wl).max_batch
-    pt = decode_point(m, hw, inst, wl, max(1, cap))
-    per_req = wl.output_len / (pt.tok_s_card * inst.cards)  # card-seconds... per request, instance-wide
+    per_req = 1.0 / _decode_capacity(m, hw, inst, wl)
     if role == "unified":
         per_req += prefill_step(m, hw, inst, 1, wl.input_len).total / inst.dp
     return 0.8 / per_req
 
 
-def simulate_from_args(a, m, hw, inst, wl) -> dict:
+def _decode_capacity(m, hw, inst, wl) -> float:
+    """Requests/s one instance finishes at its memory-limited batch."""
+    from moeserve.planner.analysis import decode_point
+    cap = decode_memory(m, hw, inst, wl).max_batch
+    return decode_point(m, hw, inst, wl, max(1, cap)).tok_s_card * inst.cards / wl.output_len
+
+
+def default_rate_pd(m, hw, pre, dec, wl, prefill_instances: int, decode_instances: int) -> float:
+    """80% of the slower side: prefill instances each starting one prompt per DP group per forward, or
+    decode instances at their memory-limited batch."""
+    from moeserve.planner.analysis import prefill_point
+    pt = prefill_point(m, hw, pre, pre.dp, wl.input_len)
+    prefill = prefill_instances * pre.dp / (pt.ttft_ms * 1e-3)
+    return 0.8 * min(prefill, decode_instances * _decode_capacity(m, hw, dec, wl))
+
+
+@contextmanager
+def _labelled(label: str | None):
+    """A PD refusal says which of the two instances it is about."""
+    try:
+        yield
+    except DoesNotFit as e:
+        raise DoesNotFit(f"{label}: {e}" if label else str(e)) from None
+
+
+def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
+    """`pre`: the prefill instance of a PD deployment (--role pd)."""
+    from moeserve.planner.analysis import kv_pull_ms, prefill_point, require_fits
     from moeserve.planner.sim_report import analytic_steady_state, summarize
-    rate = default_rate(m, hw, inst, wl, a.role) if a.rate is None else a.rate
-    raw = run(m, hw, inst, wl, rate, a.num_requests, a.arrival, a.length_dist, a.max_num_seqs,
-              a.max_num_batched_tokens, a.seed, role=a.role)
-    res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9))
+    with _labelled(f"decode instance ({inst.cards} cards)" if pre else None):
+        require_fits(m, hw, inst, wl)  # a layout that does not fit is refused (exit 1), not simulated
+    if a.role != "pd":
+        rate = default_rate(m, hw, inst, wl, a.role) if a.rate is None else a.rate
+        raw = run(m, hw, inst, wl, rate, a.num_requests, a.arrival, a.length_dist, a.max_num_seqs,
+                  a.max_num_batched_tokens, a.seed, role=a.role)
+        res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9))
+        analytic = analytic_steady_state(m, hw, inst, wl, rate)
+    else:
+        p_n, d_n = a.prefill_instances, a.decode_instances
+        # One prompt in every prefill DP group: the step the simulator prices (the groups run in lockstep);
+        # refuses a prefill layout that does not fit.
+        with _labelled(f"prefill instance ({pre.cards} cards)"):
+            busy = prefill_point(m, hw, pre, pre.dp, wl.input_len)
+        rate = default_rate_pd(m, hw, pre, inst, wl, p_n, d_n) if a.rate is None else a.rate
+        raw = run_pd(m, hw, pre, inst, wl, rate, a.num_requests, p_n, d_n, a.arrival, a.length_dist,
+                     a.max_num_seqs, a.max_num_batched_tokens, a.seed)
+        cards = p_n * pre.cards + d_n * inst.cards
+        res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9),
+                        cards_per_group=cards / (d_n * inst.dp))
+        pr = raw["prefill"]
+        res["prefill"] = {"layout": asdict(pre), "instances": p_n, "steps": pr["steps"],
+                          "busy_fraction": round(pr["busy"] / (pr["makespan"] or 1.0), 4),
+                          "kv_pull_ms": raw["kv_pull_ms"]}
+        res.update({"decode_instances": d_n, "cards": cards})
+        pull = kv_pull_ms(m, hw, inst, wl.input_len, cards)
+        analytic = analytic_steady_state(m, hw, inst, wl, rate / d_n) | {
+            "ttft_ms": round(busy.ttft_ms + pull, 3)}
     res.update({"model": m.name, "hardware": hw.key, "rate_req_s": round(rate, 4),
                 "arrival": a.arrival, "role": a.role, "length_dist": a.length_dist,
-                "analytic_steady_state": analytic_steady_state(m, hw, inst, wl, rate)})
+                "analytic_steady_state": analytic})
     return res
 
 
@@ -164,11 +307,20 @@ def format_report(r: dict) -> str:
     def row(name):
         d = r[name]
         return f"  {name:<8} p50 {d['p50']:9.2f}  p90 {d['p90']:9.2f}  p99 {d['p99']:9.2f}  (ms)"
-    a = r["analytic_steady_state"]
+    a, p = r["analytic_steady_state"], r.get("prefill")
     return "\n".join([
         f"{r['model']} on {r['hardware']}: {r['rate_req_s']:.3f} req/s ({r['arrival']}, lengths "
         f"{r['length_dist']}), {r['requests_measured']} requests measured, {r['steps']} steps, "
         f"{r['preemptions']} preemptions",
         row("ttft_ms"), row("tpot_ms"), row("itl_ms"),
         f"  throughput {r['throughput_tok_s_card']:.1f} tok/s/card, goodput {r['goodput_tok_s_card']:.1f}",
-        f"  analytic steady state: batch {a['batch_per_dp']}/DP, TPOT {a['tpot_ms']} ms"])
+        f"  analytic steady state: batch {a['batch_per_dp']}/DP, TPOT {a['tpot_ms']} ms"
+        + (f"; TTFT {a['ttft_ms']} ms (one prompt per prefill DP group + KV pull, no queue)" if p else "")]
+        + ([f"  prefill: {p['instances']} x {p['layout']['cards']} cards (TP{p['layout']['tp']}) busy "
+            f"{100 * p['busy_fraction']:.0f}%, KV pull {_pulls(p['kv_pull_ms'])}; decode: "
+            f"{r['decode_instances']} instance(s); {r['cards']} cards in all"] if p else []))
+
+
+def _pulls(by_len: dict) -> str:
+    vals = list(by_len.values())
+    return f"{vals[0]:.2f} ms" if len(vals) == 1 else f"{min(vals):.2f}-{max(vals):.2f} ms"

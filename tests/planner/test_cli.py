@@ -26,6 +26,19 @@ def test_json_is_one_object(cmd, capsys):
     assert isinstance(obj, dict) and obj
 
 
+def test_simulate_pd_reports_both_instances(capsys):
+    argv = ["simulate", "--json", "--model", "deepseek-v2-lite", "--hardware", "h100", "--cards", "2",
+            "--quantization", "bf16", "--input-len", "256", "--output-len", "16", "--num-requests", "30",
+            "--role", "pd", "--prefill-cards", "1", "--prefill-instances", "2"]
+    assert main(["plan", *argv]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["role"] == "pd" and obj["cards"] == 4 and obj["decode_instances"] == 1
+    assert obj["prefill"]["instances"] == 2 and obj["prefill"]["layout"]["cards"] == 1
+    assert obj["ttft_ms"]["p50"] >= obj["analytic_steady_state"]["ttft_ms"] * 0.999  # queueing only adds
+    assert main(["plan", "simulate", *argv[2:]]) == 0
+    assert "prefill: 2 x 1 cards" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("cmd", ["estimate", "decode", "hardware"])
 def test_text_output(cmd, capsys):
     assert main(["plan", cmd, *CASES[cmd]]) == 0

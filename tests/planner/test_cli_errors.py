@@ -30,6 +30,10 @@ REFUSED = [  # (argv, flag the message must name)
     (["simulate", "--rate", "inf"], "--rate"),
     (["simulate", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["simulate", "--num-requests", "0"], "--num-requests"),
+    (["simulate", "--role", "pd"], "--prefill-cards"),  # a PD deployment needs its prefill instance
+    (["simulate", "--prefill-cards", "16"], "--role pd"),  # prefill flags without PD were ignored
+    (["simulate", "--decode-instances", "2"], "--role pd"),
+    (["simulate", "--role", "pd", "--prefill-cards", "16", "--prefill-instances", "0"], "--prefill-instances"),
     (["profile-cpu", "--threads", "0"], "--threads"),
     (["profile-cpu", "--threads", "-1"], "--threads"),
     (["profile-cpu", "--batches", "0,-4"], "--batches"),
@@ -144,6 +148,18 @@ def test_errors_with_json_print_one_error_object(cmd, capsys):
     obj = json.loads(out)  # exactly one object on stdout...
     assert list(obj) == ["error"] and obj["error"] in err  # ...and the same message on stderr
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_simulate_refuses_a_layout_that_does_not_fit(capsys):
+    # used to fail inside the engine scheduler, naming engine flags (--num-kv-blocks) plan does not have
+    code, out, err = run(capsys, "simulate", "--hardware", "h100", "--cards", "1", "--num-requests", "5")
+    assert code == 1 and "exceed" in err and "--num-kv-blocks" not in err
+    code, out, err = run(capsys, "simulate", "--hardware", "h100", "--cards", "16", "--role", "pd",
+                         "--prefill-cards", "2", "--num-requests", "5")
+    assert code == 1 and "prefill instance (2 cards): weights" in err
+    code, out, err = run(capsys, "simulate", "--hardware", "h100", "--cards", "2", "--role", "pd",
+                         "--prefill-cards", "16", "--num-requests", "5")
+    assert code == 1 and "decode instance (2 cards): weights" in err
 
 
 def test_exit_codes_refused_vs_bad_input(capsys):

@@ -79,3 +79,50 @@ def test_drawn_lengths_stay_inside_the_context_window():
                        arrival="constant", length_dist="exponential", seed=3)
     lens = [t.prompt_len + t.output_len for t in raw["traces"].values()]
     assert max(lens) <= 96 and all(t.output_len >= 1 for t in raw["traces"].values())
+
+
+# ---- PD deployments: a prefill group and a decode group, each behind its own real Scheduler ----------
+PD_WL = Workload(input_len=512, output_len=32)
+
+
+def _pd(rate, prefill_instances=1, n=120, pre_cards=2, **kw):
+    pre, dec = Instance(cards=pre_cards, quantization="bf16"), Instance(cards=2, quantization="bf16")
+    raw = simulate.run_pd(LITE, H100, pre, dec, PD_WL, rate, n, prefill_instances=prefill_instances, **kw)
+    cards = prefill_instances * pre.cards + dec.cards
+    return pre, dec, raw, summarize(raw, dec, None, None, window=(0.3, 0.9), cards_per_group=cards / dec.dp)
+
+
+def test_pd_at_low_rate_ttft_is_prefill_plus_kv_pull_and_tpot_the_decode_steady_state():
+    from moeserve.planner.analysis import kv_pull_ms, prefill_point
+    pre, dec, raw, res = _pd(rate=4.0, arrival="constant")
+    # 4 req/s over 2 prefill groups: a prompt every 0.5 s, served in a few ms, never queues
+    ttft = prefill_point(LITE, H100, pre, pre.dp, PD_WL.input_len).ttft_ms + kv_pull_ms(
+        LITE, H100, dec, PD_WL.input_len, pre.cards + dec.cards)
+    assert res["ttft_ms"]["p50"] == pytest.approx(ttft, rel=1e-3)
+    assert res["ttft_ms"]["p99"] == pytest.approx(ttft, rel=1e-3)
+    ana = analytic_steady_state(LITE, H100, dec, PD_WL, 4.0)
+    assert res["tpot_ms"]["p50"] == pytest.approx(ana["tpot_ms"], rel=0.05)
+    # the decode group served its share of the deployment's stream: every dec.dp-th request, all of them
+    assert len(raw["traces"]) == 120 and all(len(t.token_times) == 32 for t in raw["traces"].values())
+
+
+def test_pd_prefill_bottleneck_queues_and_more_prefill_instances_relieve_it():
+    from moeserve.planner.analysis import prefill_point
+    pre = Instance(cards=1, quantization="bf16")
+    full = 8192 // PD_WL.input_len  # prompts one step can take (the default token budget)
+    capacity = full / (prefill_point(LITE, H100, pre, full, PD_WL.input_len).ttft_ms * 1e-3)
+    rate = 1.5 * capacity  # 1.5x what one single-card prefill instance can start, batching all it can
+    *_, slow = _pd(rate, prefill_instances=1, pre_cards=1, n=300, arrival="constant")
+    *_, fast = _pd(rate, prefill_instances=2, pre_cards=1, n=300, arrival="constant")
+    assert slow["ttft_ms"]["p90"] > 10 * fast["ttft_ms"]["p90"]  # one instance: the queue grows without bound
+    assert slow["ttft_ms"]["p90"] > slow["ttft_ms"]["p50"] * 1.2  # later requests wait longer
+
+
+def test_pd_per_card_figures_count_every_card_of_the_deployment():
+    pre, dec, raw, res = _pd(rate=20.0, prefill_instances=3, n=60, seed=2)
+    tokens = sum(len(t.token_times) for t in raw["traces"].values())
+    per_group = tokens / raw["makespan"]
+    # 2 decode DP groups (1 instance x DP2) carry the output of 3 x 2 prefill cards + 2 decode cards
+    assert res["throughput_tok_s_card"] == pytest.approx(per_group * dec.dp / (3 * pre.cards + dec.cards),
+                                                         rel=1e-3)
+    assert raw["prefill"]["steps"] > 0 and set(raw["kv_pull_ms"]) == {PD_WL.input_len}
