@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from moeserve.config import EngineConfig
+from moeserve.engine.dp_balance import LeastLoadedRouter
 from moeserve.engine.launch import LocalRanks, TorchrunEnv, resolve_endpoints
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import (EngineCoreOutput, EngineCoreRequest, EngineStats, RankCommand, RankReport,
@@ -56,9 +57,7 @@ class DPEngineClient:
         self.ranks = LocalRanks(self.config, init_method, zmq_addr, torchrun)
         self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.dp_size)
         self.decoder = msgspec.msgpack.Decoder(RankReport)
-        self.owner: dict[str, int] = {}  # unfinished request id -> DP rank
-        self.cost: dict[str, int] = {}  # request id -> outstanding tokens it adds to its rank
-        self.load = [0] * self.dp_size  # outstanding tokens per DP rank
+        self.router = LeastLoadedRouter(self.dp_size)  # unfinished request -> DP rank, load per rank
         self.rank_stats: list[EngineStats] = [EngineStats() for _ in range(self.dp_size)]
         self.dead: str | None = None
         self.num_kv_blocks = 0
@@ -68,26 +67,22 @@ class DPEngineClient:
     # ---- EngineCore interface ----------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         self._check_alive()  # a stopped engine answers EngineDeadError, not a closed-socket error
-        dp = min(range(self.dp_size), key=lambda d: (self.load[d], d))
         max_new = req.sampling_params.max_tokens or self.config.scheduler.max_model_len
-        cost = len(req.prompt_token_ids) + max_new
-        self.owner[req.request_id], self.cost[req.request_id] = dp, cost
-        self.load[dp] += cost
+        dp = self.router.assign(req.request_id, len(req.prompt_token_ids), max_new)
         self._send(dp, RankCommand(requests=[req]))
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
-            if rid in self.owner:
-                by_rank.setdefault(self.owner[rid], []).append(rid)
-                self._forget(rid)
+            if rid in self.router:
+                by_rank.setdefault(self.router.forget(rid), []).append(rid)
         if self.dead:  # nothing runs any more: forgetting them is all there is to do
             return
         for dp, ids in by_rank.items():
             self._send(dp, RankCommand(aborts=ids, abort_status=reason.value))
 
     def has_unfinished(self) -> bool:
-        return bool(self.owner)
+        return bool(self.router)
 
     @property
     def num_waiting(self) -> int:
@@ -104,25 +99,24 @@ class DPEngineClient:
             report = self._recv()
             self.rank_stats[report.dp_rank] = report.stats or self.rank_stats[report.dp_rank]
             for out in report.outputs:
-                if out.request_id not in self.owner:
+                if out.request_id not in self.router:
                     continue  # aborted here already
-                self.load[self.owner[out.request_id]] -= len(out.new_token_ids)
-                self.cost[out.request_id] -= len(out.new_token_ids)
+                self.router.progress(out.request_id, len(out.new_token_ids))
                 if out.finish_reason is not None:
-                    self._forget(out.request_id)
+                    self.router.forget(out.request_id)
                 outputs.append(out)
-        if heard or not self.owner:  # every step reports, so a long chunked prefill is progress too
+        if heard or not self.router:  # every step reports, so a long chunked prefill is progress too
             self._last_progress = time.monotonic()
         elif time.monotonic() - self._last_progress > self.timeout:
             self._fail(f"no report from any rank for {self.timeout:.0f} s (--distributed-timeout) while "
-                       f"{len(self.owner)} request(s) are unfinished")
+                       f"{len(self.router)} request(s) are unfinished")
         return outputs
 
     def stats(self) -> EngineStats:
         """Sums over DP ranks (comm bytes and phase seconds of the TP leaders). Also the liveness check of
         an idle engine (the server's heartbeat calls it): raises EngineDeadError when a rank is gone."""
         self._check_alive()
-        if not self.owner:  # idle: nobody calls step(), so read the reports ranks sent after aborts here
+        if not self.router:  # idle: nobody calls step(), so read the reports ranks sent after aborts here
             self.step(poll_s=0)
         total = EngineStats()
         for s in self.rank_stats:
@@ -137,7 +131,7 @@ class DPEngineClient:
                 total.comm_bytes[k] = total.comm_bytes.get(k, 0) + v
             for k, v in s.phase_seconds.items():
                 total.phase_seconds[k] = total.phase_seconds.get(k, 0.0) + v
-        total.outstanding_tokens = sum(self.load)
+        total.outstanding_tokens = sum(self.router.load)
         return total
 
     def flush_stats(self) -> None:
@@ -147,10 +141,6 @@ class DPEngineClient:
         self._finalizer()
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _forget(self, rid: str) -> None:
-        dp = self.owner.pop(rid)
-        self.load[dp] -= self.cost.pop(rid)
-
     def _send(self, dp: int, cmd: RankCommand) -> None:
         self.sock.send_multipart([f"dp{dp}".encode(), msgspec.msgpack.encode(cmd)])
 

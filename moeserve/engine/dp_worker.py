@@ -27,24 +27,12 @@ from moeserve.config import EngineConfig
 from moeserve.distributed import comm
 from moeserve.distributed.parallel_state import (RankInfo, destroy_distributed, get_tp_group, get_world_group,
                                                  init_distributed)
+from moeserve.engine.dp_balance import prefill_balanced_budget
 from moeserve.engine.engine_core import EngineCore
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import SPEC_FIELDS, EngineStats, RankCommand, RankReport
 
 IDLE_POLL_MS = 10  # how long an idle leader waits for commands before the next agreement round
-MIN_PREFILL_CHUNK = 32  # prefill balancing never chunks below this many tokens per rank and step
-
-
-def balanced_budget(flags: torch.Tensor, dp_size: int, tp_size: int, max_tokens: int, decodes: int) -> int | None:
-    """Token budget of this rank: its decodes plus an even share of all ranks' prefill demand.
-
-    flags [W, 4] per rank (has work, shutdown, prefill demand, decodes); TP peers repeat their DP rank.
-    """
-    if dp_size == 1:
-        return None
-    total = int(flags[:, 2].sum()) // tp_size
-    share = max(-(-total // dp_size), MIN_PREFILL_CHUNK)
-    return min(max_tokens, decodes + share)
 
 
 class RankWorker:
@@ -91,8 +79,10 @@ class RankWorker:
 
     def _step(self, flags: torch.Tensor, decodes: int) -> None:
         p = self.config.parallel
-        budget = balanced_budget(flags, p.data_parallel_size, p.tensor_parallel_size,
-                                 self.config.scheduler.max_num_batched_tokens, decodes)
+        # flags [W, 4] per rank (has work, shutdown, prefill demand, decodes); TP peers repeat their DP rank
+        demand, all_decodes = (int(x) // p.tensor_parallel_size for x in flags[:, 2:4].sum(dim=0))
+        budget = prefill_balanced_budget(demand, all_decodes, p.data_parallel_size,
+                                         self.config.scheduler.max_num_batched_tokens, decodes)
         idle = not self.core.has_unfinished()
         outputs = self.core.step(budget, lockstep=True)
         step = comm.STATS.reset()

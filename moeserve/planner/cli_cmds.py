@@ -199,6 +199,10 @@ def args_simulate(p):
     p.add_argument("--tpot-ms", type=positive_float, default=None, help="goodput SLO on TPOT")
     p.add_argument("--ttft-ms", type=positive_float, default=None, help="goodput SLO on TTFT")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sim-dp-groups", type=positive_int, default=1,
+                   help="DP groups simulated in lockstep (must divide the DP size; default 1: every group "
+                        "carries the same load). More show the wait for the slowest group, at that many times "
+                        "the run time")
     p.add_argument("--role", choices=("unified", "decode", "pd"), default="unified",
                    help="decode: a PD decode instance (prompts arrive with their KV); pd: a prefill and a decode "
                         "instance behind a proxy (needs --prefill-cards)")

@@ -27,8 +27,8 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
               window: tuple[float, float] = (0.0, 1.0), cards_per_group: float | None = None) -> dict:
     """Latency percentiles over requests whose arrival rank lies in `window` (drop warm-up/drain).
 
-    Per-card figures divide the simulated group's tokens by `cards_per_group`: the group's TP cards
-    (default), or in a PD deployment all cards over the decode DP groups."""
+    Per-card figures divide the simulated groups' tokens by `cards_per_group` x the groups simulated:
+    a group's TP cards (default), or in a PD deployment all cards over the decode DP groups."""
     ttft, tpot, itl, good, tokens, done = [], [], [], 0, 0, 0
     traces = list(raw["traces"].values())
     lo, hi = int(window[0] * len(traces)), int(window[1] * len(traces))
@@ -48,12 +48,16 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
             tpot_slo_ms is None or per_tok * 1e3 <= tpot_slo_ms)
         good += ok * len(t.token_times) * len(traces) / max(1, hi - lo)
     span = raw["makespan"] or 1.0
-    # One DP group simulated: per card = its tokens / (time x the cards it stands for).
-    cards = inst.tp if cards_per_group is None else cards_per_group
+    # Steady throughput: tokens out while the measured window's requests arrive (no ramp-up, no drain).
+    t0, t1 = traces[lo].arrival if traces else 0.0, traces[max(lo, hi - 1)].arrival if traces else 0.0
+    steady = sum(t0 <= x <= t1 for t in traces for x in t.token_times) / (t1 - t0) if t1 > t0 else 0.0
+    # Per card = the simulated groups' tokens / (time x the cards they stand for).
+    cards = (inst.tp if cards_per_group is None else cards_per_group) * raw.get("groups", 1)
     return {"requests_measured": done, "steps": raw["steps"], "preemptions": raw["preemptions"],
             "makespan_s": round(span, 3), "busy_fraction": round(raw["busy"] / span, 4),
             "ttft_ms": _pcts(ttft), "tpot_ms": _pcts(tpot), "itl_ms": _pcts(itl),
             "throughput_tok_s_card": round(tokens / span / cards, 2),
+            "steady_tok_s_card": round(steady / cards, 2),
             "goodput_tok_s_card": round(good / span / cards, 2)}
 
 

@@ -4,14 +4,19 @@ cost model, so the planner and the server share one scheduling policy.
 Lifecycle: requests arrive (Poisson or constant rate) -> Scheduler.add_request -> each step
 Scheduler.schedule() picks work -> the cost model prices that exact batch -> the clock advances ->
 Scheduler.update_from_output() with sampled tokens (1 + accepted MTP drafts) -> finished requests are
-timed. One DP group is simulated; the instance's other DP groups run the same load (the rate is split).
+timed.
 
-PD disaggregation (run_pd): a prefill DP group and a decode DP group, each its own Scheduler. The proxy
-deals requests round-robin over the prefill groups and over the decode groups (system-brief item 1 balances
-by load; round-robin is its even-load limit). The prefill group runs prompts to their first token; a
-request assigned to the simulated decode group takes the prefill latency the simulated prefill group saw
-at its arrival time (every prefill group carries the same load), then the KV pull, then joins the decode
-group with its first token already out.
+DP groups (`groups`): the simulated groups of an instance step in lockstep with the engine's own DP
+policy (engine/dp_balance.py: least-loaded routing, prefill-balanced token budgets) and each step lasts as
+long as the slowest group; the instance's other groups are taken to carry the same load.
+
+PD disaggregation (run_pd): a prefill instance (all its DP groups) and decode DP groups, each group its
+own Scheduler. The proxy deals requests round-robin over prefill instances and over blocks of simulated
+decode groups (system-brief item 1 balances by load; round-robin is its even-load limit); inside an
+instance the engine's router picks the group. The prefill instance runs prompts to their first token; a
+request assigned to the simulated decode groups takes the prefill latency the simulated prefill instance
+saw nearest its arrival time (every prefill instance carries the same load), then the KV pull, then joins
+a decode group with its first token already out.
 """
 from __future__ import annotations
 
@@ -21,11 +26,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from moeserve.config import SchedulerConfig
+from moeserve.engine.dp_balance import LeastLoadedRouter, prefill_balanced_budget
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.request import Request
 from moeserve.engine.scheduler import Scheduler
 from moeserve.planner.analysis import decode_memory
-from moeserve.planner.deploy import DoesNotFit, Instance, Workload
+from moeserve.planner.deploy import DoesNotFit, Instance, PlanError, Workload
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.memory import memory_report
 from moeserve.planner.models import ModelSpec
@@ -62,24 +68,37 @@ def lengths(n: int, mean: int, kind: str, rng: random.Random) -> list[int]:
     return [max(1, int(rng.expovariate(1.0 / mean))) for _ in range(n)]
 
 
-def price(m: ModelSpec, hw: Hardware, inst: Instance, out, prefill_free: bool = False) -> float:
-    """Seconds for the batch the scheduler picked: decodes (already-generated requests) vs prefill chunks.
-
-    prefill_free: a PD decode instance receives prompts' KV from prefill instances, so their chunks cost
-    no compute here (the transfer overlaps earlier steps)."""
-    dec_ctx, dec_new, prefill = [], [], []
+def _split(inst: Instance, out, prefill_free: bool):
+    """A schedule() result as (decode contexts, prefill chunks (1, new, cached))."""
+    dec_ctx, prefill = [], []
     for s in out.scheduled:
         if s.start >= s.request.num_prompt_tokens:
             dec_ctx.append(s.start)
-            dec_new.append(s.num_tokens)
         elif not prefill_free:
             prefill.append((1.0, float(s.num_tokens), float(s.start)))
+    return dec_ctx, prefill
+
+
+def _tokens(inst: Instance, out, prefill_free: bool) -> float:
+    """Tokens this batch sends through the MoE layers (a decode verifies 1 + drafts positions)."""
+    dec_ctx, prefill = _split(inst, out, prefill_free)
+    return len(dec_ctx) * (1 + inst.mtp_drafts) + sum(n for _, n, _ in prefill)
+
+
+def price(m: ModelSpec, hw: Hardware, inst: Instance, out, prefill_free: bool = False,
+          n_tokens: float | None = None) -> float:
+    """Seconds for the batch the scheduler picked: decodes (already-generated requests) vs prefill chunks.
+
+    prefill_free: a PD decode instance receives prompts' KV from prefill instances, so their chunks cost
+    no compute here (the transfer overlaps earlier steps). n_tokens: the instance's tokens in the MoE
+    layers (default: every DP group runs this batch)."""
+    dec_ctx, prefill = _split(inst, out, prefill_free)
     n_dec = len(dec_ctx)
-    if not n_dec and not prefill:
+    if not n_dec and not prefill and not n_tokens:
         return hw.eff.step_overhead_ms * 1e-3
     # A decode verifies 1 + drafts positions whatever the scheduler counted (drafts are the model's).
     new = 1 + inst.mtp_drafts if n_dec else 1.0
-    b = Batch(n_dec, new, sum(dec_ctx) / n_dec if n_dec else 0.0, tuple(prefill))
+    b = Batch(n_dec, new, sum(dec_ctx) / n_dec if n_dec else 0.0, tuple(prefill), n_tokens)
     return run_step(m, hw, inst, b).total
 
 
@@ -135,53 +154,79 @@ def _request(rid: str, t: Trace, role: str) -> Request:
 
 
 def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces: dict[str, Trace], role: str,
-               max_num_seqs: int | None, max_batched: int, rng: random.Random, max_steps: int) -> dict:
-    """One DP group serving `traces` (ordered by Trace.start); appends each request's token times."""
+               max_num_seqs: int | None, max_batched: int, rng: random.Random, max_steps: int,
+               groups: int = 1) -> dict:
+    """`groups` DP groups of `inst` serving `traces` in lockstep, as the engine's DP ranks do: each request
+    goes to the least-loaded group (the engine's router), each group's token budget is the engine's
+    prefill-balanced one, and a step lasts as long as its slowest group (every MoE layer waits for all).
+    The instance's other DP groups are taken to carry the same load. Appends each request's token times."""
     order = sorted(traces, key=lambda r: traces[r].start)
     starts = [traces[r].start for r in order]
     max_len = max(t.prompt_len + t.output_len for t in traces.values()) + 1 + inst.mtp_drafts
-    sched = make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
-                           role="prefill" if role == "prefill" else "decode")
+    scheds = [make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
+                             role="prefill" if role == "prefill" else "decode") for _ in range(groups)]
+    router = LeastLoadedRouter(groups)
+    prefill_free = role in ("decode", "pd-decode")
     clock, nxt, steps, busy, n = 0.0, 0, 0, 0.0, len(order)
-    while steps < max_steps and (nxt < n or sched.has_unfinished()):
+    while steps < max_steps and (nxt < n or any(s.has_unfinished() for s in scheds)):
         while nxt < n and starts[nxt] <= clock:
             rid = order[nxt]
-            sched.add_request(_request(rid, traces[rid], role))
+            req = _request(rid, traces[rid], role)
+            scheds[router.assign(rid, req.num_prompt_tokens, req.sampling_params.max_tokens)].add_request(req)
             nxt += 1
-        out = sched.schedule()
-        if out.is_empty:
+        # A decode instance's prompts are KV arriving, not compute: nothing to balance.
+        demand = sum(s.prefill_demand() for s in scheds)
+        decodes = sum(s.num_decodes() for s in scheds)
+        outs = [s.schedule(None if prefill_free else
+                           prefill_balanced_budget(demand, decodes, groups, max_batched, s.num_decodes()))
+                for s in scheds]
+        if all(o.is_empty for o in outs):
             if nxt >= n:
                 break  # nothing runnable and nothing left to arrive
             clock = max(clock, starts[nxt])
             continue
-        dt = price(m, hw, inst, out, prefill_free=role in ("decode", "pd-decode"))
+        # The MoE layers see every group's tokens, times the groups not simulated.
+        n_tokens = sum(_tokens(inst, o, prefill_free) for o in outs) * inst.dp / groups
+        dt = max(price(m, hw, inst, o, prefill_free, n_tokens) for o in outs)
         clock += dt
         busy += dt
         steps += 1
-        sampled = {}
-        for s in out.scheduled:
-            if s.samples:
-                k = 1 + accepted(inst, rng) if s.start >= s.request.num_prompt_tokens else 1
-                sampled[s.request.request_id] = [0] * k
-                traces[s.request.request_id].token_times += [clock] * k
-        sched.update_from_output(out, sampled)
-    return {"traces": traces, "makespan": clock, "steps": steps, "busy": busy,
-            "preemptions": sched.num_preemptions}
+        for sched, out in zip(scheds, outs):
+            sampled = {}
+            for s in out.scheduled:
+                if s.samples:
+                    rid = s.request.request_id
+                    k = 1 + accepted(inst, rng) if s.start >= s.request.num_prompt_tokens else 1
+                    sampled[rid] = [0] * k
+                    traces[rid].token_times += [clock] * k
+                    router.progress(rid, k)
+            for req in sched.update_from_output(out, sampled):
+                router.forget(req.request_id)
+    return {"traces": traces, "makespan": clock, "steps": steps, "busy": busy, "groups": groups,
+            "preemptions": sum(s.num_preemptions for s in scheds)}
 
 
 def run(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, rate: float, num_requests: int,
         arrival: str = "poisson", length_dist: str = "fixed", max_num_seqs: int | None = None,
         max_batched: int = 8192, seed: int = 0, max_steps: int = 2_000_000,
-        role: str = "unified") -> dict:
-    """Simulate `num_requests` at `rate` requests/s into the whole instance; returns raw traces.
+        role: str = "unified", groups: int = 1) -> dict:
+    """`rate` requests/s into the whole instance, `groups` of its DP groups simulated, `num_requests` per
+    simulated group; returns raw traces.
 
     role 'unified': prefill and decode share the instance (chunked prefill); 'decode': a PD decode
     instance whose prompts arrive prefilled."""
     _check_stream(num_requests, rate)
+    _check_groups(groups, inst, "")
     rng = random.Random(seed)
-    traces = {str(i): t for i, t in enumerate(_stream(m, wl, num_requests, rate / inst.dp, arrival,
-                                                       length_dist, rng))}
-    return _run_group(m, hw, inst, wl, traces, role, max_num_seqs, max_batched, rng, max_steps)
+    traces = {str(i): t for i, t in enumerate(_stream(m, wl, num_requests * groups, rate * groups / inst.dp,
+                                                       arrival, length_dist, rng))}
+    return _run_group(m, hw, inst, wl, traces, role, max_num_seqs, max_batched, rng, max_steps, groups)
+
+
+def _check_groups(groups: int, inst: Instance, which: str) -> None:
+    if groups < 1 or inst.dp % groups:
+        raise PlanError(f"--sim-dp-groups {groups} must divide the {which}instance's {inst.dp} DP groups "
+                        f"(--cards / --tp)")
 
 
 def _check_stream(num_requests: int, rate: float) -> None:
@@ -192,20 +237,24 @@ def _check_stream(num_requests: int, rate: float) -> None:
 def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workload, rate: float,
            num_requests: int, prefill_instances: int = 1, decode_instances: int = 1, arrival: str = "poisson",
            length_dist: str = "fixed", max_num_seqs: int | None = None, max_batched: int = 8192,
-           seed: int = 0, max_steps: int = 2_000_000) -> dict:
+           seed: int = 0, max_steps: int = 2_000_000, groups: int = 1) -> dict:
     """A PD deployment at `rate` requests/s: `prefill_instances` x `pre` and `decode_instances` x `dec`.
 
-    `num_requests` is what the simulated decode group serves (as in `run`): the deployment's stream
-    carries that many per decode DP group. Returns the decode group's raw traces (arrival = at the proxy;
-    token 1 = prefill done + KV pull), the prefill group's raw result under "prefill" and the pull times."""
+    One prefill instance is simulated whole (its DP groups in lockstep: prompts do not arrive aligned, and
+    a prefill step is short, so this is cheap) and `groups` DP groups of one decode instance; `num_requests`
+    is what each simulated decode group serves (as in `run`). Returns the decode groups' raw traces
+    (arrival = at the proxy; token 1 = prefill done + KV pull), the prefill instance's raw result under
+    "prefill" and the pull times."""
     from moeserve.planner.analysis import kv_pull_ms
     _check_stream(num_requests, rate)
+    _check_groups(groups, dec, "decode ")
+    k_pre = pre.dp
     rng = random.Random(seed)
-    g_pre, g_dec = prefill_instances * pre.dp, decode_instances * dec.dp
-    stream = _stream(m, wl, num_requests * g_dec, rate, arrival, length_dist, rng)
-    # Round-robin: the simulated groups get every g-th request of the deployment's stream.
+    g_pre, g_dec = prefill_instances * pre.dp // k_pre, decode_instances * dec.dp // groups
+    stream = _stream(m, wl, num_requests * groups * g_dec, rate, arrival, length_dist, rng)
+    # Round-robin over blocks of simulated size: the simulated block gets every g-th request of the stream.
     pre_traces = {str(i): Trace(t.arrival, t.prompt_len, 1) for i, t in enumerate(stream) if i % g_pre == 0}
-    pre_raw = _run_group(m, hw, pre, wl, pre_traces, "prefill", None, max_batched, rng, max_steps)
+    pre_raw = _run_group(m, hw, pre, wl, pre_traces, "prefill", None, max_batched, rng, max_steps, k_pre)
     done = sorted((t.arrival, t.token_times[0] - t.arrival) for t in pre_traces.values() if t.token_times)
     if not done:
         raise ValueError("the prefill instance finished no prompt within the step cap; lower --rate")
@@ -224,7 +273,7 @@ def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workloa
         first = t.arrival + done[j][1] + pull_cache[t.prompt_len]
         traces[str(i)] = Trace(t.arrival, t.prompt_len, t.output_len, [first], ready=first)
     decoding = {r: t for r, t in traces.items() if t.output_len > 1}
-    raw = _run_group(m, hw, dec, wl, decoding, "pd-decode", max_num_seqs, max_batched, rng, max_steps)
+    raw = _run_group(m, hw, dec, wl, decoding, "pd-decode", max_num_seqs, max_batched, rng, max_steps, groups)
     raw["traces"] = traces
     raw["prefill"] = pre_raw
     raw["kv_pull_ms"] = {p: round(s * 1e3, 3) for p, s in sorted(pull_cache.items())}
@@ -274,7 +323,7 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
     if a.role != "pd":
         rate = default_rate(m, hw, inst, wl, a.role) if a.rate is None else a.rate
         raw = run(m, hw, inst, wl, rate, a.num_requests, a.arrival, a.length_dist, a.max_num_seqs,
-                  a.max_num_batched_tokens, a.seed, role=a.role)
+                  a.max_num_batched_tokens, a.seed, role=a.role, groups=a.sim_dp_groups)
         res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9))
         analytic = analytic_steady_state(m, hw, inst, wl, rate)
     else:
@@ -282,10 +331,11 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
         # One prompt in every prefill DP group: the step the simulator prices (the groups run in lockstep);
         # refuses a prefill layout that does not fit.
         with _labelled(f"prefill instance ({pre.cards} cards)"):
-            busy = prefill_point(m, hw, pre, pre.dp, wl.input_len)
+            prefill_point(m, hw, pre, pre.dp, wl.input_len)
+        lone = prefill_point(m, hw, pre, 1, wl.input_len)  # the low-rate TTFT: no queue, nothing to batch
         rate = default_rate_pd(m, hw, pre, inst, wl, p_n, d_n) if a.rate is None else a.rate
         raw = run_pd(m, hw, pre, inst, wl, rate, a.num_requests, p_n, d_n, a.arrival, a.length_dist,
-                     a.max_num_seqs, a.max_num_batched_tokens, a.seed)
+                     a.max_num_seqs, a.max_num_batched_tokens, a.seed, groups=a.sim_dp_groups)
         cards = p_n * pre.cards + d_n * inst.cards
         res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9),
                         cards_per_group=cards / (d_n * inst.dp))
@@ -296,10 +346,10 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
         res.update({"decode_instances": d_n, "cards": cards})
         pull = kv_pull_ms(m, hw, inst, wl.input_len, cards)
         analytic = analytic_steady_state(m, hw, inst, wl, rate / d_n) | {
-            "ttft_ms": round(busy.ttft_ms + pull, 3)}
+            "ttft_ms": round(lone.ttft_ms + pull, 3)}
     res.update({"model": m.name, "hardware": hw.key, "rate_req_s": round(rate, 4),
                 "arrival": a.arrival, "role": a.role, "length_dist": a.length_dist,
-                "analytic_steady_state": analytic})
+                "dp_groups_simulated": raw["groups"], "dp_groups": inst.dp, "analytic_steady_state": analytic})
     return res
 
 
@@ -311,11 +361,12 @@ def format_report(r: dict) -> str:
     return "\n".join([
         f"{r['model']} on {r['hardware']}: {r['rate_req_s']:.3f} req/s ({r['arrival']}, lengths "
         f"{r['length_dist']}), {r['requests_measured']} requests measured, {r['steps']} steps, "
-        f"{r['preemptions']} preemptions",
+        f"{r['preemptions']} preemptions; {r['dp_groups_simulated']} of {r['dp_groups']} DP groups simulated",
         row("ttft_ms"), row("tpot_ms"), row("itl_ms"),
-        f"  throughput {r['throughput_tok_s_card']:.1f} tok/s/card, goodput {r['goodput_tok_s_card']:.1f}",
+        f"  throughput {r['throughput_tok_s_card']:.1f} tok/s/card over the run (steady "
+        f"{r['steady_tok_s_card']:.1f}), goodput {r['goodput_tok_s_card']:.1f}",
         f"  analytic steady state: batch {a['batch_per_dp']}/DP, TPOT {a['tpot_ms']} ms"
-        + (f"; TTFT {a['ttft_ms']} ms (one prompt per prefill DP group + KV pull, no queue)" if p else "")]
+        + (f"; TTFT {a['ttft_ms']} ms (a lone prompt + KV pull)" if p else "")]
         + ([f"  prefill: {p['instances']} x {p['layout']['cards']} cards (TP{p['layout']['tp']}) busy "
             f"{100 * p['busy_fraction']:.0f}%, KV pull {_pulls(p['kv_pull_ms'])}; decode: "
             f"{r['decode_instances']} instance(s); {r['cards']} cards in all"] if p else []))

@@ -77,7 +77,7 @@ def run_requests(engine, arrivals, owners):
         while pending and pending[0][0] <= step:
             _, i = pending.pop(0)
             engine.add_request(EngineCoreRequest(f"r{i}", PROMPTS[i], GREEDY, [1]))
-            owners[f"r{i}"] = engine.owner[f"r{i}"]
+            owners[f"r{i}"] = engine.router.owner[f"r{i}"]
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
         step += 1

@@ -37,6 +37,9 @@ def test_simulate_pd_reports_both_instances(capsys):
     assert obj["ttft_ms"]["p50"] >= obj["analytic_steady_state"]["ttft_ms"] * 0.999  # queueing only adds
     assert main(["plan", "simulate", *argv[2:]]) == 0
     assert "prefill: 2 x 1 cards" in capsys.readouterr().out
+    assert main(["plan", *argv, "--sim-dp-groups", "2"]) == 0  # both decode DP groups in lockstep
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["dp_groups_simulated"] == obj["dp_groups"] == 2 and obj["steady_tok_s_card"] > 0
 
 
 @pytest.mark.parametrize("cmd", ["estimate", "decode", "hardware"])

@@ -34,6 +34,8 @@ REFUSED = [  # (argv, flag the message must name)
     (["simulate", "--prefill-cards", "16"], "--role pd"),  # prefill flags without PD were ignored
     (["simulate", "--decode-instances", "2"], "--role pd"),
     (["simulate", "--role", "pd", "--prefill-cards", "16", "--prefill-instances", "0"], "--prefill-instances"),
+    (["simulate", "--sim-dp-groups", "0"], "--sim-dp-groups"),
+    (["simulate", "--sim-dp-groups", "3"], "--sim-dp-groups"),  # must divide the DP size
     (["profile-cpu", "--threads", "0"], "--threads"),
     (["profile-cpu", "--threads", "-1"], "--threads"),
     (["profile-cpu", "--batches", "0,-4"], "--batches"),

@@ -1,0 +1,57 @@
+"""How a multi-rank engine spreads work over its DP ranks: plain bookkeeping shared by the DP front end
+(dp_client.py routes, dp_worker.py budgets) and the planner's simulator (planner/simulate.py), so the
+simulated deployment and the served one follow one policy.
+
+- Routing: a new request goes to the DP rank with the least outstanding work, counted as prompt tokens +
+  tokens still to generate of its unfinished requests (ties: the lowest rank).
+- Prefill budget: the ranks step in lockstep (every MoE layer is a collective), so a step lasts as long as
+  its busiest rank. While any rank decodes, each rank's token budget is its own decodes plus an even share
+  of all ranks' prefill demand, so one long prompt is chunked instead of stalling every decode. With no
+  decodes anywhere (a prefill instance, a burst of new requests) nothing waits on the long prompt, and
+  chunking it would only add steps, each reading all the weights again: no cap then.
+"""
+from __future__ import annotations
+
+MIN_PREFILL_CHUNK = 32  # prefill balancing never chunks below this many tokens per rank and step
+
+
+def prefill_balanced_budget(total_prefill_demand: int, total_decodes: int, dp_size: int, max_tokens: int,
+                            decodes: int) -> int | None:
+    """This rank's token budget for the step (None: no cap beyond the scheduler's own: one DP rank, or no
+    rank decoding). Totals are over all DP ranks; `decodes` is this rank's."""
+    if dp_size == 1 or total_decodes == 0:
+        return None
+    share = max(-(-total_prefill_demand // dp_size), MIN_PREFILL_CHUNK)
+    return min(max_tokens, decodes + share)
+
+
+class LeastLoadedRouter:
+    """Lifecycle: assign() when a request arrives -> progress() as its tokens come out -> forget() when it
+    finishes or is aborted (what it still counted leaves its rank's load)."""
+
+    def __init__(self, dp_size: int) -> None:
+        self.load = [0] * dp_size  # outstanding tokens per DP rank
+        self.owner: dict[str, int] = {}  # unfinished request id -> DP rank
+        self.cost: dict[str, int] = {}  # request id -> outstanding tokens it still adds to its rank
+
+    def assign(self, request_id: str, prompt_tokens: int, max_new_tokens: int) -> int:
+        dp = min(range(len(self.load)), key=lambda d: (self.load[d], d))
+        cost = prompt_tokens + max_new_tokens
+        self.owner[request_id], self.cost[request_id] = dp, cost
+        self.load[dp] += cost
+        return dp
+
+    def progress(self, request_id: str, num_tokens: int) -> None:
+        self.load[self.owner[request_id]] -= num_tokens
+        self.cost[request_id] -= num_tokens
+
+    def forget(self, request_id: str) -> int:
+        dp = self.owner.pop(request_id)
+        self.load[dp] -= self.cost.pop(request_id)
+        return dp
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.owner
+
+    def __len__(self) -> int:
+        return len(self.owner)
