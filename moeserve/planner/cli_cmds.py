@@ -1,6 +1,7 @@
 """Implementations of the `moeserve plan` subcommands (argument groups + text/JSON output)."""
 from __future__ import annotations
 
+import argparse
 from contextlib import contextmanager
 from dataclasses import asdict
 
@@ -163,12 +164,29 @@ def args_search(p):
     p.add_argument("--tpot-ms", type=positive_float, default=50.0)
     p.add_argument("--ttft-ms", type=positive_float, default=None)
     p.add_argument("--top", type=positive_int, default=5)
+    g = p.add_argument_group("check plans with the simulator")
+    g.add_argument("--simulate", type=positive_int, default=None, metavar="N",
+                   help="run the best N plans through `plan simulate --role pd` (Poisson arrivals)")
+    g.add_argument("--simulate-load", type=_load_fraction, default=0.8,
+                   help="simulated rate as a fraction of each plan's analytic request rate (0, 1]")
+    g.add_argument("--simulate-requests", type=positive_int, default=None,
+                   help="requests per simulated decode DP group (default: 8 x the steady decode batch at that rate)")
+
+
+def _load_fraction(text: str) -> float:
+    x = positive_float(text)
+    if x > 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (a fraction of the plan's rate), got {text}")
+    return x
 
 
 def cmd_search(a):
     from moeserve.planner.search import search
+    from moeserve.planner.simulate import simulate_plan
     m, hw, inst, wl = _ctx(a)
     res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top, skew=a.load_skew)
+    for pl in res["plans"][:a.simulate or 0]:
+        pl["simulated"] = simulate_plan(m, hw, pl, wl, a.simulate_load, a.simulate_requests, a.tpot_ms, a.ttft_ms)
     lines = [f"{len(res['plans'])} plans for {a.cards} cards of {hw.key}, TPOT <= {a.tpot_ms:g} ms"
              + (f": {res['refused']}" if not res["plans"] else "")]
     for i, pl in enumerate(res["plans"], 1):
@@ -176,6 +194,14 @@ def cmd_search(a):
         lines.append(f"{i}. {pl['goodput_tok_s_card']:.0f} tok/s/card goodput: "
                      f"{pl['prefill_instances']} x prefill {_lay(p)} : {pl['decode_instances']} x decode "
                      f"{_lay(d)} ({pl['prefill_cards']}:{pl['decode_cards']} cards)")
+        if "simulated" in pl:
+            sim = pl["simulated"]
+            lines.append(f"   simulated at {100 * sim['load']:.0f}% ({sim['rate_req_s']:g} req/s): TTFT p50/p99 "
+                         f"{sim['ttft_ms']['p50']:.0f}/{sim['ttft_ms']['p99']:.0f} ms (analytic "
+                         f"{pl['ttft_with_kv_pull_ms']:.0f}), TPOT p50/p99 {sim['tpot_ms']['p50']:.1f}/"
+                         f"{sim['tpot_ms']['p99']:.1f} ms, {sim['steady_tok_s_card']:.0f} tok/s/card steady, "
+                         f"{100 * (sim['slo_met_fraction'] or 0):.0f}% of requests within the SLO, prefill busy "
+                         f"{100 * sim['prefill_busy_fraction']:.0f}%")
     _emit(a, res, "\n".join(lines))
     return 0 if res["plans"] else EXIT_REFUSED
 

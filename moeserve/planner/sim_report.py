@@ -29,7 +29,7 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
 
     Per-card figures divide the simulated groups' tokens by `cards_per_group` x the groups simulated:
     a group's TP cards (default), or in a PD deployment all cards over the decode DP groups."""
-    ttft, tpot, itl, good, tokens, done = [], [], [], 0, 0, 0
+    ttft, tpot, itl, good, tokens, done, met = [], [], [], 0, 0, 0, 0
     traces = list(raw["traces"].values())
     lo, hi = int(window[0] * len(traces)), int(window[1] * len(traces))
     for i, t in enumerate(traces):
@@ -46,6 +46,7 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
         itl += [b - a for a, b in zip(t.token_times, t.token_times[1:]) if b > a]
         ok = (ttft_slo_ms is None or first * 1e3 <= ttft_slo_ms) and (
             tpot_slo_ms is None or per_tok * 1e3 <= tpot_slo_ms)
+        met += ok
         good += ok * len(t.token_times) * len(traces) / max(1, hi - lo)
     span = raw["makespan"] or 1.0
     # Steady throughput: tokens out while the measured window's requests arrive (no ramp-up, no drain).
@@ -58,7 +59,8 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
             "ttft_ms": _pcts(ttft), "tpot_ms": _pcts(tpot), "itl_ms": _pcts(itl),
             "throughput_tok_s_card": round(tokens / span / cards, 2),
             "steady_tok_s_card": round(steady / cards, 2),
-            "goodput_tok_s_card": round(good / span / cards, 2)}
+            "goodput_tok_s_card": round(good / span / cards, 2),
+            "slo_met_fraction": round(met / done, 4) if done else None}
 
 
 def analytic_steady_state(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload,

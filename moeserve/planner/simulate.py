@@ -353,6 +353,32 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
     return res
 
 
+def simulate_plan(m: ModelSpec, hw: Hardware, plan: dict, wl: Workload, load: float,
+                  num_requests: int | None, tpot_ms: float | None, ttft_ms: float | None, seed: int = 0) -> dict:
+    """A `search` plan through the PD simulator at `load` x the plan's analytic request rate (Poisson,
+    fixed lengths): the analytic plan assumes full prefill batches and a steady decode batch, the
+    simulated stream shows what queueing does to TTFT and TPOT.
+
+    num_requests per decode DP group; None: 8 x the steady decode batch at that rate, so the measured
+    20-90% of the stream starts after the batch has filled (a request lives about batch / rate-per-group)."""
+    from moeserve.planner.sim_report import analytic_steady_state, summarize
+    pre, dec = Instance(**plan["prefill"]["layout"]), Instance(**plan["decode"]["layout"])
+    p_n, d_n = plan["prefill_instances"], plan["decode_instances"]
+    rate = load * plan["requests_per_s"]
+    if num_requests is None:
+        batch = analytic_steady_state(m, hw, dec, wl, rate / d_n)["batch_per_dp"]
+        num_requests = max(50, round(8 * batch))
+    raw = run_pd(m, hw, pre, dec, wl, rate, num_requests, p_n, d_n, seed=seed)
+    res = summarize(raw, dec, tpot_ms, ttft_ms, window=(0.2, 0.9),
+                    cards_per_group=plan["cards_used"] / (d_n * dec.dp))
+    pr = raw["prefill"]
+    return {"load": load, "rate_req_s": round(rate, 4), "requests_per_decode_group": num_requests,
+            "requests_measured": res["requests_measured"],
+            "ttft_ms": res["ttft_ms"], "tpot_ms": res["tpot_ms"],
+            "steady_tok_s_card": res["steady_tok_s_card"], "slo_met_fraction": res["slo_met_fraction"],
+            "prefill_busy_fraction": round(pr["busy"] / (pr["makespan"] or 1.0), 4)}
+
+
 def format_report(r: dict) -> str:
     def row(name):
         d = r[name]

@@ -146,3 +146,18 @@ def test_eplb_stats_from_engine_files_use_the_balanced_placement_of_the_layout(t
     # 32 spare slots: the hot expert gets replicas (17 -> ~2 x 8.5) and the packing evens the ranks out
     assert imbalance("--redundant-experts", "32") < 1.1
     assert imbalance("--redundant-experts", "32", "--eplb-placement", "contiguous") == pytest.approx((170 + 70) / mean)
+
+
+def test_search_simulate_checks_the_best_plan_through_the_pd_simulator(capsys):
+    argv = ["plan", "search", "--json", "--model", "deepseek-v2-lite", "--hardware", "h100", "--cards", "16",
+            "--quantization", "bf16", "--tpot-ms", "30", "--input-len", "512", "--output-len", "128",
+            "--simulate", "1", "--simulate-load", "0.6"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)["plans"][0]
+    sim = plan["simulated"]
+    assert sim["rate_req_s"] == pytest.approx(0.6 * plan["requests_per_s"], rel=1e-3)
+    # what arrives comes out: 60% of the plan's analytic goodput, every request inside the TPOT SLO
+    assert sim["steady_tok_s_card"] == pytest.approx(0.6 * plan["goodput_tok_s_card"], rel=0.05)
+    assert sim["slo_met_fraction"] == 1.0 and sim["tpot_ms"]["p99"] <= 30
+    assert main(argv[:2] + argv[3:]) == 0  # the text report
+    assert "simulated at 60%" in capsys.readouterr().out

@@ -35,6 +35,9 @@ REFUSED = [  # (argv, flag the message must name)
     (["simulate", "--decode-instances", "2"], "--role pd"),
     (["simulate", "--role", "pd", "--prefill-cards", "16", "--prefill-instances", "0"], "--prefill-instances"),
     (["simulate", "--sim-dp-groups", "0"], "--sim-dp-groups"),
+    (["search", "--simulate", "0"], "--simulate"),
+    (["search", "--simulate-load", "1.5"], "--simulate-load"),  # a fraction of the plan's rate
+    (["search", "--simulate-load", "0"], "--simulate-load"),
     (["simulate", "--sim-dp-groups", "3"], "--sim-dp-groups"),  # must divide the DP size
     (["profile-cpu", "--threads", "0"], "--threads"),
     (["profile-cpu", "--threads", "-1"], "--threads"),
