@@ -188,3 +188,20 @@ def test_two_nodes_by_flags_generate_like_one_process(path):
     assert node0.returncode == 0 and rc1 == 0, node0.stderr[-2000:]
     text = [line for line in node0.stdout.splitlines() if not line.startswith("---")]
     assert text and text == [line for line in single.stdout.splitlines() if not line.startswith("---")]
+
+
+def test_dp2_lone_prompt_is_not_chunked_when_nobody_decodes(path):
+    """The even prefill share (dp_balance.py) protects decodes; with none anywhere it would only add steps."""
+    long_prompt = list(range(20, 100))  # 80 tokens: an even share would be 40 per rank, two steps
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    single = LLM(path, dtype="float32", max_num_batched_tokens=128)
+    want = single.generate(prompt_token_ids=[long_prompt], sampling_params=one)[0].outputs[0].token_ids
+    llm = LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
+              max_num_batched_tokens=128, distributed_timeout=30)
+    try:
+        before = llm.engine.stats().num_steps
+        got = llm.generate(prompt_token_ids=[long_prompt], sampling_params=one)[0].outputs[0].token_ids
+        assert got == want
+        assert llm.engine.stats().num_steps == before + 1  # the whole prompt in one step
+    finally:
+        llm.shutdown()
