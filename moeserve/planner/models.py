@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
@@ -45,8 +45,8 @@ class ModelSpec:
         if self.n_routed_experts and self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(f"{self.name}: top-k {self.num_experts_per_tok} > {self.n_routed_experts} experts")
 
-    # ---- layer counts
-    @property
+    # ---- layer counts (cached: the simulator prices hundreds of thousands of steps)
+    @cached_property
     def num_moe_layers(self) -> int:
         if not self.n_routed_experts:
             return 0
