@@ -196,14 +196,19 @@ def cmd_search(a):
                      f"{_lay(d)} ({pl['prefill_cards']}:{pl['decode_cards']} cards)")
         if "simulated" in pl:
             sim = pl["simulated"]
+            ttft, tpot = (f"{_num(d['p50'], p)}/{_num(d['p99'], p)}" for d, p in ((sim["ttft_ms"], 0),
+                                                                                  (sim["tpot_ms"], 1)))
             lines.append(f"   simulated at {100 * sim['load']:.0f}% ({sim['rate_req_s']:g} req/s): TTFT p50/p99 "
-                         f"{sim['ttft_ms']['p50']:.0f}/{sim['ttft_ms']['p99']:.0f} ms (analytic "
-                         f"{pl['ttft_with_kv_pull_ms']:.0f}), TPOT p50/p99 {sim['tpot_ms']['p50']:.1f}/"
-                         f"{sim['tpot_ms']['p99']:.1f} ms, {sim['steady_tok_s_card']:.0f} tok/s/card steady, "
+                         f"{ttft} ms (analytic {pl['ttft_with_kv_pull_ms']:.0f}), TPOT p50/p99 {tpot} ms, "
+                         f"{sim['steady_tok_s_card']:.0f} tok/s/card steady, "
                          f"{100 * (sim['slo_met_fraction'] or 0):.0f}% of requests within the SLO, prefill busy "
                          f"{100 * sim['prefill_busy_fraction']:.0f}%")
     _emit(a, res, "\n".join(lines))
     return 0 if res["plans"] else EXIT_REFUSED
+
+
+def _num(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _lay(c: dict) -> str:

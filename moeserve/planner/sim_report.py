@@ -19,8 +19,11 @@ def percentile(xs: list[float], p: float) -> float:
 
 
 def _pcts(xs: list[float]) -> dict:
+    """ms; None when nothing was measured (JSON has no NaN)."""
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
     return {f"p{p}": round(1e3 * percentile(xs, p), 3) for p in (50, 90, 99)} | {
-        "mean": round(1e3 * sum(xs) / len(xs), 3) if xs else None}
+        "mean": round(1e3 * sum(xs) / len(xs), 3)}
 
 
 def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms: float | None,
@@ -42,7 +45,8 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
         first = t.token_times[0] - t.arrival
         ttft.append(first)
         per_tok = (t.token_times[-1] - t.token_times[0]) / max(1, len(t.token_times) - 1)
-        tpot.append(per_tok)
+        if len(t.token_times) > 1:  # one token has no time per output token (as vLLM's benchmark counts)
+            tpot.append(per_tok)
         itl += [b - a for a, b in zip(t.token_times, t.token_times[1:]) if b > a]
         ok = (ttft_slo_ms is None or first * 1e3 <= ttft_slo_ms) and (
             tpot_slo_ms is None or per_tok * 1e3 <= tpot_slo_ms)

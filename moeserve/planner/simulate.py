@@ -273,7 +273,12 @@ def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workloa
         first = t.arrival + done[j][1] + pull_cache[t.prompt_len]
         traces[str(i)] = Trace(t.arrival, t.prompt_len, t.output_len, [first], ready=first)
     decoding = {r: t for r, t in traces.items() if t.output_len > 1}
-    raw = _run_group(m, hw, dec, wl, decoding, "pd-decode", max_num_seqs, max_batched, rng, max_steps, groups)
+    if decoding:
+        raw = _run_group(m, hw, dec, wl, decoding, "pd-decode", max_num_seqs, max_batched, rng, max_steps,
+                         groups)
+    else:  # every output is the prefill's one token: the decode side never steps
+        raw = {"makespan": max(t.token_times[0] for t in traces.values()), "steps": 0, "busy": 0.0,
+               "groups": groups, "preemptions": 0}
     raw["traces"] = traces
     raw["prefill"] = pre_raw
     raw["kv_pull_ms"] = {p: round(s * 1e3, 3) for p, s in sorted(pull_cache.items())}
@@ -381,8 +386,8 @@ def simulate_plan(m: ModelSpec, hw: Hardware, plan: dict, wl: Workload, load: fl
 
 def format_report(r: dict) -> str:
     def row(name):
-        d = r[name]
-        return f"  {name:<8} p50 {d['p50']:9.2f}  p90 {d['p90']:9.2f}  p99 {d['p99']:9.2f}  (ms)"
+        d = {k: "-" if v is None else f"{v:.2f}" for k, v in r[name].items()}
+        return f"  {name:<8} p50 {d['p50']:>9}  p90 {d['p90']:>9}  p99 {d['p99']:>9}  (ms)"
     a, p = r["analytic_steady_state"], r.get("prefill")
     return "\n".join([
         f"{r['model']} on {r['hardware']}: {r['rate_req_s']:.3f} req/s ({r['arrival']}, lengths "

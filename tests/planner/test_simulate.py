@@ -85,9 +85,9 @@ def test_drawn_lengths_stay_inside_the_context_window():
 PD_WL = Workload(input_len=512, output_len=32)
 
 
-def _pd(rate, prefill_instances=1, n=120, pre_cards=2, **kw):
+def _pd(rate, prefill_instances=1, n=120, pre_cards=2, wl=PD_WL, **kw):
     pre, dec = Instance(cards=pre_cards, quantization="bf16"), Instance(cards=2, quantization="bf16")
-    raw = simulate.run_pd(LITE, H100, pre, dec, PD_WL, rate, n, prefill_instances=prefill_instances, **kw)
+    raw = simulate.run_pd(LITE, H100, pre, dec, wl, rate, n, prefill_instances=prefill_instances, **kw)
     cards = prefill_instances * pre.cards + dec.cards
     return pre, dec, raw, summarize(raw, dec, None, None, window=(0.3, 0.9), cards_per_group=cards / dec.dp)
 
@@ -163,3 +163,9 @@ def test_uneven_lengths_make_every_group_wait_for_the_slowest():
 def test_sim_dp_groups_must_divide_the_dp_size():
     with pytest.raises(ValueError, match="--sim-dp-groups 3 must divide"):
         simulate.run(LITE, H100, DP4, DP_WL, 10.0, 10, groups=3)
+
+
+def test_pd_single_token_outputs_never_reach_decode_and_report_no_tpot():
+    pre, dec, raw, res = _pd(rate=20.0, n=20, wl=Workload(input_len=256, output_len=1))
+    assert raw["steps"] == 0 and res["requests_measured"] > 0 and res["ttft_ms"]["p50"] > 0
+    assert res["tpot_ms"]["p50"] is None and res["itl_ms"]["p99"] is None  # None, not NaN: JSON has no NaN
