@@ -170,7 +170,7 @@ def args_search(p):
     g.add_argument("--simulate-load", type=_load_fraction, default=0.8,
                    help="simulated rate as a fraction of each plan's analytic request rate (0, 1]")
     g.add_argument("--simulate-requests", type=positive_int, default=None,
-                   help="requests per simulated decode DP group (default: 8 x the steady decode batch at that rate)")
+                   help="requests per simulated decode DP group (default as simulate --num-requests)")
 
 
 def _load_fraction(text: str) -> float:
@@ -222,7 +222,9 @@ def _lay(c: dict) -> str:
 def args_simulate(p):
     _add_common(p)
     p.add_argument("--rate", type=positive_float, default=None, help="requests/s into the instance (Poisson)")
-    p.add_argument("--num-requests", type=positive_int, default=200)
+    p.add_argument("--num-requests", type=positive_int, default=None,
+                   help="per simulated DP group (default: 8 x the analytic steady batch, at least 200, so the "
+                        "measured 20-90%% of the stream is past the warm-up)")
     p.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
     p.add_argument("--length-dist", choices=("fixed", "uniform", "exponential"), default="fixed")
     p.add_argument("--max-num-seqs", type=positive_int, default=None, help="per DP group (default: memory limit)")

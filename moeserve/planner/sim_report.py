@@ -1,7 +1,7 @@
 """Percentiles, goodput and the analytic steady state for `moeserve plan simulate`."""
 from __future__ import annotations
 
-from moeserve.planner.analysis import decode_point
+from moeserve.planner.analysis import decode_memory, decode_point
 from moeserve.planner.deploy import Instance, Workload
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.models import ModelSpec
@@ -71,14 +71,21 @@ def analytic_steady_state(m: ModelSpec, hw: Hardware, inst: Instance, wl: Worklo
                           rate: float) -> dict:
     """Fixed point of B = rate_per_dp x time-in-decode(B): batch, TPOT, for a constant-rate stream.
 
-    Ignores prefill interference, so it is exact when prompts are short next to the decode work.
+    Ignores prefill interference, so it is exact when prompts are short next to the decode work. A rate
+    whose fixed point lies beyond the memory-limited batch has none (the queue grows without bound):
+    `overloaded`, with the rate the memory-limited batch sustains.
     """
     lam = rate / inst.dp
+    cap = max(1, decode_memory(m, hw, inst, wl).max_batch)
     b = 1.0
     for _ in range(200):
         pt = decode_point(m, hw, inst, wl, max(1, round(b)))
         step_s = pt.step_ms / 1e3
         b_new = lam * wl.output_len / inst.tokens_per_step * step_s
+        if b_new > cap:
+            full = decode_point(m, hw, inst, wl, cap)
+            return {"overloaded": True, "max_batch_per_dp": cap, "batch_per_dp": None, "step_ms": None,
+                    "tpot_ms": None, "capacity_req_s": round(full.tok_s_card * inst.cards / wl.output_len, 4)}
         if abs(b_new - b) < 1e-3:
             break
         b = 0.5 * (b + b_new)
@@ -87,5 +94,5 @@ def analytic_steady_state(m: ModelSpec, hw: Hardware, inst: Instance, wl: Worklo
     s_lo = decode_point(m, hw, inst, wl, lo).step_ms
     s_hi = decode_point(m, hw, inst, wl, hi).step_ms
     step_ms = s_lo + (s_hi - s_lo) * (b - lo) if b >= 1 else s_lo
-    return {"batch_per_dp": round(b, 3), "step_ms": round(step_ms, 3),
-            "tpot_ms": round(step_ms / inst.tokens_per_step, 3)}
+    return {"overloaded": False, "max_batch_per_dp": cap, "batch_per_dp": round(b, 3),
+            "step_ms": round(step_ms, 3), "tpot_ms": round(step_ms / inst.tokens_per_step, 3)}

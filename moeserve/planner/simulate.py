@@ -327,10 +327,11 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
         require_fits(m, hw, inst, wl)  # a layout that does not fit is refused (exit 1), not simulated
     if a.role != "pd":
         rate = default_rate(m, hw, inst, wl, a.role) if a.rate is None else a.rate
-        raw = run(m, hw, inst, wl, rate, a.num_requests, a.arrival, a.length_dist, a.max_num_seqs,
+        analytic = analytic_steady_state(m, hw, inst, wl, rate)
+        n = a.num_requests or settling_requests(analytic["batch_per_dp"] or analytic["max_batch_per_dp"])
+        raw = run(m, hw, inst, wl, rate, n, a.arrival, a.length_dist, a.max_num_seqs,
                   a.max_num_batched_tokens, a.seed, role=a.role, groups=a.sim_dp_groups)
         res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9))
-        analytic = analytic_steady_state(m, hw, inst, wl, rate)
     else:
         p_n, d_n = a.prefill_instances, a.decode_instances
         # One prompt in every prefill DP group: the step the simulator prices (the groups run in lockstep);
@@ -339,7 +340,9 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
             prefill_point(m, hw, pre, pre.dp, wl.input_len)
         lone = prefill_point(m, hw, pre, 1, wl.input_len)  # the low-rate TTFT: no queue, nothing to batch
         rate = default_rate_pd(m, hw, pre, inst, wl, p_n, d_n) if a.rate is None else a.rate
-        raw = run_pd(m, hw, pre, inst, wl, rate, a.num_requests, p_n, d_n, a.arrival, a.length_dist,
+        analytic = analytic_steady_state(m, hw, inst, wl, rate / d_n)
+        n = a.num_requests or settling_requests(analytic["batch_per_dp"] or analytic["max_batch_per_dp"])
+        raw = run_pd(m, hw, pre, inst, wl, rate, n, p_n, d_n, a.arrival, a.length_dist,
                      a.max_num_seqs, a.max_num_batched_tokens, a.seed, groups=a.sim_dp_groups)
         cards = p_n * pre.cards + d_n * inst.cards
         res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9),
@@ -350,12 +353,18 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
                           "kv_pull_ms": raw["kv_pull_ms"]}
         res.update({"decode_instances": d_n, "cards": cards})
         pull = kv_pull_ms(m, hw, inst, wl.input_len, cards)
-        analytic = analytic_steady_state(m, hw, inst, wl, rate / d_n) | {
-            "ttft_ms": round(lone.ttft_ms + pull, 3)}
-    res.update({"model": m.name, "hardware": hw.key, "rate_req_s": round(rate, 4),
+        analytic |= {"ttft_ms": round(lone.ttft_ms + pull, 3)}
+    res.update({"model": m.name, "hardware": hw.key, "rate_req_s": round(rate, 4), "num_requests": n,
                 "arrival": a.arrival, "role": a.role, "length_dist": a.length_dist,
                 "dp_groups_simulated": raw["groups"], "dp_groups": inst.dp, "analytic_steady_state": analytic})
     return res
+
+
+def settling_requests(steady_batch: float) -> int:
+    """Requests per simulated group for a measurement past the warm-up: a request lives about
+    batch / rate-per-group, so 8 x the steady batch puts the measured 20-90% of the stream after the
+    batch has filled (at least 200; at most 4000, which an overloaded stream's runaway batch would pass)."""
+    return min(4000, max(200, round(8 * steady_batch)))
 
 
 def simulate_plan(m: ModelSpec, hw: Hardware, plan: dict, wl: Workload, load: float,
@@ -364,15 +373,14 @@ def simulate_plan(m: ModelSpec, hw: Hardware, plan: dict, wl: Workload, load: fl
     fixed lengths): the analytic plan assumes full prefill batches and a steady decode batch, the
     simulated stream shows what queueing does to TTFT and TPOT.
 
-    num_requests per decode DP group; None: 8 x the steady decode batch at that rate, so the measured
-    20-90% of the stream starts after the batch has filled (a request lives about batch / rate-per-group)."""
+    num_requests per decode DP group; None: settling_requests() of the steady decode batch at that rate."""
     from moeserve.planner.sim_report import analytic_steady_state, summarize
     pre, dec = Instance(**plan["prefill"]["layout"]), Instance(**plan["decode"]["layout"])
     p_n, d_n = plan["prefill_instances"], plan["decode_instances"]
     rate = load * plan["requests_per_s"]
     if num_requests is None:
-        batch = analytic_steady_state(m, hw, dec, wl, rate / d_n)["batch_per_dp"]
-        num_requests = max(50, round(8 * batch))
+        ana = analytic_steady_state(m, hw, dec, wl, rate / d_n)
+        num_requests = settling_requests(ana["batch_per_dp"] or ana["max_batch_per_dp"])
     raw = run_pd(m, hw, pre, dec, wl, rate, num_requests, p_n, d_n, seed=seed)
     res = summarize(raw, dec, tpot_ms, ttft_ms, window=(0.2, 0.9),
                     cards_per_group=plan["cards_used"] / (d_n * dec.dp))
@@ -396,7 +404,9 @@ def format_report(r: dict) -> str:
         row("ttft_ms"), row("tpot_ms"), row("itl_ms"),
         f"  throughput {r['throughput_tok_s_card']:.1f} tok/s/card over the run (steady "
         f"{r['steady_tok_s_card']:.1f}), goodput {r['goodput_tok_s_card']:.1f}",
-        f"  analytic steady state: batch {a['batch_per_dp']}/DP, TPOT {a['tpot_ms']} ms"
+        (f"  analytic steady state: none, the rate is above the {a['capacity_req_s']} req/s decode sustains "
+         f"at its memory-limited batch of {a['max_batch_per_dp']}/DP (queues grow)" if a.get("overloaded") else
+         f"  analytic steady state: batch {a['batch_per_dp']}/DP, TPOT {a['tpot_ms']} ms")
         + (f"; TTFT {a['ttft_ms']} ms (a lone prompt + KV pull)" if p else "")]
         + ([f"  prefill: {p['instances']} x {p['layout']['cards']} cards (TP{p['layout']['tp']}) busy "
             f"{100 * p['busy_fraction']:.0f}%, KV pull {_pulls(p['kv_pull_ms'])}; decode: "

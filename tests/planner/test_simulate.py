@@ -169,3 +169,14 @@ def test_pd_single_token_outputs_never_reach_decode_and_report_no_tpot():
     pre, dec, raw, res = _pd(rate=20.0, n=20, wl=Workload(input_len=256, output_len=1))
     assert raw["steps"] == 0 and res["requests_measured"] > 0 and res["ttft_ms"]["p50"] > 0
     assert res["tpot_ms"]["p50"] is None and res["itl_ms"]["p99"] is None  # None, not NaN: JSON has no NaN
+
+
+def test_a_rate_beyond_the_memory_limited_batch_has_no_analytic_steady_state():
+    inst, wl = Instance(cards=1, quantization="bf16"), Workload(input_len=512, output_len=256)
+    ok = analytic_steady_state(LITE, H100, inst, wl, 10.0)
+    assert not ok["overloaded"] and ok["batch_per_dp"] < ok["max_batch_per_dp"]
+    over = analytic_steady_state(LITE, H100, inst, wl, 1e5)  # the fixed point used to run off to ~1e79
+    assert over["overloaded"] and over["batch_per_dp"] is None and over["capacity_req_s"] < 1e5
+    assert analytic_steady_state(LITE, H100, inst, wl, 0.99 * over["capacity_req_s"])["overloaded"] is False
+    assert simulate.settling_requests(10.0) == 200 and simulate.settling_requests(50.3) == 402
+    assert simulate.settling_requests(1e6) == 4000
