@@ -80,8 +80,8 @@ class RankWorker:
     def _step(self, flags: torch.Tensor, decodes: int) -> None:
         p = self.config.parallel
         # flags [W, 4] per rank (has work, shutdown, prefill demand, decodes); TP peers repeat their DP rank
-        demand, all_decodes = (int(x) // p.tensor_parallel_size for x in flags[:, 2:4].sum(dim=0))
-        budget = prefill_balanced_budget(demand, all_decodes, p.data_parallel_size,
+        per_dp = flags[::p.tensor_parallel_size]  # TP peers repeat their DP rank's row (ranks are DP-major)
+        budget = prefill_balanced_budget(per_dp[:, 2].tolist(), int(per_dp[:, 3].sum()),
                                          self.config.scheduler.max_num_batched_tokens, decodes)
         idle = not self.core.has_unfinished()
         outputs = self.core.step(budget, lockstep=True)

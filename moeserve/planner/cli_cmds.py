@@ -183,10 +183,17 @@ def _load_fraction(text: str) -> float:
 def cmd_search(a):
     from moeserve.planner.search import search
     from moeserve.planner.simulate import simulate_plan
+    if a.simulate is None and (a.simulate_requests is not None or a.simulate_load != 0.8):
+        flag = "--simulate-requests" if a.simulate_requests is not None else "--simulate-load"
+        raise PlanError(f"{flag} sets up the plan simulation; add --simulate N")
     m, hw, inst, wl = _ctx(a)
     res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top, skew=a.load_skew)
     for pl in res["plans"][:a.simulate or 0]:
-        pl["simulated"] = simulate_plan(m, hw, pl, wl, a.simulate_load, a.simulate_requests, a.tpot_ms, a.ttft_ms)
+        try:
+            pl["simulated"] = simulate_plan(m, hw, pl, wl, a.simulate_load, a.simulate_requests, a.tpot_ms,
+                                            a.ttft_ms)
+        except DoesNotFit as e:  # one plan the scheduler cannot run does not lose the whole search
+            pl["simulated"] = {"refused": str(e)}
     lines = [f"{len(res['plans'])} plans for {a.cards} cards of {hw.key}, TPOT <= {a.tpot_ms:g} ms"
              + (f": {res['refused']}" if not res["plans"] else "")]
     for i, pl in enumerate(res["plans"], 1):
@@ -194,13 +201,15 @@ def cmd_search(a):
         lines.append(f"{i}. {pl['goodput_tok_s_card']:.0f} tok/s/card goodput: "
                      f"{pl['prefill_instances']} x prefill {_lay(p)} : {pl['decode_instances']} x decode "
                      f"{_lay(d)} ({pl['prefill_cards']}:{pl['decode_cards']} cards)")
-        if "simulated" in pl:
+        if "refused" in pl.get("simulated", {}):
+            lines.append(f"   not simulated: {pl['simulated']['refused']}")
+        elif "simulated" in pl:
             sim = pl["simulated"]
             ttft, tpot = (f"{_num(d['p50'], p)}/{_num(d['p99'], p)}" for d, p in ((sim["ttft_ms"], 0),
                                                                                   (sim["tpot_ms"], 1)))
             lines.append(f"   simulated at {100 * sim['load']:.0f}% ({sim['rate_req_s']:g} req/s): TTFT p50/p99 "
                          f"{ttft} ms (analytic {pl['ttft_with_kv_pull_ms']:.0f}), TPOT p50/p99 {tpot} ms, "
-                         f"{sim['steady_tok_s_card']:.0f} tok/s/card steady, "
+                         f"{_num(sim['steady_tok_s_card'], 0)} tok/s/card steady, "
                          f"{100 * (sim['slo_met_fraction'] or 0):.0f}% of requests within the SLO, prefill busy "
                          f"{100 * sim['prefill_busy_fraction']:.0f}%")
     _emit(a, res, "\n".join(lines))

@@ -35,6 +35,7 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
     ttft, tpot, itl, good, tokens, done, met = [], [], [], 0, 0, 0, 0
     traces = list(raw["traces"].values())
     lo, hi = int(window[0] * len(traces)), int(window[1] * len(traces))
+    hi = max(hi, min(lo + 1, len(traces)))  # a tiny stream still measures a request
     for i, t in enumerate(traces):
         if len(t.token_times) < t.output_len:
             continue  # unfinished within the step cap
@@ -55,14 +56,14 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
     span = raw["makespan"] or 1.0
     # Steady throughput: tokens out while the measured window's requests arrive (no ramp-up, no drain).
     t0, t1 = traces[lo].arrival if traces else 0.0, traces[max(lo, hi - 1)].arrival if traces else 0.0
-    steady = sum(t0 <= x <= t1 for t in traces for x in t.token_times) / (t1 - t0) if t1 > t0 else 0.0
+    steady = sum(t0 <= x <= t1 for t in traces for x in t.token_times) / (t1 - t0) if t1 > t0 else None
     # Per card = the simulated groups' tokens / (time x the cards they stand for).
     cards = (inst.tp if cards_per_group is None else cards_per_group) * raw.get("groups", 1)
     return {"requests_measured": done, "steps": raw["steps"], "preemptions": raw["preemptions"],
             "makespan_s": round(span, 3), "busy_fraction": round(raw["busy"] / span, 4),
             "ttft_ms": _pcts(ttft), "tpot_ms": _pcts(tpot), "itl_ms": _pcts(itl),
             "throughput_tok_s_card": round(tokens / span / cards, 2),
-            "steady_tok_s_card": round(steady / cards, 2),
+            "steady_tok_s_card": None if steady is None else round(steady / cards, 2),  # None: a burst
             "goodput_tok_s_card": round(good / span / cards, 2),
             "slo_met_fraction": round(met / done, 4) if done else None}
 

@@ -10,17 +10,15 @@ DP groups (`groups`): the simulated groups of an instance step in lockstep with 
 policy (engine/dp_balance.py: least-loaded routing, prefill-balanced token budgets) and each step lasts as
 long as the slowest group; the instance's other groups are taken to carry the same load.
 
-PD disaggregation (run_pd): a prefill instance (all its DP groups) and decode DP groups, each group its
-own Scheduler. The proxy deals requests round-robin over prefill instances and over blocks of simulated
-decode groups (system-brief item 1 balances by load; round-robin is its even-load limit); inside an
-instance the engine's router picks the group. The prefill instance runs prompts to their first token; a
-request assigned to the simulated decode groups takes the prefill latency the simulated prefill instance
-saw nearest its arrival time (every prefill instance carries the same load), then the KV pull, then joins
-a decode group with its first token already out.
+PD disaggregation (run_pd): every prefill instance (all its DP groups) and decode DP groups, each group
+its own Scheduler. The proxy deals requests round-robin over prefill instances and over blocks of
+simulated decode groups (system-brief item 1 balances by load; round-robin is its even-load limit); inside
+an instance the engine's router picks the group. Prefill runs each prompt to its first token; the request
+then waits for the KV pull and joins a decode group with its first token out and that token's KV still to
+compute (the decode step that samples token 2 runs it).
 """
 from __future__ import annotations
 
-import bisect
 import random
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -29,7 +27,7 @@ from moeserve.config import SchedulerConfig
 from moeserve.engine.dp_balance import LeastLoadedRouter, prefill_balanced_budget
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.request import Request
-from moeserve.engine.scheduler import Scheduler
+from moeserve.engine.scheduler import RequestRejected, Scheduler
 from moeserve.planner.analysis import decode_memory
 from moeserve.planner.deploy import DoesNotFit, Instance, PlanError, Workload
 from moeserve.planner.hardware import Hardware
@@ -68,31 +66,36 @@ def lengths(n: int, mean: int, kind: str, rng: random.Random) -> list[int]:
     return [max(1, int(rng.expovariate(1.0 / mean))) for _ in range(n)]
 
 
-def _split(inst: Instance, out, prefill_free: bool):
-    """A schedule() result as (decode contexts, prefill chunks (1, new, cached))."""
+def _split(inst: Instance, out, prefill_free: bool, pulled: bool = False):
+    """A schedule() result as (decode contexts, prefill chunks (1, new, cached)).
+
+    pulled (PD decode): a request's "prompt" is the pulled KV plus the prefill's first token, whose KV this
+    instance still computes while sampling the second: the chunk that completes it is a decode."""
     dec_ctx, prefill = [], []
     for s in out.scheduled:
         if s.start >= s.request.num_prompt_tokens:
             dec_ctx.append(s.start)
+        elif pulled and s.samples:
+            dec_ctx.append(s.start + s.num_tokens - 1)
         elif not prefill_free:
             prefill.append((1.0, float(s.num_tokens), float(s.start)))
     return dec_ctx, prefill
 
 
-def _tokens(inst: Instance, out, prefill_free: bool) -> float:
+def _tokens(inst: Instance, out, prefill_free: bool, pulled: bool = False) -> float:
     """Tokens this batch sends through the MoE layers (a decode verifies 1 + drafts positions)."""
-    dec_ctx, prefill = _split(inst, out, prefill_free)
+    dec_ctx, prefill = _split(inst, out, prefill_free, pulled)
     return len(dec_ctx) * (1 + inst.mtp_drafts) + sum(n for _, n, _ in prefill)
 
 
 def price(m: ModelSpec, hw: Hardware, inst: Instance, out, prefill_free: bool = False,
-          n_tokens: float | None = None) -> float:
+          n_tokens: float | None = None, pulled: bool = False) -> float:
     """Seconds for the batch the scheduler picked: decodes (already-generated requests) vs prefill chunks.
 
     prefill_free: a PD decode instance receives prompts' KV from prefill instances, so their chunks cost
     no compute here (the transfer overlaps earlier steps). n_tokens: the instance's tokens in the MoE
-    layers (default: every DP group runs this batch)."""
-    dec_ctx, prefill = _split(inst, out, prefill_free)
+    layers (default: every DP group runs this batch); pulled: see _split."""
+    dec_ctx, prefill = _split(inst, out, prefill_free, pulled)
     n_dec = len(dec_ctx)
     if not n_dec and not prefill and not n_tokens:
         return hw.eff.step_overhead_ms * 1e-3
@@ -166,19 +169,23 @@ def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces:
     scheds = [make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
                              role="prefill" if role == "prefill" else "decode") for _ in range(groups)]
     router = LeastLoadedRouter(groups)
-    prefill_free = role in ("decode", "pd-decode")
+    prefill_free, pulled = role in ("decode", "pd-decode"), role == "pd-decode"
     clock, nxt, steps, busy, n = 0.0, 0, 0, 0.0, len(order)
     while steps < max_steps and (nxt < n or any(s.has_unfinished() for s in scheds)):
         while nxt < n and starts[nxt] <= clock:
             rid = order[nxt]
             req = _request(rid, traces[rid], role)
-            scheds[router.assign(rid, req.num_prompt_tokens, req.sampling_params.max_tokens)].add_request(req)
+            sched = scheds[router.assign(rid, req.num_prompt_tokens, req.sampling_params.max_tokens)]
+            try:
+                sched.add_request(req)
+            except RequestRejected:  # the engine's message names engine flags (--num-kv-blocks)
+                raise DoesNotFit(_pool_too_small(role, sched, req, wl, max_batched)) from None
             nxt += 1
         # A decode instance's prompts are KV arriving, not compute: nothing to balance.
-        demand = sum(s.prefill_demand() for s in scheds)
+        demands = [s.prefill_demand() for s in scheds]
         decodes = sum(s.num_decodes() for s in scheds)
         outs = [s.schedule(None if prefill_free else
-                           prefill_balanced_budget(demand, decodes, groups, max_batched, s.num_decodes()))
+                           prefill_balanced_budget(demands, decodes, max_batched, s.num_decodes()))
                 for s in scheds]
         if all(o.is_empty for o in outs):
             if nxt >= n:
@@ -186,8 +193,8 @@ def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces:
             clock = max(clock, starts[nxt])
             continue
         # The MoE layers see every group's tokens, times the groups not simulated.
-        n_tokens = sum(_tokens(inst, o, prefill_free) for o in outs) * inst.dp / groups
-        dt = max(price(m, hw, inst, o, prefill_free, n_tokens) for o in outs)
+        n_tokens = sum(_tokens(inst, o, prefill_free, pulled) for o in outs) * inst.dp / groups
+        dt = max(price(m, hw, inst, o, prefill_free, n_tokens, pulled) for o in outs)
         clock += dt
         busy += dt
         steps += 1
@@ -196,7 +203,10 @@ def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces:
             for s in out.scheduled:
                 if s.samples:
                     rid = s.request.request_id
-                    k = 1 + accepted(inst, rng) if s.start >= s.request.num_prompt_tokens else 1
+                    # a decode (PD decode: also the step running the pulled first token) may accept drafts,
+                    # but never past max_tokens: the scheduler stops the request there
+                    k = 1 + accepted(inst, rng) if s.start >= s.request.num_prompt_tokens or pulled else 1
+                    k = min(k, s.request.sampling_params.max_tokens - s.request.num_output_tokens)
                     sampled[rid] = [0] * k
                     traces[rid].token_times += [clock] * k
                     router.progress(rid, k)
@@ -204,6 +214,16 @@ def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces:
                 router.forget(req.request_id)
     return {"traces": traces, "makespan": clock, "steps": steps, "busy": busy, "groups": groups,
             "preemptions": sum(s.num_preemptions for s in scheds)}
+
+
+def _pool_too_small(role: str, sched: Scheduler, req: Request, wl: Workload, max_batched: int) -> str:
+    which = {"prefill": "prefill instance", "pd-decode": "decode instance"}.get(role, "instance")
+    sized = (f"a --max-num-batched-tokens {max_batched} step's workspace" if role == "prefill"
+             else "the memory-limited batch")
+    return (f"{which}: a request of {req.num_prompt_tokens + req.sampling_params.max_tokens} tokens needs more "
+            f"KV than the {sched.kv.pool.num_blocks * sched.kv.block_size} tokens left after the weights and "
+            f"{sized} (--input-len {wl.input_len}); lower --max-num-batched-tokens, use more cards, or "
+            f"shorter lengths (--input-len / --length-dist)")
 
 
 def run(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, rate: float, num_requests: int,
@@ -237,48 +257,53 @@ def _check_stream(num_requests: int, rate: float) -> None:
 def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workload, rate: float,
            num_requests: int, prefill_instances: int = 1, decode_instances: int = 1, arrival: str = "poisson",
            length_dist: str = "fixed", max_num_seqs: int | None = None, max_batched: int = 8192,
-           seed: int = 0, max_steps: int = 2_000_000, groups: int = 1) -> dict:
+           seed: int = 0, max_steps: int = 2_000_000, groups: int = 1,
+           prefill_max_batched: int | None = None) -> dict:
     """A PD deployment at `rate` requests/s: `prefill_instances` x `pre` and `decode_instances` x `dec`.
 
-    One prefill instance is simulated whole (its DP groups in lockstep: prompts do not arrive aligned, and
-    a prefill step is short, so this is cheap) and `groups` DP groups of one decode instance; `num_requests`
-    is what each simulated decode group serves (as in `run`). Returns the decode groups' raw traces
-    (arrival = at the proxy; token 1 = prefill done + KV pull), the prefill instance's raw result under
-    "prefill" and the pull times."""
+    Every prefill instance is simulated whole (its DP groups in lockstep: prompts do not arrive aligned;
+    a prefill step is short, so this is cheap), so each request has its own prefill latency; `groups` DP
+    groups of one decode instance serve their share, `num_requests` per simulated decode group (as in
+    `run`). prefill_max_batched: the prefill instances' token budget per step (default max_batched).
+    Returns the decode groups' raw traces (arrival = at the proxy; token 1 = prefill done + KV pull), the
+    prefill instances' summed raw result under "prefill" and the pull times."""
     from moeserve.planner.analysis import kv_pull_ms
     _check_stream(num_requests, rate)
     _check_groups(groups, dec, "decode ")
-    k_pre = pre.dp
     rng = random.Random(seed)
-    g_pre, g_dec = prefill_instances * pre.dp // k_pre, decode_instances * dec.dp // groups
-    stream = _stream(m, wl, num_requests * groups * g_dec, rate, arrival, length_dist, rng)
-    # Round-robin over blocks of simulated size: the simulated block gets every g-th request of the stream.
-    pre_traces = {str(i): Trace(t.arrival, t.prompt_len, 1) for i, t in enumerate(stream) if i % g_pre == 0}
-    pre_raw = _run_group(m, hw, pre, wl, pre_traces, "prefill", None, max_batched, rng, max_steps, k_pre)
-    done = sorted((t.arrival, t.token_times[0] - t.arrival) for t in pre_traces.values() if t.token_times)
-    if not done:
-        raise ValueError("the prefill instance finished no prompt within the step cap; lower --rate")
-    times = [a for a, _ in done]
+    blocks = decode_instances * dec.dp // groups  # blocks of `groups` decode DP groups
+    stream = _stream(m, wl, num_requests * groups * blocks, rate, arrival, length_dist, rng)
+    # The proxy deals round robin: request i to prefill instance i % P and to decode block i % blocks.
+    pre_raw = {"steps": 0, "busy": 0.0, "makespan": 0.0}
+    firsts: dict[int, float] = {}  # request index -> prefill done (its first token)
+    for j in range(prefill_instances):
+        mine = {str(i): Trace(t.arrival, t.prompt_len, 1) for i, t in enumerate(stream)
+                if i % prefill_instances == j}
+        r = _run_group(m, hw, pre, wl, mine, "prefill", None, prefill_max_batched or max_batched, rng,
+                       max_steps, pre.dp)
+        for k in pre_raw:
+            pre_raw[k] += r[k]
+        firsts.update((int(i), t.token_times[0]) for i, t in mine.items() if t.token_times)
     cards = prefill_instances * pre.cards + decode_instances * dec.cards
     pull_cache: dict[int, float] = {}
     traces = {}
     for i, t in enumerate(stream):
-        if i % g_dec:
+        if i % blocks:
             continue
-        j = min(bisect.bisect_left(times, t.arrival), len(done) - 1)  # the prefill load at its arrival
-        if j and t.arrival - times[j - 1] < times[j] - t.arrival:
-            j -= 1
+        if i not in firsts:  # its prefill did not finish within the step cap: unfinished, not measured
+            traces[str(i)] = Trace(t.arrival, t.prompt_len, t.output_len)
+            continue
         if t.prompt_len not in pull_cache:
             pull_cache[t.prompt_len] = kv_pull_ms(m, hw, dec, t.prompt_len, cards) * 1e-3
-        first = t.arrival + done[j][1] + pull_cache[t.prompt_len]
+        first = firsts[i] + pull_cache[t.prompt_len]
         traces[str(i)] = Trace(t.arrival, t.prompt_len, t.output_len, [first], ready=first)
-    decoding = {r: t for r, t in traces.items() if t.output_len > 1}
+    decoding = {r: t for r, t in traces.items() if t.output_len > 1 and t.token_times}
     if decoding:
         raw = _run_group(m, hw, dec, wl, decoding, "pd-decode", max_num_seqs, max_batched, rng, max_steps,
                          groups)
     else:  # every output is the prefill's one token: the decode side never steps
-        raw = {"makespan": max(t.token_times[0] for t in traces.values()), "steps": 0, "busy": 0.0,
-               "groups": groups, "preemptions": 0}
+        raw = {"makespan": max((t.token_times[0] for t in traces.values() if t.token_times), default=0.0),
+               "steps": 0, "busy": 0.0, "groups": groups, "preemptions": 0}
     raw["traces"] = traces
     raw["prefill"] = pre_raw
     raw["kv_pull_ms"] = {p: round(s * 1e3, 3) for p, s in sorted(pull_cache.items())}
@@ -381,7 +406,9 @@ def simulate_plan(m: ModelSpec, hw: Hardware, plan: dict, wl: Workload, load: fl
     if num_requests is None:
         ana = analytic_steady_state(m, hw, dec, wl, rate / d_n)
         num_requests = settling_requests(ana["batch_per_dp"] or ana["max_batch_per_dp"])
-    raw = run_pd(m, hw, pre, dec, wl, rate, num_requests, p_n, d_n, seed=seed)
+    # the prefill side batches what the plan's prefill batch holds (its memory check was made for it)
+    raw = run_pd(m, hw, pre, dec, wl, rate, num_requests, p_n, d_n, seed=seed,
+                 prefill_max_batched=plan["prefill"]["batch_per_dp"] * wl.input_len)
     res = summarize(raw, dec, tpot_ms, ttft_ms, window=(0.2, 0.9),
                     cards_per_group=plan["cards_used"] / (d_n * dec.dp))
     pr = raw["prefill"]
@@ -403,7 +430,8 @@ def format_report(r: dict) -> str:
         f"{r['preemptions']} preemptions; {r['dp_groups_simulated']} of {r['dp_groups']} DP groups simulated",
         row("ttft_ms"), row("tpot_ms"), row("itl_ms"),
         f"  throughput {r['throughput_tok_s_card']:.1f} tok/s/card over the run (steady "
-        f"{r['steady_tok_s_card']:.1f}), goodput {r['goodput_tok_s_card']:.1f}",
+        f"{'-' if r['steady_tok_s_card'] is None else format(r['steady_tok_s_card'], '.1f')}), goodput "
+        f"{r['goodput_tok_s_card']:.1f}",
         (f"  analytic steady state: none, the rate is above the {a['capacity_req_s']} req/s decode sustains "
          f"at its memory-limited batch of {a['max_batch_per_dp']}/DP (queues grow)" if a.get("overloaded") else
          f"  analytic steady state: batch {a['batch_per_dp']}/DP, TPOT {a['tpot_ms']} ms")

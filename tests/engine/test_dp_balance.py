@@ -13,10 +13,14 @@ def test_router_sends_each_request_to_the_least_loaded_rank_and_forgets_what_is_
     assert r.assign("e", 5, 5) == 0
 
 
-def test_budget_is_an_even_share_of_prefill_only_while_someone_decodes():
-    assert prefill_balanced_budget(4096, 10, dp_size=1, max_tokens=8192, decodes=10) is None  # one rank
-    assert prefill_balanced_budget(4096, 12, dp_size=4, max_tokens=8192, decodes=3) == 3 + 1024
-    assert prefill_balanced_budget(10, 1, dp_size=4, max_tokens=8192, decodes=0) == MIN_PREFILL_CHUNK
-    assert prefill_balanced_budget(40000, 8, dp_size=2, max_tokens=8192, decodes=4) == 8192
+def test_budget_evens_out_the_ranks_with_prefill_demand_while_someone_decodes():
+    b = prefill_balanced_budget
+    assert b([4096], 10, max_tokens=8192, decodes=10) is None  # one rank
+    # two of four ranks have prompts: the long one is chunked to their mean, the others do not care
+    assert b([3000, 1000, 0, 0], 12, max_tokens=8192, decodes=3) == 3 + 2000
+    assert b([10, 20, 0, 0], 1, max_tokens=8192, decodes=0) == MIN_PREFILL_CHUNK
+    assert b([40000, 40000], 8, max_tokens=8192, decodes=4) == 8192
+    # a lone prompt is not cut to 1/D of itself step after step (max_num_batched_tokens bounds the step)
+    assert b([2048, 0, 0, 0, 0, 0, 0, 0], 40, max_tokens=8192, decodes=5) is None
     # nobody decodes: nothing waits for a long prompt, so it is not chunked into extra steps
-    assert prefill_balanced_budget(2048, 0, dp_size=8, max_tokens=8192, decodes=0) is None
+    assert b([2048, 512], 0, max_tokens=8192, decodes=0) is None

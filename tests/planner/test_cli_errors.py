@@ -1,4 +1,6 @@
 """Bad input to `moeserve plan` is one error line that names the flag, never a traceback or a silent default."""
+import json
+
 import pytest
 
 from moeserve.planner.cli import main
@@ -38,6 +40,8 @@ REFUSED = [  # (argv, flag the message must name)
     (["search", "--simulate", "0"], "--simulate"),
     (["search", "--simulate-load", "1.5"], "--simulate-load"),  # a fraction of the plan's rate
     (["search", "--simulate-load", "0"], "--simulate-load"),
+    (["search", "--simulate-load", "0.5"], "--simulate N"),  # without --simulate it would do nothing
+    (["search", "--simulate-requests", "7"], "--simulate N"),
     (["simulate", "--sim-dp-groups", "3"], "--sim-dp-groups"),  # must divide the DP size
     (["profile-cpu", "--threads", "0"], "--threads"),
     (["profile-cpu", "--threads", "-1"], "--threads"),
@@ -197,3 +201,25 @@ def test_batch_beyond_the_kv_room_is_refused_not_capped(capsys):
     code, out, err = run(capsys, "estimate", "--batch", "100000", "--json")
     assert code == 1 and "--batch 100000 does not fit" in err and "use --batch <=" in err
     assert '"error"' in out
+
+
+def test_simulate_refuses_a_prefill_pool_the_scheduler_cannot_use(capsys):
+    # 16 x 512-token prompts fit, but the workspace of an 8192-token step per DP group (its allgather buffer
+    # holds 16 x 8192 tokens) leaves no KV: this exited 2 with the engine's "raise --num-kv-blocks"
+    argv = ["simulate", "--hardware", "atlas-800i-a2", "--cards", "32", "--moe-comm", "allgather", "--role", "pd",
+            "--prefill-cards", "16", "--input-len", "512", "--output-len", "512", "--num-requests", "5"]
+    code, out, err = run(capsys, *argv)
+    assert code == 1 and "prefill instance" in err and "--max-num-batched-tokens" in err
+    assert "--num-kv-blocks" not in err and "Traceback" not in err
+    code, out, err = run(capsys, *argv, "--max-num-batched-tokens", "512")  # a step the pool holds: runs
+    assert code == 0, err
+
+
+def test_simulate_far_above_capacity_reports_overload_instead_of_a_traceback(capsys):
+    # --rate 3000 raised OverflowError in the analytic fixed point (a batch of 1e79)
+    code, out, err = run(capsys, "simulate", "--json", "--model", "deepseek-v2-lite", "--hardware", "h100",
+                         "--cards", "2", "--quantization", "bf16", "--input-len", "512", "--output-len", "16",
+                         "--num-requests", "5", "--rate", "1e7")
+    assert code == 0 and "Traceback" not in err, err
+    ana = json.loads(out)["analytic_steady_state"]
+    assert ana["overloaded"] is True and ana["batch_per_dp"] is None and ana["capacity_req_s"] < 1e7

@@ -180,3 +180,31 @@ def test_a_rate_beyond_the_memory_limited_batch_has_no_analytic_steady_state():
     assert analytic_steady_state(LITE, H100, inst, wl, 0.99 * over["capacity_req_s"])["overloaded"] is False
     assert simulate.settling_requests(10.0) == 200 and simulate.settling_requests(50.3) == 402
     assert simulate.settling_requests(1e6) == 4000
+
+
+def test_pd_decode_prices_the_step_that_samples_the_second_token():
+    # the decode side pulls the prompt's KV and the first token, whose KV it computes while sampling the
+    # second: a decode step, which used to be free (TPOT 1.0 ms, the step overhead alone)
+    wl = Workload(input_len=512, output_len=2)
+    pre, dec, raw, res = _pd(rate=1.0, n=20, wl=wl, arrival="constant")
+    ana = analytic_steady_state(LITE, H100, dec, wl, 1.0)
+    assert res["tpot_ms"]["p50"] == pytest.approx(ana["tpot_ms"], rel=0.02)
+
+
+def test_accepted_drafts_never_emit_past_the_output_length():
+    # 2 drafts at 90% acceptance: the last step of an 8-token output used to add up to 2 more token times
+    inst = Instance(cards=2, quantization="bf16", mtp_drafts=2, mtp_acceptance=0.9)
+    raw = simulate.run(LITE, H100, inst, Workload(512, 8), 50.0, 100)
+    assert all(len(t.token_times) == t.output_len for t in raw["traces"].values())
+
+
+def test_pd_every_request_gets_its_own_prefill_latency():
+    # uniform lengths over 3 prefill instances: each request's TTFT comes from its own prompt's prefill
+    # (it used to borrow the nearest simulated neighbour's, of another length)
+    from moeserve.planner.analysis import kv_pull_ms, prefill_point
+    pre, dec, raw, res = _pd(rate=2.0, prefill_instances=3, n=40, arrival="constant", length_dist="uniform")
+    cards = 3 * pre.cards + dec.cards
+    for t in raw["traces"].values():  # 2 req/s: nothing queues, every prompt runs alone
+        alone = prefill_point(LITE, H100, pre, 1, t.prompt_len).ttft_ms + kv_pull_ms(
+            LITE, H100, dec, t.prompt_len, cards)
+        assert (t.token_times[0] - t.arrival) * 1e3 == pytest.approx(alone, rel=0.02)
