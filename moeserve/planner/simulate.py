@@ -113,9 +113,13 @@ def accepted(inst: Instance, rng: random.Random) -> int:
     return n
 
 
-def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: str = "unified") -> Scheduler:
+def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: str = "unified",
+                   free_prompts: bool = False) -> Scheduler:
     """KV blocks and the sequence cap from the memory model. A prefill instance sizes its workspace for a
-    full token budget and its KV for prompts (it frees each one once the decode side has it)."""
+    full token budget and its KV for prompts (it frees each one once the decode side has it).
+
+    free_prompts (a decode instance: prompts arrive as KV): the scheduler's token cap leaves room for every
+    arriving prompt on top of `max_batched`; each step's budget is set from the demand (_run_group)."""
     if role == "prefill":
         rep = memory_report(m, hw, inst, wl.input_len, max_batched,
                             logit_rows=max_batched / max(1, wl.input_len) * (1 + inst.mtp_drafts),
@@ -125,8 +129,9 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: st
     per_token = m.kv_bytes_per_token(inst.kv_bytes, with_mtp=inst.mtp_drafts > 0)
     block = 16
     num_blocks = max(1, int(rep.kv_free // (per_token * block)))
-    cfg = SchedulerConfig(max_num_seqs=max(1, rep.max_batch) if max_num_seqs is None else max_num_seqs,
-                          max_num_batched_tokens=max_batched, max_model_len=max_len)
+    seqs = max(1, rep.max_batch) if max_num_seqs is None else max_num_seqs
+    cap = max_batched + (max_len * seqs if free_prompts else 0)
+    cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=cap, max_model_len=max_len)
     return Scheduler(cfg, KVCacheManager(num_blocks, block))
 
 
@@ -166,10 +171,11 @@ def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces:
     order = sorted(traces, key=lambda r: traces[r].start)
     starts = [traces[r].start for r in order]
     max_len = max(t.prompt_len + t.output_len for t in traces.values()) + 1 + inst.mtp_drafts
-    scheds = [make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
-                             role="prefill" if role == "prefill" else "decode") for _ in range(groups)]
-    router = LeastLoadedRouter(groups)
     prefill_free, pulled = role in ("decode", "pd-decode"), role == "pd-decode"
+    scheds = [make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
+                             role="prefill" if role == "prefill" else "decode", free_prompts=prefill_free)
+              for _ in range(groups)]
+    router = LeastLoadedRouter(groups)
     clock, nxt, steps, busy, n = 0.0, 0, 0, 0.0, len(order)
     while steps < max_steps and (nxt < n or any(s.has_unfinished() for s in scheds)):
         while nxt < n and starts[nxt] <= clock:
@@ -181,12 +187,13 @@ def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces:
             except RequestRejected:  # the engine's message names engine flags (--num-kv-blocks)
                 raise DoesNotFit(_pool_too_small(role, sched, req, wl, max_batched)) from None
             nxt += 1
-        # A decode instance's prompts are KV arriving, not compute: nothing to balance.
+        # A decode instance's prompts are KV arriving, not compute: nothing to balance, and they do not
+        # take the step's token budget (pulled KV joins as it lands, as in vLLM's PD decode).
         demands = [s.prefill_demand() for s in scheds]
         decodes = sum(s.num_decodes() for s in scheds)
-        outs = [s.schedule(None if prefill_free else
+        outs = [s.schedule(max_batched + d if prefill_free else
                            prefill_balanced_budget(demands, decodes, max_batched, s.num_decodes()))
-                for s in scheds]
+                for s, d in zip(scheds, demands)]
         if all(o.is_empty for o in outs):
             if nxt >= n:
                 break  # nothing runnable and nothing left to arrive
