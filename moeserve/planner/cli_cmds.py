@@ -182,7 +182,7 @@ def _load_fraction(text: str) -> float:
 
 def cmd_search(a):
     from moeserve.planner.search import search
-    from moeserve.planner.simulate import simulate_plan
+    from moeserve.planner.sim_plan import simulate_plan
     if a.simulate is None and (a.simulate_requests is not None or a.simulate_load != 0.8):
         flag = "--simulate-requests" if a.simulate_requests is not None else "--simulate-load"
         raise PlanError(f"{flag} sets up the plan simulation; add --simulate N")
@@ -254,7 +254,7 @@ def args_simulate(p):
 
 
 def cmd_simulate(a):
-    from moeserve.planner.simulate import format_report, simulate_from_args
+    from moeserve.planner.sim_plan import format_report, simulate_from_args
     m, hw, inst, wl = _ctx(a)
     pre = None
     if a.role == "pd":
