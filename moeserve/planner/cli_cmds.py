@@ -251,6 +251,9 @@ def args_simulate(p):
     g = _add_prefill_flags(p, "PD deployment (--role pd; the deployment flags above are the decode instance)")
     g.add_argument("--prefill-instances", type=positive_int, default=1)
     g.add_argument("--decode-instances", type=positive_int, default=1)
+    g.add_argument("--pd-proxy", choices=("least-loaded", "round-robin"), default=None,
+                   help="how the proxy spreads prompts over prefill instances (default least-loaded: the shortest "
+                        "estimated TTFT, as the published design's proxy does)")
 
 
 def cmd_simulate(a):
@@ -263,7 +266,8 @@ def cmd_simulate(a):
         with _which(f"prefill instance ({a.prefill_cards} cards)"):
             pre = _prefill_instance(a, inst, m)
     else:
-        used = [f for f in ("prefill_cards", "prefill_tp", "prefill_moe_comm") if getattr(a, f) is not None]
+        used = [f for f in ("prefill_cards", "prefill_tp", "prefill_moe_comm", "pd_proxy")
+                if getattr(a, f) is not None]
         used += [f for f in ("prefill_micro_batch_overlap",) if getattr(a, f)]
         used += [f for f in ("prefill_instances", "decode_instances") if getattr(a, f) != 1]
         if used:

@@ -70,12 +70,14 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
         analytic = analytic_steady_state(m, hw, inst, wl, rate / d_n)
         n = a.num_requests or settling_requests(analytic["batch_per_dp"] or analytic["max_batch_per_dp"])
         raw = run_pd(m, hw, pre, inst, wl, rate, n, p_n, d_n, a.arrival, a.length_dist,
-                     a.max_num_seqs, a.max_num_batched_tokens, a.seed, groups=a.sim_dp_groups)
+                     a.max_num_seqs, a.max_num_batched_tokens, a.seed, groups=a.sim_dp_groups,
+                     proxy=a.pd_proxy or "least-loaded")
         cards = p_n * pre.cards + d_n * inst.cards
         res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9),
                         cards_per_group=cards / (d_n * inst.dp))
         pr = raw["prefill"]
-        res["prefill"] = {"layout": asdict(pre), "instances": p_n, "steps": pr["steps"],
+        res["prefill"] = {"layout": asdict(pre), "instances": p_n, "proxy": a.pd_proxy or "least-loaded",
+                          "steps": pr["steps"],
                           "busy_fraction": round(pr["busy"] / (pr["makespan"] or 1.0), 4),
                           "kv_pull_ms": raw["kv_pull_ms"]}
         res.update({"decode_instances": d_n, "cards": cards})
@@ -138,7 +140,8 @@ def format_report(r: dict) -> str:
          f"at its memory-limited batch of {a['max_batch_per_dp']}/DP (queues grow)" if a.get("overloaded") else
          f"  analytic steady state: batch {a['batch_per_dp']}/DP, TPOT {a['tpot_ms']} ms")
         + (f"; TTFT {a['ttft_ms']} ms (a lone prompt + KV pull)" if p else "")]
-        + ([f"  prefill: {p['instances']} x {p['layout']['cards']} cards (TP{p['layout']['tp']}) busy "
+        + ([f"  prefill: {p['instances']} x {p['layout']['cards']} cards (TP{p['layout']['tp']}"
+            + (f", {p['proxy']} proxy" if p["instances"] > 1 else "") + ") busy "
             f"{100 * p['busy_fraction']:.0f}%, KV pull {_pulls(p['kv_pull_ms'])}; decode: "
             f"{r['decode_instances']} instance(s); {r['cards']} cards in all"] if p else []))
 

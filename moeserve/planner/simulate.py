@@ -11,11 +11,11 @@ policy (engine/dp_balance.py: least-loaded routing, prefill-balanced token budge
 long as the slowest group; the instance's other groups are taken to carry the same load.
 
 PD disaggregation (run_pd): every prefill instance (all its DP groups) and decode DP groups, each group
-its own Scheduler. The proxy deals requests round-robin over prefill instances and over blocks of
-simulated decode groups (system-brief item 1 balances by load; round-robin is its even-load limit); inside
-an instance the engine's router picks the group. Prefill runs each prompt to its first token; the request
-then waits for the KV pull and joins a decode group with its first token out and that token's KV still to
-compute (the decode step that samples token 2 runs it).
+its own Scheduler. The proxy sends a prompt to the prefill instance with the shortest estimated TTFT
+(system-brief item 1) or round robin, and deals decode blocks round robin; inside an instance the engine's
+router picks the group. Prefill runs each prompt to its first token; the request then waits for the KV
+pull and joins a decode group with its first token out and that token's KV still to compute (the decode
+step that samples token 2 runs it).
 """
 from __future__ import annotations
 
@@ -160,50 +160,61 @@ def _request(rid: str, t: Trace, role: str) -> Request:
                    arrival_time=t.start)
 
 
-def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces: dict[str, Trace], role: str,
-               max_num_seqs: int | None, max_batched: int, rng: random.Random, max_steps: int,
-               groups: int = 1) -> dict:
-    """`groups` DP groups of `inst` serving `traces` in lockstep, as the engine's DP ranks do: each request
-    goes to the least-loaded group (the engine's router), each group's token budget is the engine's
-    prefill-balanced one, and a step lasts as long as its slowest group (every MoE layer waits for all).
-    The instance's other DP groups are taken to carry the same load. Appends each request's token times."""
-    order = sorted(traces, key=lambda r: traces[r].start)
-    starts = [traces[r].start for r in order]
-    max_len = max(t.prompt_len + t.output_len for t in traces.values()) + 1 + inst.mtp_drafts
-    prefill_free, pulled = role in ("decode", "pd-decode"), role == "pd-decode"
-    scheds = [make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
-                             role="prefill" if role == "prefill" else "decode", free_prompts=prefill_free)
-              for _ in range(groups)]
-    router = LeastLoadedRouter(groups)
-    clock, nxt, steps, busy, n = 0.0, 0, 0, 0.0, len(order)
-    while steps < max_steps and (nxt < n or any(s.has_unfinished() for s in scheds)):
-        while nxt < n and starts[nxt] <= clock:
-            rid = order[nxt]
-            req = _request(rid, traces[rid], role)
-            sched = scheds[router.assign(rid, req.num_prompt_tokens, req.sampling_params.max_tokens)]
-            try:
-                sched.add_request(req)
-            except RequestRejected:  # the engine's message names engine flags (--num-kv-blocks)
-                raise DoesNotFit(_pool_too_small(role, sched, req, wl, max_batched)) from None
-            nxt += 1
+class _Instance:
+    """`groups` DP groups of one instance in lockstep, as the engine's DP ranks run: each request goes to the
+    least-loaded group (the engine's router), each group's token budget is the engine's prefill-balanced
+    one, and a step lasts as long as its slowest group (every MoE layer waits for all). The instance's other
+    DP groups are taken to carry the same load.
+
+    Lifecycle: admit() requests whose time has come -> step() from `clock` (False: no group had work) ->
+    result(). Token times are appended to the admitted traces."""
+
+    def __init__(self, m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, role: str,
+                 max_num_seqs: int | None, max_batched: int, rng: random.Random, groups: int, max_len: int):
+        self.m, self.hw, self.inst, self.wl, self.role, self.rng = m, hw, inst, wl, role, rng
+        self.max_batched, self.groups = max_batched, groups
+        self.prefill_free, self.pulled = role in ("decode", "pd-decode"), role == "pd-decode"
+        self.scheds = [make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
+                                      role="prefill" if role == "prefill" else "decode",
+                                      free_prompts=self.prefill_free) for _ in range(groups)]
+        self.router = LeastLoadedRouter(groups)
+        self.traces: dict[str, Trace] = {}
+        self.clock, self.steps, self.busy = 0.0, 0, 0.0
+
+    def ttft_estimate(self, t: float, sec_per_token: float) -> float:
+        """What a proxy estimates a prompt arriving at `t` waits before its own prefill: the step in flight
+        (it ends at `clock`) plus the prompt tokens queued behind it."""
+        return max(self.clock - t, 0.0) + sec_per_token * sum(s.prefill_demand() for s in self.scheds)
+
+    def has_work(self) -> bool:
+        return any(s.has_unfinished() for s in self.scheds)
+
+    def admit(self, rid: str, trace: Trace) -> None:
+        req = _request(rid, trace, self.role)
+        sched = self.scheds[self.router.assign(rid, req.num_prompt_tokens, req.sampling_params.max_tokens)]
+        try:
+            sched.add_request(req)
+        except RequestRejected:  # the engine's message names engine flags (--num-kv-blocks)
+            raise DoesNotFit(_pool_too_small(self.role, sched, req, self.wl, self.max_batched)) from None
+        self.traces[rid] = trace
+
+    def step(self) -> bool:
+        inst, scheds, free = self.inst, self.scheds, self.prefill_free
         # A decode instance's prompts are KV arriving, not compute: nothing to balance, and they do not
         # take the step's token budget (pulled KV joins as it lands, as in vLLM's PD decode).
         demands = [s.prefill_demand() for s in scheds]
         decodes = sum(s.num_decodes() for s in scheds)
-        outs = [s.schedule(max_batched + d if prefill_free else
-                           prefill_balanced_budget(demands, decodes, max_batched, s.num_decodes()))
+        outs = [s.schedule(self.max_batched + d if free else
+                           prefill_balanced_budget(demands, decodes, self.max_batched, s.num_decodes()))
                 for s, d in zip(scheds, demands)]
         if all(o.is_empty for o in outs):
-            if nxt >= n:
-                break  # nothing runnable and nothing left to arrive
-            clock = max(clock, starts[nxt])
-            continue
+            return False
         # The MoE layers see every group's tokens, times the groups not simulated.
-        n_tokens = sum(_tokens(inst, o, prefill_free, pulled) for o in outs) * inst.dp / groups
-        dt = max(price(m, hw, inst, o, prefill_free, n_tokens, pulled) for o in outs)
-        clock += dt
-        busy += dt
-        steps += 1
+        n_tokens = sum(_tokens(inst, o, free, self.pulled) for o in outs) * inst.dp / self.groups
+        dt = max(price(self.m, self.hw, inst, o, free, n_tokens, self.pulled) for o in outs)
+        self.clock += dt
+        self.busy += dt
+        self.steps += 1
         for sched, out in zip(scheds, outs):
             sampled = {}
             for s in out.scheduled:
@@ -211,15 +222,77 @@ def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces:
                     rid = s.request.request_id
                     # a decode (PD decode: also the step running the pulled first token) may accept drafts,
                     # but never past max_tokens: the scheduler stops the request there
-                    k = 1 + accepted(inst, rng) if s.start >= s.request.num_prompt_tokens or pulled else 1
+                    decode = s.start >= s.request.num_prompt_tokens or self.pulled
+                    k = 1 + accepted(inst, self.rng) if decode else 1
                     k = min(k, s.request.sampling_params.max_tokens - s.request.num_output_tokens)
                     sampled[rid] = [0] * k
-                    traces[rid].token_times += [clock] * k
-                    router.progress(rid, k)
+                    self.traces[rid].token_times += [self.clock] * k
+                    self.router.progress(rid, k)
             for req in sched.update_from_output(out, sampled):
-                router.forget(req.request_id)
-    return {"traces": traces, "makespan": clock, "steps": steps, "busy": busy, "groups": groups,
-            "preemptions": sum(s.num_preemptions for s in scheds)}
+                self.router.forget(req.request_id)
+        return True
+
+    def advance_to(self, t: float, max_steps: int) -> None:
+        """Run the steps that start before `t` (an idle instance waits until then)."""
+        while self.clock < t and self.steps < max_steps:
+            if not self.step():
+                self.clock = t
+                return
+
+    def drain(self, max_steps: int) -> None:
+        while self.steps < max_steps and self.has_work() and self.step():
+            pass
+
+    def result(self) -> dict:
+        return {"traces": self.traces, "makespan": self.clock, "steps": self.steps, "busy": self.busy,
+                "groups": self.groups, "preemptions": sum(s.num_preemptions for s in self.scheds)}
+
+
+def _max_len(inst: Instance, traces) -> int:
+    return max(t.prompt_len + t.output_len for t in traces) + 1 + inst.mtp_drafts
+
+
+def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces: dict[str, Trace], role: str,
+               max_num_seqs: int | None, max_batched: int, rng: random.Random, max_steps: int,
+               groups: int = 1) -> dict:
+    """`groups` DP groups of `inst` (an _Instance) serving `traces`; returns its result()."""
+    sim = _Instance(m, hw, inst, wl, role, max_num_seqs, max_batched, rng, groups,
+                    _max_len(inst, traces.values()))
+    for rid in sorted(traces, key=lambda r: traces[r].start):
+        sim.advance_to(traces[rid].start, max_steps)
+        sim.admit(rid, traces[rid])
+    sim.drain(max_steps)
+    return sim.result()
+
+
+def _run_prefill_pool(m: ModelSpec, hw: Hardware, pre: Instance, wl: Workload, stream: list[Trace],
+                      instances: int, proxy: str, max_batched: int, rng: random.Random,
+                      max_steps: int) -> tuple[dict[int, float], dict]:
+    """Every prefill instance, advanced together in time so a load-aware proxy sees their queues: request i
+    goes to instance i % P ('round-robin') or to the one with the shortest estimated TTFT ('least-loaded',
+    system-brief item 1: the rest of the step in flight plus the queued prompt tokens at a lone prompt's
+    per-token prefill cost). Returns request index -> prefill done, and the instances' summed steps, busy
+    and makespan."""
+    from moeserve.planner.analysis import prefill_point
+    per_token = prefill_point(m, hw, pre, 1, wl.input_len).ttft_ms * 1e-3 / wl.input_len
+    max_len = _max_len(pre, stream)
+    pool = [_Instance(m, hw, pre, wl, "prefill", None, max_batched, rng, pre.dp, max_len)
+            for _ in range(instances)]
+    traces = [Trace(t.arrival, t.prompt_len, 1) for t in stream]
+    for i, t in enumerate(traces):
+        for sim in pool:
+            sim.advance_to(t.arrival, max_steps)
+        j = i % instances if proxy == "round-robin" else min(
+            range(instances), key=lambda j: (pool[j].ttft_estimate(t.arrival, per_token), j))
+        pool[j].admit(str(i), t)
+    for sim in pool:
+        sim.drain(max_steps)
+    summed = {"steps": sum(s.steps for s in pool), "busy": sum(s.busy for s in pool),
+              "makespan": sum(s.clock for s in pool)}
+    return {i: t.token_times[0] for i, t in enumerate(traces) if t.token_times}, summed
+
+
+PROXIES = ("least-loaded", "round-robin")
 
 
 def _pool_too_small(role: str, sched: Scheduler, req: Request, wl: Workload, max_batched: int) -> str:
@@ -264,13 +337,15 @@ def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workloa
            num_requests: int, prefill_instances: int = 1, decode_instances: int = 1, arrival: str = "poisson",
            length_dist: str = "fixed", max_num_seqs: int | None = None, max_batched: int = 8192,
            seed: int = 0, max_steps: int = 2_000_000, groups: int = 1,
-           prefill_max_batched: int | None = None) -> dict:
+           prefill_max_batched: int | None = None, proxy: str = "least-loaded") -> dict:
     """A PD deployment at `rate` requests/s: `prefill_instances` x `pre` and `decode_instances` x `dec`.
 
     Every prefill instance is simulated whole (its DP groups in lockstep: prompts do not arrive aligned;
     a prefill step is short, so this is cheap), so each request has its own prefill latency; `groups` DP
     groups of one decode instance serve their share, `num_requests` per simulated decode group (as in
-    `run`). prefill_max_batched: the prefill instances' token budget per step (default max_batched).
+    `run`). prefill_max_batched: the prefill instances' token budget per step (default max_batched);
+    proxy: how requests are spread over prefill instances (_run_prefill_pool); decode blocks are dealt
+    round robin.
     Returns the decode groups' raw traces (arrival = at the proxy; token 1 = prefill done + KV pull), the
     prefill instances' summed raw result under "prefill" and the pull times."""
     from moeserve.planner.analysis import kv_pull_ms
@@ -279,17 +354,11 @@ def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workloa
     rng = random.Random(seed)
     blocks = decode_instances * dec.dp // groups  # blocks of `groups` decode DP groups
     stream = _stream(m, wl, num_requests * groups * blocks, rate, arrival, length_dist, rng)
-    # The proxy deals round robin: request i to prefill instance i % P and to decode block i % blocks.
-    pre_raw = {"steps": 0, "busy": 0.0, "makespan": 0.0}
-    firsts: dict[int, float] = {}  # request index -> prefill done (its first token)
-    for j in range(prefill_instances):
-        mine = {str(i): Trace(t.arrival, t.prompt_len, 1) for i, t in enumerate(stream)
-                if i % prefill_instances == j}
-        r = _run_group(m, hw, pre, wl, mine, "prefill", None, prefill_max_batched or max_batched, rng,
-                       max_steps, pre.dp)
-        for k in pre_raw:
-            pre_raw[k] += r[k]
-        firsts.update((int(i), t.token_times[0]) for i, t in mine.items() if t.token_times)
+    if proxy not in PROXIES:
+        raise PlanError(f"--pd-proxy must be one of {', '.join(PROXIES)}, got {proxy!r}")
+    firsts, pre_raw = _run_prefill_pool(m, hw, pre, wl, stream, prefill_instances, proxy,
+                                        prefill_max_batched or max_batched, rng, max_steps)
+    # Decode: request i goes to decode block i % blocks; the first block is simulated.
     cards = prefill_instances * pre.cards + decode_instances * dec.cards
     pull_cache: dict[int, float] = {}
     traces = {}

@@ -35,6 +35,8 @@ REFUSED = [  # (argv, flag the message must name)
     (["simulate", "--role", "pd"], "--prefill-cards"),  # a PD deployment needs its prefill instance
     (["simulate", "--prefill-cards", "16"], "--role pd"),  # prefill flags without PD were ignored
     (["simulate", "--decode-instances", "2"], "--role pd"),
+    (["simulate", "--pd-proxy", "round-robin"], "--role pd"),
+    (["simulate", "--role", "pd", "--prefill-cards", "16", "--pd-proxy", "random"], "--pd-proxy"),
     (["simulate", "--role", "pd", "--prefill-cards", "16", "--prefill-instances", "0"], "--prefill-instances"),
     (["simulate", "--sim-dp-groups", "0"], "--sim-dp-groups"),
     (["search", "--simulate", "0"], "--simulate"),

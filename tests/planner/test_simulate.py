@@ -217,3 +217,17 @@ def test_pulled_prompts_do_not_queue_behind_the_token_budget():
     raw, res = _run(inst, wl, rate=1e4, n=20, role="decode")
     step = analytic_steady_state(LITE, H100, inst, wl, 1.0)["step_ms"]
     assert res["ttft_ms"]["p99"] < 6 * step
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pd_proxy_by_estimated_ttft_cuts_the_tail_of_uneven_prompts(seed):
+    # 3 single-card prefill instances, exponential prompt lengths: dealing round robin queues prompts behind
+    # long ones; the brief's proxy (shortest estimated TTFT) sends them to the instance that frees first
+    pre, dec = Instance(cards=1, quantization="bf16"), Instance(cards=4, quantization="bf16")
+    wl = Workload(2048, 64)
+
+    def p99(proxy):
+        raw = simulate.run_pd(LITE, H100, pre, dec, wl, 100.0, 200, prefill_instances=3, length_dist="exponential",
+                              seed=seed, proxy=proxy)
+        return summarize(raw, dec, None, None, window=(0.2, 0.9))["ttft_ms"]["p99"]
+    assert p99("least-loaded") < 0.85 * p99("round-robin")
