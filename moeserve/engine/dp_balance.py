@@ -23,7 +23,8 @@ def prefill_balanced_budget(prefill_demands: list[int], total_decodes: int, max_
                             decodes: int) -> int | None:
     """This rank's token budget for the step (None: no cap beyond the scheduler's own: one DP rank, no
     rank decoding, or at most one rank with prefill demand). `prefill_demands` has one entry per DP rank;
-    `total_decodes` is over all ranks, `decodes` this rank's."""
+    `total_decodes` is over all ranks; `decodes` is the tokens this rank's decodes take (MTP drafts
+    included: a decode counted as one token let its drafts eat the share and starve the prompt)."""
     busy = [d for d in prefill_demands if d > 0]
     if len(prefill_demands) == 1 or total_decodes == 0 or len(busy) <= 1:
         return None

@@ -73,16 +73,17 @@ class RankWorker:
                 return
             anyone_busy = bool(flags[:, 0].any())
             if anyone_busy:
-                self._step(flags, int(mine[0, 3]))
+                self._step(flags)
             elif self.leader and any(c.aborts for c in cmds):
                 self._report([])  # no step follows: the front end must still see the freed slots
 
-    def _step(self, flags: torch.Tensor, decodes: int) -> None:
+    def _step(self, flags: torch.Tensor) -> None:
         p = self.config.parallel
         # flags [W, 4] per rank (has work, shutdown, prefill demand, decodes); TP peers repeat their DP rank
         per_dp = flags[::p.tensor_parallel_size]  # TP peers repeat their DP rank's row (ranks are DP-major)
         budget = prefill_balanced_budget(per_dp[:, 2].tolist(), int(per_dp[:, 3].sum()),
-                                         self.config.scheduler.max_num_batched_tokens, decodes)
+                                         self.config.scheduler.max_num_batched_tokens,
+                                         self.core.scheduler.num_decode_tokens())  # MTP drafts included
         idle = not self.core.has_unfinished()
         outputs = self.core.step(budget, lockstep=True)
         step = comm.STATS.reset()

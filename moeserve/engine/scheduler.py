@@ -261,6 +261,10 @@ class Scheduler:
         """Running requests that need exactly one token next step."""
         return sum(1 for r in self.running if r.num_missing_tokens == 1)
 
+    def num_decode_tokens(self) -> int:
+        """Tokens the decodes take of next step's budget: each its missing token plus its MTP drafts."""
+        return sum(1 + len(r.spec_token_ids) for r in self.running if r.num_missing_tokens == 1)
+
     def prefill_demand(self) -> int:
         """Prompt (or recompute) tokens waiting to be computed: what DP prefill balancing evens out."""
         return sum(r.num_missing_tokens for r in list(self.waiting) + self.running if r.num_missing_tokens > 1)

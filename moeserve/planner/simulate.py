@@ -205,7 +205,7 @@ class _Instance:
         demands = [s.prefill_demand() for s in scheds]
         decodes = sum(s.num_decodes() for s in scheds)
         outs = [s.schedule(self.max_batched + d if free else
-                           prefill_balanced_budget(demands, decodes, self.max_batched, s.num_decodes()))
+                           prefill_balanced_budget(demands, decodes, self.max_batched, s.num_decode_tokens()))
                 for s, d in zip(scheds, demands)]
         if all(o.is_empty for o in outs):
             return False
