@@ -118,7 +118,7 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: st
     full token budget and its KV for prompts (it frees each one once the decode side has it).
 
     free_prompts (a decode instance: prompts arrive as KV): the scheduler's token cap leaves room for every
-    arriving prompt on top of `max_batched`; each step's budget is set from the demand (_run_group)."""
+    arriving prompt on top of `max_batched`; each step's budget is set by _Instance._pulled_budget."""
     if role == "prefill":
         rep = memory_report(m, hw, inst, wl.input_len, max_batched,
                             logit_rows=max_batched / max(1, wl.input_len) * (1 + inst.mtp_drafts),
@@ -204,9 +204,9 @@ class _Instance:
         # take the step's token budget (pulled KV joins as it lands, as in vLLM's PD decode).
         demands = [s.prefill_demand() for s in scheds]
         decodes = sum(s.num_decodes() for s in scheds)
-        outs = [s.schedule(self.max_batched + d if free else
+        outs = [s.schedule(self._pulled_budget(s) if free else
                            prefill_balanced_budget(demands, decodes, self.max_batched, s.num_decode_tokens()))
-                for s, d in zip(scheds, demands)]
+                for s in scheds]
         if all(o.is_empty for o in outs):
             return False
         # The MoE layers see every group's tokens, times the groups not simulated.
@@ -231,6 +231,17 @@ class _Instance:
             for req in sched.update_from_output(out, sampled):
                 self.router.forget(req.request_id)
         return True
+
+    def _pulled_budget(self, sched: Scheduler) -> int:
+        """A decode instance's step budget: its decodes, at most max_batched of them, plus the whole of each
+        pulled prompt that has a slot left under max_batched (its KV is not computed here: like a decode it
+        takes one slot, as in vLLM's PD decode). The budget used to be max_batched + all prompt tokens, so
+        whenever a prompt was pending every decode ran, past --max-num-batched-tokens."""
+        dec = sched.num_decodes()
+        room = max(0, self.max_batched - dec)
+        pending = [r.num_missing_tokens for r in sched.running if r.num_missing_tokens > 1]
+        pending += [r.num_missing_tokens for r in sched.waiting]
+        return min(dec, self.max_batched) + sum(pending[:room])
 
     def advance_to(self, t: float, max_steps: int) -> None:
         """Run the steps that start before `t` (an idle instance waits until then)."""

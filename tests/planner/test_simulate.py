@@ -231,3 +231,20 @@ def test_pd_proxy_by_estimated_ttft_cuts_the_tail_of_uneven_prompts(seed):
                               seed=seed, proxy=proxy)
         return summarize(raw, dec, None, None, window=(0.2, 0.9))["ttft_ms"]["p99"]
     assert p99("least-loaded") < 0.85 * p99("round-robin")
+
+
+def test_pulled_prompts_do_not_lift_the_decodes_past_the_token_budget(monkeypatch):
+    # a decode instance at --max-num-batched-tokens 32 with ~120 requests in flight: at most 32 decodes a
+    # step, as the engine runs them; a pending pulled prompt used to raise the budget by its whole length,
+    # and every decode ran (123 in one step)
+    per_step = []
+    schedule = Scheduler.schedule
+
+    def counting(self, budget=None):
+        out = schedule(self, budget)
+        per_step.append(sum(1 for s in out.scheduled if s.start >= s.request.num_prompt_tokens))
+        return out
+    monkeypatch.setattr(Scheduler, "schedule", counting)
+    inst = Instance(cards=2, quantization="bf16")
+    _run(inst, Workload(512, 64), rate=400.0, n=300, role="decode", max_batched=32)
+    assert max(per_step) == 32
