@@ -27,20 +27,13 @@ def test_budget_evens_out_the_ranks_with_prefill_demand_while_someone_decodes():
 
 
 def test_rank_budget_counts_mtp_drafts_so_they_cannot_starve_a_prompt():
-    # DP2 x TP2: rows are global ranks dp_rank * T + tp_rank, TP peers repeat their DP rank's flags. Each DP
-    # rank runs 40 decodes with 3 MTP drafts and has a 100-token prompt waiting: the budget used to count a
-    # decode as one token (40 + share 100 = 140), the drafts took all of it, and the prompt (and 5 decodes)
-    # got nothing, step after step.
-    from types import SimpleNamespace
-
-    import torch
-
-    from moeserve.config import ParallelConfig, SchedulerConfig, SpeculativeConfig
-    from moeserve.engine.dp_worker import RankWorker
+    # Two DP ranks, each running 40 decodes with 3 MTP drafts and holding a 100-token prompt: a budget that
+    # counted a decode as one token (40 + share 100 = 140) let the drafts take all of it, so the prompt (and
+    # 5 decodes) got nothing, step after step. dp_worker passes num_decode_tokens(), drafts included.
+    from moeserve.config import SchedulerConfig, SpeculativeConfig
     from moeserve.engine.kv_cache import KVCacheManager
     from moeserve.engine.request import Request
     from moeserve.engine.scheduler import Scheduler
-    from moeserve.protocol import EngineStats
     from moeserve.sampling_params import SamplingParams
 
     sched = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096),
@@ -52,23 +45,9 @@ def test_rank_budget_counts_mtp_drafts_so_they_cannot_starve_a_prompt():
                              {s.request.request_id: [0] * s.num_new_drafts for s in out.scheduled})
     sched.add_request(Request("p", [1] * 100, SamplingParams(max_tokens=10, ignore_eos=True)))
     assert sched.num_decodes() == 40 and sched.num_decode_tokens() == 160
-
-    class Core:
-        scheduler, budgets = sched, []
-
-        def has_unfinished(self):
-            return True
-
-        def step(self, budget, lockstep):
-            self.budgets.append(budget)
-            return []
-
-    worker = RankWorker.__new__(RankWorker)
-    worker.config = SimpleNamespace(parallel=ParallelConfig(data_parallel_size=2, tensor_parallel_size=2),
-                                    scheduler=sched.config)
-    worker.core, worker.stats, worker.leader = Core(), EngineStats(), False
-    row = [1, 0, sched.prefill_demand(), sched.num_decodes()]
-    worker._step(torch.tensor([row, row, row, row]))
-    (budget,) = worker.core.budgets
+    demands = [sched.prefill_demand()] * 2  # the other rank is in the same state
+    budget = prefill_balanced_budget(demands, 80, 8192, sched.num_decode_tokens())
     picked = {s.request.request_id: s.num_tokens for s in sched.schedule(budget).scheduled}
-    assert picked.get("p") == 100 and len(picked) == 41
+    assert picked.get("p") == 100 and len(picked) == 41  # every decode and the whole prompt
+    starved = prefill_balanced_budget(demands, 80, 8192, sched.num_decodes())  # the old count: 140
+    assert starved == 140
