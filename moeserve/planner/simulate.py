@@ -183,8 +183,9 @@ class _Instance:
 
     def ttft_estimate(self, t: float, sec_per_token: float) -> float:
         """What a proxy estimates a prompt arriving at `t` waits before its own prefill: the step in flight
-        (it ends at `clock`) plus the prompt tokens queued behind it."""
-        return max(self.clock - t, 0.0) + sec_per_token * sum(s.prefill_demand() for s in self.scheds)
+        (it ends at `clock`) plus the prompt tokens queued behind it, which the DP groups share."""
+        queued = sum(s.prefill_demand() for s in self.scheds)
+        return max(self.clock - t, 0.0) + sec_per_token * queued / self.groups
 
     def has_work(self) -> bool:
         return any(s.has_unfinished() for s in self.scheds)
