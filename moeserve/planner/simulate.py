@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from moeserve.config import SchedulerConfig
+from moeserve.config import MAX_SPEC_TOKENS, SchedulerConfig, SpeculativeConfig
 from moeserve.engine.dp_balance import LeastLoadedRouter, prefill_balanced_budget
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.request import Request
@@ -66,25 +66,27 @@ def lengths(n: int, mean: int, kind: str, rng: random.Random) -> list[int]:
 
 
 def _split(inst: Instance, out, prefill_free: bool, pulled: bool = False):
-    """A schedule() result as (decode contexts, prefill chunks (1, new, cached)).
+    """A schedule() result as (decodes (context, positions), prefill chunks (1, new, cached)).
 
-    pulled (PD decode): a request's "prompt" is the pulled KV plus the prefill's first token, whose KV this
-    instance still computes while sampling the second: the chunk that completes it is a decode."""
-    dec_ctx, prefill = [], []
+    A decode runs its token plus the MTP drafts the scheduler attached (what the engine verifies). pulled
+    (PD decode): a request's "prompt" is the pulled KV plus the prefill's first token, whose KV this
+    instance still computes while sampling the second: the chunk that completes it is a one-position
+    decode."""
+    decodes, prefill = [], []
     for s in out.scheduled:
         if s.start >= s.request.num_prompt_tokens:
-            dec_ctx.append(s.start)
+            decodes.append((s.start, s.num_tokens))
         elif pulled and s.samples:
-            dec_ctx.append(s.start + s.num_tokens - 1)
+            decodes.append((s.start + s.num_tokens - 1, 1))
         elif not prefill_free:
             prefill.append((1.0, float(s.num_tokens), float(s.start)))
-    return dec_ctx, prefill
+    return decodes, prefill
 
 
 def _tokens(inst: Instance, out, prefill_free: bool, pulled: bool = False) -> float:
-    """Tokens this batch sends through the MoE layers (a decode verifies 1 + drafts positions)."""
-    dec_ctx, prefill = _split(inst, out, prefill_free, pulled)
-    return len(dec_ctx) * (1 + inst.mtp_drafts) + sum(n for _, n, _ in prefill)
+    """Tokens this batch sends through the MoE layers."""
+    decodes, prefill = _split(inst, out, prefill_free, pulled)
+    return sum(n for _, n in decodes) + sum(n for _, n, _ in prefill)
 
 
 def price(m: ModelSpec, hw: Hardware, inst: Instance, out, prefill_free: bool = False,
@@ -94,20 +96,19 @@ def price(m: ModelSpec, hw: Hardware, inst: Instance, out, prefill_free: bool = 
     prefill_free: a PD decode instance receives prompts' KV from prefill instances, so their chunks cost
     no compute here (the transfer overlaps earlier steps). n_tokens: the instance's tokens in the MoE
     layers (default: every DP group runs this batch); pulled: see _split."""
-    dec_ctx, prefill = _split(inst, out, prefill_free, pulled)
-    n_dec = len(dec_ctx)
+    decodes, prefill = _split(inst, out, prefill_free, pulled)
+    n_dec = len(decodes)
     if not n_dec and not prefill and not n_tokens:
         return hw.eff.step_overhead_ms * 1e-3
-    # A decode verifies 1 + drafts positions whatever the scheduler counted (drafts are the model's).
-    new = 1 + inst.mtp_drafts if n_dec else 1.0
-    b = Batch(n_dec, new, sum(dec_ctx) / n_dec if n_dec else 0.0, tuple(prefill), n_tokens)
+    new = sum(n for _, n in decodes) / n_dec if n_dec else 1.0  # positions per decode (1 + drafts)
+    b = Batch(n_dec, new, sum(c for c, _ in decodes) / n_dec if n_dec else 0.0, tuple(prefill), n_tokens)
     return run_step(m, hw, inst, b).total
 
 
-def accepted(inst: Instance, rng: random.Random) -> int:
-    """Drafts accepted this step: a chain, each with probability mtp_acceptance."""
+def accepted(inst: Instance, rng: random.Random, drafts: int) -> int:
+    """Of `drafts` verified drafts, how many are accepted: a chain, each with probability mtp_acceptance."""
     n = 0
-    while n < inst.mtp_drafts and rng.random() < inst.mtp_acceptance:
+    while n < drafts and rng.random() < inst.mtp_acceptance:
         n += 1
     return n
 
@@ -131,7 +132,12 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: st
     seqs = max(1, rep.max_batch) if max_num_seqs is None else max_num_seqs
     cap = max_batched + (max_len * seqs if free_prompts else 0)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=cap, max_model_len=max_len)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block))
+    # MTP as the engine runs it: the scheduler attaches drafts, reserves their KV slots, trims rejections.
+    if inst.mtp_drafts > MAX_SPEC_TOKENS:
+        raise PlanError(f"--mtp-drafts {inst.mtp_drafts}: the engine's scheduler (which the simulator runs) "
+                        f"takes at most {MAX_SPEC_TOKENS} speculative tokens")
+    spec = SpeculativeConfig(num_speculative_tokens=inst.mtp_drafts) if inst.mtp_drafts else None
+    return Scheduler(cfg, KVCacheManager(num_blocks, block), spec)
 
 
 def _stream(m: ModelSpec, wl: Workload, num_requests: int, rate: float, arrival: str, length_dist: str,
@@ -217,19 +223,18 @@ class _Instance:
         self.busy += dt
         self.steps += 1
         for sched, out in zip(scheds, outs):
-            sampled = {}
+            sampled, drafts = {}, {}
             for s in out.scheduled:
                 if s.samples:
                     rid = s.request.request_id
-                    # a decode (PD decode: also the step running the pulled first token) may accept drafts,
-                    # but never past max_tokens: the scheduler stops the request there
-                    decode = s.start >= s.request.num_prompt_tokens or self.pulled
-                    k = 1 + accepted(inst, self.rng) if decode else 1
+                    # the drafts verified this step, then the bonus token; never past max_tokens (the
+                    # scheduler sizes drafts so, and stops the request there)
+                    k = 1 + accepted(inst, self.rng, len(s.draft_token_ids))
                     k = min(k, s.request.sampling_params.max_tokens - s.request.num_output_tokens)
-                    sampled[rid] = [0] * k
+                    sampled[rid], drafts[rid] = [0] * k, [0] * s.num_new_drafts
                     self.traces[rid].token_times += [self.clock] * k
                     self.router.progress(rid, k)
-            for req in sched.update_from_output(out, sampled):
+            for req in sched.update_from_output(out, sampled, drafts):
                 self.router.forget(req.request_id)
         return True
 
@@ -238,7 +243,7 @@ class _Instance:
         pulled prompt that has a slot left under max_batched (its KV is not computed here: like a decode it
         takes one slot, as in vLLM's PD decode). The budget used to be max_batched + all prompt tokens, so
         whenever a prompt was pending every decode ran, past --max-num-batched-tokens."""
-        dec = sched.num_decodes()
+        dec = sched.num_decode_tokens()  # MTP drafts included
         room = max(0, self.max_batched - dec)
         pending = [r.num_missing_tokens for r in sched.running if r.num_missing_tokens > 1]
         pending += [r.num_missing_tokens for r in sched.waiting]

@@ -248,3 +248,24 @@ def test_pulled_prompts_do_not_lift_the_decodes_past_the_token_budget(monkeypatc
     inst = Instance(cards=2, quantization="bf16")
     _run(inst, Workload(512, 64), rate=400.0, n=300, role="decode", max_batched=32)
     assert max(per_step) == 32
+
+
+def test_mtp_runs_through_the_schedulers_own_speculative_path(monkeypatch):
+    # the scheduler attaches the drafts, reserves their KV and records acceptance, as in the engine; a
+    # simulated chain at 70% gives position-1 acceptance ~0.7 and position 2 ~0.7 of those
+    seen = []
+    real = simulate.make_scheduler
+    monkeypatch.setattr(simulate, "make_scheduler", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    inst = Instance(cards=1, quantization="bf16", mtp_drafts=2, mtp_acceptance=0.7)
+    raw = simulate.run(LITE, H100, inst, Workload(64, 64), 50.0, 200)
+    st = seen[0].spec_stats
+    # near the end of an output the scheduler drafts fewer (the next step must stay inside max_tokens)
+    assert st.num_drafts > 1000 and 0.95 * st.drafts_per_position[0] < st.drafts_per_position[1] < st.num_drafts
+    assert st.accepted_per_position[0] / st.drafts_per_position[0] == pytest.approx(0.7, abs=0.03)
+    assert st.accepted_per_position[1] / st.accepted_per_position[0] == pytest.approx(0.7, abs=0.04)
+    assert all(len(t.token_times) == t.output_len for t in raw["traces"].values())
+
+
+def test_mtp_drafts_beyond_the_engine_limit_are_refused():
+    with pytest.raises(ValueError, match="--mtp-drafts 9"):
+        simulate.run(LITE, H100, Instance(cards=1, quantization="bf16", mtp_drafts=9), Workload(64, 64), 5.0, 5)
