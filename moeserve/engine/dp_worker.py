@@ -79,8 +79,9 @@ class RankWorker:
 
     def _step(self, flags: torch.Tensor) -> None:
         p = self.config.parallel
-        # flags [W, 4] per rank (has work, shutdown, prefill demand, decodes); TP peers repeat their DP rank
-        per_dp = flags[::p.tensor_parallel_size]  # TP peers repeat their DP rank's row (ranks are DP-major)
+        # flags [W, 4] per rank (has work, shutdown, prefill demand, decodes); ranks are DP-major and TP
+        # peers repeat their DP rank's row, so every T-th row is one DP rank
+        per_dp = flags[::p.tensor_parallel_size]
         budget = prefill_balanced_budget(per_dp[:, 2].tolist(), int(per_dp[:, 3].sum()),
                                          self.config.scheduler.max_num_batched_tokens,
                                          self.core.scheduler.num_decode_tokens())  # MTP drafts included

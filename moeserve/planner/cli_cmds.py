@@ -229,6 +229,7 @@ def _lay(c: dict) -> str:
 
 
 def args_simulate(p):
+    from moeserve.planner.simulate import PROXIES
     _add_common(p)
     p.add_argument("--rate", type=positive_float, default=None, help="requests/s into the instance (Poisson)")
     p.add_argument("--num-requests", type=positive_int, default=None,
@@ -251,7 +252,7 @@ def args_simulate(p):
     g = _add_prefill_flags(p, "PD deployment (--role pd; the deployment flags above are the decode instance)")
     g.add_argument("--prefill-instances", type=positive_int, default=1)
     g.add_argument("--decode-instances", type=positive_int, default=1)
-    g.add_argument("--pd-proxy", choices=("least-loaded", "round-robin"), default=None,
+    g.add_argument("--pd-proxy", choices=PROXIES, default=None,
                    help="how the proxy spreads prompts over prefill instances (default least-loaded: the shortest "
                         "estimated TTFT, as the published design's proxy does)")
 

@@ -5,27 +5,20 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import asdict
 
-from moeserve.planner.analysis import decode_memory
 from moeserve.planner.deploy import DoesNotFit, Instance, Workload
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.models import ModelSpec
-from moeserve.planner.simulate import run, run_pd
+from moeserve.planner.sim_report import analytic_steady_state, decode_capacity, summarize
+from moeserve.planner.simulate import PROXIES, run, run_pd
 
 
 def default_rate(m, hw, inst, wl, role: str) -> float:
     """80% of capacity (requests/s): decode at its memory-limited batch, plus prefill when unified."""
     from moeserve.planner.step import prefill_step
-    per_req = 1.0 / _decode_capacity(m, hw, inst, wl)
+    per_req = 1.0 / decode_capacity(m, hw, inst, wl)
     if role == "unified":
         per_req += prefill_step(m, hw, inst, 1, wl.input_len).total / inst.dp
     return 0.8 / per_req
-
-
-def _decode_capacity(m, hw, inst, wl) -> float:
-    """Requests/s one instance finishes at its memory-limited batch."""
-    from moeserve.planner.analysis import decode_point
-    cap = decode_memory(m, hw, inst, wl).max_batch
-    return decode_point(m, hw, inst, wl, max(1, cap)).tok_s_card * inst.cards / wl.output_len
 
 
 def default_rate_pd(m, hw, pre, dec, wl, prefill_instances: int, decode_instances: int) -> float:
@@ -34,7 +27,7 @@ def default_rate_pd(m, hw, pre, dec, wl, prefill_instances: int, decode_instance
     from moeserve.planner.analysis import prefill_point
     pt = prefill_point(m, hw, pre, pre.dp, wl.input_len)
     prefill = prefill_instances * pre.dp / (pt.ttft_ms * 1e-3)
-    return 0.8 * min(prefill, decode_instances * _decode_capacity(m, hw, dec, wl))
+    return 0.8 * min(prefill, decode_instances * decode_capacity(m, hw, dec, wl))
 
 
 @contextmanager
@@ -49,18 +42,17 @@ def _labelled(label: str | None):
 def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
     """`pre`: the prefill instance of a PD deployment (--role pd)."""
     from moeserve.planner.analysis import kv_pull_ms, prefill_point, require_fits
-    from moeserve.planner.sim_report import analytic_steady_state, summarize
     with _labelled(f"decode instance ({inst.cards} cards)" if pre else None):
         require_fits(m, hw, inst, wl)  # a layout that does not fit is refused (exit 1), not simulated
     if a.role != "pd":
         rate = default_rate(m, hw, inst, wl, a.role) if a.rate is None else a.rate
         analytic = analytic_steady_state(m, hw, inst, wl, rate)
-        n = a.num_requests or settling_requests(analytic["batch_per_dp"] or analytic["max_batch_per_dp"])
+        n = a.num_requests or settling_requests(analytic)
         raw = run(m, hw, inst, wl, rate, n, a.arrival, a.length_dist, a.max_num_seqs,
                   a.max_num_batched_tokens, a.seed, role=a.role, groups=a.sim_dp_groups)
         res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9))
     else:
-        p_n, d_n = a.prefill_instances, a.decode_instances
+        p_n, d_n, proxy = a.prefill_instances, a.decode_instances, a.pd_proxy or PROXIES[0]
         # One prompt in every prefill DP group: the step the simulator prices (the groups run in lockstep);
         # refuses a prefill layout that does not fit.
         with _labelled(f"prefill instance ({pre.cards} cards)"):
@@ -68,18 +60,15 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
         lone = prefill_point(m, hw, pre, 1, wl.input_len)  # the low-rate TTFT: no queue, nothing to batch
         rate = default_rate_pd(m, hw, pre, inst, wl, p_n, d_n) if a.rate is None else a.rate
         analytic = analytic_steady_state(m, hw, inst, wl, rate / d_n)
-        n = a.num_requests or settling_requests(analytic["batch_per_dp"] or analytic["max_batch_per_dp"])
+        n = a.num_requests or settling_requests(analytic)
         raw = run_pd(m, hw, pre, inst, wl, rate, n, p_n, d_n, a.arrival, a.length_dist,
-                     a.max_num_seqs, a.max_num_batched_tokens, a.seed, groups=a.sim_dp_groups,
-                     proxy=a.pd_proxy or "least-loaded")
+                     a.max_num_seqs, a.max_num_batched_tokens, a.seed, groups=a.sim_dp_groups, proxy=proxy)
         cards = p_n * pre.cards + d_n * inst.cards
         res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9),
                         cards_per_group=cards / (d_n * inst.dp))
         pr = raw["prefill"]
-        res["prefill"] = {"layout": asdict(pre), "instances": p_n, "proxy": a.pd_proxy or "least-loaded",
-                          "steps": pr["steps"],
-                          "busy_fraction": round(pr["busy"] / (pr["makespan"] or 1.0), 4),
-                          "kv_pull_ms": raw["kv_pull_ms"]}
+        res["prefill"] = {"layout": asdict(pre), "instances": p_n, "proxy": proxy, "steps": pr["steps"],
+                          "busy_fraction": pr["busy_fraction"], "kv_pull_ms": raw["kv_pull_ms"]}
         res.update({"decode_instances": d_n, "cards": cards})
         pull = kv_pull_ms(m, hw, inst, wl.input_len, cards)
         analytic |= {"ttft_ms": round(lone.ttft_ms + pull, 3)}
@@ -89,11 +78,13 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
     return res
 
 
-def settling_requests(steady_batch: float) -> int:
-    """Requests per simulated group for a measurement past the warm-up: a request lives about
-    batch / rate-per-group, so 8 x the steady batch puts the measured 20-90% of the stream after the
-    batch has filled (at least 200; at most 4000, which an overloaded stream's runaway batch would pass)."""
-    return min(4000, max(200, round(8 * steady_batch)))
+def settling_requests(analytic: dict) -> int:
+    """Requests per simulated group for a measurement past the warm-up, from analytic_steady_state(): a
+    request lives about batch / rate-per-group, so 8 x the steady batch (the memory-limited one when
+    overloaded) puts the measured 20-90% of the stream after the batch has filled (at least 200, at most
+    4000)."""
+    batch = analytic["batch_per_dp"] or analytic["max_batch_per_dp"]
+    return min(4000, max(200, round(8 * batch)))
 
 
 def simulate_plan(m: ModelSpec, hw: Hardware, plan: dict, wl: Workload, load: float,
@@ -103,24 +94,21 @@ def simulate_plan(m: ModelSpec, hw: Hardware, plan: dict, wl: Workload, load: fl
     simulated stream shows what queueing does to TTFT and TPOT.
 
     num_requests per decode DP group; None: settling_requests() of the steady decode batch at that rate."""
-    from moeserve.planner.sim_report import analytic_steady_state, summarize
     pre, dec = Instance(**plan["prefill"]["layout"]), Instance(**plan["decode"]["layout"])
     p_n, d_n = plan["prefill_instances"], plan["decode_instances"]
     rate = load * plan["requests_per_s"]
     if num_requests is None:
-        ana = analytic_steady_state(m, hw, dec, wl, rate / d_n)
-        num_requests = settling_requests(ana["batch_per_dp"] or ana["max_batch_per_dp"])
+        num_requests = settling_requests(analytic_steady_state(m, hw, dec, wl, rate / d_n))
     # the prefill side batches what the plan's prefill batch holds (its memory check was made for it)
     raw = run_pd(m, hw, pre, dec, wl, rate, num_requests, p_n, d_n, seed=seed,
                  prefill_max_batched=plan["prefill"]["batch_per_dp"] * wl.input_len)
     res = summarize(raw, dec, tpot_ms, ttft_ms, window=(0.2, 0.9),
                     cards_per_group=plan["cards_used"] / (d_n * dec.dp))
-    pr = raw["prefill"]
     return {"load": load, "rate_req_s": round(rate, 4), "requests_per_decode_group": num_requests,
             "requests_measured": res["requests_measured"],
             "ttft_ms": res["ttft_ms"], "tpot_ms": res["tpot_ms"],
             "steady_tok_s_card": res["steady_tok_s_card"], "slo_met_fraction": res["slo_met_fraction"],
-            "prefill_busy_fraction": round(pr["busy"] / (pr["makespan"] or 1.0), 4)}
+            "prefill_busy_fraction": raw["prefill"]["busy_fraction"]}
 
 
 def format_report(r: dict) -> str:

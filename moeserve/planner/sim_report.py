@@ -68,6 +68,12 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
             "slo_met_fraction": round(met / done, 4) if done else None}
 
 
+def decode_capacity(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload) -> float:
+    """Requests/s one instance finishes at its memory-limited batch."""
+    cap = max(1, decode_memory(m, hw, inst, wl).max_batch)
+    return decode_point(m, hw, inst, wl, cap).tok_s_card * inst.cards / wl.output_len
+
+
 def analytic_steady_state(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload,
                           rate: float) -> dict:
     """Fixed point of B = rate_per_dp x time-in-decode(B): batch, TPOT, for a constant-rate stream.
@@ -84,9 +90,8 @@ def analytic_steady_state(m: ModelSpec, hw: Hardware, inst: Instance, wl: Worklo
         step_s = pt.step_ms / 1e3
         b_new = lam * wl.output_len / inst.tokens_per_step * step_s
         if b_new > cap:
-            full = decode_point(m, hw, inst, wl, cap)
             return {"overloaded": True, "max_batch_per_dp": cap, "batch_per_dp": None, "step_ms": None,
-                    "tpot_ms": None, "capacity_req_s": round(full.tok_s_card * inst.cards / wl.output_len, 4)}
+                    "tpot_ms": None, "capacity_req_s": round(decode_capacity(m, hw, inst, wl), 4)}
         if abs(b_new - b) < 1e-3:
             break
         b = 0.5 * (b + b_new)

@@ -36,6 +36,9 @@ from moeserve.planner.step import Batch, run_step
 from moeserve.sampling_params import SamplingParams
 
 
+PROXIES = ("least-loaded", "round-robin")  # how a PD proxy spreads prompts over prefill instances
+
+
 @dataclass
 class Trace:
     arrival: float
@@ -65,10 +68,12 @@ def lengths(n: int, mean: int, kind: str, rng: random.Random) -> list[int]:
     return [max(1, int(rng.expovariate(1.0 / mean))) for _ in range(n)]
 
 
-def _split(inst: Instance, out, prefill_free: bool, pulled: bool = False):
+def _split(out, prefill_free: bool, pulled: bool = False):
     """A schedule() result as (decodes (context, positions), prefill chunks (1, new, cached)).
 
-    A decode runs its token plus the MTP drafts the scheduler attached (what the engine verifies). pulled
+    A decode runs its token plus the MTP drafts the scheduler attached (what the engine verifies).
+    prefill_free: a PD decode instance receives prompts' KV from prefill instances, so their chunks cost no
+    compute here (the transfer overlaps earlier steps). pulled
     (PD decode): a request's "prompt" is the pulled KV plus the prefill's first token, whose KV this
     instance still computes while sampling the second: the chunk that completes it is a one-position
     decode."""
@@ -83,20 +88,10 @@ def _split(inst: Instance, out, prefill_free: bool, pulled: bool = False):
     return decodes, prefill
 
 
-def _tokens(inst: Instance, out, prefill_free: bool, pulled: bool = False) -> float:
-    """Tokens this batch sends through the MoE layers."""
-    decodes, prefill = _split(inst, out, prefill_free, pulled)
-    return sum(n for _, n in decodes) + sum(n for _, n, _ in prefill)
-
-
-def price(m: ModelSpec, hw: Hardware, inst: Instance, out, prefill_free: bool = False,
-          n_tokens: float | None = None, pulled: bool = False) -> float:
-    """Seconds for the batch the scheduler picked: decodes (already-generated requests) vs prefill chunks.
-
-    prefill_free: a PD decode instance receives prompts' KV from prefill instances, so their chunks cost
-    no compute here (the transfer overlaps earlier steps). n_tokens: the instance's tokens in the MoE
-    layers (default: every DP group runs this batch); pulled: see _split."""
-    decodes, prefill = _split(inst, out, prefill_free, pulled)
+def price(m: ModelSpec, hw: Hardware, inst: Instance, decodes, prefill, n_tokens: float | None = None) -> float:
+    """Seconds for a batch _split() read from the scheduler: decodes at their mean context and positions,
+    prefill chunks with their cached prefix. n_tokens: the instance's tokens in the MoE layers (default:
+    every DP group runs this batch)."""
     n_dec = len(decodes)
     if not n_dec and not prefill and not n_tokens:
         return hw.eff.step_overhead_ms * 1e-3
@@ -206,19 +201,20 @@ class _Instance:
         self.traces[rid] = trace
 
     def step(self) -> bool:
-        inst, scheds, free = self.inst, self.scheds, self.prefill_free
-        # A decode instance's prompts are KV arriving, not compute: nothing to balance, and they do not
-        # take the step's token budget (pulled KV joins as it lands, as in vLLM's PD decode).
-        demands = [s.prefill_demand() for s in scheds]
-        decodes = sum(s.num_decodes() for s in scheds)
-        outs = [s.schedule(self._pulled_budget(s) if free else
-                           prefill_balanced_budget(demands, decodes, self.max_batched, s.num_decode_tokens()))
-                for s in scheds]
+        inst, scheds = self.inst, self.scheds
+        if self.prefill_free:  # prompts are KV arriving, not compute: nothing to balance (_pulled_budget)
+            outs = [s.schedule(self._pulled_budget(s)) for s in scheds]
+        else:
+            demands = [s.prefill_demand() for s in scheds]
+            decodes = sum(s.num_decodes() for s in scheds)
+            outs = [s.schedule(prefill_balanced_budget(demands, decodes, self.max_batched, s.num_decode_tokens()))
+                    for s in scheds]
         if all(o.is_empty for o in outs):
             return False
+        batches = [_split(o, self.prefill_free, self.pulled) for o in outs]
         # The MoE layers see every group's tokens, times the groups not simulated.
-        n_tokens = sum(_tokens(inst, o, free, self.pulled) for o in outs) * inst.dp / self.groups
-        dt = max(price(self.m, self.hw, inst, o, free, n_tokens, self.pulled) for o in outs)
+        n_tokens = sum(sum(n for _, n in d) + sum(n for _, n, _ in p) for d, p in batches) * inst.dp / self.groups
+        dt = max(price(self.m, self.hw, inst, d, p, n_tokens) for d, p in batches)
         self.clock += dt
         self.busy += dt
         self.steps += 1
@@ -304,12 +300,10 @@ def _run_prefill_pool(m: ModelSpec, hw: Hardware, pre: Instance, wl: Workload, s
         pool[j].admit(str(i), t)
     for sim in pool:
         sim.drain(max_steps)
-    summed = {"steps": sum(s.steps for s in pool), "busy": sum(s.busy for s in pool),
-              "makespan": sum(s.clock for s in pool)}
+    busy, span = sum(s.busy for s in pool), sum(s.clock for s in pool)
+    summed = {"steps": sum(s.steps for s in pool), "busy": busy, "makespan": span,
+              "busy_fraction": round(busy / (span or 1.0), 4)}
     return {i: t.token_times[0] for i, t in enumerate(traces) if t.token_times}, summed
-
-
-PROXIES = ("least-loaded", "round-robin")
 
 
 def _pool_too_small(role: str, sched: Scheduler, req: Request, wl: Workload, max_batched: int) -> str:
@@ -354,7 +348,7 @@ def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workloa
            num_requests: int, prefill_instances: int = 1, decode_instances: int = 1, arrival: str = "poisson",
            length_dist: str = "fixed", max_num_seqs: int | None = None, max_batched: int = 8192,
            seed: int = 0, max_steps: int = 2_000_000, groups: int = 1,
-           prefill_max_batched: int | None = None, proxy: str = "least-loaded") -> dict:
+           prefill_max_batched: int | None = None, proxy: str = PROXIES[0]) -> dict:
     """A PD deployment at `rate` requests/s: `prefill_instances` x `pre` and `decode_instances` x `dec`.
 
     Every prefill instance is simulated whole (its DP groups in lockstep: prompts do not arrive aligned;
@@ -368,11 +362,11 @@ def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workloa
     from moeserve.planner.analysis import kv_pull_ms
     _check_stream(num_requests, rate)
     _check_groups(groups, dec, "decode ")
+    if proxy not in PROXIES:
+        raise PlanError(f"--pd-proxy must be one of {', '.join(PROXIES)}, got {proxy!r}")
     rng = random.Random(seed)
     blocks = decode_instances * dec.dp // groups  # blocks of `groups` decode DP groups
     stream = _stream(m, wl, num_requests * groups * blocks, rate, arrival, length_dist, rng)
-    if proxy not in PROXIES:
-        raise PlanError(f"--pd-proxy must be one of {', '.join(PROXIES)}, got {proxy!r}")
     firsts, pre_raw = _run_prefill_pool(m, hw, pre, wl, stream, prefill_instances, proxy,
                                         prefill_max_batched or max_batched, rng, max_steps)
     # Decode: request i goes to decode block i % blocks; the first block is simulated.

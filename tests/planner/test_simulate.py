@@ -178,8 +178,9 @@ def test_a_rate_beyond_the_memory_limited_batch_has_no_analytic_steady_state():
     over = analytic_steady_state(LITE, H100, inst, wl, 1e5)  # the fixed point used to run off to ~1e79
     assert over["overloaded"] and over["batch_per_dp"] is None and over["capacity_req_s"] < 1e5
     assert analytic_steady_state(LITE, H100, inst, wl, 0.99 * over["capacity_req_s"])["overloaded"] is False
-    assert sim_plan.settling_requests(10.0) == 200 and sim_plan.settling_requests(50.3) == 402
-    assert sim_plan.settling_requests(1e6) == 4000
+    assert sim_plan.settling_requests(ok | {"batch_per_dp": 10.0}) == 200
+    assert sim_plan.settling_requests(ok | {"batch_per_dp": 50.3}) == 402
+    assert sim_plan.settling_requests(over | {"max_batch_per_dp": 10 ** 6}) == 4000
 
 
 def test_pd_decode_prices_the_step_that_samples_the_second_token():
