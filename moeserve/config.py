@@ -183,12 +183,12 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def _parse_json_dict(text: str, flag: str) -> dict:
+def _parse_json_dict(text: str, flag: str,
+                     example: str = '{"method": "mtp", "num_speculative_tokens": 1}') -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{flag} must be a JSON object such as "
-                          f"'{{\"method\": \"mtp\", \"num_speculative_tokens\": 1}}': {e}") from None
+        raise ConfigError(f"{flag} must be a JSON object such as '{example}': {e}") from None
     _require(isinstance(value, dict), f"{flag} must be a JSON object, got {text!r}")
     return value
 
@@ -216,6 +216,67 @@ class QuantConfig:
                  "an INT8 compressed-tensors checkpoint needs --quantization a8w8")
 
 
+KV_CONNECTORS = ("nixl",)
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """`--kv-transfer-config '{"kv_connector": "nixl", "kv_role": "kv_both"}'` (vLLM's shape): prefill/decode
+    disaggregation. A producer (prefill instance) keeps a finished prompt's KV blocks for a decode instance
+    to pull; a consumer (decode instance) pulls them over NIXL and decodes from there (docs/disaggregation.md).
+
+    kv_host / kv_port: where this engine's NIXL agent listens for peers (the port's default: a free one);
+    engine_id: the agent's name (default: a fresh unique one); kv_hold_timeout: seconds a producer keeps
+    blocks nobody pulled (the decode side or the proxy died) before it frees them.
+    """
+
+    kv_connector: str = "nixl"
+    kv_role: str = "kv_both"
+    kv_host: str = "127.0.0.1"
+    kv_port: int | None = None
+    engine_id: str | None = None
+    kv_hold_timeout: float = 120.0
+
+    def __post_init__(self) -> None:
+        _require(self.kv_connector in KV_CONNECTORS, f"--kv-transfer-config kv_connector must be one of "
+                                                     f"{', '.join(KV_CONNECTORS)}, got {self.kv_connector!r}")
+        _require(self.kv_role in KV_ROLES,
+                 f"--kv-transfer-config kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        _require(isinstance(self.kv_host, str) and bool(self.kv_host),
+                 f"--kv-transfer-config kv_host must be a host name or address, got {self.kv_host!r}")
+        _require(self.kv_port is None or (isinstance(self.kv_port, int) and not isinstance(self.kv_port, bool)
+                                          and 1 <= self.kv_port <= 65535),
+                 f"--kv-transfer-config kv_port must be a port number 1..65535, got {self.kv_port!r}")
+        _require(self.engine_id is None or (isinstance(self.engine_id, str) and bool(self.engine_id)),
+                 f"--kv-transfer-config engine_id must be a non-empty string, got {self.engine_id!r}")
+        _require(isinstance(self.kv_hold_timeout, numbers.Real) and not isinstance(self.kv_hold_timeout, bool)
+                 and self.kv_hold_timeout > 0,
+                 f"--kv-transfer-config kv_hold_timeout must be a number of seconds > 0, got {self.kv_hold_timeout!r}")
+
+    @property
+    def produces(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_producer")
+
+    @property
+    def consumes(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_consumer")
+
+    @classmethod
+    def from_value(cls, value: "dict | str | KVTransferConfig | None") -> "KVTransferConfig | None":
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            value = _parse_json_dict(value, "--kv-transfer-config", '{"kv_connector": "nixl"}')
+        _require(isinstance(value, dict),
+                 f"--kv-transfer-config must be a JSON object / dict, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        _require(not unknown, f"--kv-transfer-config has unknown key(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -224,6 +285,7 @@ class EngineConfig:
     parallel: ParallelConfig
     quant: QuantConfig = QuantConfig()
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
 
 
 def _check_field_types(args: "EngineArgs") -> None:
@@ -275,6 +337,7 @@ ENGINE_HELP = {
     "enable_expert_parallel": "spread routed experts over all ranks instead of TP-sharding each one",
     "quantization": "a8w8: INT8 weights and activations, BF16 KV (None: the checkpoint's own)",
     "speculative_config": 'MTP drafts as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'',
+    "kv_transfer_config": 'prefill/decode disaggregation over NIXL as JSON, e.g. \'{"kv_connector": "nixl"}\'',
     "moe_comm": "auto|alltoall|allgather: how MoE layers move tokens between EP ranks",
     "moe_comm_dtype": "bfloat16|int8 payload of the MoE dispatch",
     "flashcomm": "off|on|int8: with TP, ReduceScatter + (INT8) AllGather instead of AllReduce",
@@ -310,6 +373,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     quantization: str | None = None  # "a8w8"; None = the checkpoint's own (compressed-tensors INT8) or none
     speculative_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
+    kv_transfer_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
     moe_comm: str = "auto"
     moe_comm_dtype: str = "bfloat16"
     flashcomm: str = "off"
@@ -378,7 +442,17 @@ class EngineArgs:
                                        for f in dataclasses.fields(ParallelConfig)}),
             quant=resolve_quant_config(self.quantization, path),
             speculative=SpeculativeConfig.from_value(self.speculative_config),
+            kv_transfer=self._kv_transfer(),
         )
+
+    def _kv_transfer(self) -> "KVTransferConfig | None":
+        kvt = KVTransferConfig.from_value(self.kv_transfer_config)
+        # The KV blocks live in the rank processes of a multi-rank engine; the connector serves one process.
+        _require(kvt is None or (self.data_parallel_size == self.tensor_parallel_size == self.nnodes == 1),
+                 "--kv-transfer-config needs a single-process engine for now (--data-parallel-size 1, "
+                 "--tensor-parallel-size 1, --nnodes 1); scale prefill and decode out as several instances "
+                 "behind `moeserve proxy` instead")
+        return kvt
 
 
 @dataclass(frozen=True)

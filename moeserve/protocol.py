@@ -12,6 +12,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     eos_token_ids: list[int] = []
     arrival_time: float = 0.0
+    # Prefill/decode disaggregation (disagg/params.py): {"do_remote_decode": true} on a prefill instance,
+    # the prefill's answer (block ids, agent, ...) with "do_remote_prefill" on a decode instance.
+    kv_transfer_params: dict | None = None
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):
@@ -29,6 +32,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_prompt_tokens: int = 0
     error: str | None = None  # set when the request was rejected
     error_kind: str | None = None  # "invalid" (the request can never run) or "overloaded" (retry later)
+    kv_transfer_params: dict | None = None  # a finished do_remote_decode request: what a decode instance pulls
 
 
 class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -27,6 +27,10 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts reported on the next step
+        self.kv_transfer = None  # prefill/decode disaggregation (disagg/kv_transfer.py)
+        if config.kv_transfer is not None:
+            from moeserve.disagg.kv_transfer import KVTransfer
+            self.kv_transfer = KVTransfer(config.kv_transfer, self.kv, self.runner.kv_tensors())
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; a request that can never run is answered with an error output instead."""
@@ -34,9 +38,30 @@ class EngineCore:
             request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
                               eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids))
             self._check_vocab(request)
+            if req.kv_transfer_params is not None and self._add_disaggregated(request, req.kv_transfer_params):
+                return
             self.scheduler.add_request(request)
         except (RequestRejected, ValueError) as e:
             self._pending.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", error=str(e)))
+
+    def _add_disaggregated(self, request: Request, raw: dict) -> bool:
+        """A PD request: True if it now waits for its KV pull (the scheduler gets it when the KV is here)."""
+        from moeserve.disagg.params import KVTransferParams, KVTransferParamsError
+        params = KVTransferParams.parse(raw)
+        if params.remote is None and not params.do_remote_decode:
+            return False
+        if self.kv_transfer is None:
+            raise KVTransferParamsError("kv_transfer_params need an engine started with --kv-transfer-config "
+                                        "'{\"kv_connector\": \"nixl\"}'")
+        self.kv_transfer.check(request, params)
+        if params.remote is None:
+            request.hold_kv = True
+            return False
+        if request.request_id in self.scheduler.requests:
+            raise RequestRejected(f"request id {request.request_id!r} is already in use")
+        self.scheduler.check_request(request)
+        self.kv_transfer.add_pull(request, params.remote)
+        return True
 
     def _check_vocab(self, request: Request) -> None:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.arch.vocab_size]
@@ -49,7 +74,10 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         for rid in request_ids:
+            if self.kv_transfer is not None and self.kv_transfer.abort(rid):
+                continue
             if rid in self.scheduler.requests:
+                self.scheduler.requests[rid].hold_kv = False  # its answer is settled: nobody will pull its KV
                 self.scheduler.finish_request(rid, reason)
                 self.runner.release(rid)
 
@@ -59,15 +87,21 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
+        return self.scheduler.num_waiting + (len(self.kv_transfer.pulls) if self.kv_transfer else 0)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return (self.scheduler.has_unfinished() or bool(self._pending)
+                or (self.kv_transfer is not None and self.kv_transfer.busy))
 
     def step(self, token_budget: int | None = None, lockstep: bool = False) -> list[EngineCoreOutput]:
         """One step. token_budget caps this step's tokens (DP prefill balancing); with lockstep an idle
         rank still runs an empty forward, because the other ranks' MoE layers wait for it."""
         outputs, self._pending = self._pending, []
+        if self.kv_transfer is not None:
+            ready, errors = self.kv_transfer.poll()
+            outputs.extend(errors)
+            for request in ready:  # their KV arrived: from here on they are ordinary decodes
+                self.scheduler.add_request(request)
         sched_out = self.scheduler.schedule(token_budget)
         if sched_out.is_empty:
             if lockstep:
@@ -91,7 +125,8 @@ class EngineCore:
                 if lps else None,
                 finish_reason=fin.status.value if fin else None,
                 stop_reason=fin.stop_reason if fin else None,
-                num_prompt_tokens=req.num_prompt_tokens))
+                num_prompt_tokens=req.num_prompt_tokens,
+                kv_transfer_params=self.kv_transfer.export(req) if fin and req.hold_kv else None))
             if fin:
                 self.runner.release(req.request_id)
         return outputs

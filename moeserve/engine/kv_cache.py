@@ -38,6 +38,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.held: dict[str, list[int]] = {}  # finished requests whose blocks a remote decode will pull
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -55,6 +56,13 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         self.pool.free(self.block_tables.pop(request.request_id, []))
+
+    def hold(self, request: Request) -> None:
+        """A finished request keeps its blocks (out of the tables, still allocated) until release_held."""
+        self.held[request.request_id] = self.block_tables.pop(request.request_id, [])
+
+    def release_held(self, request_id: str) -> None:
+        self.pool.free(self.held.pop(request_id, []))
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Return blocks past the first num_tokens slots (rejected speculative slots)."""

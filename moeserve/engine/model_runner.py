@@ -91,6 +91,11 @@ class ModelRunner:
                                                  world.rank, world.world_size)
                               if config.parallel.expert_load_stats else None)
 
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every KV-cache tensor, [num_blocks, block_size, kv_cache_dim] each: the layers', then the MTP
+        layer's (what a PD decode instance pulls)."""
+        return self.kv_caches + ([self.proposer.kv_cache] if self.proposer is not None else [])
+
     def flush_stats(self) -> None:
         """Write the expert-load statistics now (end of a run; the file is also refreshed while running)."""
         if self.load_recorder is not None:

@@ -42,6 +42,7 @@ class Request:
     stop_reason: int | str | None = None
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (MTP)
+    hold_kv: bool = False  # PD prefill: keep the KV blocks at the finish for a decode instance to pull
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -242,7 +242,10 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.free(req)
+        if req.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
+            self.kv.hold(req)  # disagg/kv_transfer.py frees them once the decode instance pulled them
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
 
     # ---- introspection ---------------------------------------------------------------------------

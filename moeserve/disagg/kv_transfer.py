@@ -1,0 +1,205 @@
+"""Prefill/decode disaggregation inside one engine: a prefill instance holds finished prompts' KV for a
+decode instance, which pulls it before decoding (system-brief item 1: decode pulls the KV).
+
+Lifecycle on a prefill instance (kv_producer): a request with do_remote_decode runs as usual (the proxy
+asks for one token); at its finish the scheduler keeps its blocks (KVCacheManager.hold) and the engine's
+output carries export(): where the blocks are. They are freed when the decode engine's notification
+arrives (its read finished, or it gave up) or after kv_hold_timeout seconds (nobody came for them).
+
+Lifecycle on a decode instance (kv_consumer): a request with do_remote_prefill waits here, not in the
+scheduler: QUEUED until the KV pool has room for its prompt -> FETCHING the prefill agent's metadata
+(once per prefill engine) -> READING its blocks -> then it enters the scheduler with num_computed_tokens
+= prompt - 1: the engine computes the last prompt token itself and samples the first output token from
+its logits, so a PD deployment answers what a unified engine would (vLLM's NIXL connector does the same).
+A failure answers the request with an error and tells the prefill engine to free its blocks; an abort
+waits for a read in flight to end before its blocks go back to the pool.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from moeserve.config import KVTransferConfig
+from moeserve.disagg.nixl_connector import NixlConnector
+from moeserve.disagg.params import KVTransferParams, KVTransferParamsError, RemotePrefill, remote_prefill_dict
+from moeserve.engine.kv_cache import KVCacheManager
+from moeserve.engine.request import Request
+from moeserve.protocol import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+METADATA_TIMEOUT_S = 10.0  # a prefill engine that does not answer for its metadata within this is down
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class _Pull:
+    request: Request
+    remote: RemotePrefill
+    num_tokens: int  # prompt tokens to pull: all but the last
+    allocated: bool = False
+    handle: object | None = None
+    aborted: bool = False
+    since: float = field(default_factory=time.monotonic)
+
+
+class KVTransfer:
+    def __init__(self, config: KVTransferConfig, kv: KVCacheManager, tensors: list[torch.Tensor]) -> None:
+        self.config, self.kv = config, kv
+        self.host = config.kv_host
+        self.port = config.kv_port or _free_port(config.kv_host)
+        self.engine_id = config.engine_id or f"moeserve-{uuid.uuid4().hex[:12]}"
+        self.connector = NixlConnector(self.engine_id, tensors, self.port)
+        self.num_tensors = len(tensors)
+        self.held_until: dict[str, float] = {}  # prefill side: request id -> when its blocks are freed anyway
+        self.pulls: dict[str, _Pull] = {}  # decode side, in arrival order
+        logger.info("KV connector %s (NIXL/UCX, %s) listening on %s:%d", self.engine_id, config.kv_role,
+                    self.host, self.port)
+
+    # ---- admission -------------------------------------------------------------------------------
+    def check(self, request: Request, params: KVTransferParams) -> None:
+        """Raise KVTransferParamsError if this engine cannot serve the request's role."""
+        if params.do_remote_decode and not self.config.produces:
+            raise KVTransferParamsError("this engine is a decode instance (kv_role kv_consumer); send "
+                                        "do_remote_decode requests to a prefill instance")
+        r = params.remote
+        if r is None:
+            return
+        if not self.config.consumes:
+            raise KVTransferParamsError("this engine is a prefill instance (kv_role kv_producer); send "
+                                        "do_remote_prefill requests to a decode instance")
+        if r.num_tokens != request.num_prompt_tokens:
+            raise KVTransferParamsError(f"kv_transfer_params were made for a prompt of {r.num_tokens} tokens; "
+                                        f"this prompt has {request.num_prompt_tokens}: send the same prompt")
+        if r.block_bytes != self.connector.block_bytes or len(r.kv_addrs) != self.num_tensors:
+            raise KVTransferParamsError(
+                f"the prefill engine's KV layout ({len(r.kv_addrs)} tensors, {r.block_bytes} bytes per block) "
+                f"differs from this engine's ({self.num_tensors}, {self.connector.block_bytes}): run both with "
+                "the same model, dtype, --block-size and --speculative-config")
+        if len(r.block_ids) < self.kv.blocks_needed(r.num_tokens - 1):
+            raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has {len(r.block_ids)} blocks, "
+                                        f"too few for {r.num_tokens - 1} tokens")
+        if request.request_id in self.pulls:
+            raise KVTransferParamsError(f"request id {request.request_id!r} is already in use")
+
+    def add_pull(self, request: Request, remote: RemotePrefill) -> None:
+        self.pulls[request.request_id] = _Pull(request, remote, remote.num_tokens - 1)
+
+    def export(self, request: Request) -> dict:
+        """A finished do_remote_decode request: its held blocks, as the decode instance's params."""
+        self.held_until[request.request_id] = time.monotonic() + self.config.kv_hold_timeout
+        return remote_prefill_dict(RemotePrefill(
+            self.engine_id, self.host, self.port, request.request_id, list(self.kv.held[request.request_id]),
+            list(self.connector.kv_addrs), self.connector.block_bytes, request.num_prompt_tokens))
+
+    def abort(self, request_id: str) -> bool:
+        """True if the request was one of our pulls (it is dropped; a read in flight ends first)."""
+        pull = self.pulls.get(request_id)
+        if pull is None:
+            return False
+        pull.aborted = True
+        if pull.handle is None:
+            self._drop(pull)
+        return True
+
+    # ---- each step -------------------------------------------------------------------------------
+    def poll(self) -> tuple[list[Request], list[EngineCoreOutput]]:
+        """Free pulled (or expired) held blocks; advance pulls. Returns (requests whose KV arrived, errors)."""
+        self._release_held()
+        ready, errors = [], []
+        room = True  # pulls get blocks in arrival order
+        for pull in list(self.pulls.values()):
+            if pull.handle is not None:
+                self._check_read(pull, ready, errors)
+                continue
+            if not pull.allocated:
+                if not room or not self.kv.allocate_slots(pull.request, pull.num_tokens + 1):
+                    room = False
+                    continue
+                pull.allocated = True
+            self._start_read(pull, ready, errors)
+        return ready, errors
+
+    def _start_read(self, pull: _Pull, ready: list[Request], errors: list[EngineCoreOutput]) -> None:
+        r = pull.remote
+        try:
+            if not self.connector.remote_ready(r.engine_id, r.host, r.port):
+                asked = self.connector.asked_since(r.engine_id)
+                if asked is not None and time.monotonic() - asked > METADATA_TIMEOUT_S:
+                    self.connector.forget(r.engine_id)
+                    self._fail(pull, errors, f"the prefill engine {r.engine_id} at {r.host}:{r.port} did not "
+                                             f"answer within {METADATA_TIMEOUT_S:.0f} s")
+                return
+            if pull.num_tokens == 0:  # a one-token prompt: nothing to pull, the prefill may free it now
+                self.connector.notify(r.engine_id, r.request_id.encode())
+                self._finish_pull(pull, ready)
+                return
+            n = self.kv.blocks_needed(pull.num_tokens)
+            local = self.kv.block_tables[pull.request.request_id][:n]
+            pull.handle = self.connector.read(r.engine_id, r.kv_addrs, r.block_ids[:n], local,
+                                              r.request_id.encode())
+        except Exception as e:  # NIXL refuses bad addresses / unreachable peers with exceptions
+            self._fail(pull, errors, f"the KV pull from {r.engine_id} failed: {e}")
+
+    def _check_read(self, pull: _Pull, ready: list[Request], errors: list[EngineCoreOutput]) -> None:
+        state = self.connector.state(pull.handle)
+        if state == "PROC":
+            return
+        pull.handle.release()
+        pull.handle = None
+        if state == "ERR":
+            self._fail(pull, errors, f"the KV read from {pull.remote.engine_id} failed")
+        elif pull.aborted:
+            self._drop(pull)
+        else:
+            self._finish_pull(pull, ready)
+
+    def _finish_pull(self, pull: _Pull, ready: list[Request]) -> None:
+        del self.pulls[pull.request.request_id]
+        pull.request.num_computed_tokens = pull.num_tokens
+        ready.append(pull.request)
+
+    def _fail(self, pull: _Pull, errors: list[EngineCoreOutput], message: str) -> None:
+        logger.warning("request %s: %s", pull.request.request_id, message)
+        if not pull.aborted:
+            errors.append(EngineCoreOutput(pull.request.request_id, [], finish_reason="abort", error=message,
+                                           error_kind="kv_transfer"))
+        self._drop(pull)
+
+    def _drop(self, pull: _Pull) -> None:
+        self.pulls.pop(pull.request.request_id, None)
+        self.kv.free(pull.request)
+        if self.connector.knows(pull.remote.engine_id):  # reachable: let it free its blocks now
+            self.connector.notify(pull.remote.engine_id, pull.remote.request_id.encode())
+
+    def _release_held(self) -> None:
+        for msg in self.connector.notifications():
+            rid = msg.decode(errors="replace")
+            if self.held_until.pop(rid, None) is not None:
+                self.kv.release_held(rid)
+        now = time.monotonic()
+        for rid in [r for r, t in self.held_until.items() if t < now]:
+            logger.warning("request %s: no decode engine pulled its KV within %.0f s; freeing its blocks",
+                           rid, self.config.kv_hold_timeout)
+            del self.held_until[rid]
+            self.kv.release_held(rid)
+
+    # ---- introspection ---------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Pulls to advance (the engine must keep stepping)."""
+        return bool(self.pulls)
+
+    @property
+    def num_held(self) -> int:
+        return len(self.held_until)

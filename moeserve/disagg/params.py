@@ -1,0 +1,92 @@
+"""kv_transfer_params: what a request says about prefill/decode disaggregation (vLLM's field and keys).
+
+To a prefill instance:  {"do_remote_decode": true}   (the proxy also sets max_tokens 1)
+Its answer, to forward: {"do_remote_prefill": true, "remote_engine_id": ..., "remote_host": ...,
+                         "remote_port": ..., "remote_request_id": ..., "remote_block_ids": [...],
+                         "remote_kv_addrs": [...], "remote_block_bytes": ..., "remote_num_tokens": ...}
+A decode instance given the answer pulls the blocks and computes only the prompt's last token itself.
+The values are checked here, so a malformed dict is a clear error (an HTTP 400), never a crash.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class KVTransferParamsError(ValueError):
+    """kv_transfer_params that cannot be used; the message names the key."""
+
+
+def _flag(d: dict, key: str) -> bool:
+    v = d.get(key, False)
+    if not isinstance(v, bool):
+        raise KVTransferParamsError(f"kv_transfer_params.{key} must be true or false, got {v!r}")
+    return v
+
+
+def _int(d: dict, key: str, lo: int = 0) -> int:
+    v = d.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise KVTransferParamsError(f"kv_transfer_params.{key} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _str(d: dict, key: str) -> str:
+    v = d.get(key)
+    if not isinstance(v, str) or not v:
+        raise KVTransferParamsError(f"kv_transfer_params.{key} must be a non-empty string, got {v!r}")
+    return v
+
+
+def _ints(d: dict, key: str) -> list[int]:
+    v = d.get(key)
+    if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                   for x in v):
+        raise KVTransferParamsError(f"kv_transfer_params.{key} must be a non-empty list of integers >= 0")
+    return v
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a decode instance finds a prompt's KV: the prefill engine's NIXL agent and blocks."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str  # the prefill instance's id of the request (its blocks are freed by that name)
+    block_ids: list[int]
+    kv_addrs: list[int]  # base address of each KV tensor (one per layer) in the prefill process
+    block_bytes: int  # bytes of one block in one tensor
+    num_tokens: int  # prompt tokens whose KV the blocks hold
+
+
+@dataclass(frozen=True)
+class KVTransferParams:
+    do_remote_decode: bool = False
+    remote: RemotePrefill | None = None  # set when do_remote_prefill
+
+    @classmethod
+    def parse(cls, d: object) -> "KVTransferParams":
+        if not isinstance(d, dict):
+            raise KVTransferParamsError(f"kv_transfer_params must be a JSON object, got {type(d).__name__}")
+        decode, prefill = _flag(d, "do_remote_decode"), _flag(d, "do_remote_prefill")
+        if decode and prefill:
+            raise KVTransferParamsError("kv_transfer_params: do_remote_decode (to a prefill instance) and "
+                                        "do_remote_prefill (to a decode instance) exclude each other")
+        if not prefill:
+            return cls(do_remote_decode=decode)
+        remote = RemotePrefill(
+            engine_id=_str(d, "remote_engine_id"), host=_str(d, "remote_host"), port=_int(d, "remote_port", 1),
+            request_id=_str(d, "remote_request_id"), block_ids=_ints(d, "remote_block_ids"),
+            kv_addrs=_ints(d, "remote_kv_addrs"), block_bytes=_int(d, "remote_block_bytes", 1),
+            num_tokens=_int(d, "remote_num_tokens", 1))
+        if remote.port > 65535:
+            raise KVTransferParamsError(f"kv_transfer_params.remote_port must be a port number, got {remote.port}")
+        return cls(remote=remote)
+
+
+def remote_prefill_dict(r: RemotePrefill) -> dict:
+    """The answer of a prefill instance: the params its decode instance is given."""
+    return {"do_remote_prefill": True, "remote_engine_id": r.engine_id, "remote_host": r.host,
+            "remote_port": r.port, "remote_request_id": r.request_id, "remote_block_ids": list(r.block_ids),
+            "remote_kv_addrs": list(r.kv_addrs), "remote_block_bytes": r.block_bytes,
+            "remote_num_tokens": r.num_tokens}
