@@ -36,6 +36,7 @@ class Delta:
     finish_reason: str | None
     stop_reason: int | str | None
     final: DetokState | None = None  # the request's whole state, once it finished (it is dropped here)
+    kv_transfer_params: dict | None = None  # a PD prefill's answer: where its KV waits (disagg/params.py)
 
 
 class OutputProcessor:
@@ -77,7 +78,8 @@ class OutputProcessor:
         hold = 0 if finished or not st.params.stop else max(len(x) for x in st.params.stop) - 1
         upto = max(st.sent, len(full) - hold)
         delta_text, st.sent = full[st.sent:upto], upto
-        delta = Delta(delta_text, new_ids, new_lps, finished, st.finish_reason, st.stop_reason)
+        delta = Delta(delta_text, new_ids, new_lps, finished, st.finish_reason, st.stop_reason,
+                      kv_transfer_params=out.kv_transfer_params)
         if finished:
             delta.final = self.states.pop(out.request_id)
         return delta, hit is not None and out.finish_reason is None

@@ -126,8 +126,8 @@ class EngineClient:
                 self._mark_dead(f"the engine core process (pid {pid}) exited")
 
     # ---- requests --------------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[Delta]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       kv_transfer_params: dict | None = None) -> AsyncIterator[Delta]:
         """Deltas of one engine request until it finishes; leaving early aborts it in the core."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -136,7 +136,8 @@ class EngineClient:
         self.processor.add(request_id, params, len(prompt_token_ids))
         outcome = "abort"
         try:
-            req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time())
+            req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
+                                    kv_transfer_params)
             await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
             while True:
                 item = await st.queue.get()

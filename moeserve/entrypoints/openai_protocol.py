@@ -89,6 +89,7 @@ class _SamplingFields(_Strict):
     tools: list | None = None
     tool_choice: str | dict | None = None
     user: str | None = None
+    kv_transfer_params: dict | None = None  # PD disaggregation (vLLM's extension; disagg/params.py)
 
     def _unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

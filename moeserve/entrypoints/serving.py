@@ -44,6 +44,8 @@ class Child:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kv_transfer_params: dict | None = None  # PD: what the request brought (prefill role or KV location)
+    kv_transfer_result: dict | None = None  # PD prefill: where its KV now waits, for the decode instance
 
 
 def engine_error(e: Exception) -> APIError:
@@ -52,6 +54,9 @@ def engine_error(e: Exception) -> APIError:
                         code="engine_dead")
     if isinstance(e, EngineRequestError):
         param = next((f for f in ("logit_bias", "prompt") if str(e).startswith(f)), None)
+        if e.kind == "kv_transfer":  # the prefill instance holding the KV failed us, not the client
+            return APIError(str(e), 503, param="kv_transfer_params", code=e.kind)
+        param = param or ("kv_transfer_params" if str(e).startswith("kv_transfer_params") else None)
         return APIError(str(e), 503 if e.kind == "overloaded" else 400, param=param, code=e.kind)
     if isinstance(e, APIError):
         return e
@@ -108,7 +113,10 @@ class Serving:
         if bad is not None:
             raise APIError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
 
-    def make_children(self, prompts: list[list[int]], params: SamplingParams, prefix: str) -> list[Child]:
+    def make_children(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
+                      kv_transfer_params: dict | None = None, stream: bool = False) -> list[Child]:
+        if kv_transfer_params is not None:
+            self.check_kv_transfer(kv_transfer_params, len(prompts) * params.n, stream)
         if self.max_waiting is not None and len(prompts) * params.n > self.max_waiting:
             # Every child waits in the engine at first; more than the queue holds could never be admitted.
             raise APIError(f"this request needs {len(prompts) * params.n} engine requests ({len(prompts)} prompts "
@@ -119,12 +127,38 @@ class Serving:
         for p, ids in enumerate(prompts):
             for i in range(params.n):
                 child = params.for_sample(i)
-                children.append(Child(p * params.n + i, f"{base}-{p}-{i}", ids, child))
+                children.append(Child(p * params.n + i, f"{base}-{p}-{i}", ids, child,
+                                      kv_transfer_params=kv_transfer_params))
         return children
+
+    @staticmethod
+    def check_kv_transfer(raw: dict, num_children: int, stream: bool) -> None:
+        """kv_transfer_params name one engine request's KV: one prompt, n 1; a prefill answer is JSON."""
+        from moeserve.disagg.params import KVTransferParams, KVTransferParamsError
+        try:
+            kvt = KVTransferParams.parse(raw)
+        except KVTransferParamsError as e:
+            raise APIError(str(e), param="kv_transfer_params") from None
+        if num_children != 1:
+            raise APIError("kv_transfer_params describe one sequence: send one prompt with n 1",
+                           param="kv_transfer_params")
+        if kvt.do_remote_decode and stream:
+            raise APIError("kv_transfer_params.do_remote_decode needs 'stream': false (the answer carries "
+                           "kv_transfer_params for the decode instance)", param="stream")
+
+    @staticmethod
+    def kv_transfer_field(children: list[Child]) -> dict:
+        """The response's kv_transfer_params (vLLM's field), present when the request brought some."""
+        if children[0].kv_transfer_params is None:
+            return {}
+        return {"kv_transfer_params": children[0].kv_transfer_result}
 
     # ---- running ---------------------------------------------------------------------------------
     async def _run_child(self, child: Child, sink: asyncio.Queue | None) -> Child:
-        async for delta in self.client.generate(child.request_id, child.prompt_ids, child.params):
+        async for delta in self.client.generate(child.request_id, child.prompt_ids, child.params,
+                                                child.kv_transfer_params):
+            if delta.kv_transfer_params is not None:
+                child.kv_transfer_result = delta.kv_transfer_params
             child.text += delta.text
             child.token_ids.extend(delta.token_ids)
             child.logprobs.extend(delta.logprobs)

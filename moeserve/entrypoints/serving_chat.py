@@ -41,7 +41,7 @@ class ChatServing(Serving):
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.check_length(len(ids), getattr(req, field), "messages", field)
         params = req.sampling_params(max_tokens, req.num_logprobs())
-        children = self.make_children([ids], params, "chatcmpl")
+        children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:
             def chunks(first, events, n):
@@ -52,7 +52,8 @@ class ChatServing(Serving):
                     "logprobs": self._logprobs(c.logprobs) if req.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in children]
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": self.usage(len(ids), children)})
+                             "choices": choices, "usage": self.usage(len(ids), children),
+                             **self.kv_transfer_field(children)})
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         tok = self.token_str(token_id)

@@ -15,7 +15,8 @@ class CompletionServing(Serving):
         prompts = await self.off_loop(self._prompts, req.prompt)
         max_tokens = min(self.check_length(len(ids), req.max_tokens) for _, ids in prompts)
         params = req.sampling_params(max_tokens if req.max_tokens is not None else None, req.logprobs)
-        children = self.make_children([ids for _, ids in prompts], params, "cmpl")
+        children = self.make_children([ids for _, ids in prompts], params, "cmpl", req.kv_transfer_params,
+                                      req.stream)
         texts = [t for t, _ in prompts]
         num_prompt = sum(len(ids) for _, ids in prompts)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
@@ -26,7 +27,8 @@ class CompletionServing(Serving):
         await self.collect(children, raw)
         choices = [self._choice(req, c, texts[c.index // req.n]) for c in children]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                             "choices": choices, "usage": self.usage(num_prompt, children)})
+                             "choices": choices, "usage": self.usage(num_prompt, children),
+                             **self.kv_transfer_field(children)})
 
     def _prompts(self, prompt) -> list[tuple[str, list[int]]]:
         """[(prompt text, token ids)] for each prompt of the request."""

@@ -67,3 +67,110 @@ def test_pd_output_equals_unified_and_blocks_come_back(engines):
         time.sleep(0.01)
     assert prefill.kv_transfer.num_held == 0
     assert prefill.kv.pool.num_free == prefill.kv.pool.num_blocks
+
+
+def test_decode_uses_the_pulled_kv(engines):
+    """Zero the prefill engine's held blocks before the pull: the decode output changes, so it came from them."""
+    unified, prefill, decode = engines
+    prompt = PROMPTS[2]
+    unified.add_request(EngineCoreRequest("cu", prompt, greedy(8), []))
+    want, _ = run(unified)
+    prefill.add_request(EngineCoreRequest("cp", prompt, greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    _, done = run(prefill)
+    params = done["cp"].kv_transfer_params
+    for t in prefill.runner.kv_tensors():
+        t[params["remote_block_ids"]] = 0
+    decode.add_request(EngineCoreRequest("cd", prompt, greedy(8), [], kv_transfer_params=params))
+    got, _ = run(decode)
+    assert got["cd"] != want["cu"]
+
+
+def test_short_decode_pool_queues_pulls_and_aborts_free_blocks(ckpt_dir, engines):
+    unified, prefill, _ = engines
+    small = LLM(ckpt_dir("v3"), dtype="float32", max_model_len=256, block_size=8, num_kv_blocks=14,
+                kv_transfer_config=NIXL).engine
+    prompts = [list(range(30 + i, 70 + i)) for i in range(4)]  # 6 blocks each with 12 tokens out: 2 fit at once
+    for i, p in enumerate(prompts):
+        unified.add_request(EngineCoreRequest(f"su{i}", p, greedy(12), []))
+    want, _ = run(unified)
+    got, _ = pd(prefill, small, prompts, 12, prefix="s")
+    assert got == [want[f"su{i}"] for i in range(4)]
+    assert small.kv.pool.num_free == 14
+    # An abort while a pull waits for blocks or reads: its blocks come back, nothing is answered for it.
+    prefill.add_request(EngineCoreRequest("ap", prompts[0], greedy(1), [],
+                                          kv_transfer_params={"do_remote_decode": True}))
+    _, done = run(prefill)
+    small.add_request(EngineCoreRequest("ad", prompts[0], greedy(12), [],
+                                        kv_transfer_params=done["ap"].kv_transfer_params))
+    small.step()
+    small.abort_requests(["ad"])
+    tokens, _ = run(small)
+    assert "ad" not in tokens and small.kv.pool.num_free == 14 and not small.kv_transfer.pulls
+
+
+def test_unpulled_blocks_are_freed_after_the_hold_timeout(ckpt_dir):
+    eng = LLM(ckpt_dir("v3"), dtype="float32", max_model_len=256, block_size=8,
+              kv_transfer_config={**NIXL, "kv_hold_timeout": 0.2}).engine
+    eng.add_request(EngineCoreRequest("h", PROMPTS[0], greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    run(eng)
+    assert eng.kv_transfer.num_held == 1 and eng.kv.pool.num_free < eng.kv.pool.num_blocks
+    time.sleep(0.3)
+    eng.step()
+    assert eng.kv_transfer.num_held == 0 and eng.kv.pool.num_free == eng.kv.pool.num_blocks
+
+
+def test_unreachable_prefill_engine_and_bad_params_are_errors(engines, monkeypatch):
+    from moeserve.disagg import kv_transfer
+    unified, prefill, decode = engines
+    monkeypatch.setattr(kv_transfer, "METADATA_TIMEOUT_S", 0.5)
+    prefill.add_request(EngineCoreRequest("xp", PROMPTS[0], greedy(1), [],
+                                          kv_transfer_params={"do_remote_decode": True}))
+    _, done = run(prefill)
+    good = done["xp"].kv_transfer_params
+    gone = {**good, "remote_engine_id": "nobody", "remote_port": 9}  # nothing listens there
+    bad = {"x1": ({"do_remote_prefill": True}, "remote_engine_id"),
+           "x2": ({**good, "remote_block_ids": [0]}, "too few"),
+           "x3": ({**good, "remote_block_bytes": 4}, "KV layout"),
+           "x4": ({"do_remote_decode": True, "do_remote_prefill": True}, "exclude"),
+           "x5": ([1, 2], "JSON object"),
+           "x6": ({"do_remote_decode": True}, "decode instance")}
+    for rid, (params, _) in bad.items():
+        decode.add_request(EngineCoreRequest(rid, PROMPTS[0], greedy(4), [], kv_transfer_params=params))
+    decode.add_request(EngineCoreRequest("x7", PROMPTS[0], greedy(4), [], kv_transfer_params=gone))
+    decode.add_request(EngineCoreRequest("x8", PROMPTS[1], greedy(4), [], kv_transfer_params=good))
+    tokens, done = run(decode)
+    for rid, (_, words) in bad.items():
+        assert words in done[rid].error, (rid, done[rid].error)
+    assert "did not answer" in done["x7"].error and done["x7"].error_kind == "kv_transfer"
+    assert "prompt of" in done["x8"].error
+    unified.add_request(EngineCoreRequest("x9", PROMPTS[0], greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    _, done = run(unified)
+    assert "--kv-transfer-config" in done["x9"].error
+    assert decode.kv.pool.num_free == decode.kv.pool.num_blocks
+
+
+def test_pd_with_mtp_equals_unified_mtp(mtp_ckpt_dir):
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    kw = dict(dtype="float32", max_model_len=256, block_size=8, speculative_config=spec)
+    path = mtp_ckpt_dir("v3")
+    unified = LLM(path, **kw).engine
+    prefill = LLM(path, kv_transfer_config=NIXL, **kw).engine
+    decode = LLM(path, kv_transfer_config=NIXL, **kw).engine
+    assert len(decode.runner.kv_tensors()) == decode.arch.num_hidden_layers + 1  # the MTP layer's cache too
+    for i, p in enumerate(PROMPTS[:3]):
+        unified.add_request(EngineCoreRequest(f"mu{i}", p, greedy(12), []))
+    want, _ = run(unified)
+    got, _ = pd(prefill, decode, PROMPTS[:3], 12, prefix="m")
+    assert got == [want[f"mu{i}"] for i in range(3)]
+    assert decode.stats().spec_num_accepted_tokens > 0
+
+
+def test_kv_transfer_config_errors_name_the_flag():
+    from moeserve.config import ConfigError, EngineArgs, KVTransferConfig
+    for value, words in [('{"kv_connector": "tcp"}', "kv_connector"), ('{"kv_role": "x"}', "kv_role"),
+                         ('{"kv_port": 70000}', "kv_port"), ('{"colour": 1}', "unknown key"),
+                         ("not json", "JSON object"), ('{"kv_hold_timeout": 0}', "kv_hold_timeout")]:
+        with pytest.raises(ConfigError, match=words):
+            KVTransferConfig.from_value(value)
+    with pytest.raises(ConfigError, match="single-process"):
+        EngineArgs(model=None, data_parallel_size=2, kv_transfer_config=NIXL).create_config(256)

@@ -1,0 +1,43 @@
+"""`moeserve proxy --prefill URL... --decode URL...`: the PD front end (disagg/proxy.py)."""
+from __future__ import annotations
+
+import logging
+
+
+def register(sub) -> None:
+    from moeserve.cli import HelpFormatter
+
+    p = sub.add_parser("proxy", help="one OpenAI endpoint over prefill and decode instances (PD disaggregation)",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill instances (moeserve serve --kv-transfer-config ...), e.g. http://10.0.0.1:8100")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds an instance may take to answer")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from moeserve.disagg.proxy import Proxy, build_app
+    from moeserve.entrypoints.api_server import listen_socket
+
+    for url in args.prefill + args.decode:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--prefill/--decode take instance URLs such as http://127.0.0.1:8100, got {url!r}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [proxy] %(message)s")
+    sock = listen_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    app = build_app(Proxy(args.prefill, args.decode, args.timeout))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30))
+    logging.getLogger("moeserve.proxy").info("moeserve proxy ready on http://%s:%d (prefill %s; decode %s)",
+                                             host, port, ", ".join(args.prefill), ", ".join(args.decode))
+    server.run(sockets=[sock])
+    return 0

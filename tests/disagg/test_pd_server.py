@@ -1,0 +1,121 @@
+"""PD disaggregation as users run it: a prefill server, a decode server and `moeserve proxy`, as real
+processes on 127.0.0.1, driven with the openai client; answers equal a unified server's."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+
+from tests.entrypoints.server import ROOT, ServerProcess
+
+COMMON = ("--max-model-len", "256", "--dtype", "float32")
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "a b c d e f g h i j k l m n o p"]
+
+
+class ProxyProcess:
+    READY = re.compile(r"proxy ready on (http://\S+)")
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen([sys.executable, "-m", "moeserve.cli", "proxy", "--port", "0", *args],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.url, self.lines, ready = "", [], threading.Event()
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                m = self.READY.search(line)
+                if m:
+                    self.url = m.group(1)
+                    ready.set()
+            ready.set()
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(60) or not self.url:
+            self.stop()
+            raise RuntimeError("moeserve proxy did not start:\n" + "".join(self.lines))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def kv(role: str) -> tuple[str, str]:
+    return "--kv-transfer-config", json.dumps({"kv_connector": "nixl", "kv_role": role})
+
+
+@pytest.fixture(scope="module")
+def pd(ckpt_dir):
+    prefill = ServerProcess(ckpt_dir("v3"), *COMMON, *kv("kv_producer"))
+    decode = ServerProcess(ckpt_dir("v3"), *COMMON, *kv("kv_consumer"), "--api-server-count", "2")
+    proxy = ProxyProcess("--prefill", prefill.url, "--decode", decode.url)
+    yield prefill, decode, proxy
+    proxy.stop()
+    decode.stop()
+    prefill.stop()
+
+
+def complete(url: str, prompt: str, **kw) -> str:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    return client.completions.create(model=None, prompt=prompt, max_tokens=12, temperature=0, **kw).choices[0].text
+
+
+def test_proxy_answers_equal_a_unified_server(pd, openai_server):
+    _, decode, proxy = pd
+    for p in PROMPTS:
+        assert complete(proxy.url, p) == complete(openai_server.url, p)
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "hello there"}]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=None, messages=messages, max_tokens=10, temperature=0, stream=True) if c.choices)
+    ref = openai.OpenAI(base_url=openai_server.base_url, api_key="none").chat.completions.create(
+        model=None, messages=messages, max_tokens=10, temperature=0)
+    assert streamed == ref.choices[0].message.content and streamed
+    assert httpx.get(proxy.url + "/health", timeout=10).status_code == 200
+
+
+def test_prefill_answer_carries_kv_params_and_bad_params_are_400(pd, openai_server):
+    prefill, decode, proxy = pd
+    r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
+        "prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["remote_num_tokens"] == r.json()["usage"]["prompt_tokens"]
+    cases = [
+        (prefill.url, {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": "yes"}}, "do_remote_decode"),
+        (prefill.url, {"prompt": "hi", "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, "stream"),
+        (prefill.url, {"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": True}}, "one prompt"),
+        (decode.url, {"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}, "remote_engine_id"),
+        (decode.url, {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}}, "decode instance"),
+        (decode.url, {"prompt": "hello world", "kv_transfer_params": params}, "prompt of"),
+        (openai_server.url, {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}}, "--kv-transfer-config"),
+        (proxy.url, {"prompt": "hi", "kv_transfer_params": {}}, "set by the proxy"),
+        (proxy.url, "not json", "JSON"),
+    ]
+    for url, body, words in cases:
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       **({"content": body} if isinstance(body, str) else {"json": body}))
+        assert r.status_code == 400, (url, body, r.text)
+        assert words in r.json()["error"]["message"], r.text
+
+
+def test_a_forged_kv_location_fails_that_request_only(pd):
+    prefill, decode, proxy = pd
+    r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
+        "prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    params = r.json()["kv_transfer_params"]
+    forged = {**params, "remote_kv_addrs": [a + (1 << 40) for a in params["remote_kv_addrs"]]}
+    r = httpx.post(decode.url + "/v1/completions", timeout=60,
+                   json={"prompt": "hello", "max_tokens": 4, "kv_transfer_params": forged})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer", r.text
+    assert complete(proxy.url, PROMPTS[0])  # the servers still serve
