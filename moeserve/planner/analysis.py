@@ -6,7 +6,7 @@ batch holds requests at every stage of their output (the simulator checks this a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moeserve.planner import comm
 from moeserve.planner.deploy import DoesNotFit, Instance, Workload
@@ -44,12 +44,26 @@ def decode_point(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, batch
 
 
 def decode_memory(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload) -> MemoryReport:
-    """Memory at the largest batch that fits (activations sized for that batch)."""
+    """Memory at the largest batch that fits (activations sized for that batch).
+
+    Activations grow with the batch, so the KV room for b sequences shrinks as b grows: the answer is the
+    largest b whose report, with activations for b sequences, still holds b. (Iterating b -> room(b) from
+    b = 1 oscillates when a sequence's activations outweigh its KV, as with short contexts: 16 in / 1 out
+    on V2-Lite went 89428, 0, 89428, 0 and was refused.)"""
     step_tokens = 1 + inst.mtp_drafts
-    rep = memory_report(m, hw, inst, wl.mean_decode_context, step_tokens)
-    for _ in range(3):  # activations grow with the batch: iterate to a fixed point
-        rep = memory_report(m, hw, inst, wl.mean_decode_context, max(1, rep.max_batch) * step_tokens)
-    return rep
+
+    def report(b: int) -> MemoryReport:
+        return memory_report(m, hw, inst, wl.mean_decode_context, max(1, b) * step_tokens)
+
+    rep = report(1)
+    lo, hi = (1, rep.max_batch) if rep.max_batch >= 1 else (0, 0)  # room(b) <= room(1): b <= room(1)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if report(mid).max_batch >= mid:
+            lo = mid
+        else:
+            hi = mid - 1
+    return replace(report(lo), max_batch=lo) if lo else rep
 
 
 def require_fits(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload) -> MemoryReport:

@@ -270,3 +270,23 @@ def test_mtp_runs_through_the_schedulers_own_speculative_path(monkeypatch):
 def test_mtp_drafts_beyond_the_engine_limit_are_refused():
     with pytest.raises(ValueError, match="--mtp-drafts 9"):
         simulate.run(LITE, H100, Instance(cards=1, quantization="bf16", mtp_drafts=9), Workload(64, 64), 5.0, 5)
+
+
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_short_outputs_fit_although_a_sequences_activations_outweigh_its_kv(mtp):
+    # 16 in / 1 out: the batch fixed point (activations grow with the batch) used to oscillate 89428, 0, ...
+    # and stop on 0: `plan simulate` refused V2-Lite on an H100 ("activations 43.1 GiB exceed"), and
+    # simulate.run found 16 tokens of KV for a 17-token request
+    from moeserve.planner.analysis import decode_memory
+    from moeserve.planner.memory import memory_report
+    inst = Instance(cards=1, quantization="bf16", mtp_drafts=mtp)
+    for out in (1, 2, 64):
+        wl = Workload(16, out)
+        rep = decode_memory(LITE, H100, inst, wl)
+        b, step = rep.max_batch, 1 + mtp
+        assert b > 1000  # the largest batch whose own activations leave KV for it, and no larger
+        assert memory_report(LITE, H100, inst, wl.mean_decode_context, b * step).max_batch >= b
+        assert memory_report(LITE, H100, inst, wl.mean_decode_context, (b + 1) * step).max_batch < b + 1
+        raw = simulate.run(LITE, H100, inst, wl, 5.0, 5, arrival="constant")
+        assert all(len(t.token_times) == out for t in raw["traces"].values())
+
