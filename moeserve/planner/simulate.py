@@ -76,11 +76,14 @@ def _split(out, prefill_free: bool, pulled: bool = False):
     compute here (the transfer overlaps earlier steps). pulled
     (PD decode): a request's "prompt" is the pulled KV plus the prefill's first token, whose KV this
     instance still computes while sampling the second: the chunk that completes it is a one-position
-    decode."""
+    decode. A request preempted since (its KV freed) recomputes here whatever the role: the prefill side no
+    longer holds its prompt's KV, and its outputs' KV was made here."""
     decodes, prefill = [], []
     for s in out.scheduled:
         if s.start >= s.request.num_prompt_tokens:
             decodes.append((s.start, s.num_tokens))
+        elif s.request.num_preemptions:
+            prefill.append((1.0, float(s.num_tokens), float(s.start)))
         elif pulled and s.samples:
             decodes.append((s.start + s.num_tokens - 1, 1))
         elif not prefill_free:
@@ -238,12 +241,19 @@ class _Instance:
         """A decode instance's step budget: its decodes, at most max_batched of them, plus the whole of each
         pulled prompt that has a slot left under max_batched (its KV is not computed here: like a decode it
         takes one slot, as in vLLM's PD decode). The budget used to be max_batched + all prompt tokens, so
-        whenever a prompt was pending every decode ran, past --max-num-batched-tokens."""
+        whenever a prompt was pending every decode ran, past --max-num-batched-tokens. A preempted request's
+        recompute is compute (_split): it takes its tokens of the budget, as a prefill chunk does."""
         dec = sched.num_decode_tokens()  # MTP drafts included
-        room = max(0, self.max_batched - dec)
-        pending = [r.num_missing_tokens for r in sched.running if r.num_missing_tokens > 1]
-        pending += [r.num_missing_tokens for r in sched.waiting]
-        return min(dec, self.max_batched) + sum(pending[:room])
+        budget = min(dec, self.max_batched)
+        room = self.max_batched - budget
+        # in the order the scheduler serves them: running chunks, then the waiting queue
+        for r in [r for r in sched.running if r.num_missing_tokens > 1] + list(sched.waiting):
+            if room <= 0:
+                break
+            n = min(r.num_missing_tokens, room) if r.num_preemptions else r.num_missing_tokens
+            budget += n
+            room -= n if r.num_preemptions else 1
+        return budget
 
     def advance_to(self, t: float, max_steps: int) -> None:
         """Run the steps that start before `t` (an idle instance waits until then)."""

@@ -290,3 +290,31 @@ def test_short_outputs_fit_although_a_sequences_activations_outweigh_its_kv(mtp)
         raw = simulate.run(LITE, H100, inst, wl, 5.0, 5, arrival="constant")
         assert all(len(t.token_times) == out for t in raw["traces"].values())
 
+
+@pytest.mark.parametrize("pd", [False, True])
+def test_recompute_after_preemption_is_priced_on_a_decode_instance(monkeypatch, pd):
+    # a KV pool of 100 blocks (two or three requests): most requests get preempted and recompute prompt +
+    # outputs. Their KV is gone (the prefill side freed the prompt's once pulled), so the recompute is
+    # compute here; it used to be free in --role decode and --role pd (a one-position decode)
+    from moeserve.engine.kv_cache import KVCacheManager
+    monkeypatch.setattr(simulate, "KVCacheManager", lambda n, b: KVCacheManager(min(n, 100), b))
+    recomputed, priced = [0], [0]
+    split = simulate._split
+
+    def spy(out, prefill_free, pulled=False):
+        d, p = split(out, prefill_free, pulled)
+        if prefill_free:  # the decode instance (a PD prefill instance prices its prompts anyway)
+            recomputed[0] += sum(s.num_tokens for s in out.scheduled
+                                 if s.request.num_preemptions and s.start < s.request.num_prompt_tokens)
+            priced[0] += sum(n for _, n, _ in p)
+        return d, p
+    monkeypatch.setattr(simulate, "_split", spy)
+    inst, wl = Instance(cards=1, quantization="bf16"), Workload(512, 64)
+    if pd:
+        raw = simulate.run_pd(LITE, H100, Instance(cards=1, quantization="bf16"), inst, wl, 200.0, 60,
+                              arrival="constant")
+    else:
+        raw = simulate.run(LITE, H100, inst, wl, 200.0, 60, arrival="constant", role="decode")
+    assert raw["preemptions"] > 10 and recomputed[0] > 0
+    assert priced[0] == recomputed[0]  # and nothing else: pulled prompts stay free
+    assert all(len(t.token_times) == t.output_len for t in raw["traces"].values())
