@@ -53,7 +53,9 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
             tpot_slo_ms is None or per_tok * 1e3 <= tpot_slo_ms)
         met += ok
         good += ok * len(t.token_times) * len(traces) / max(1, hi - lo)
-    span = raw["makespan"] or 1.0
+    # The run: first arrival to last token, as `moeserve bench serve` times it (its first request goes out
+    # at once; the simulated clock starts one arrival gap before the first request).
+    span = max(raw["makespan"] - min((t.arrival for t in traces), default=0.0), 0.0) or 1.0
     # Steady throughput: tokens out while the measured window's requests arrive (no ramp-up, no drain).
     t0, t1 = traces[lo].arrival if traces else 0.0, traces[max(lo, hi - 1)].arrival if traces else 0.0
     steady = sum(t0 <= x <= t1 for t in traces for x in t.token_times) / (t1 - t0) if t1 > t0 else None

@@ -121,7 +121,7 @@ def test_pd_prefill_bottleneck_queues_and_more_prefill_instances_relieve_it():
 def test_pd_per_card_figures_count_every_card_of_the_deployment():
     pre, dec, raw, res = _pd(rate=20.0, prefill_instances=3, n=60, seed=2)
     tokens = sum(len(t.token_times) for t in raw["traces"].values())
-    per_group = tokens / raw["makespan"]
+    per_group = tokens / (raw["makespan"] - raw["traces"]["0"].arrival)  # first arrival to last token
     # 2 decode DP groups (1 instance x DP2) carry the output of 3 x 2 prefill cards + 2 decode cards
     assert res["throughput_tok_s_card"] == pytest.approx(per_group * dec.dp / (3 * pre.cards + dec.cards),
                                                          rel=1e-3)
@@ -318,3 +318,14 @@ def test_recompute_after_preemption_is_priced_on_a_decode_instance(monkeypatch, 
     assert raw["preemptions"] > 10 and recomputed[0] > 0
     assert priced[0] == recomputed[0]  # and nothing else: pulled prompts stay free
     assert all(len(t.token_times) == t.output_len for t in raw["traces"].values())
+
+
+def test_throughput_over_the_run_is_timed_from_the_first_arrival_to_the_last_token():
+    # one request at 10 req/s arrives at t = 0.1 s; the run is its own latency, as bench serve times it
+    # (the span used to start at the simulator's t = 0, a whole arrival gap early: 8 tokens over 0.137 s)
+    inst = Instance(cards=1, quantization="bf16")
+    raw = simulate.run(LITE, H100, inst, Workload(64, 8), 10.0, 1, arrival="constant")
+    t = raw["traces"]["0"]
+    res = summarize(raw, inst, None, None)
+    assert t.arrival == pytest.approx(0.1)
+    assert res["throughput_tok_s_card"] == pytest.approx(8 / (t.token_times[-1] - t.arrival), rel=1e-3)
