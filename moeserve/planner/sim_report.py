@@ -32,7 +32,7 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
 
     Per-card figures divide the simulated groups' tokens by `cards_per_group` x the groups simulated:
     a group's TP cards (default), or in a PD deployment all cards over the decode DP groups."""
-    ttft, tpot, itl, good, tokens, done, met = [], [], [], 0, 0, 0, 0
+    ttft, tpot, itl, good, measured, tokens, done, met = [], [], [], 0, 0, 0, 0, 0
     traces = list(raw["traces"].values())
     lo, hi = int(window[0] * len(traces)), int(window[1] * len(traces))
     hi = max(hi, min(lo + 1, len(traces)))  # a tiny stream still measures a request
@@ -52,7 +52,8 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
         ok = (ttft_slo_ms is None or first * 1e3 <= ttft_slo_ms) and (
             tpot_slo_ms is None or per_tok * 1e3 <= tpot_slo_ms)
         met += ok
-        good += ok * len(t.token_times) * len(traces) / max(1, hi - lo)
+        good += ok * len(t.token_times)
+        measured += len(t.token_times)
     # The run: first arrival to last token, as `moeserve bench serve` times it (its first request goes out
     # at once; the simulated clock starts one arrival gap before the first request).
     span = max(raw["makespan"] - min((t.arrival for t in traces), default=0.0), 0.0) or 1.0
@@ -66,7 +67,9 @@ def summarize(raw: dict, inst: Instance, tpot_slo_ms: float | None, ttft_slo_ms:
             "ttft_ms": _pcts(ttft), "tpot_ms": _pcts(tpot), "itl_ms": _pcts(itl),
             "throughput_tok_s_card": round(tokens / span / cards, 2),
             "steady_tok_s_card": None if steady is None else round(steady / cards, 2),  # None: a burst
-            "goodput_tok_s_card": round(good / span / cards, 2),
+            # the run's throughput x the share of the measured requests' tokens inside the SLOs (the
+            # measured tokens scaled up to the stream overshot the throughput when lengths vary)
+            "goodput_tok_s_card": round(tokens * good / (measured or 1) / span / cards, 2),
             "slo_met_fraction": round(met / done, 4) if done else None}
 
 
