@@ -62,3 +62,16 @@ def test_prefill_workspace_holds_logits_for_sampled_rows_and_gathers_only_real_t
     half = activation_bytes(V3, inst, 2048, logit_rows=1, n_tokens=4 * 2048)
     assert busy == pytest.approx(sampled)
     assert busy - half == pytest.approx(4 * 2048 * 7168 * 3)   # INT8 inputs + BF16 partial sums
+
+
+@pytest.mark.parametrize("length", [1, 16, 64, 2048])
+def test_max_batch_is_the_largest_batch_that_fits_with_its_own_activations(length):
+    """At short contexts a batch's activations outweigh its KV: the max batch must still fit with them
+    (and one more must not). A fixed-point iteration oscillated here and refused 1+1 tokens outright."""
+    from moeserve.planner.memory import memory_report
+    hw, inst, wl = load_hardware("hgx-h800"), Instance(cards=32), Workload(length, length)
+    rep = require_fits(V3, hw, inst, wl)
+    b = rep.max_batch
+    assert memory_report(V3, hw, inst, wl.mean_decode_context, b).max_batch >= b
+    assert memory_report(V3, hw, inst, wl.mean_decode_context, b + 1).max_batch < b + 1
+    assert rep.weights + rep.activations + b * rep.kv_per_seq <= rep.usable
