@@ -128,16 +128,19 @@ def split(cards: int, dec: Candidate, pre: Candidate, wl: Workload) -> dict | No
     best = None
     for n_dec in range(1, cards // dec.inst.cards + 1):
         left = cards - n_dec * dec.inst.cards
-        n_pre = min(left // pre.inst.cards, math.ceil(n_dec * dec_req / pre_req))
-        if n_pre < 1:
-            continue
-        used = n_dec * dec.inst.cards + n_pre * pre.inst.cards
-        req_s = min(n_dec * dec_req, n_pre * pre_req)
-        goodput = req_s * wl.output_len / used
-        if best is None or goodput > best["goodput_tok_s_card"]:
-            best = {"prefill_instances": n_pre, "decode_instances": n_dec, "cards_used": used,
-                    "prefill_cards": n_pre * pre.inst.cards, "decode_cards": n_dec * dec.inst.cards,
-                    "requests_per_s": round(req_s, 3), "goodput_tok_s_card": round(goodput, 1)}
+        # Goodput per card rises with the prefill instances up to the balance point and falls after it, so
+        # the best count is one of its two integer neighbours (the lower one leaves decode some headroom).
+        balance = n_dec * dec_req / pre_req
+        for n_pre in sorted({min(left // pre.inst.cards, n) for n in (math.floor(balance), math.ceil(balance))}):
+            if n_pre < 1:
+                continue
+            used = n_dec * dec.inst.cards + n_pre * pre.inst.cards
+            req_s = min(n_dec * dec_req, n_pre * pre_req)
+            goodput = req_s * wl.output_len / used
+            if best is None or goodput > best["goodput_tok_s_card"]:
+                best = {"prefill_instances": n_pre, "decode_instances": n_dec, "cards_used": used,
+                        "prefill_cards": n_pre * pre.inst.cards, "decode_cards": n_dec * dec.inst.cards,
+                        "requests_per_s": round(req_s, 3), "goodput_tok_s_card": round(goodput, 1)}
     return best
 
 

@@ -35,6 +35,21 @@ def test_split_balances_prefill_and_decode():
     assert s["goodput_tok_s_card"] == 750.0
 
 
+
+def test_split_may_leave_decode_headroom_when_that_gives_more_per_card():
+    """Balance at 1.1 prefill instances per decode instance: 1 prefill instance (prefill-bound) beats 2
+    (decode-bound with a mostly idle second prefill instance) per card."""
+    wl = Workload(1000, 1000)
+    dec = Candidate("decode", Instance(cards=32), tok_s_card=1100 / 32 * 1000 / 1000, latency_ms=50, batch=10)
+    pre = Candidate("prefill", Instance(cards=16), tok_s_card=1000 / 16, latency_ms=100, batch=1)
+    # one decode instance finishes 1.1 req/s, one prefill instance starts 1.0 req/s
+    s = split(64, dec, pre, wl)
+    assert (s["prefill_instances"], s["decode_instances"]) == (1, 1)
+    assert s["goodput_tok_s_card"] == round(1.0 * 1000 / 48, 1)  # not 1.1 x 1000 / 64 with 2 prefill instances
+    best = max(min(nd * 1.1, n_pre * 1.0) * 1000 / (32 * nd + 16 * n_pre)
+               for nd in (1, 2) for n_pre in range(1, (64 - 32 * nd) // 16 + 1))
+    assert s["goodput_tok_s_card"] == round(best, 1)
+
 def test_kv_pull_counts_against_the_ttft_slo():
     # A2: 8 cards per HCCS node, so a 48-card deployment pulls KV over RoCE; 8K prompts of DeepSeek-V3
     # with the MTP layer are 8192 x 70272 x 62/61 B = 585 MB -> ~26 ms at 28 GB/s x 0.8.
