@@ -19,6 +19,8 @@ def read(path: Path | None) -> dict:
         text = Path(path).read_text()
     except OSError as err:
         raise ValueError(f"--hardware-file {path}: cannot read it ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--hardware-file {path}: not UTF-8 text (byte {err.start}); expected YAML or JSON") from None
     try:
         data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     except json.JSONDecodeError as err:

@@ -193,6 +193,8 @@ def load_model(name_or_path: str) -> ModelSpec:
         cfg = json.loads(path.read_text())
     except OSError as err:
         raise ValueError(f"--model {path}: cannot read it ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--model {path}: not UTF-8 text (byte {err.start}); expected a config.json") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"--model {path}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
     return from_hf_config(cfg, name=path.parent.name or path.stem, where=f"--model {path}")
