@@ -108,7 +108,8 @@ def attn_prefill(m: ModelSpec, hw: Hardware, inst: Instance, seqs: float, new: f
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     pairs = new * past + new * (new + 1) / 2  # (query, key) pairs under the causal mask
     flops = 2.0 * seqs * heads * (qk + m.v_head_dim) * pairs
-    nbytes = seqs * (new + past) * heads * (2 * qk + 2 * m.v_head_dim) * ACT
+    # Q and O for the new tokens, K and V for every token they attend to (cached + new).
+    nbytes = seqs * heads * (new + (new + past)) * (qk + m.v_head_dim) * ACT
     eff = hw.eff.attention
     return roofline(hw, "attn_prefill", flops, nbytes, "bf16", compute_eff=eff, mem_eff=eff)
 

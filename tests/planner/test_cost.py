@@ -38,6 +38,9 @@ def test_attn_prefill_causal_pairs():
     assert op.flops == 2 * 4 * (12 + 8) * 10  # 10 causal (q, k) pairs for 4 tokens
     chunk = cost.attn_prefill(M, HW, inst, seqs=1, new=2, past=2)
     assert chunk.flops == 2 * 4 * 20 * (2 * 2 + 3)  # 2 new tokens see 2 cached + 1..2 new
+    # BF16 Q, K, V, O (docs/planner.md): K and V of all 4 tokens, Q and O of the 2 new ones only
+    assert op.nbytes == 4 * (4 * 12 + 4 * 12 + 4 * 8 + 4 * 8) * 2
+    assert chunk.nbytes == 4 * (2 * 12 + 4 * 12 + 4 * 8 + 2 * 8) * 2
 
 
 def test_lm_head_is_bf16_vocab_parallel():
