@@ -9,11 +9,10 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moeserve.planner.hardware_file import merge, number, read
+from moeserve.planner.hardware_file import EFF_FIELDS, merge, number, read
 
 GIB = 2 ** 30
-_EFF_KEYS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_overhead_ms",
-             "memory_utilization", "serving", "prefetch_attention_gain")
+_EFF_KEYS = EFF_FIELDS  # the Efficiency fields, also what a --hardware-file may set
 PROFILES = ("end_to_end", "kernel")
 
 
@@ -115,7 +114,8 @@ class HardwareDB:
         self.profile = profile or self.raw["efficiency"].get("default_profile", "kernel")
         profiles = self.raw["efficiency"].get("profiles") or {}
         if self.profile not in profiles:
-            raise ValueError(f"unknown efficiency profile {self.profile!r}; known: {', '.join(sorted(profiles))}")
+            raise ValueError(f"{self.source}unknown efficiency profile {self.profile!r}; "
+                             f"known: {', '.join(sorted(profiles))}")
         if extra_file:  # every entry now, so a bad one is reported with its file, not at first use
             for name in self.names():
                 self.get(name)

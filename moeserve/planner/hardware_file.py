@@ -2,6 +2,7 @@
 name the file and the entry, and the shape is checked before anything indexes into it."""
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from importlib import resources
@@ -36,6 +37,23 @@ def read(path: Path | None) -> dict:
     return data
 
 
+# Fields a file may set (hardware.py reads these and nothing else): an unknown one is a typo that would
+# silently leave the built-in value in place.
+DEVICE_FIELDS = ("name", "bf16_tflops", "int8_tops", "fp8_tflops", "hbm_gib", "hbm_tbps", "scale_up_gbps",
+                 "scale_out_gbps", "scale_up_domain")
+EFF_FIELDS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_overhead_ms",
+              "memory_utilization", "serving", "prefetch_attention_gain")
+EFF_PARTS = ("default", "devices", "profiles", "default_profile")
+
+
+def _known(src: str, where: str, keys, allowed) -> None:
+    for k in keys:
+        if k not in allowed:
+            close = difflib.get_close_matches(str(k), allowed, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(allowed)}"
+            raise ValueError(f"{src}: {where} has unknown field {k!r}; {hint}")
+
+
 def check_shape(data, src: str) -> None:
     """The file's sections are mappings of name -> mapping (what merge() and HardwareDB.get() index into)."""
     if not isinstance(data, dict):
@@ -49,7 +67,13 @@ def check_shape(data, src: str) -> None:
             if not isinstance(entry, dict):
                 raise ValueError(f"{src}: {section[:-1]} {name!r} must be a mapping of fields, got "
                                  f"{type(entry).__name__}")
+            _known(src, f"{section[:-1]} {name!r}", entry,
+                   DEVICE_FIELDS + (("device",) if section == "systems" else ()))
+    _known(src, "the top level", data, ("devices", "systems", "efficiency"))
     eff = data.get("efficiency") or {}
+    _known(src, "efficiency", eff, EFF_PARTS)
+    if eff.get("default") is not None and isinstance(eff["default"], dict):
+        _known(src, "efficiency.default", eff["default"], EFF_FIELDS)
     for part in ("default", "devices", "profiles"):
         if eff.get(part) is not None and not isinstance(eff[part], dict):
             raise ValueError(f"{src}: efficiency.{part} must be a mapping, got a {type(eff[part]).__name__}")
@@ -58,6 +82,7 @@ def check_shape(data, src: str) -> None:
             if vals is not None and not isinstance(vals, dict):
                 raise ValueError(f"{src}: efficiency.{part}.{name} must be a mapping of factors, got "
                                  f"{type(vals).__name__}")
+            _known(src, f"efficiency.{part}.{name}", vals or {}, EFF_FIELDS)
 
 
 def number(entry: dict, field: str, what: str, cast=float):

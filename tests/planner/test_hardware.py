@@ -68,6 +68,15 @@ BAD_FILES = {  # name -> (file text, words the one-line error must contain)
     "top_level_list": (["h100"], ["expected a mapping", "list"]),
     "devices_list": ({"devices": ["h100"]}, ["devices must be a mapping"]),
     "system_unknown_device": ({"systems": {"s": {"device": "nope"}}}, ["'s'", "'nope'"]),
+    # a misspelt field used to be ignored, leaving the built-in value in place without a word
+    "typo_in_system": ({"systems": {"s": {"device": "h100", "scale_up_gpbs": 900}}},
+                       ["'s'", "'scale_up_gpbs'", "scale_up_gbps"]),
+    "typo_in_device": ({"devices": {"mychip": {**DEVICE, "hbm_tbs": 2.0}}}, ["mychip", "'hbm_tbs'"]),
+    "typo_in_profile": ({"efficiency": {"profiles": {"end_to_end": {"serveing": 0.43}}}},
+                        ["end_to_end", "'serveing'", "serving"]),
+    "typo_in_default": ({"efficiency": {"default": {"gem": 0.7}}}, ["efficiency.default", "'gem'"]),
+    "typo_in_section": ({"device": {"mychip": DEVICE}}, ["top level", "'device'", "devices"]),
+    "unknown_default_profile": ({"efficiency": {"default_profile": "fast"}}, ["'fast'", "end_to_end"]),
 }
 
 
