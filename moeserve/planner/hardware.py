@@ -119,6 +119,14 @@ class HardwareDB:
         if extra_file:  # every entry now, so a bad one is reported with its file, not at first use
             for name in self.names():
                 self.get(name)
+            systems = self.raw["systems"]
+            for name in self.raw["efficiency"].get("devices") or {}:
+                if name not in self.raw["devices"]:  # factors are looked up by device: they would be ignored
+                    if name in systems:
+                        what = f"is a system; set its device's (efficiency.devices.{systems[name].get('device')})"
+                    else:
+                        what = f"is not a device; known: {', '.join(sorted(self.raw['devices']))}"
+                    raise ValueError(f"{self.source}efficiency.devices.{name} {what}")
 
     def names(self) -> list[str]:
         return sorted(self.raw["devices"]) + sorted(self.raw["systems"])

@@ -77,6 +77,10 @@ BAD_FILES = {  # name -> (file text, words the one-line error must contain)
     "typo_in_default": ({"efficiency": {"default": {"gem": 0.7}}}, ["efficiency.default", "'gem'"]),
     "typo_in_section": ({"device": {"mychip": DEVICE}}, ["top level", "'device'", "devices"]),
     "unknown_default_profile": ({"efficiency": {"default_profile": "fast"}}, ["'fast'", "end_to_end"]),
+    # factors are looked up by device: under a system's name they were ignored
+    "factors_on_a_system": ({"efficiency": {"devices": {"cloudmatrix-384": {"link": 0.9}}}},
+                            ["efficiency.devices.cloudmatrix-384", "is a system", "efficiency.devices.910c"]),
+    "factors_on_nothing": ({"efficiency": {"devices": {"h1000": {"gemm": 0.9}}}}, ["h1000", "not a device"]),
 }
 
 
