@@ -447,11 +447,13 @@ class EngineArgs:
 
     def _kv_transfer(self) -> "KVTransferConfig | None":
         kvt = KVTransferConfig.from_value(self.kv_transfer_config)
-        # The KV blocks live in the rank processes of a multi-rank engine; the connector serves one process.
-        _require(kvt is None or (self.data_parallel_size == self.tensor_parallel_size == self.nnodes == 1),
-                 "--kv-transfer-config needs a single-process engine for now (--data-parallel-size 1, "
-                 "--tensor-parallel-size 1, --nnodes 1); scale prefill and decode out as several instances "
-                 "behind `moeserve proxy` instead")
+        # Each DP rank's own agent serves its KV; TP peers would each need theirs, and every node its address.
+        _require(kvt is None or (self.tensor_parallel_size == self.nnodes == 1),
+                 "--kv-transfer-config works with --data-parallel-size N but not yet with --tensor-parallel-size "
+                 "> 1 or --nnodes > 1; scale out with more instances behind `moeserve proxy` instead")
+        _require(kvt is None or kvt.kv_port is None or kvt.kv_port + self.data_parallel_size - 1 <= 65535,
+                 f"--kv-transfer-config kv_port: DP rank r listens on kv_port + r; {self.data_parallel_size} "
+                 "ranks do not fit below 65536")
         return kvt
 
 

@@ -54,11 +54,15 @@ class _Pull:
 
 
 class KVTransfer:
-    def __init__(self, config: KVTransferConfig, kv: KVCacheManager, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, config: KVTransferConfig, kv: KVCacheManager, tensors: list[torch.Tensor],
+                 rank: int = 0, world_size: int = 1) -> None:
+        """rank / world_size: this DP rank of a multi-rank engine; each rank's agent serves its own KV
+        (port kv_port + rank, name engine_id-dp<rank>)."""
         self.config, self.kv = config, kv
         self.host = config.kv_host
-        self.port = config.kv_port or _free_port(config.kv_host)
-        self.engine_id = config.engine_id or f"moeserve-{uuid.uuid4().hex[:12]}"
+        self.port = config.kv_port + rank if config.kv_port else _free_port(config.kv_host)
+        name = config.engine_id or f"moeserve-{uuid.uuid4().hex[:12]}"
+        self.engine_id = f"{name}-dp{rank}" if world_size > 1 else name
         self.connector = NixlConnector(self.engine_id, tensors, self.port)
         self.num_tensors = len(tensors)
         self.held_until: dict[str, float] = {}  # prefill side: request id -> when its blocks are freed anyway

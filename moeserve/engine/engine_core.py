@@ -30,7 +30,10 @@ class EngineCore:
         self.kv_transfer = None  # prefill/decode disaggregation (disagg/kv_transfer.py)
         if config.kv_transfer is not None:
             from moeserve.disagg.kv_transfer import KVTransfer
-            self.kv_transfer = KVTransfer(config.kv_transfer, self.kv, self.runner.kv_tensors())
+            from moeserve.distributed.parallel_state import get_world_group
+            world = get_world_group()
+            self.kv_transfer = KVTransfer(config.kv_transfer, self.kv, self.runner.kv_tensors(), world.rank,
+                                          world.world_size)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; a request that can never run is answered with an error output instead."""

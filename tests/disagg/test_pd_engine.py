@@ -172,5 +172,22 @@ def test_kv_transfer_config_errors_name_the_flag():
                          ("not json", "JSON object"), ('{"kv_hold_timeout": 0}', "kv_hold_timeout")]:
         with pytest.raises(ConfigError, match=words):
             KVTransferConfig.from_value(value)
-    with pytest.raises(ConfigError, match="single-process"):
-        EngineArgs(model=None, data_parallel_size=2, kv_transfer_config=NIXL).create_config(256)
+    with pytest.raises(ConfigError, match="tensor-parallel-size"):
+        EngineArgs(model=None, tensor_parallel_size=2, kv_transfer_config=NIXL).create_config(256)
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_pd_with_a_data_parallel_instance(ckpt_dir, engines, side):
+    """A DP2 + EP instance on either side: each rank process pulls (or serves) KV with its own NIXL agent."""
+    unified, prefill, decode = engines
+    dp = LLM(ckpt_dir("v3"), dtype="float32", max_model_len=256, block_size=8, data_parallel_size=2,
+             enable_expert_parallel=True, kv_transfer_config=NIXL).engine
+    try:
+        for i, p in enumerate(PROMPTS):
+            unified.add_request(EngineCoreRequest(f"dpu{side}{i}", p, greedy(10), []))
+        want, _ = run(unified)
+        pre, dec = (prefill, dp) if side == "decode" else (dp, decode)
+        got, _ = pd(pre, dec, PROMPTS, 10, prefix=f"dp{side}")
+        assert got == [want[f"dpu{side}{i}"] for i in range(len(PROMPTS))]
+    finally:
+        dp.shutdown()
