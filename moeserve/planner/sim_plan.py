@@ -71,7 +71,8 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
                           "busy_fraction": pr["busy_fraction"], "kv_pull_ms": raw["kv_pull_ms"]}
         res.update({"decode_instances": d_n, "cards": cards})
         pull = kv_pull_ms(m, hw, inst, wl.input_len, cards)
-        analytic |= {"ttft_ms": round(lone.ttft_ms + pull, 3)}
+        # the decode instance computes the prompt's last token in its next step and samples token 1 there
+        analytic |= {"ttft_ms": round(lone.ttft_ms + pull + (analytic["step_ms"] or 0.0), 3)}
     res.update({"model": m.name, "hardware": hw.key, "rate_req_s": round(rate, 4), "num_requests": n,
                 "arrival": a.arrival, "role": a.role, "length_dist": a.length_dist,
                 "dp_groups_simulated": raw["groups"], "dp_groups": inst.dp, "analytic_steady_state": analytic})
@@ -127,7 +128,7 @@ def format_report(r: dict) -> str:
         (f"  analytic steady state: none, the rate is above the {a['capacity_req_s']} req/s decode sustains "
          f"at its memory-limited batch of {a['max_batch_per_dp']}/DP (queues grow)" if a.get("overloaded") else
          f"  analytic steady state: batch {a['batch_per_dp']}/DP, TPOT {a['tpot_ms']} ms")
-        + (f"; TTFT {a['ttft_ms']} ms (a lone prompt + KV pull)" if p else "")]
+        + (f"; TTFT {a['ttft_ms']} ms (a lone prompt + KV pull + a decode step)" if p else "")]
         + ([f"  prefill: {p['instances']} x {p['layout']['cards']} cards (TP{p['layout']['tp']}"
             + (f", {p['proxy']} proxy" if p["instances"] > 1 else "") + ") busy "
             f"{100 * p['busy_fraction']:.0f}%, KV pull {_pulls(p['kv_pull_ms'])}; decode: "

@@ -13,9 +13,9 @@ long as the slowest group; the instance's other groups are taken to carry the sa
 PD disaggregation (run_pd): every prefill instance (all its DP groups) and decode DP groups, each group
 its own Scheduler. The proxy sends a prompt to the prefill instance with the shortest estimated TTFT
 (system-brief item 1) or round robin, and deals decode blocks round robin; inside an instance the engine's
-router picks the group. Prefill runs each prompt to its first token; the request then waits for the KV
-pull and joins a decode group with its first token out and that token's KV still to compute (the decode
-step that samples token 2 runs it).
+router picks the group. Prefill runs each prompt (to a first token nobody sees); the request then waits for
+the KV pull of its prompt but the last token and joins a decode group, whose first step computes that
+token and samples the first output token, as moeserve's decode engine does (disagg/kv_transfer.py).
 """
 from __future__ import annotations
 
@@ -73,10 +73,9 @@ def _split(out, prefill_free: bool, pulled: bool = False):
 
     A decode runs its token plus the MTP drafts the scheduler attached (what the engine verifies).
     prefill_free: a PD decode instance receives prompts' KV from prefill instances, so their chunks cost no
-    compute here (the transfer overlaps earlier steps). pulled
-    (PD decode): a request's "prompt" is the pulled KV plus the prefill's first token, whose KV this
-    instance still computes while sampling the second: the chunk that completes it is a one-position
-    decode. A request preempted since (its KV freed) recomputes here whatever the role: the prefill side no
+    compute here (the transfer overlaps earlier steps). pulled (PD decode): the KV of all but the prompt's
+    last token is pulled; this instance computes that token while sampling the first output token: the
+    chunk that completes the prompt is a one-position decode. A request preempted since (its KV freed) recomputes here whatever the role: the prefill side no
     longer holds its prompt's KV, and its outputs' KV was made here."""
     decodes, prefill = [], []
     for s in out.scheduled:
@@ -156,9 +155,7 @@ def _request(rid: str, t: Trace, role: str) -> Request:
     """What the simulated instance's scheduler sees of a trace."""
     if role == "prefill":  # prompt to first token, then the request leaves for decode
         prompt, max_tokens = t.prompt_len, 1
-    elif role == "pd-decode":  # prompt + the first token (its KV pulled), the rest of the output to go
-        prompt, max_tokens = t.prompt_len + 1, t.output_len - 1
-    else:
+    else:  # unified, or PD decode: the prompt (its KV pulled but the last token's), every output token
         prompt, max_tokens = t.prompt_len, t.output_len
     return Request(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                    arrival_time=t.start)
@@ -391,15 +388,14 @@ def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workloa
             continue
         if t.prompt_len not in pull_cache:
             pull_cache[t.prompt_len] = kv_pull_ms(m, hw, dec, t.prompt_len, cards) * 1e-3
-        first = firsts[i] + pull_cache[t.prompt_len]
-        traces[str(i)] = Trace(t.arrival, t.prompt_len, t.output_len, [first], ready=first)
-    decoding = {r: t for r, t in traces.items() if t.output_len > 1 and t.token_times}
+        # its KV is here after the prefill and the pull; the decode side emits every output token
+        traces[str(i)] = Trace(t.arrival, t.prompt_len, t.output_len, ready=firsts[i] + pull_cache[t.prompt_len])
+    decoding = {r: t for r, t in traces.items() if t.ready is not None}
     if decoding:
         raw = _run_group(m, hw, dec, wl, decoding, "pd-decode", max_num_seqs, max_batched, rng, max_steps,
                          groups)
-    else:  # every output is the prefill's one token: the decode side never steps
-        raw = {"makespan": max((t.token_times[0] for t in traces.values() if t.token_times), default=0.0),
-               "steps": 0, "busy": 0.0, "groups": groups, "preemptions": 0}
+    else:  # no prefill finished within the step cap: the decode side never steps
+        raw = {"makespan": 0.0, "steps": 0, "busy": 0.0, "groups": groups, "preemptions": 0}
     raw["traces"] = traces
     raw["prefill"] = pre_raw
     raw["kv_pull_ms"] = {p: round(s * 1e3, 3) for p, s in sorted(pull_cache.items())}
