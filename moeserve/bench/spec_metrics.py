@@ -16,16 +16,21 @@ PREFIX = "moeserve:spec_decode_"
 def scrape(base_url: str, headers: dict) -> dict[str, float]:
     """Spec-decode counter samples by (name, position); empty when the server has none or no /metrics."""
     try:
-        text = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10).text
+        r = httpx.get(base_url.rstrip("/") + "/metrics", headers=headers, timeout=10)
     except httpx.HTTPError:
         return {}
+    if r.status_code != 200:  # e.g. `moeserve proxy` or another OpenAI server: no Prometheus endpoint
+        return {}
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith(PREFIX) and s.name.endswith("_total"):
-                key = s.name[len(PREFIX):-len("_total")] + (f"@{s.labels['position']}" if "position" in s.labels
-                                                            else "")
-                out[key] = out.get(key, 0.0) + s.value
+    try:
+        for family in text_string_to_metric_families(r.text):
+            for s in family.samples:
+                if s.name.startswith(PREFIX) and s.name.endswith("_total"):
+                    key = s.name[len(PREFIX):-len("_total")] + (f"@{s.labels['position']}"
+                                                                if "position" in s.labels else "")
+                    out[key] = out.get(key, 0.0) + s.value
+    except ValueError:  # not Prometheus text
+        return {}
     return out
 
 

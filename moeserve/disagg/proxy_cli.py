@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 
 def register(sub) -> None:
@@ -37,7 +38,8 @@ def run(args) -> int:
     host, port = sock.getsockname()[:2]
     app = build_app(Proxy(args.prefill, args.decode, args.timeout))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30))
-    logging.getLogger("moeserve.proxy").info("moeserve proxy ready on http://%s:%d (prefill %s; decode %s)",
-                                             host, port, ", ".join(args.prefill), ", ".join(args.decode))
+    # printed whatever the log level: scripts and supervisors wait for this line (as for `serve`)
+    print(f"moeserve proxy ready on http://{host}:{port} (prefill {', '.join(args.prefill)}; "
+          f"decode {', '.join(args.decode)})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0

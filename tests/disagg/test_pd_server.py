@@ -119,3 +119,16 @@ def test_a_forged_kv_location_fails_that_request_only(pd):
                    json={"prompt": "hello", "max_tokens": 4, "kv_transfer_params": forged})
     assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer", r.text
     assert complete(proxy.url, PROMPTS[0])  # the servers still serve
+
+
+def test_bench_serve_runs_through_the_proxy(pd, tmp_path):
+    # the proxy has no /metrics: the benchmark's speculative-decoding scrape used to crash on its 404
+    _, _, proxy = pd
+    out = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    name = httpx.get(proxy.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    subprocess.run([sys.executable, "-m", "moeserve.cli", "bench", "serve", "--base-url", proxy.url, "--model", name,
+                    "--input-len", "32", "--output-len", "8", "--num-prompts", "4", "--ignore-eos", "--no-progress",
+                    "--result-json", str(out)], check=True, env=env, stdout=subprocess.DEVNULL, timeout=300)
+    r = json.loads(out.read_text())
+    assert r["completed"] == 4 and r["failed"] == 0 and r["total_output_tokens"] == 32
