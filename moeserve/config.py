@@ -171,20 +171,24 @@ class SpeculativeConfig:
         """A dict (LLM keyword), a JSON string (the flag) or None (no speculative decoding)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            value = _parse_json_dict(value, "--speculative-config")
-        _require(isinstance(value, dict),
-                 f"--speculative-config must be a JSON object / dict, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        _require(not unknown, f"--speculative-config has unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
+        value = _json_config_keys(cls, value, "--speculative-config",
+                                  '{"method": "mtp", "num_speculative_tokens": 1}')
         _require("method" in value, '--speculative-config needs a "method" (e.g. {"method": "mtp"})')
         return cls(**value)
 
 
-def _parse_json_dict(text: str, flag: str,
-                     example: str = '{"method": "mtp", "num_speculative_tokens": 1}') -> dict:
+def _json_config_keys(cls, value: "dict | str", flag: str, example: str) -> dict:
+    """A JSON-object flag (or the LLM keyword's dict) whose keys are all fields of the config `cls`."""
+    if isinstance(value, str):
+        value = _parse_json_dict(value, flag, example)
+    _require(isinstance(value, dict), f"{flag} must be a JSON object / dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    _require(not unknown, f"{flag} has unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return value
+
+
+def _parse_json_dict(text: str, flag: str, example: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -266,15 +270,7 @@ class KVTransferConfig:
     def from_value(cls, value: "dict | str | KVTransferConfig | None") -> "KVTransferConfig | None":
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            value = _parse_json_dict(value, "--kv-transfer-config", '{"kv_connector": "nixl"}')
-        _require(isinstance(value, dict),
-                 f"--kv-transfer-config must be a JSON object / dict, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        _require(not unknown, f"--kv-transfer-config has unknown key(s) {', '.join(unknown)}; "
-                              f"known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return cls(**_json_config_keys(cls, value, "--kv-transfer-config", '{"kv_connector": "nixl"}'))
 
 
 @dataclass(frozen=True)

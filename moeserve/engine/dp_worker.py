@@ -65,8 +65,9 @@ class RankWorker:
         while True:
             cmds = self._commands(wait=not anyone_busy)
             shutdown = self._apply(cmds)
+            self.core.poll_kv_transfer()  # PD: local, no collective; a pull whose KV arrived is work from here
             s = self.core.scheduler
-            mine = torch.tensor([[int(self.core.has_unfinished()), int(shutdown), s.prefill_demand(),
+            mine = torch.tensor([[int(self.core.has_schedulable()), int(shutdown), s.prefill_demand(),
                                   s.num_decodes()]], dtype=torch.long)
             flags = self.world.all_gather(mine, kind="step_sync")  # [W, 4]
             if flags[:, 1].any():
@@ -85,7 +86,7 @@ class RankWorker:
         budget = prefill_balanced_budget(per_dp[:, 2].tolist(), int(per_dp[:, 3].sum()),
                                          self.config.scheduler.max_num_batched_tokens,
                                          self.core.scheduler.num_decode_tokens())  # MTP drafts included
-        idle = not self.core.has_unfinished()
+        idle = not self.core.has_schedulable()
         outputs = self.core.step(budget, lockstep=True)
         step = comm.STATS.reset()
         st = self.stats
@@ -113,7 +114,7 @@ class RankWorker:
         if self.leader:
             if self.parent_pid is not None and os.getppid() != self.parent_pid:
                 raise RuntimeError("the front-end process exited")
-            timeout = IDLE_POLL_MS if wait and not self.core.has_unfinished() else 0
+            timeout = IDLE_POLL_MS if wait and not self.core.has_schedulable() else 0
             while self.sock.poll(timeout):
                 cmds.append(self.decoder.decode(self.sock.recv()))
                 timeout = 0

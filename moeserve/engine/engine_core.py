@@ -93,18 +93,33 @@ class EngineCore:
         return self.scheduler.num_waiting + (len(self.kv_transfer.pulls) if self.kv_transfer else 0)
 
     def has_unfinished(self) -> bool:
-        return (self.scheduler.has_unfinished() or bool(self._pending)
-                or (self.kv_transfer is not None and self.kv_transfer.busy))
+        return self.has_schedulable() or (self.kv_transfer is not None and self.kv_transfer.busy)
+
+    def has_schedulable(self) -> bool:
+        """Work a step does now (requests to compute, outputs to report), not just KV transfers to wait on."""
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    @property
+    def kv_transfer_pending(self) -> bool:
+        """KV pulls in flight or blocks held for a decode instance: poll_kv_transfer() soon, even when idle
+        (pulls advance and pulled blocks come back without anyone spinning on empty steps)."""
+        return self.kv_transfer is not None and (self.kv_transfer.busy or self.kv_transfer.num_held > 0)
+
+    def poll_kv_transfer(self) -> None:
+        """Advance KV transfers without computing: free pulled blocks, move pulls on; a request whose KV
+        arrived joins the scheduler, a failed one is reported with the next step's outputs."""
+        if self.kv_transfer is None:
+            return
+        ready, errors = self.kv_transfer.poll()
+        self._pending.extend(errors)
+        for request in ready:  # their KV arrived: from here on they are ordinary decodes
+            self.scheduler.add_request(request)
 
     def step(self, token_budget: int | None = None, lockstep: bool = False) -> list[EngineCoreOutput]:
         """One step. token_budget caps this step's tokens (DP prefill balancing); with lockstep an idle
         rank still runs an empty forward, because the other ranks' MoE layers wait for it."""
+        self.poll_kv_transfer()
         outputs, self._pending = self._pending, []
-        if self.kv_transfer is not None:
-            ready, errors = self.kv_transfer.poll()
-            outputs.extend(errors)
-            for request in ready:  # their KV arrived: from here on they are ordinary decodes
-                self.scheduler.add_request(request)
         sched_out = self.scheduler.schedule(token_budget)
         if sched_out.is_empty:
             if lockstep:

@@ -26,6 +26,7 @@ from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, Engin
 logger = logging.getLogger("moeserve.engine_core")
 
 HEARTBEAT_S = 0.25  # stats to every client at least this often, busy or idle (liveness + fresh gauges)
+KV_POLL_S = 0.002  # how often an engine with nothing to compute polls its KV transfers (PD)
 
 
 class EngineCoreProc:
@@ -52,10 +53,14 @@ class EngineCoreProc:
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
         while self.running:
-            idle = not self.core.has_unfinished()
-            if self.sock.poll(int(HEARTBEAT_S * 1000) if idle else 0):
+            # PD: an engine waiting only on KV transfers polls them every KV_POLL_S instead of spinning
+            kv = getattr(self.core, "kv_transfer_pending", False)
+            compute = self.core.has_schedulable() if kv else self.core.has_unfinished()
+            if self.sock.poll(0 if compute else int((KV_POLL_S if kv else HEARTBEAT_S) * 1000)):
                 self._drain()
-            if self.core.has_unfinished():
+            if kv:
+                self.core.poll_kv_transfer()
+            if self.core.has_schedulable() if kv else self.core.has_unfinished():
                 self._send_outputs(self.core.step())
             now = time.monotonic()
             if now - self._last_beat >= HEARTBEAT_S:

@@ -3,7 +3,6 @@ processes on 127.0.0.1, driven with the openai client; answers equal a unified s
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -12,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.server import ROOT, ServerProcess
+from tests.entrypoints.server import ROOT, ServerProcess, stop_process
 
 COMMON = ("--max-model-len", "256", "--dtype", "float32")
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "a b c d e f g h i j k l m n o p"]
@@ -41,13 +40,7 @@ class ProxyProcess:
             raise RuntimeError("moeserve proxy did not start:\n" + "".join(self.lines))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def kv(role: str) -> tuple[str, str]:
