@@ -180,9 +180,9 @@ def main() -> None:
     path, label = pick_model(args.model)
     print(f"model: {path} ({label}); dtype {args.dtype}, {args.threads} thread(s), greedy, "
           f"{max(args.batches)} {PROMPT_LEN}-token held-out prompts at every batch size, {args.new_tokens} new tokens")
-    engines = {0: LLM(path, dtype=args.dtype)}
+    engines = {0: LLM(path, dtype=args.dtype, enable_prefix_caching=False)}  # the same prompts run again: measure compute, not the prefix cache
     for k in args.ks:
-        engines[k] = LLM(path, dtype=args.dtype, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        engines[k] = LLM(path, dtype=args.dtype, enable_prefix_caching=False, speculative_config={"method": "mtp", "num_speculative_tokens": k})
     n = max(args.batches)
     prompts = heldout_prompts(engines[0].tokenizer, engines[0].arch.vocab_size, n)
     for llm in engines.values():  # warm-up

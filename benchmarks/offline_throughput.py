@@ -65,7 +65,8 @@ def main() -> None:
     path = bench_checkpoint()
     counts = param_counts(BENCH_CONFIG)
     bw = memory_bandwidth_gbs()
-    llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=4096)
+    llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=4096,
+              enable_prefix_caching=False)  # the same prompts run again: measure compute, not the prefix cache
     hf = None if args.skip_hf else AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     rows = []
     for b in args.batches:

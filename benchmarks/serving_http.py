@@ -108,7 +108,7 @@ def offline_ceiling(model: str | None, batch: int, rounds: int = 3) -> float:
     """Requests/s of the offline LLM on the generate workload: what the engine alone sustains."""
     from moeserve import LLM, SamplingParams
 
-    llm = LLM(model)
+    llm = LLM(model, enable_prefix_caching=False)  # the same prompts run again: measure compute, not the prefix cache
     params = SamplingParams(temperature=0.0, max_tokens=1)
     llm.generate(["hi"] * batch, params)  # warm-up
     start = time.perf_counter()

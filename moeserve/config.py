@@ -30,6 +30,7 @@ class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None = default (see kv_cache.py)
+    enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (vLLM's default too)
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"--block-size must be >= 1, got {self.block_size}")
@@ -325,6 +326,7 @@ ENGINE_HELP = {
     "max_num_seqs": "running requests per step",
     "max_num_batched_tokens": "tokens per step; longer prompts are prefilled in chunks",
     "enable_chunked_prefill": "split prompts longer than the token budget over several steps",
+    "enable_prefix_caching": "reuse the KV cache of prompt prefixes computed before (automatic prefix caching)",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV pool size in blocks (None: every sequence at full length, at most 2 GiB)",
     "kv_cache_memory": "KV pool size in bytes, e.g. 512M or 2G (instead of --num-kv-blocks)",
@@ -361,6 +363,7 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -429,7 +432,8 @@ class EngineArgs:
             model=ModelConfig(model=path, dtype=self.dtype,
                               tokenizer=self.tokenizer, seed=self.seed),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-                              kv_cache_memory=self.kv_cache_memory),
+                              kv_cache_memory=self.kv_cache_memory,
+                              enable_prefix_caching=self.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_len,

@@ -99,6 +99,7 @@ class LLM:
                 if delta.finished:
                     ro, i = children[out.request_id]
                     ro.outputs[i] = self._completion(i, delta)
+                    ro.num_cached_tokens = max(ro.num_cached_tokens, delta.num_cached_tokens)
                     bar.update(1)
         bar.close()
 

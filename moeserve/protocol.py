@@ -30,6 +30,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None  # set when the request was rejected
     error_kind: str | None = None  # "invalid" (the request can never run) or "overloaded" (retry later)
     kv_transfer_params: dict | None = None  # a finished do_remote_decode request: what a decode instance pulls
@@ -52,6 +53,9 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []  # [k]
     spec_drafts_per_position: list[int] = []  # [k]
+    # Prefix caching, cumulative: prompt tokens looked up at admission, and those found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -104,6 +104,7 @@ class RankWorker:
         st, s = self.stats, self.core.stats()
         st.num_running, st.num_waiting, st.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
         st.num_preemptions, st.outstanding_tokens = s.num_preemptions, s.outstanding_tokens
+        st.prefix_cache_queries, st.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
         for f in SPEC_FIELDS:
             setattr(st, f, getattr(s, f))
         self.report(RankReport(self.info.dp_rank, outputs, st))

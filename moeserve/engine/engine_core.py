@@ -24,7 +24,10 @@ class EngineCore:
         self.config = config
         self.arch = arch or DeepseekArch.from_pretrained(config.model.model)
         self.runner = ModelRunner(config, self.arch)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        # With MTP a block's cached KV also depends on the token after it (the MTP layer's input).
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 enable_caching=config.cache.enable_prefix_caching,
+                                 hash_next_token=config.speculative is not None)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts reported on the next step
         self.kv_transfer = None  # prefill/decode disaggregation (disagg/kv_transfer.py)
@@ -144,6 +147,7 @@ class EngineCore:
                 finish_reason=fin.status.value if fin else None,
                 stop_reason=fin.stop_reason if fin else None,
                 num_prompt_tokens=req.num_prompt_tokens,
+                num_cached_tokens=req.num_cached_tokens,
                 kv_transfer_params=self.kv_transfer.export(req) if fin and req.hold_kv else None))
             if fin:
                 self.runner.release(req.request_id)
@@ -173,4 +177,5 @@ class EngineCore:
                            spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                            spec_num_accepted_tokens=spec.num_accepted_tokens,
                            spec_accepted_per_position=list(spec.accepted_per_position),
-                           spec_drafts_per_position=list(spec.drafts_per_position))
+                           spec_drafts_per_position=list(spec.drafts_per_position),
+                           prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)

@@ -1,47 +1,163 @@
-"""Paged KV-cache bookkeeping: a pool of fixed-size blocks and one block table per request.
+"""Paged KV-cache bookkeeping: a pool of fixed-size blocks and one block table per request, with automatic
+prefix caching.
 
-This is CPU bookkeeping only; the tensors live in the model runner (engine/kv_tensors.py). A block holds
-`block_size` token slots of every layer's [latent | rope key] vector.
+This is CPU bookkeeping only; the tensors live in the model runner. A block holds `block_size` token slots
+of every layer's [latent | rope key] vector.
+
+Prefix caching (vLLM's automatic prefix caching): a full block whose KV is computed gets a hash of its
+tokens chained to the hash of the block before it, so equal hashes mean equal prefixes. Blocks are
+reference counted; a block nobody uses is free but keeps its cached prefix until an allocation needs it
+(plain free blocks go first, then cached ones least recently freed first). A new request starts from the
+longest run of cached blocks its tokens hash to and computes the rest. Shared blocks are never written:
+a request writes KV only at positions >= its num_computed_tokens, and only full blocks below that are
+shared. With MTP the hash also covers the token after the block, because the MTP layer's KV at a block's
+last position is computed from that token.
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 from moeserve.engine.request import Request
 
 
+def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """Chained digest of one block's tokens (and, with MTP, the token after it). A cryptographic hash,
+    so a prompt cannot be crafted to collide with another user's prefix."""
+    return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
 class BlockPool:
-    """Free list of block ids 0..num_blocks-1."""
+    """Block ids 0..num_blocks-1 with reference counts and the cached-prefix index."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(range(num_blocks))  # unreferenced, no cached prefix
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced, cached prefix; LRU first
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._cached: dict[bytes, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
     def allocate(self, n: int) -> list[int]:
-        assert n <= len(self._free), "caller checks num_free before allocating"
-        return [self._free.popleft() for _ in range(n)]
+        assert n <= self.num_free, "caller checks num_free before allocating"
+        ids = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.popleft()
+            else:  # evict the least recently freed cached block
+                b, _ = self._evictable.popitem(last=False)
+                del self._cached[self._hash_of.pop(b)]
+            self._refs[b] = 1
+            ids.append(b)
+        return ids
 
     def free(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
+        """Drop one reference to each block; a request's last blocks go first when evicted."""
+        for b in reversed(block_ids):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def lookup(self, h: bytes) -> int | None:
+        return self._cached.get(h)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """Take a reference to cached blocks a new request shares."""
+        for b in block_ids:
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+
+    def register(self, block_id: int, h: bytes) -> None:
+        """Index an in-use full block under its prefix hash (the first block with that hash keeps it)."""
+        if h not in self._cached and block_id not in self._hash_of:
+            self._cached[h] = block_id
+            self._hash_of[block_id] = h
+
+    def reset_cache(self) -> None:
+        """Forget every cached prefix (blocks in use keep their contents)."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._cached.clear()
 
 
 class KVCacheManager:
     """Maps each request to the blocks holding its tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
+                 hash_next_token: bool = False) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.hash_next_token = hash_next_token  # MTP: a block's hash covers the token after it
         self.block_tables: dict[str, list[int]] = {}
         self.held: dict[str, list[int]] = {}  # finished requests whose blocks a remote decode will pull
+        self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its registered full blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def _hashable_blocks(self, request: Request, num_tokens: int) -> int:
+        """Full blocks among the first num_tokens whose hash is defined (with MTP: the next token known)."""
+        n = num_tokens // self.block_size
+        if self.hash_next_token:
+            n = min(n, (request.num_tokens - 1) // self.block_size)
+        return n
+
+    def _hash(self, request: Request, index: int, parent: bytes) -> bytes:
+        start = index * self.block_size
+        end = start + self.block_size + (1 if self.hash_next_token else 0)
+        return block_hash(parent, request.token_ids_slice(start, end))
+
+    def take_cached_prefix(self, request: Request) -> int:
+        """Start a request with nothing computed from its longest cached prefix: the shared blocks become
+        the head of its table and num_computed_tokens moves past them. At least one token stays to compute
+        (its logits give the next token). Returns the tokens taken; undo with free() on failure."""
+        if not self.enable_caching or request.num_computed_tokens or self.block_tables.get(request.request_id):
+            return 0
+        hashes, blocks, parent = [], [], b""
+        for i in range(self._hashable_blocks(request, request.num_tokens - 1)):
+            parent = self._hash(request, i, parent)
+            b = self.pool.lookup(parent)
+            if b is None:
+                break
+            hashes.append(parent)
+            blocks.append(b)
+        if not blocks:
+            return 0
+        self.pool.touch(blocks)
+        self.block_tables[request.request_id] = blocks
+        self._hashes[request.request_id] = hashes
+        request.num_computed_tokens = len(blocks) * self.block_size
+        return request.num_computed_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Index the request's newly completed full blocks (after a step advanced num_computed_tokens)."""
+        if not self.enable_caching:
+            return
+        table = self.block_tables.get(request.request_id)
+        if not table:
+            return
+        hashes = self._hashes.setdefault(request.request_id, [])
+        for i in range(len(hashes), self._hashable_blocks(request, request.num_computed_tokens)):
+            h = self._hash(request, i, hashes[-1] if hashes else b"")
+            hashes.append(h)
+            self.pool.register(table[i], h)
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the request's table to hold num_computed + num_new tokens. False if the pool is short."""
@@ -55,17 +171,20 @@ class KVCacheManager:
         return True
 
     def free(self, request: Request) -> None:
+        self._hashes.pop(request.request_id, None)
         self.pool.free(self.block_tables.pop(request.request_id, []))
 
     def hold(self, request: Request) -> None:
         """A finished request keeps its blocks (out of the tables, still allocated) until release_held."""
+        self._hashes.pop(request.request_id, None)
         self.held[request.request_id] = self.block_tables.pop(request.request_id, [])
 
     def release_held(self, request_id: str) -> None:
         self.pool.free(self.held.pop(request_id, []))
 
     def trim(self, request: Request, num_tokens: int) -> None:
-        """Return blocks past the first num_tokens slots (rejected speculative slots)."""
+        """Return blocks past the first num_tokens slots (rejected speculative slots). Never a registered
+        block: those lie below num_computed_tokens."""
         table = self.block_tables.get(request.request_id)
         if not table:
             return

@@ -37,6 +37,7 @@ class Delta:
     stop_reason: int | str | None
     final: DetokState | None = None  # the request's whole state, once it finished (it is dropped here)
     kv_transfer_params: dict | None = None  # a PD prefill's answer: where its KV waits (disagg/params.py)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class OutputProcessor:
@@ -79,7 +80,7 @@ class OutputProcessor:
         upto = max(st.sent, len(full) - hold)
         delta_text, st.sent = full[st.sent:upto], upto
         delta = Delta(delta_text, new_ids, new_lps, finished, st.finish_reason, st.stop_reason,
-                      kv_transfer_params=out.kv_transfer_params)
+                      kv_transfer_params=out.kv_transfer_params, num_cached_tokens=out.num_cached_tokens)
         if finished:
             delta.final = self.states.pop(out.request_id)
         return delta, hit is not None and out.finish_reason is None

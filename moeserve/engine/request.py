@@ -43,6 +43,7 @@ class Request:
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (MTP)
     hold_kv: bool = False  # PD prefill: keep the KV blocks at the finish for a decode instance to pull
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

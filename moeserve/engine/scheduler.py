@@ -9,6 +9,8 @@ Policy per step, under max_num_batched_tokens and max_num_seqs:
   1. running requests, decodes before prefill chunks (decode latency first);
   2. waiting requests in arrival order, prefills chunked to the remaining token budget,
      unless someone was preempted this step (the pool is short; admitting more would thrash).
+     With prefix caching a request starts after its longest cached prefix (engine/kv_cache.py), and every
+     step indexes the full blocks it completed.
 
 Speculative decoding (MTP) is the same model: a caught-up request schedules its missing token plus its
 drafts (Request.spec_token_ids) as extra tokens; a step that samples also reserves lookahead slots for the
@@ -70,6 +72,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up at admission (vLLM's counters)
+        self.prefix_cache_hits = 0  # of those, tokens found cached
 
     # ---- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -148,15 +152,20 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = req.num_missing_tokens
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                n = budget
+            cached = self.kv.take_cached_prefix(req)
+            n = min(req.num_missing_tokens, budget)
             s = self._scheduled(req, n, [])
-            if not self.kv.allocate_slots(req, n + max(s.num_new_drafts - 1, 0)):
+            if ((n < req.num_missing_tokens and not self.config.enable_chunked_prefill)
+                    or not self.kv.allocate_slots(req, n + max(s.num_new_drafts - 1, 0))):
+                if cached:  # not admitted after all: give the shared blocks back, look again next step
+                    self.kv.free(req)
+                    req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            if req.num_preemptions == 0:  # what the client is told: its prompt, as first admitted
+                req.num_cached_tokens = cached
+            self.prefix_cache_queries += req.num_tokens  # every admission, recomputes included
+            self.prefix_cache_hits += cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(s)
@@ -208,14 +217,17 @@ class Scheduler:
                 continue  # aborted while the step ran
             new = sampled.get(req.request_id, ())
             self._advance(req, s, len(new), (draft_tokens or {}).get(req.request_id, []))
+            status = None
             for token in new:
                 req.output_token_ids.append(token)
                 status = req.check_stop(self.config.max_model_len)
                 if status is not None:
-                    self.running.remove(req)
-                    self._finish(req, status)
-                    finished.append(req)
                     break
+            self.kv.cache_full_blocks(req)  # the tokens are appended: MTP's next-token hashes are known
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                finished.append(req)
         return finished
 
     def _advance(self, req: Request, s: ScheduledRequest, num_new: int, next_drafts: list[int]) -> None:

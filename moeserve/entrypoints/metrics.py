@@ -4,8 +4,8 @@ With several API-server processes each one writes its own counters and histogram
 PROMETHEUS_MULTIPROC_DIR (the launcher sets it before any server starts) and /metrics in any of them sums
 them up. Engine-wide gauges (running, waiting, KV usage) come from the engine core's stats, which every
 API server receives; they use the "mostrecent" mode so the freshest report wins instead of being summed.
-The engine's cumulative counts (preemptions, speculative-decoding drafts and acceptances) are turned into
-counter increments by API server 0 only.
+The engine's cumulative counts (preemptions, prefix-cache queries and hits, speculative-decoding drafts and
+acceptances) are turned into counter increments by API server 0 only.
 Names follow vLLM's (vllm:... -> moeserve:...).
 """
 from __future__ import annotations
@@ -41,6 +41,11 @@ class ServerMetrics:
         self.generation_tokens = labelled(Counter("moeserve:generation_tokens", "Generated tokens", **m))
         self.preemptions = labelled(Counter("moeserve:num_preemptions", "Preempted requests (engine)", **m))
         self.spec = SpecDecodeMetrics(model_name)
+        # Prefix caching in prompt tokens (vLLM's prefix_cache_queries / _hits): hit rate = hits / queries.
+        self.prefix_cache = {f: labelled(Counter(f"moeserve:{f}", d, **m)) for f, d in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache"))}
+        self._prefix_seen = dict.fromkeys(self.prefix_cache, 0)  # the engine counts from its start
         gauge = {"multiprocess_mode": "mostrecent", **m}
         self.running = labelled(Gauge("moeserve:num_requests_running", "Requests in the running batch", **gauge))
         self.waiting = labelled(Gauge("moeserve:num_requests_waiting", "Requests waiting to run", **gauge))
@@ -67,6 +72,11 @@ class ServerMetrics:
             if self._preemptions_seen is not None and stats.num_preemptions > self._preemptions_seen:
                 self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
+            for f, counter in self.prefix_cache.items():
+                value = getattr(stats, f)
+                if value > self._prefix_seen[f]:
+                    counter.inc(value - self._prefix_seen[f])
+                    self._prefix_seen[f] = value
             self.spec.update(stats)
 
     def observe_finished(self, st, outcome: str) -> None:

@@ -46,6 +46,7 @@ class Child:
     stop_reason: int | str | None = None
     kv_transfer_params: dict | None = None  # PD: what the request brought (prefill role or KV location)
     kv_transfer_result: dict | None = None  # PD prefill: where its KV now waits, for the decode instance
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def engine_error(e: Exception) -> APIError:
@@ -159,6 +160,7 @@ class Serving:
                                                 child.kv_transfer_params):
             if delta.kv_transfer_params is not None:
                 child.kv_transfer_result = delta.kv_transfer_params
+            child.num_cached_tokens = max(child.num_cached_tokens, delta.num_cached_tokens)
             child.text += delta.text
             child.token_ids.extend(delta.token_ids)
             child.logprobs.extend(delta.logprobs)
@@ -255,8 +257,13 @@ class Serving:
     @staticmethod
     def usage(num_prompt_tokens: int, children: list[Child]) -> dict:
         completion = sum(len(c.token_ids) for c in children)
+        # Per prompt the most any of its n samples found cached (prompt_tokens counts each prompt once).
+        cached: dict[int, int] = {}
+        for c in children:
+            cached[id(c.prompt_ids)] = max(cached.get(id(c.prompt_ids), 0), c.num_cached_tokens)
         return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
-                "total_tokens": num_prompt_tokens + completion}
+                "total_tokens": num_prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     @staticmethod
     def error_event(e: Exception) -> str:

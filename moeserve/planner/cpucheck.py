@@ -153,7 +153,7 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16) -
     from moeserve.protocol import EngineCoreRequest
 
     llm = LLM(bench_checkpoint(), dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(batches) * prompt_len)
+              max_num_batched_tokens=max(batches) * prompt_len, enable_prefix_caching=False)
     eng, rows = llm.engine, []
     for b in batches:
         params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)

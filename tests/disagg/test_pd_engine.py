@@ -83,6 +83,8 @@ def test_decode_uses_the_pulled_kv(engines):
     decode.add_request(EngineCoreRequest("cd", prompt, greedy(8), [], kv_transfer_params=params))
     got, _ = run(decode)
     assert got["cd"] != want["cu"]
+    for engine in (prefill, decode):  # the zeroed blocks stay cached prefixes: later tests must not reuse them
+        engine.kv.pool.reset_cache()
 
 
 def test_short_decode_pool_queues_pulls_and_aborts_free_blocks(ckpt_dir, engines):

@@ -156,6 +156,21 @@ def test_metrics_count_tokens_exactly(openai_server, client, model):
         openai_server.metric(name)  # present
 
 
+def test_prefix_cache_reported_in_usage_and_metrics(openai_server, client, model):
+    """A repeated long prompt reuses its cached blocks: usage says how many prompt tokens, /metrics counts
+    them (vLLM's prefix_cache_queries / _hits), and the answer is the same."""
+    prompt = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n" * 3
+    hits = "moeserve:prefix_cache_hits_total"
+    before = openai_server.metric(hits)
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0  # whole blocks, never the last token
+    assert openai_server.wait_metric(hits, lambda v: v >= before + cached) >= before + cached
+    assert openai_server.metric("moeserve:prefix_cache_queries_total") >= again.usage.prompt_tokens
+
+
 BAD = [
     ("completions", b"{not json", 400),
     ("completions", b"[1, 2]", 400),
