@@ -10,18 +10,15 @@ from pathlib import Path
 
 import yaml
 
+from moeserve.files import read_text
+
 
 def read(path: Path | None) -> dict:
     """The built-in table (path None) or a user file, as a checked mapping."""
     if path is None:
         text = resources.files("moeserve.planner").joinpath("data/hardware.yaml").read_text()
         return yaml.safe_load(text)
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise ValueError(f"--hardware-file {path}: cannot read it ({err.strerror or err})") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--hardware-file {path}: not UTF-8 text (byte {err.start}); expected YAML or JSON") from None
+    text = read_text(path, f"--hardware-file {path}", "YAML or JSON")
     try:
         data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
     except json.JSONDecodeError as err:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from moeserve.files import read_text
+
 _FIELDS = ("hidden_size", "num_hidden_layers", "first_k_dense_replace", "intermediate_size",
            "moe_intermediate_size", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
            "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
@@ -189,12 +191,9 @@ def load_model(name_or_path: str) -> ModelSpec:
     if not path.is_file():
         raise ValueError(f"unknown model {name_or_path!r}: not a preset ({', '.join(sorted(table))}) "
                          "nor a config.json / checkpoint folder")
+    text = read_text(path, f"--model {path}", "a config.json")
     try:
-        cfg = json.loads(path.read_text())
-    except OSError as err:
-        raise ValueError(f"--model {path}: cannot read it ({err.strerror or err})") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"--model {path}: not UTF-8 text (byte {err.start}); expected a config.json") from None
+        cfg = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"--model {path}: invalid JSON at line {err.lineno}, column {err.colno}: {err.msg}") from None
     return from_hf_config(cfg, name=path.parent.name or path.stem, where=f"--model {path}")

@@ -227,7 +227,8 @@ def test_simulate_far_above_capacity_reports_overload_instead_of_a_traceback(cap
     assert ana["overloaded"] is True and ana["batch_per_dp"] is None and ana["capacity_req_s"] < 1e7
 
 
-@pytest.mark.parametrize("flag,name", [("--hardware-file", "hw.yaml"), ("--model", "config.json")])
+@pytest.mark.parametrize("flag,name", [("--hardware-file", "hw.yaml"), ("--model", "config.json"),
+                                       ("--eplb-stats", "load.json")])  # the last named neither
 def test_a_file_that_is_not_text_is_refused_naming_the_flag_and_file(flag, name, tmp_path, capsys):
     path = tmp_path / name
     path.write_bytes(b"\xff\xfe\x00binary")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from moeserve.files import read_text
+
 from moeserve.scoped import Scoped
 
 FORMAT = "moeserve-expert-load"
@@ -73,10 +75,11 @@ def read_loads(paths: list[str], num_experts: int | None = None) -> dict[int, li
     counts (layer key -1), or a list of such lists (layers 0..n-1). Errors name the file."""
     total: dict[int, list[float]] = {}
     for path in paths:
+        text = read_text(path, str(path), "JSON expert-load statistics")
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"{path}: cannot read expert-load statistics ({err})") from err
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: invalid JSON expert-load statistics ({err})") from None
         if isinstance(data, dict) and data.get("format") == FORMAT:
             if not isinstance(data.get("layers"), dict):
                 raise ValueError(f"{path}: {FORMAT} file without a 'layers' mapping (layer -> per-expert counts)")
