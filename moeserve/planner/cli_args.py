@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from moeserve.planner.hardware import FIGURE_MAX, FIGURE_MIN
+
 
 def _int(text: str, low: int, what: str) -> int:
     try:
@@ -36,9 +38,13 @@ def nonneg_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
+    """Rates, SLOs, bandwidths: within the range a hardware figure may take (hardware.FIGURE_MIN), where
+    every derived time stays finite (1e-320 GB/s divided by zero; 1e-320 req/s put arrivals at inf)."""
     v = _float(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    if not FIGURE_MIN <= v <= FIGURE_MAX:
+        raise argparse.ArgumentTypeError(f"must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], got {text!r}")
     return v
 
 
@@ -53,6 +59,8 @@ def imbalance(text: str) -> float:
     v = _float(text)
     if v < 1.0:
         raise argparse.ArgumentTypeError(f"is max/mean expert load, so >= 1 (1 = balanced), got {text!r}")
+    if v > FIGURE_MAX:  # 1e300 made the MoE time inf, 0 tok/s
+        raise argparse.ArgumentTypeError(f"must be <= {FIGURE_MAX:g} (max/mean is at most the EP ranks), got {text!r}")
     return v
 
 

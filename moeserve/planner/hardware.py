@@ -5,7 +5,6 @@ same shape (`--hardware-file`). Units: TFLOPS, GiB, TB/s, GB/s unidirectional pe
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -14,6 +13,12 @@ from moeserve.planner.hardware_file import EFF_FIELDS, merge, number, read
 GIB = 2 ** 30
 _EFF_KEYS = EFF_FIELDS  # the Efficiency fields, also what a --hardware-file may set
 PROFILES = ("end_to_end", "kernel")
+# Range of every physical figure (TFLOPS, GiB, TB/s, GB/s, in the unit of its field), of the positive
+# --scale-*-gbps overrides and of the other positive float flags (cli_args). "> 0 and finite" is not
+# enough: 1e-320 GB/s makes a transfer time overflow to inf (then 0 tok/s and a division by zero), 1e300
+# GiB overflows to inf bytes. Inside this range every time and rate the planner derives stays a finite,
+# non-zero float; no real device comes near either end (a measured CPU, cpucheck.py: ~0.01 TFLOPS).
+FIGURE_MIN, FIGURE_MAX = 1e-6, 1e9
 
 
 @dataclass(frozen=True)
@@ -36,11 +41,11 @@ class Efficiency:
     def __post_init__(self):
         for k in ("gemm", "attention", "memory", "link", "memory_utilization", "serving"):
             v = getattr(self, k)
-            if not 0.0 < v <= 1.0:  # a fraction of peak: 0 divides by zero, > 1 beats the hardware
-                raise ValueError(f"{k} is a fraction of peak, in (0, 1]; got {v:g}")
+            if not FIGURE_MIN <= v <= 1.0:  # a fraction of peak: 0 divides by zero, > 1 beats the hardware
+                raise ValueError(f"{k} is a fraction of peak, in [{FIGURE_MIN:g}, 1]; got {v:g}")
         for k in ("link_latency_us", "step_overhead_ms"):
-            if not 0.0 <= getattr(self, k) < math.inf:
-                raise ValueError(f"{k} must be >= 0, got {getattr(self, k):g}")
+            if not 0.0 <= getattr(self, k) <= FIGURE_MAX:
+                raise ValueError(f"{k} must be in [0, {FIGURE_MAX:g}], got {getattr(self, k):g}")
         if not 0.0 <= self.prefetch_attention_gain < 1.0:
             raise ValueError(f"prefetch_attention_gain must be in [0, 1), "
                              f"got {self.prefetch_attention_gain:g}")
@@ -65,12 +70,14 @@ class Hardware:
 
     def __post_init__(self):
         # Physical figures: a zero divides by zero in the roofline, a negative one gives negative times.
+        # A denormal or astronomic one overflows a time or a byte count (FIGURE_MIN).
         for k in _POSITIVE:
-            if not 0.0 < getattr(self, k) < math.inf:
-                raise ValueError(f"hardware {self.key!r}: {k} must be > 0, got {getattr(self, k):g}")
-        if self.fp8_tflops is not None and not 0.0 < self.fp8_tflops < math.inf:
-            raise ValueError(f"hardware {self.key!r}: fp8_tflops must be > 0 (or null: no FP8 path), "
-                             f"got {self.fp8_tflops:g}")
+            if not FIGURE_MIN <= getattr(self, k) <= FIGURE_MAX:
+                raise ValueError(f"hardware {self.key!r}: {k} must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], "
+                                 f"got {getattr(self, k):g}")
+        if self.fp8_tflops is not None and not FIGURE_MIN <= self.fp8_tflops <= FIGURE_MAX:
+            raise ValueError(f"hardware {self.key!r}: fp8_tflops must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}] "
+                             f"(or null: no FP8 path), got {self.fp8_tflops:g}")
         if self.scale_up_domain < 1:
             raise ValueError(f"hardware {self.key!r}: scale_up_domain must be >= 1 card, got {self.scale_up_domain}")
 

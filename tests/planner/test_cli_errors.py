@@ -68,6 +68,20 @@ REFUSED = [  # (argv, flag the message must name)
     (["decode", "--scale-out-gbps", "0"], "--scale-out-gbps"),
     (["decode", "--scale-up-domain", "0"], "--scale-up-domain"),
     (["decode", "--scale-up-domain", "-8"], "--scale-up-domain"),
+    # finite and > 0 was not enough: a denormal bandwidth overflowed a time to inf (ZeroDivisionError),
+    # a denormal rate put arrivals at inf, a huge imbalance made the MoE time inf
+    (["estimate", "--hardware", "atlas-800i-a2", "--cards", "32", "--scale-out-gbps", "1e-320"], "--scale-out-gbps"),
+    (["estimate", "--scale-up-gbps", "1e-320"], "--scale-up-gbps"),
+    (["estimate", "--scale-up-gbps", "1e300"], "--scale-up-gbps"),
+    (["estimate", "--scale-out-gbps", "inf"], "--scale-out-gbps"),
+    (["estimate", "--scale-up-gbps", "nan"], "--scale-up-gbps"),
+    (["estimate", "--imbalance", "1e300"], "--imbalance"),
+    (["estimate", "--imbalance", "nan"], "--imbalance"),
+    (["estimate", "--mtp-acceptance", "nan"], "--mtp-acceptance"),
+    (["simulate", "--rate", "1e-320"], "--rate"),
+    (["search", "--tpot-ms", "nan"], "--tpot-ms"),
+    (["search", "--ttft-ms", "inf"], "--ttft-ms"),
+    (["search", "--simulate", "1", "--simulate-load", "1e-320"], "--simulate-load"),
 ]
 
 

@@ -60,7 +60,20 @@ BAD_FILES = {  # name -> (file text, words the one-line error must contain)
     "negative_hbm": ({"devices": {"mychip": {**DEVICE, "hbm_tbps": -3.35}}}, ["mychip", "hbm_tbps", "-3.35"]),
     "zero_scale_out": ({"devices": {"mychip": {**DEVICE, "scale_out_gbps": 0}}}, ["mychip", "scale_out_gbps"]),
     "zero_domain": ({"systems": {"wide": {"device": "h100", "scale_up_domain": 0}}}, ["wide", "scale_up_domain"]),
-    "negative_gemm": ({"efficiency": {"default": {"gemm": -0.8}}}, ["gemm", "(0, 1]"]),
+    "negative_gemm": ({"efficiency": {"default": {"gemm": -0.8}}}, ["gemm", "[1e-06, 1]"]),
+    # a denormal bandwidth or factor overflowed a time to inf (ZeroDivisionError in estimate), a huge
+    # memory overflowed its byte count ("cannot convert float NaN to integer")
+    "denormal_scale_out": ({"systems": {"s": {"device": "h100", "scale_out_gbps": 1e-320}}},
+                           ["'s'", "scale_out_gbps", "[1e-06, 1e+09]"]),
+    "denormal_tflops": ({"devices": {"mychip": {**DEVICE, "bf16_tflops": 1e-320}}}, ["mychip", "bf16_tflops"]),
+    "denormal_fp8": ({"devices": {"mychip": {**DEVICE, "fp8_tflops": 5e-324}}}, ["mychip", "fp8_tflops"]),
+    "huge_hbm": ({"devices": {"mychip": {**DEVICE, "hbm_gib": 1e300}}}, ["mychip", "hbm_gib", "1e+300"]),
+    "inf_hbm_tbps": ({"devices": {"mychip": {**DEVICE, "hbm_tbps": float("inf")}}}, ["mychip", "hbm_tbps", "inf"]),
+    "nan_scale_up": ({"devices": {"mychip": {**DEVICE, "scale_up_gbps": float("nan")}}}, ["scale_up_gbps", "nan"]),
+    "denormal_gemm": ({"efficiency": {"default": {"gemm": 1e-320}}}, ["gemm", "[1e-06, 1]"]),
+    "nan_link": ({"efficiency": {"devices": {"h100": {"link": float("nan")}}}}, ["h100", "link", "nan"]),
+    "huge_latency": ({"efficiency": {"default": {"link_latency_us": 1e300}}}, ["link_latency_us", "1e+09"]),
+    "inf_overhead": ({"efficiency": {"default": {"step_overhead_ms": float("inf")}}}, ["step_overhead_ms", "inf"]),
     "gemm_above_one": ({"efficiency": {"devices": {"h100": {"gemm": 1.5}}}}, ["h100", "gemm"]),
     "zero_serving": ({"efficiency": {"profiles": {"end_to_end": {"serving": 0}}}}, ["serving", "end_to_end"]),
     "missing_field": ({"devices": {"half": {"bf16_tflops": 100}}}, ["half", "lacks int8_tops"]),
@@ -117,7 +130,8 @@ def test_plan_hardware_reports_a_broken_device_without_a_traceback(tmp_path, cap
 
 
 @pytest.mark.parametrize("kw", [{"scale_up_gbps": 0.0}, {"scale_out_gbps": -100.0}, {"hbm_tbps": 0.0},
-                                {"scale_up_domain": 0}, {"serving": 0.0}, {"memory_utilization": 1.2}])
+                                {"scale_up_domain": 0}, {"serving": 0.0}, {"memory_utilization": 1.2},
+                                {"scale_out_gbps": 1e-320}, {"scale_up_gbps": 1e300}])
 def test_overrides_are_validated(kw):
     # 0 GB/s used to divide by zero in comm.link_time, a negative one to behave as infinitely fast
     with pytest.raises(ValueError, match=next(iter(kw))):
