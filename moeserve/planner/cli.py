@@ -5,8 +5,12 @@ import argparse
 import json
 import sys
 
-from moeserve.planner.cli_args import fraction, imbalance, nonneg_int, positive_float, positive_int
-from moeserve.planner.deploy import FLASHCOMM, QUANT, KV_BYTES, MOE_COMM, DoesNotFit, Instance, Workload
+from moeserve.planner.cli_args import at_most, fraction, imbalance, nonneg_int, positive_float, positive_int
+from moeserve.planner.deploy import (FLASHCOMM, QUANT, KV_BYTES, MAX_CARDS, MOE_COMM, DoesNotFit, Instance,
+                                     Workload)
+
+# --cards, --prefill-cards
+cards = at_most(MAX_CARDS, "the planner's limit on cards in a deployment")
 from moeserve.planner.hardware import PROFILES
 
 
@@ -21,7 +25,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scale-up-gbps", type=positive_float, help="scale-up GB/s per card, one direction")
     g.add_argument("--scale-out-gbps", type=positive_float, help="scale-out GB/s per card, one direction")
     d = p.add_argument_group("deployment instance")
-    d.add_argument("--cards", type=positive_int, default=32, help="cards in the instance (= DP x TP)")
+    d.add_argument("--cards", type=cards, default=32, help="cards in the instance (= DP x TP)")
     d.add_argument("--tensor-parallel-size", "--tp", dest="tp", type=positive_int, default=1, help="attention TP")
     d.add_argument("--shared-expert-ranks", type=nonneg_int, default=0)
     d.add_argument("--redundant-experts", type=nonneg_int, default=None,

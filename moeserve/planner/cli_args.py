@@ -9,6 +9,10 @@ import math
 from moeserve.planner.hardware import FIGURE_MAX, FIGURE_MIN
 
 
+# Above any count the planner can use; 10**400 overflowed the first float conversion (OverflowError).
+MAX_INT = 10 ** 18
+
+
 def _int(text: str, low: int, what: str) -> int:
     try:
         v = int(text)
@@ -16,6 +20,8 @@ def _int(text: str, low: int, what: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer {what}, got {text!r}") from None
     if v < low:
         raise argparse.ArgumentTypeError(f"must be an integer {what}, got {text!r}")
+    if v > MAX_INT:
+        raise argparse.ArgumentTypeError(f"must be an integer <= {MAX_INT:.0e}, got {text[:20]!r}...")
     return v
 
 
@@ -31,6 +37,16 @@ def _float(text: str) -> float:
 
 def positive_int(text: str) -> int:
     return _int(text, 1, ">= 1")
+
+
+def at_most(high: int, why: str):
+    """An integer in [1, high]; `why` says what the limit protects (it ends the error)."""
+    def check(text: str) -> int:
+        v = positive_int(text)
+        if v > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high} ({why}), got {text!r}")
+        return v
+    return check
 
 
 def nonneg_int(text: str) -> int:

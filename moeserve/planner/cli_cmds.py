@@ -5,9 +5,9 @@ import argparse
 from contextlib import contextmanager
 from dataclasses import asdict
 
-from moeserve.planner.cli_args import positive_float, positive_int, positive_int_list
-from moeserve.planner.deploy import DoesNotFit, PlanError
-from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit
+from moeserve.planner.cli_args import at_most, positive_float, positive_int, positive_int_list
+from moeserve.planner.deploy import MAX_INSTANCES, DoesNotFit, PlanError
+from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit, cards
 
 
 def _fmt_breakdown(br: dict) -> str:
@@ -25,7 +25,7 @@ def args_estimate(p):
 
 def _add_prefill_flags(p, title: str):
     g = p.add_argument_group(title)
-    g.add_argument("--prefill-cards", type=positive_int, default=None)
+    g.add_argument("--prefill-cards", type=cards, default=None)
     g.add_argument("--prefill-tp", type=positive_int, default=None)
     g.add_argument("--prefill-moe-comm", choices=("alltoall", "allgather"), default=None)
     g.add_argument("--prefill-micro-batch-overlap", action="store_true")
@@ -250,8 +250,9 @@ def args_simulate(p):
                    help="decode: a PD decode instance (prompts arrive with their KV); pd: a prefill and a decode "
                         "instance behind a proxy (needs --prefill-cards)")
     g = _add_prefill_flags(p, "PD deployment (--role pd; the deployment flags above are the decode instance)")
-    g.add_argument("--prefill-instances", type=positive_int, default=1)
-    g.add_argument("--decode-instances", type=positive_int, default=1)
+    instances = at_most(MAX_INSTANCES, "instances a PD simulation runs")
+    g.add_argument("--prefill-instances", type=instances, default=1)
+    g.add_argument("--decode-instances", type=instances, default=1)
     g.add_argument("--pd-proxy", choices=PROXIES, default=None,
                    help="how the proxy spreads prompts over prefill instances (default least-loaded: the shortest "
                         "estimated TTFT, as the published design's proxy does)")
@@ -316,7 +317,7 @@ def args_profile_cpu(p):
     p.add_argument("--measure", action="store_true",
                    help="also run moeserve's CPU engine on the bench model and compare")
     p.add_argument("--batches", type=positive_int_list, default=[1, 4, 16], help="decode batch sizes")
-    p.add_argument("--threads", type=positive_int, default=None)
+    p.add_argument("--threads", type=at_most(1024, "torch threads"), default=None)
 
 
 

@@ -16,6 +16,12 @@ QUANT = {  # weight bytes, GEMM compute dtype, MoE dispatch bytes per element
 KV_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0}
 MOE_COMM = ("alltoall", "allgather")
 FLASHCOMM = ("off", "on", "int8")
+# Cards in an instance or a deployment (--cards, --prefill-cards; docs/planner.md). search's prefill:decode
+# split counts instances up to --cards (~1 s at this limit); --cards 1e30 ran forever.
+MAX_CARDS = 100_000
+# Instances of one role a PD simulation runs (--prefill-instances, --decode-instances): each prefill
+# instance is advanced at every arrival.
+MAX_INSTANCES = 1024
 
 
 class PlanError(ValueError):

@@ -52,8 +52,10 @@ class ModelSpec:
     def num_moe_layers(self) -> int:
         if not self.n_routed_experts:
             return 0
-        return sum(1 for i in range(self.first_k_dense_replace, self.num_hidden_layers)
-                   if i % self.moe_layer_freq == 0)
+        # i in [first_k_dense_replace, num_hidden_layers) with i % moe_layer_freq == 0, counted without a
+        # loop over the layers (num_hidden_layers 1e30 in a --model config never returned)
+        f, lo = self.moe_layer_freq, self.first_k_dense_replace
+        return max(0, (self.num_hidden_layers - 1) // f - (lo - 1) // f) if lo < self.num_hidden_layers else 0
 
     @property
     def num_dense_layers(self) -> int:
@@ -172,7 +174,12 @@ def _count(cfg: dict, field: str, where: str, default=...):
     if isinstance(v, bool) or not isinstance(v, int) or v < (1 if field in _POSITIVE else 0):
         low = "a positive" if field in _POSITIVE else "a non-negative"
         raise ValueError(f"{where}: {field} must be {low} integer, got {v!r}")
+    if v > _MAX_COUNT:  # hidden_size 1e400 overflowed a float (OverflowError)
+        raise ValueError(f"{where}: {field} must be <= {_MAX_COUNT} (2^31 - 1), got {v}")
     return v
+
+
+_MAX_COUNT = 2 ** 31 - 1
 
 
 @lru_cache(maxsize=None)

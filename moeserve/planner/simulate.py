@@ -111,12 +111,15 @@ def accepted(inst: Instance, rng: random.Random, drafts: int) -> int:
 
 
 def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: str = "unified",
-                   free_prompts: bool = False) -> Scheduler:
+                   free_prompts: bool = False, max_requests: int | None = None) -> Scheduler:
     """KV blocks and the sequence cap from the memory model. A prefill instance sizes its workspace for a
     full token budget and its KV for prompts (it frees each one once the decode side has it).
 
     free_prompts (a decode instance: prompts arrive as KV): the scheduler's token cap leaves room for every
-    arriving prompt on top of `max_batched`; each step's budget is set by _Instance._pulled_budget."""
+    arriving prompt on top of `max_batched`; each step's budget is set by _Instance._pulled_budget.
+
+    max_requests: requests the run will send; the pool is capped at the blocks they can hold all at once
+    (the scheduler never needs more; a 1e9 GiB --hardware-file device made a pool of 1e12 block ids)."""
     if role == "prefill":
         rep = memory_report(m, hw, inst, wl.input_len, max_batched,
                             logit_rows=max_batched / max(1, wl.input_len) * (1 + inst.mtp_drafts),
@@ -126,6 +129,8 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: st
     per_token = m.kv_bytes_per_token(inst.kv_bytes, with_mtp=inst.mtp_drafts > 0)
     block = 16
     num_blocks = max(1, int(rep.kv_free // (per_token * block)))
+    if max_requests is not None:
+        num_blocks = min(num_blocks, max_requests * -(-max_len // block))
     seqs = max(1, rep.max_batch) if max_num_seqs is None else max_num_seqs
     cap = max_batched + (max_len * seqs if free_prompts else 0)
     cfg = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=cap, max_model_len=max_len)
@@ -171,13 +176,15 @@ class _Instance:
     result(). Token times are appended to the admitted traces."""
 
     def __init__(self, m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, role: str,
-                 max_num_seqs: int | None, max_batched: int, rng: random.Random, groups: int, max_len: int):
+                 max_num_seqs: int | None, max_batched: int, rng: random.Random, groups: int, max_len: int,
+                 max_requests: int | None = None):
         self.m, self.hw, self.inst, self.wl, self.role, self.rng = m, hw, inst, wl, role, rng
         self.max_batched, self.groups = max_batched, groups
         self.prefill_free, self.pulled = role in ("decode", "pd-decode"), role == "pd-decode"
         self.scheds = [make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
                                       role="prefill" if role == "prefill" else "decode",
-                                      free_prompts=self.prefill_free) for _ in range(groups)]
+                                      free_prompts=self.prefill_free, max_requests=max_requests)
+                       for _ in range(groups)]
         self.router = LeastLoadedRouter(groups)
         self.traces: dict[str, Trace] = {}
         self.clock, self.steps, self.busy = 0.0, 0, 0.0
@@ -277,7 +284,7 @@ def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces:
                groups: int = 1) -> dict:
     """`groups` DP groups of `inst` (an _Instance) serving `traces`; returns its result()."""
     sim = _Instance(m, hw, inst, wl, role, max_num_seqs, max_batched, rng, groups,
-                    _max_len(inst, traces.values()))
+                    _max_len(inst, traces.values()), max_requests=len(traces))
     for rid in sorted(traces, key=lambda r: traces[r].start):
         sim.advance_to(traces[rid].start, max_steps)
         sim.admit(rid, traces[rid])
@@ -296,7 +303,7 @@ def _run_prefill_pool(m: ModelSpec, hw: Hardware, pre: Instance, wl: Workload, s
     from moeserve.planner.analysis import prefill_point
     per_token = prefill_point(m, hw, pre, 1, wl.input_len).ttft_ms * 1e-3 / wl.input_len
     max_len = _max_len(pre, stream)
-    pool = [_Instance(m, hw, pre, wl, "prefill", None, max_batched, rng, pre.dp, max_len)
+    pool = [_Instance(m, hw, pre, wl, "prefill", None, max_batched, rng, pre.dp, max_len, max_requests=len(stream))
             for _ in range(instances)]
     traces = [Trace(t.arrival, t.prompt_len, 1) for t in stream]
     for i, t in enumerate(traces):
@@ -332,8 +339,8 @@ def run(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, rate: float, n
 
     role 'unified': prefill and decode share the instance (chunked prefill); 'decode': a PD decode
     instance whose prompts arrive prefilled."""
-    _check_stream(num_requests, rate)
     _check_groups(groups, inst, "")
+    _check_stream(num_requests, rate, num_requests * groups, f" x --sim-dp-groups {groups}")
     rng = random.Random(seed)
     traces = {str(i): t for i, t in enumerate(_stream(m, wl, num_requests * groups, rate * groups / inst.dp,
                                                        arrival, length_dist, rng))}
@@ -346,9 +353,21 @@ def _check_groups(groups: int, inst: Instance, which: str) -> None:
                         f"(--cards / --tp)")
 
 
-def _check_stream(num_requests: int, rate: float) -> None:
+# Requests in one simulated stream (docs/planner.md): the run keeps every trace and its time grows with
+# the requests (milliseconds each); --num-requests 1e30 allocated until memory ran out. The default is at
+# most 4000 per simulated decode DP group (sim_plan.settling_requests).
+MAX_SIM_REQUESTS = 1_000_000
+
+
+def _check_stream(num_requests: int, rate: float, total: int | None = None, what: str = "") -> None:
+    """total: requests in the whole simulated stream (default num_requests); what: the flags that multiply
+    --num-requests into it."""
     if num_requests < 1 or not rate > 0:  # no stream to measure; a non-positive rate has no arrivals
         raise ValueError(f"simulate needs num_requests >= 1 and rate > 0, got {num_requests} and {rate}")
+    total = num_requests if total is None else total
+    if total > MAX_SIM_REQUESTS:
+        raise PlanError(f"the simulated stream would hold {total} requests (--num-requests / --simulate-requests "
+                        f"{num_requests}{what}); at most {MAX_SIM_REQUESTS}: ask for fewer requests")
 
 
 def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workload, rate: float,
@@ -367,12 +386,14 @@ def run_pd(m: ModelSpec, hw: Hardware, pre: Instance, dec: Instance, wl: Workloa
     Returns the decode groups' raw traces (arrival = at the proxy; token 1 = prefill done + KV pull), the
     prefill instances' summed raw result under "prefill" and the pull times."""
     from moeserve.planner.analysis import kv_pull_ms
-    _check_stream(num_requests, rate)
     _check_groups(groups, dec, "decode ")
     if proxy not in PROXIES:
         raise PlanError(f"--pd-proxy must be one of {', '.join(PROXIES)}, got {proxy!r}")
-    rng = random.Random(seed)
     blocks = decode_instances * dec.dp // groups  # blocks of `groups` decode DP groups
+    _check_stream(num_requests, rate, num_requests * groups * blocks,
+                  f" per decode DP group x {decode_instances * dec.dp} decode DP groups: --decode-instances "
+                  f"{decode_instances} x {dec.dp}")
+    rng = random.Random(seed)
     stream = _stream(m, wl, num_requests * groups * blocks, rate, arrival, length_dist, rng)
     firsts, pre_raw = _run_prefill_pool(m, hw, pre, wl, stream, prefill_instances, proxy,
                                         prefill_max_batched or max_batched, rng, max_steps)

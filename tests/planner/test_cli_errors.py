@@ -82,6 +82,21 @@ REFUSED = [  # (argv, flag the message must name)
     (["search", "--tpot-ms", "nan"], "--tpot-ms"),
     (["search", "--ttft-ms", "inf"], "--ttft-ms"),
     (["search", "--simulate", "1", "--simulate-load", "1e-320"], "--simulate-load"),
+    # huge counts: search --cards 1e30 ran forever (its split counts instances up to --cards), --num-requests
+    # 1e30 allocated without end, --threads 1e30 said "Overflow when unpacking long long", 10**400 overflowed
+    (["search", "--cards", "100001"], "--cards"),
+    (["search", "--cards", str(10 ** 30)], "--cards"),
+    (["estimate", "--prefill-cards", "100001"], "--prefill-cards"),
+    (["estimate", "--cards", "1" + "0" * 400], "--cards"),
+    (["estimate", "--input-len", "1" + "0" * 400], "--input-len"),
+    (["simulate", "--num-requests", str(10 ** 30)], "--num-requests"),
+    (["simulate", "--num-requests", "2000000"], "--num-requests"),
+    (["simulate", "--role", "pd", "--prefill-cards", "16", "--decode-instances", "2000"], "--decode-instances"),
+    (["simulate", "--role", "pd", "--prefill-cards", "16", "--prefill-instances", str(10 ** 30)],
+     "--prefill-instances"),
+    (["search", "--simulate", "1", "--simulate-requests", "10000000", "--model", "deepseek-v2-lite",
+      "--hardware", "h100", "--cards", "16"], "--simulate-requests"),
+    (["profile-cpu", "--threads", str(10 ** 30)], "--threads"),
 ]
 
 
@@ -250,3 +265,36 @@ def test_a_file_that_is_not_text_is_refused_naming_the_flag_and_file(flag, name,
     assert code == 2
     assert flag in err and str(path) in err and "UTF-8" in err
     assert json.loads(out)["error"] in err
+
+
+def test_search_at_the_card_limit_stays_fast(capsys):
+    import time
+    t = time.monotonic()
+    code, out, err = run(capsys, "search", "--cards", "100000", "--json")
+    assert code == 0 and json.loads(out)["plans"] and time.monotonic() - t < 30
+
+
+def test_simulate_on_a_huge_memory_device_caps_its_kv_pool(tmp_path, capsys):
+    # 1e9 GiB per card: the scheduler's pool held ~1e12 block ids (11 GB of RAM and no end)
+    f = tmp_path / "hw.yaml"
+    f.write_text("devices:\n  big:\n    bf16_tflops: 1000\n    int8_tops: 2000\n    hbm_gib: 1.0e+9\n"
+                 "    hbm_tbps: 3\n    scale_up_gbps: 400\n    scale_out_gbps: 50\n")
+    code, out, err = run(capsys, "simulate", "--model", "deepseek-v2-lite", "--hardware", "big", "--hardware-file",
+                         str(f), "--cards", "2", "--num-requests", "20", "--json")
+    assert code == 0, err
+    assert json.loads(out)["num_requests"] == 20
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("num_hidden_layers", 10 ** 30, ["num_hidden_layers", "2147483647"]),  # counted its layers in a loop: no end
+    ("hidden_size", 10 ** 400, ["hidden_size", "2147483647"]),  # OverflowError: int too large to convert to float
+])
+def test_model_config_with_huge_counts_is_refused(field, value, words, tmp_path, capsys):
+    from moeserve.planner.models import _preset_table
+    cfg = {**_preset_table()["deepseek-v3"], field: value}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    code, out, err = run(capsys, "estimate", "--model", str(path), "--json")
+    assert code == 2 and f"--model {path}" in err and "Traceback" not in err
+    for w in words:
+        assert w in err
