@@ -50,6 +50,7 @@ class _Pull:
     allocated: bool = False
     handle: object | None = None
     aborted: bool = False
+    retried: bool = False  # a failed read is retried once with the prefill agent's metadata fetched anew
     since: float = field(default_factory=time.monotonic)
 
 
@@ -137,6 +138,14 @@ class KVTransfer:
     def _start_read(self, pull: _Pull, ready: list[Request], errors: list[EngineCoreOutput]) -> None:
         r = pull.remote
         try:
+            where = self.connector.loaded_from(r.engine_id)
+            if where is not None and where != (r.host, r.port):
+                # The name now lives elsewhere: a prefill instance restarted on another port (or two share an
+                # engine_id). Its old metadata would read the wrong process: fetch it anew once our reads
+                # from the old location have ended.
+                if self._reading_from(r.engine_id):
+                    return
+                self.connector.forget(r.engine_id)
             if not self.connector.remote_ready(r.engine_id, r.host, r.port):
                 asked = self.connector.asked_since(r.engine_id)
                 if asked is not None and time.monotonic() - asked > METADATA_TIMEOUT_S:
@@ -153,7 +162,7 @@ class KVTransfer:
             pull.handle = self.connector.read(r.engine_id, r.kv_addrs, r.block_ids[:n], local,
                                               r.request_id.encode())
         except Exception as e:  # NIXL refuses bad addresses / unreachable peers with exceptions
-            self._fail(pull, errors, f"the KV pull from {r.engine_id} failed: {e}")
+            self._retry_or_fail(pull, errors, f"the KV pull from {r.engine_id} failed: {e}")
 
     def _check_read(self, pull: _Pull, ready: list[Request], errors: list[EngineCoreOutput]) -> None:
         state = self.connector.state(pull.handle)
@@ -162,7 +171,7 @@ class KVTransfer:
         pull.handle.release()
         pull.handle = None
         if state == "ERR":
-            self._fail(pull, errors, f"the KV read from {pull.remote.engine_id} failed")
+            self._retry_or_fail(pull, errors, f"the KV read from {pull.remote.engine_id} failed")
         elif pull.aborted:
             self._drop(pull)
         else:
@@ -172,6 +181,22 @@ class KVTransfer:
         del self.pulls[pull.request.request_id]
         pull.request.num_computed_tokens = pull.num_tokens
         ready.append(pull.request)
+
+    def _reading_from(self, engine_id: str) -> bool:
+        return any(p.handle is not None and p.remote.engine_id == engine_id for p in self.pulls.values())
+
+    def _retry_or_fail(self, pull: _Pull, errors: list[EngineCoreOutput], message: str) -> None:
+        """A read failed. If it used metadata loaded earlier, the prefill instance may have restarted under
+        the same engine_id and port: drop that metadata and try once more with a fresh copy (the blocks stay
+        allocated). Metadata still in use by other reads is kept (dropping it would fail them)."""
+        r = pull.remote
+        if pull.aborted or pull.retried or not self.connector.knows(r.engine_id) or self._reading_from(r.engine_id):
+            self._fail(pull, errors, message)
+            return
+        logger.info("request %s: %s; fetching %s's metadata again and retrying", pull.request.request_id,
+                    message, r.engine_id)
+        pull.retried = True
+        self.connector.forget(r.engine_id)
 
     def _fail(self, pull: _Pull, errors: list[EngineCoreOutput], message: str) -> None:
         logger.warning("request %s: %s", pull.request.request_id, message)

@@ -32,6 +32,7 @@ def _nixl_api():
     raise RuntimeError("prefill/decode disaggregation needs NIXL: pip install nixl-cu12 (or nixl-cu13)")
 
 
+REFETCH_S = 0.5  # a remote agent's metadata is asked for again this often until it arrives
 PROGRESS_DELAY_US = 1000  # the NIXL progress thread's pause between rounds
 
 
@@ -73,33 +74,51 @@ class NixlConnector:
         self.mem_type, self.device_id = _mem(tensors[0])
         self.kv_addrs = [t.data_ptr() for t in tensors]
         self.block_bytes = tensors[0][0].numel() * tensors[0].element_size()
-        self._loaded: set[str] = set()  # remote agents whose metadata arrived
-        self._asked: dict[str, float] = {}  # remote agent -> when its metadata was requested
+        self._loaded: dict[str, tuple[str, int]] = {}  # remote agents whose metadata arrived -> from where
+        self._asked: dict[str, float] = {}  # remote agent -> when its metadata was first requested
+        self._last_ask: dict[str, float] = {}  # remote agent -> when the last request for it was sent
 
     # ---- decode side -----------------------------------------------------------------------------
     def remote_ready(self, engine_id: str, host: str, port: int) -> bool:
         """True once the remote agent's metadata is here; the first call asks for it (non-blocking)."""
         if engine_id in self._loaded:
             return True
+        now = time.monotonic()
         if engine_id not in self._asked:
+            self._asked[engine_id] = now
+        if now - self._last_ask.get(engine_id, 0.0) >= REFETCH_S:
+            # Asked again until it answers: a request sent on a connection the peer's restart broke is lost
+            # (NIXL drops that connection and the next request makes a new one).
             self.agent.fetch_remote_metadata(engine_id, host, port)
-            self._asked[engine_id] = time.monotonic()
+            self._last_ask[engine_id] = now
         if self.agent.check_remote_metadata(engine_id):
-            self._loaded.add(engine_id)
+            self._loaded[engine_id] = (host, port)
             del self._asked[engine_id]
+            self._last_ask.pop(engine_id, None)
             return True
         return False
 
     def knows(self, engine_id: str) -> bool:
         return engine_id in self._loaded
 
+    def loaded_from(self, engine_id: str) -> tuple[str, int] | None:
+        """(host, port) the remote agent's metadata came from, None if it is not loaded."""
+        return self._loaded.get(engine_id)
+
     def asked_since(self, engine_id: str) -> float | None:
         return self._asked.get(engine_id)
 
     def forget(self, engine_id: str) -> None:
-        """Ask again next time (the peer did not answer in time, or restarted)."""
+        """Ask again next time (the peer did not answer in time, or restarted). Loaded metadata is dropped
+        from the agent too: NIXL keys peers by name, so a peer restarted under the same engine_id would
+        otherwise be read with its previous life's metadata (every read fails) for as long as we run."""
         self._asked.pop(engine_id, None)
-        self._loaded.discard(engine_id)
+        self._last_ask.pop(engine_id, None)
+        if self._loaded.pop(engine_id, None) is not None:
+            try:
+                self.agent.remove_remote_agent(engine_id)
+            except Exception as e:  # already gone: nothing to drop
+                logger.debug("could not drop the metadata of %s: %s", engine_id, e)
 
     def read(self, engine_id: str, kv_addrs: list[int], remote_blocks: list[int], local_blocks: list[int],
              notif: bytes):

@@ -193,3 +193,37 @@ def test_pd_with_a_data_parallel_instance(ckpt_dir, engines, side):
         assert got == [want[f"dpu{side}{i}"] for i in range(len(PROMPTS))]
     finally:
         dp.shutdown()
+
+
+def test_a_prefill_engine_restarted_under_the_same_engine_id_is_pulled_from_again(ckpt_dir, engines):
+    """The decode engine keeps a prefill agent's metadata by name: a prefill instance restarted with the same
+    engine_id (on another port, or the same one) used to fail every pull with the old metadata, for good."""
+    import gc
+    import socket
+    unified, _, decode = engines
+    kw = dict(dtype="float32", max_model_len=256, block_size=8)
+    for i, p in enumerate(PROMPTS[:2]):
+        unified.add_request(EngineCoreRequest(f"ru{i}", p, greedy(6), []))
+    want, _ = run(unified)
+    want = [want[f"ru{i}"] for i in range(2)]
+
+    def port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    first_port = port()
+    first = LLM(ckpt_dir("v3"), kv_transfer_config={**NIXL, "engine_id": "restarted", "kv_port": first_port}, **kw)
+    assert pd(first.engine, decode, PROMPTS[:2], 6, prefix="ra")[0] == want
+    # The same name on another port (the first one still alive): the decode engine must not read the first.
+    second = LLM(ckpt_dir("v3"), kv_transfer_config={**NIXL, "engine_id": "restarted", "kv_port": port()}, **kw)
+    got, done = pd(second.engine, decode, PROMPTS[:2], 6, prefix="rb")
+    assert got == want, {k: v.error for k, v in done.items()}
+    # The same name and port after the first is gone: its stale metadata fails one read, which is retried.
+    del second
+    first = None
+    gc.collect()
+    third = LLM(ckpt_dir("v3"), kv_transfer_config={**NIXL, "engine_id": "restarted", "kv_port": first_port}, **kw)
+    got, done = pd(third.engine, decode, PROMPTS[:2], 6, prefix="rc")
+    assert got == want, {k: v.error for k, v in done.items()}
+    assert decode.kv.pool.num_free == decode.kv.pool.num_blocks
