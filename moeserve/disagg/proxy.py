@@ -13,9 +13,11 @@ naming it; a client that goes away closes the decode stream, which aborts the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -26,23 +28,39 @@ from moeserve.entrypoints.openai_protocol import APIError
 
 logger = logging.getLogger("moeserve.proxy")
 
+DISCONNECT_POLL_S = 0.25  # how often the proxy checks that a client waiting for its answer is still there
+DOWN_S = 5.0  # an instance that refused a connection is tried after the others for this long
+
 
 @dataclass
 class Upstream:
     url: str
     load: int = 0  # prefill: prompt characters in flight; decode: active tokens in flight
+    down_until: float = 0.0  # monotonic time until which a connection failure puts it last
 
 
 def least_loaded(pool: list[Upstream]) -> Upstream:
-    return min(pool, key=lambda u: u.load)  # ties: the first listed
+    return by_preference(pool)[0]
+
+
+def by_preference(pool: list[Upstream]) -> list[Upstream]:
+    """Instances to try in order: those not recently unreachable first, then the least loaded (ties: the
+    first listed). An unreachable instance must not take every request while it is the least loaded."""
+    now = time.monotonic()
+    return sorted(pool, key=lambda u: (u.down_until > now, u.load))
 
 
 def _prefill_body(body: dict) -> dict:
-    """The prefill instance's copy: one token, no streaming, KV kept for a decode instance."""
+    """The prefill instance's copy: no streaming, KV kept for a decode instance. max_tokens, min_tokens and
+    the rest stay as the client sent them, so the prefill instance refuses what the decode instance would
+    (a prompt + max_tokens over the context, say) before it computes and holds KV nobody will pull; with
+    do_remote_decode it generates one token whatever max_tokens says (serving.py)."""
     pre = copy.deepcopy(body)
-    for key in ("stream_options", "max_completion_tokens"):
-        pre.pop(key, None)
-    pre.update(max_tokens=1, min_tokens=0, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if body.get("stream") is True:
+        pre.pop("stream_options", None)  # else kept: the prefill refuses stream_options without stream
+    if body.get("stream") in (None, True, False):  # anything else: the prefill refuses it as the decode would
+        pre["stream"] = False
+    pre["kv_transfer_params"] = {"do_remote_decode": True}
     return pre
 
 
@@ -59,17 +77,47 @@ def _error(message: str, status: int, param: str | None = None, code: str | None
     return JSONResponse(APIError(message, status, param, code).body(), status_code=status)
 
 
+def _unreachable(role: str, urls: list[str]) -> JSONResponse:
+    return _error(f"the {role} instance{'s' if len(urls) > 1 else ''} {', '.join(urls)} "
+                  f"{'are' if len(urls) > 1 else 'is'} unreachable (connection refused or failed); check that "
+                  f"{'they run' if len(urls) > 1 else 'it runs'} and that the proxy's --{role} URL is right", 503,
+                  code="upstream_unavailable")
+
+
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0) -> None:
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one --prefill and one --decode instance URL")
         self.prefill = [Upstream(u.rstrip("/")) for u in prefill]
         self.decode = [Upstream(u.rstrip("/")) for u in decode]
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+        # No cap on connections: each streamed answer holds one for its whole length, and httpx's default
+        # cap (100) would make request 101 wait in the proxy, unseen by any instance, for --timeout seconds.
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
+                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
 
     async def handle(self, path: str, raw: Request):
+        """Route one request; a client that leaves meanwhile cancels it. A streamed answer notices the
+        client's departure itself (Starlette); a JSON one would otherwise be computed to the end for nobody,
+        because nothing else watches the client while the instances work. Cancelling closes the upstream
+        connections, and each instance aborts the request (its own disconnect check) and frees its blocks."""
+        data = await raw.body()  # read first: is_disconnected() would swallow body chunks still to come
+        task = asyncio.ensure_future(self._handle(path, raw, data))
         try:
-            body = json.loads(await raw.body())
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await raw.is_disconnected():
+                    logger.info("client left before its answer was ready: cancelling %s", path)
+                    task.cancel()
+                    return Response(status_code=499)
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _handle(self, path: str, raw: Request, data: bytes):
+        try:
+            body = json.loads(data)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             return _error(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
         if not isinstance(body, dict):
@@ -77,30 +125,48 @@ class Proxy:
         if body.get("kv_transfer_params") is not None:
             return _error("kv_transfer_params are set by the proxy; omit them", 400, param="kv_transfer_params")
         headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
-        pre = least_loaded(self.prefill)
         size = _prompt_size(body)
-        pre.load += size
-        try:
-            answer = await self._post(pre, path, _prefill_body(body), headers)
-        finally:
-            pre.load -= size
+        unreachable = []
+        for pre in by_preference(self.prefill):
+            pre.load += size
+            try:
+                answer = await self._post(pre, path, _prefill_body(body), headers)
+            finally:
+                pre.load -= size
+            if answer is not None:
+                break
+            unreachable.append(pre.url)  # nothing reached it: the next prefill instance may serve the request
+        else:
+            return _unreachable("prefill", unreachable)
         if not isinstance(answer, dict):
             return answer  # the prefill instance's error, relayed
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
             return _error(f"the prefill instance {pre.url} answered without kv_transfer_params; start it with "
                           "--kv-transfer-config", 502, code="bad_gateway")
-        dec = least_loaded(self.decode)
-        tokens = _count(answer.get("usage", {}).get("prompt_tokens")) + _count(
+        usage = answer.get("usage")
+        tokens = _count(usage.get("prompt_tokens") if isinstance(usage, dict) else None) + _count(
             body.get("max_completion_tokens") or body.get("max_tokens"))
-        return await self._relay(dec, path, {**body, "kv_transfer_params": params}, headers, tokens)
+        unreachable = []
+        for dec in by_preference(self.decode):
+            answer = await self._relay(dec, path, {**body, "kv_transfer_params": params}, headers, tokens)
+            if answer is not None:
+                return answer
+            unreachable.append(dec.url)  # the prefill's KV waits for whichever decode instance comes
+        return _unreachable("decode", unreachable)
 
     async def _post(self, up: Upstream, path: str, body: dict, headers: dict):
-        """The instance's JSON answer, or the Response to send back when it failed."""
+        """The instance's JSON answer, the Response to send back when it failed, or None when it could not
+        be connected to (the request was not sent: another instance may take it)."""
         try:
             r = await self.http.post(up.url + path, json=body, headers=headers)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            up.down_until = time.monotonic() + DOWN_S
+            return None
         except httpx.HTTPError as e:
-            return _error(f"the prefill instance {up.url} is unreachable: {e}", 503, code="upstream_unavailable")
+            return _error(f"the prefill instance {up.url} failed: {type(e).__name__}: {e}", 503,
+                          code="upstream_unavailable")
+        up.down_until = 0.0
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         try:
@@ -110,13 +176,22 @@ class Proxy:
                           code="bad_gateway")
 
     async def _relay(self, up: Upstream, path: str, body: dict, headers: dict, tokens: int):
+        """The decode instance's answer relayed, or None when it could not be connected to."""
         up.load += tokens
         try:
             r = await self.http.send(self.http.build_request("POST", up.url + path, json=body, headers=headers),
                                      stream=True)
-        except httpx.HTTPError as e:
+        except (httpx.ConnectError, httpx.ConnectTimeout):
             up.load -= tokens
-            return _error(f"the decode instance {up.url} is unreachable: {e}", 503, code="upstream_unavailable")
+            up.down_until = time.monotonic() + DOWN_S
+            return None
+        except BaseException as e:  # a timeout, or the client left (cancelled): its tokens leave the load too
+            up.load -= tokens
+            if not isinstance(e, httpx.HTTPError):
+                raise
+            return _error(f"the decode instance {up.url} failed: {type(e).__name__}: {e}", 503,
+                          code="upstream_unavailable")
+        up.down_until = 0.0
         media = r.headers.get("content-type", "application/json")
         if r.status_code != 200 or not media.startswith("text/event-stream"):
             try:
@@ -150,7 +225,12 @@ class Proxy:
 
 
 def build_app(proxy: Proxy) -> FastAPI:
-    app = FastAPI(title="moeserve proxy")
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await proxy.http.aclose()  # the pooled upstream connections close with the proxy
+
+    app = FastAPI(title="moeserve proxy", lifespan=lifespan)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):

@@ -8,6 +8,7 @@ child aborts it in the engine core (engine_client.generate's finally), which fre
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import time
@@ -117,7 +118,12 @@ class Serving:
     def make_children(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
                       kv_transfer_params: dict | None = None, stream: bool = False) -> list[Child]:
         if kv_transfer_params is not None:
-            self.check_kv_transfer(kv_transfer_params, len(prompts) * params.n, stream)
+            kvt = self.check_kv_transfer(kv_transfer_params, len(prompts), params.n, stream)
+            if kvt.do_remote_decode:
+                # A decode instance generates the answer; this one computes the prompt and one token. The
+                # request was checked with the client's max_tokens first, so what the decode instance would
+                # refuse (a prompt + max_tokens over the context) is refused before KV is held for it.
+                params = dataclasses.replace(params, max_tokens=1, min_tokens=0)
         if self.max_waiting is not None and len(prompts) * params.n > self.max_waiting:
             # Every child waits in the engine at first; more than the queue holds could never be admitted.
             raise APIError(f"this request needs {len(prompts) * params.n} engine requests ({len(prompts)} prompts "
@@ -133,19 +139,23 @@ class Serving:
         return children
 
     @staticmethod
-    def check_kv_transfer(raw: dict, num_children: int, stream: bool) -> None:
+    def check_kv_transfer(raw: dict, num_prompts: int, n: int, stream: bool):
         """kv_transfer_params name one engine request's KV: one prompt, n 1; a prefill answer is JSON."""
         from moeserve.disagg.params import KVTransferParams, KVTransferParamsError
         try:
             kvt = KVTransferParams.parse(raw)
         except KVTransferParamsError as e:
             raise APIError(str(e), param="kv_transfer_params") from None
-        if num_children != 1:
-            raise APIError("kv_transfer_params describe one sequence: send one prompt with n 1",
-                           param="kv_transfer_params")
+        if num_prompts != 1 or n != 1:
+            # Through `moeserve proxy` the client never sent kv_transfer_params: name what it can change.
+            what = f"n={n}" if n != 1 else f"{num_prompts} prompts"
+            raise APIError(f"prefill/decode disaggregation serves one sequence per request, this one asks for "
+                           f"{what}: send one prompt with n 1 (or several requests)",
+                           param="n" if n != 1 else "prompt")
         if kvt.do_remote_decode and stream:
             raise APIError("kv_transfer_params.do_remote_decode needs 'stream': false (the answer carries "
                            "kv_transfer_params for the decode instance)", param="stream")
+        return kvt
 
     @staticmethod
     def kv_transfer_field(children: list[Child]) -> dict:

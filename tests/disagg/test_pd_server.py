@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import openai
@@ -125,3 +126,71 @@ def test_bench_serve_runs_through_the_proxy(pd, tmp_path):
                     "--result-json", str(out)], check=True, env=env, stdout=subprocess.DEVNULL, timeout=300)
     r = json.loads(out.read_text())
     assert r["completed"] == 4 and r["failed"] == 0 and r["total_output_tokens"] == 32
+
+
+def dead_url() -> str:
+    """A URL nothing listens at (connection refused)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_an_unreachable_instance_is_skipped_and_named(pd, openai_server):
+    # A down instance listed first used to be picked for every request (the least loaded: none in flight)
+    # and each answered 503, although the other instance was up.
+    prefill, decode, _ = pd
+    dead_p, dead_d = dead_url(), dead_url()
+    proxy = ProxyProcess("--prefill", dead_p, prefill.url, "--decode", dead_d, decode.url)
+    try:
+        for p in PROMPTS[:2]:
+            assert complete(proxy.url, p) == complete(openai_server.url, p)
+    finally:
+        proxy.stop()
+    for args, dead, role in [(("--prefill", dead_p, "--decode", decode.url), dead_p, "prefill"),
+                             (("--prefill", prefill.url, "--decode", dead_d), dead_d, "decode")]:
+        proxy = ProxyProcess(*args)
+        try:
+            r = httpx.post(proxy.url + "/v1/completions", timeout=60, json={"prompt": "hi", "max_tokens": 2})
+            err = r.json()["error"]
+            assert r.status_code == 503 and dead in err["message"] and role in err["message"], r.text
+            assert set(err) == {"message", "type", "param", "code"}
+        finally:
+            proxy.stop()
+
+
+def test_what_the_decode_instance_refuses_is_refused_before_the_prefill_holds_kv(pd):
+    # The proxy sent the prefill instance max_tokens 1: a request the decode instance then refused (prompt +
+    # max_tokens over the context, min_tokens > max_tokens, stream_options without stream) left its prompt's
+    # KV held on the prefill instance for kv_hold_timeout (120 s), one prefill's worth per bad request.
+    prefill, _, proxy = pd
+    time.sleep(0.6)
+    before = prefill.metric("moeserve:kv_cache_usage_perc")
+    for body, param in [({"prompt": "hello", "max_tokens": 300}, "max_tokens"),
+                        ({"prompt": "hello", "max_tokens": 4, "min_tokens": 8}, "min_tokens"),
+                        ({"prompt": "hello", "stream_options": {"include_usage": True}}, "stream_options"),
+                        ({"prompt": "hello", "n": 2}, "n"), ({"prompt": ["a", "b"]}, "prompt")]:
+        r = httpx.post(proxy.url + "/v1/completions", timeout=60, json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert "kv_transfer_params" not in r.json()["error"]["message"], r.text  # the client never sent them
+    time.sleep(0.6)  # engine gauges come with its 0.25 s heartbeat
+    assert prefill.metric("moeserve:kv_cache_usage_perc") <= before
+
+
+def test_a_client_leaving_a_json_request_aborts_it_at_the_decode_instance(pd):
+    # Nothing watched the client of a non-streaming request: the decode instance generated all of it for nobody.
+    import socket
+    _, decode, proxy = pd
+    aborted = decode.metric("moeserve:request_success_total", outcome="abort")
+    body = json.dumps({"prompt": "hi", "max_tokens": 240, "ignore_eos": True})
+    host, port = proxy.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+    assert decode.wait_metric("moeserve:num_requests_running", lambda v: v >= 1) >= 1
+    sock.close()
+    deadline = time.monotonic() + 15
+    while decode.metric("moeserve:request_success_total", outcome="abort") == aborted and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert decode.metric("moeserve:request_success_total", outcome="abort") == aborted + 1
+    assert decode.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0) == 0
