@@ -205,6 +205,13 @@ class Proxy:
             try:
                 async for chunk in r.aiter_raw():
                     yield chunk
+            except httpx.HTTPError as e:
+                # The decode instance died or timed out mid-answer: say so in the stream, as a server whose
+                # engine fails does, instead of cutting the connection (the client saw only a broken read).
+                logger.warning("the decode stream from %s broke: %s", up.url, e)
+                err = APIError(f"the decode instance {up.url} broke off the answer: {type(e).__name__}: {e}",
+                               503, code="upstream_unavailable").body()
+                yield f"\n\ndata: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             finally:  # done, or the client left: closing the stream aborts the request at the instance
                 await r.aclose()
                 up.load -= tokens

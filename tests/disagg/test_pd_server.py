@@ -194,3 +194,85 @@ def test_a_client_leaving_a_json_request_aborts_it_at_the_decode_instance(pd):
         time.sleep(0.1)
     assert decode.metric("moeserve:request_success_total", outcome="abort") == aborted + 1
     assert decode.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0) == 0
+
+
+class FakeInstance:
+    """A one-shot HTTP server on 127.0.0.1 answering each connection with `reply` (raw bytes), then closing."""
+
+    def __init__(self, reply: bytes) -> None:
+        import socket
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.reply = reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, rest = data.split(b"\r\n\r\n", 1)
+                n = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+                while len(rest) < n:
+                    rest += conn.recv(65536)
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_decode_instance_dying_mid_stream_ends_the_stream_with_an_error_event():
+    # The proxy used to cut the client's connection (a broken chunked read) with no word of what happened.
+    params = {"do_remote_prefill": True, "remote_engine_id": "x"}
+    answer = json.dumps({"usage": {"prompt_tokens": 2}, "kv_transfer_params": params}).encode()
+    prefill = FakeInstance(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                           + str(len(answer)).encode() + b"\r\n\r\n" + answer)
+    event = b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+    decode = FakeInstance(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                          + f"{len(event):x}\r\n".encode() + event + b"\r\n")  # then the connection closes
+    proxy = ProxyProcess("--prefill", prefill.url, "--decode", decode.url)
+    try:
+        with httpx.stream("POST", proxy.url + "/v1/completions", timeout=30,
+                          json={"prompt": "hi", "stream": True}) as r:
+            body = b"".join(r.iter_raw()).decode()
+        events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+        assert events[0] == event.decode()[6:].strip() and events[-1] == "[DONE]", body
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "upstream_unavailable" and decode.url in err["message"], body
+    finally:
+        proxy.stop()
+        prefill.close()
+        decode.close()
+
+
+def test_sixteen_concurrent_requests_through_the_proxy_equal_a_unified_server(pd, openai_server):
+    import asyncio
+    prefill, decode, proxy = pd
+
+    async def one(client, url, i):
+        body = {"prompt": f"request {i} " * (1 + i % 5), "max_tokens": 8 + i, "temperature": 0,
+                "stream": i % 2 == 0}
+        if not body["stream"]:
+            r = await client.post(url + "/v1/completions", json=body)
+            return r.json()["choices"][0]["text"]
+        text = ""
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            got = await asyncio.gather(*(one(client, proxy.url, i) for i in range(16)))
+            want = [await one(client, openai_server.url, i) for i in range(16)]
+            return got, want
+
+    got, want = asyncio.run(main())
+    assert got == want
+    assert decode.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0) == 0
