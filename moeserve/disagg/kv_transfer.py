@@ -77,6 +77,10 @@ class KVTransfer:
         if params.do_remote_decode and not self.config.produces:
             raise KVTransferParamsError("this engine is a decode instance (kv_role kv_consumer); send "
                                         "do_remote_decode requests to a prefill instance")
+        if params.do_remote_decode and request.request_id in self.kv.held:
+            # its finish would hold new blocks under the same id: the held ones would never be freed
+            raise KVTransferParamsError(f"request id {request.request_id!r} is already in use: its KV waits for a "
+                                        "decode instance; use a new id")
         r = params.remote
         if r is None:
             return

@@ -227,3 +227,18 @@ def test_a_prefill_engine_restarted_under_the_same_engine_id_is_pulled_from_agai
     got, done = pd(third.engine, decode, PROMPTS[:2], 6, prefix="rc")
     assert got == want, {k: v.error for k, v in done.items()}
     assert decode.kv.pool.num_free == decode.kv.pool.num_blocks
+
+
+def test_a_held_request_id_is_not_reused(engines):
+    """A second do_remote_decode request under the id of one whose KV is held replaced the held blocks'
+    record at its finish: the first blocks were never freed (not by a pull, not by the hold timeout)."""
+    _, prefill, _ = engines
+    held, free = prefill.kv_transfer.num_held, prefill.kv.pool.num_free  # other tests' KV may still wait
+    prefill.add_request(EngineCoreRequest("dup", PROMPTS[0], greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    run(prefill)
+    prefill.add_request(EngineCoreRequest("dup", PROMPTS[2], greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    _, done = run(prefill)
+    assert "already in use" in done["dup"].error and done["dup"].kv_transfer_params is None
+    prefill.kv_transfer.held_until["dup"] = 0.0  # expire it now
+    prefill.step()
+    assert prefill.kv_transfer.num_held <= held and prefill.kv.pool.num_free >= free
