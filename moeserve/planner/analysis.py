@@ -111,12 +111,18 @@ class PrefillPoint:
     requests: int
     length: int
     ttft_ms: float        # one forward over all requests (no queueing)
-    tok_s_card: float
+    tok_s_card: float     # prompt tokens served per second and card, cached ones included
     breakdown_ms: dict
+    cached: int = 0       # prompt tokens per request taken from the prefix cache
+
+    @property
+    def computed_tok_s_card(self) -> float:
+        return self.tok_s_card * (self.length - self.cached) / self.length
 
     def to_dict(self) -> dict:
         return {"requests": self.requests, "input_len": self.length, "ttft_ms": round(self.ttft_ms, 3),
-                "tok_s_card": round(self.tok_s_card, 1),
+                "tok_s_card": round(self.tok_s_card, 1), "cached_tokens": self.cached,
+                "computed_tok_s_card": round(self.computed_tok_s_card, 1),
                 "breakdown_ms": {k: round(v, 3) for k, v in self.breakdown_ms.items()}}
 
 
@@ -129,19 +135,22 @@ def kv_pull_ms(m: ModelSpec, hw: Hardware, inst: Instance, length: int, deployme
     return comm.kv_pull(hw, nbytes, in_domain=deployment_cards <= hw.scale_up_domain) * 1e3
 
 
-def prefill_point(m: ModelSpec, hw: Hardware, inst: Instance, requests: int, length: int) -> PrefillPoint:
-    """`requests` prompts of `length` tokens spread over the DP groups; the busiest group sets the pace."""
+def prefill_point(m: ModelSpec, hw: Hardware, inst: Instance, requests: int, length: int,
+                  cached: int = 0) -> PrefillPoint:
+    """`requests` prompts of `length` tokens spread over the DP groups; the busiest group sets the pace.
+    `cached`: tokens of each prompt already in the prefix cache (Workload.cached_prompt_tokens): they hold
+    KV and are attended to, but only the other `length - cached` are computed."""
     per_dp = math.ceil(requests / inst.dp)
+    new = length - cached
     # Prefill samples one position per prompt (plus its MTP draft): logits for those rows only.
     rows = per_dp * (1 + (1 if inst.mtp_drafts else 0))
-    rep = memory_report(m, hw, inst, length, per_dp * length, logit_rows=rows,
-                        total_tokens=requests * length)
+    rep = memory_report(m, hw, inst, length, per_dp * new, logit_rows=rows, total_tokens=requests * new)
     if rep.max_batch < per_dp:
         reason = refusal_reason(m, hw, inst, rep) or (
             f"{per_dp} prompts of {length} tokens per DP group need KV for {per_dp} sequences, room for "
             f"{rep.max_batch}; use more prefill cards or fewer requests per batch")
         raise DoesNotFit(reason)
-    st = prefill_step(m, hw, inst, per_dp, length, n_tokens=requests * length)
+    st = prefill_step(m, hw, inst, per_dp, new, past=cached, n_tokens=requests * new)
     br = {k: v * 1e3 for k, v in sorted(st.by_name().items(), key=lambda kv: -kv[1])}
     br["framework_overhead"] = st.overhead * 1e3
-    return PrefillPoint(requests, length, st.total * 1e3, requests * length / st.total / inst.cards, br)
+    return PrefillPoint(requests, length, st.total * 1e3, requests * length / st.total / inst.cards, br, cached)

@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from moeserve.planner.cli_args import at_most, fraction, imbalance, nonneg_int, positive_float, positive_int
+from moeserve.planner.cli_args import at_most, fraction, hit_rate, imbalance, nonneg_int, positive_float, positive_int
 from moeserve.planner.deploy import (FLASHCOMM, QUANT, KV_BYTES, MAX_CARDS, MOE_COMM, DoesNotFit, Instance,
                                      Workload)
 
@@ -53,6 +53,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
     w.add_argument("--input-len", type=positive_int, default=2048)
     w.add_argument("--output-len", type=positive_int, default=2048)
+    w.add_argument("--prefix-cache-hit-rate", type=hit_rate, default=0.0,
+                   help="share of each prompt's tokens the prefill finds in the prefix cache (shared system "
+                        "prompt, earlier turns): attended to, not computed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -87,7 +90,7 @@ def _ctx(args):
         args.load_skew = LoadSkew.from_files(args.eplb_stats, m.n_routed_experts,
                                              balanced=args.eplb_placement == "balanced")
         inst = args.load_skew.apply(inst)
-    return m, hw, inst, Workload(args.input_len, args.output_len)
+    return m, hw, inst, Workload(args.input_len, args.output_len, args.prefix_cache_hit_rate)
 
 
 def _check_lengths(m, args) -> None:

@@ -71,6 +71,13 @@ def fraction(text: str) -> float:
     return v
 
 
+def hit_rate(text: str) -> float:
+    v = _float(text)
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"is the share of prompt tokens found cached, in [0, 1), got {text!r}")
+    return v
+
+
 def imbalance(text: str) -> float:
     v = _float(text)
     if v < 1.0:

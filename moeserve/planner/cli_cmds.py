@@ -77,7 +77,7 @@ def cmd_estimate(a):
                 else f"prefill on the decode layout ({inst.cards} cards)"):
         pre_inst = _prefill_instance(a, inst, m)
         requests = pre_inst.dp if a.prefill_requests is None else a.prefill_requests
-        pre = prefill_point(m, hw, pre_inst, requests, wl.input_len)
+        pre = prefill_point(m, hw, pre_inst, requests, wl.input_len, wl.cached_prompt_tokens)
     # PD balance: requests/s one decode instance finishes vs one prefill instance starts.
     dec_req = pt.tok_s_card * inst.cards / wl.output_len
     pre_req = pre.tok_s_card * pre_inst.cards / wl.input_len
@@ -137,7 +137,8 @@ def args_prefill(p):
 def cmd_prefill(a):
     from moeserve.planner.analysis import prefill_point
     m, hw, inst, wl = _ctx(a)
-    pt = prefill_point(m, hw, inst, inst.dp if a.requests is None else a.requests, wl.input_len)
+    pt = prefill_point(m, hw, inst, inst.dp if a.requests is None else a.requests, wl.input_len,
+                       wl.cached_prompt_tokens)
     text = (f"prefill {pt.requests} x {pt.length} on {inst.cards} cards: TTFT {pt.ttft_ms:.1f} ms, "
             f"{pt.tok_s_card:.0f} tok/s/card\n{_fmt_breakdown(pt.breakdown_ms)}")
     return _emit(a, {"model": m.name, "hardware": hw.key, "layout": asdict(inst), **pt.to_dict()}, text)

@@ -116,6 +116,15 @@ class Instance:
 class Workload:
     input_len: int = 2048
     output_len: int = 2048
+    # Share of each prompt whose KV the prefill finds in the prefix cache (a shared system prompt, earlier
+    # turns of a conversation): those tokens are attended to but not computed.
+    prefix_hit: float = 0.0
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens a prefill takes from the prefix cache; the last one is always computed (its logits
+        give the first token), as in the engine. The engine caches whole blocks; this ignores the rounding."""
+        return min(int(self.prefix_hit * self.input_len), self.input_len - 1)
 
     @property
     def mean_decode_context(self) -> float:

@@ -107,7 +107,7 @@ def _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull=0.0, tally: Counter | N
     best, per_dp, tally = None, 1, Counter() if tally is None else tally
     while per_dp <= 64:
         try:
-            pt = prefill_point(m, hw, inst, per_dp * inst.dp, wl.input_len)
+            pt = prefill_point(m, hw, inst, per_dp * inst.dp, wl.input_len, wl.cached_prompt_tokens)
         except PlanError as err:
             tally[_refusal(err)] += per_dp == 1
             break

@@ -17,7 +17,8 @@ def default_rate(m, hw, inst, wl, role: str) -> float:
     from moeserve.planner.step import prefill_step
     per_req = 1.0 / decode_capacity(m, hw, inst, wl)
     if role == "unified":
-        per_req += prefill_step(m, hw, inst, 1, wl.input_len).total / inst.dp
+        c = wl.cached_prompt_tokens
+        per_req += prefill_step(m, hw, inst, 1, wl.input_len - c, past=c).total / inst.dp
     return 0.8 / per_req
 
 
@@ -25,7 +26,7 @@ def default_rate_pd(m, hw, pre, dec, wl, prefill_instances: int, decode_instance
     """80% of the slower side: prefill instances each starting one prompt per DP group per forward, or
     decode instances at their memory-limited batch."""
     from moeserve.planner.analysis import prefill_point
-    pt = prefill_point(m, hw, pre, pre.dp, wl.input_len)
+    pt = prefill_point(m, hw, pre, pre.dp, wl.input_len, wl.cached_prompt_tokens)
     prefill = prefill_instances * pre.dp / (pt.ttft_ms * 1e-3)
     return 0.8 * min(prefill, decode_instances * decode_capacity(m, hw, dec, wl))
 
@@ -56,8 +57,9 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
         # One prompt in every prefill DP group: the step the simulator prices (the groups run in lockstep);
         # refuses a prefill layout that does not fit.
         with _labelled(f"prefill instance ({pre.cards} cards)"):
-            prefill_point(m, hw, pre, pre.dp, wl.input_len)
-        lone = prefill_point(m, hw, pre, 1, wl.input_len)  # the low-rate TTFT: no queue, nothing to batch
+            prefill_point(m, hw, pre, pre.dp, wl.input_len, wl.cached_prompt_tokens)
+        # the low-rate TTFT: no queue, nothing to batch
+        lone = prefill_point(m, hw, pre, 1, wl.input_len, wl.cached_prompt_tokens)
         rate = default_rate_pd(m, hw, pre, inst, wl, p_n, d_n) if a.rate is None else a.rate
         analytic = analytic_steady_state(m, hw, inst, wl, rate / d_n)
         n = a.num_requests or settling_requests(analytic)
@@ -73,6 +75,9 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
         pull = kv_pull_ms(m, hw, inst, wl.input_len, cards)
         # the decode instance computes the prompt's last token in its next step and samples token 1 there
         analytic |= {"ttft_ms": round(lone.ttft_ms + pull + (analytic["step_ms"] or 0.0), 3)}
+    # Prompt tokens the engine's prefix cache served where prompts are computed (--prefix-cache-hit-rate).
+    queries, hits = (raw["prefill"] if a.role == "pd" else raw)["prefix_cache"]
+    res["prefix_cache_hit_rate"] = round(hits / queries, 4) if queries else 0.0
     res.update({"model": m.name, "hardware": hw.key, "rate_req_s": round(rate, 4), "num_requests": n,
                 "arrival": a.arrival, "role": a.role, "length_dist": a.length_dist,
                 "dp_groups_simulated": raw["groups"], "dp_groups": inst.dp, "analytic_steady_state": analytic})

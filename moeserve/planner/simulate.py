@@ -111,7 +111,8 @@ def accepted(inst: Instance, rng: random.Random, drafts: int) -> int:
 
 
 def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: str = "unified",
-                   free_prompts: bool = False, max_requests: int | None = None) -> Scheduler:
+                   free_prompts: bool = False, max_requests: int | None = None,
+                   prefix_caching: bool = False) -> Scheduler:
     """KV blocks and the sequence cap from the memory model. A prefill instance sizes its workspace for a
     full token budget and its KV for prompts (it frees each one once the decode side has it).
 
@@ -119,7 +120,9 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: st
     arriving prompt on top of `max_batched`; each step's budget is set by _Instance._pulled_budget.
 
     max_requests: requests the run will send; the pool is capped at the blocks they can hold all at once
-    (the scheduler never needs more; a 1e9 GiB --hardware-file device made a pool of 1e12 block ids)."""
+    (the scheduler never needs more; a 1e9 GiB --hardware-file device made a pool of 1e12 block ids).
+
+    prefix_caching: the engine's prefix cache (the prompts of _request share their cached part)."""
     if role == "prefill":
         rep = memory_report(m, hw, inst, wl.input_len, max_batched,
                             logit_rows=max_batched / max(1, wl.input_len) * (1 + inst.mtp_drafts),
@@ -139,7 +142,8 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: st
         raise PlanError(f"--mtp-drafts {inst.mtp_drafts}: the engine's scheduler (which the simulator runs) "
                         f"takes at most {MAX_SPEC_TOKENS} speculative tokens")
     spec = SpeculativeConfig(num_speculative_tokens=inst.mtp_drafts) if inst.mtp_drafts else None
-    return Scheduler(cfg, KVCacheManager(num_blocks, block), spec)
+    kv = KVCacheManager(num_blocks, block, enable_caching=prefix_caching, hash_next_token=spec is not None)
+    return Scheduler(cfg, kv, spec)
 
 
 def _stream(m: ModelSpec, wl: Workload, num_requests: int, rate: float, arrival: str, length_dist: str,
@@ -156,14 +160,17 @@ def _stream(m: ModelSpec, wl: Workload, num_requests: int, rate: float, arrival:
     return [Trace(a, p, o) for a, p, o in zip(arr, ins, outs)]
 
 
-def _request(rid: str, t: Trace, role: str) -> Request:
-    """What the simulated instance's scheduler sees of a trace."""
+def _request(rid: str, t: Trace, role: str, wl: Workload, index: int) -> Request:
+    """What the simulated instance's scheduler sees of a trace. Its prompt's first `prefix_hit` share is
+    one content every request shares (the engine's prefix cache serves it once it is computed and while it
+    stays cached); the rest is its own (a token no other request of the instance has)."""
     if role == "prefill":  # prompt to first token, then the request leaves for decode
         prompt, max_tokens = t.prompt_len, 1
     else:  # unified, or PD decode: the prompt (its KV pulled but the last token's), every output token
         prompt, max_tokens = t.prompt_len, t.output_len
-    return Request(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   arrival_time=t.start)
+    shared = min(int(wl.prefix_hit * prompt), prompt - 1)
+    return Request(rid, [1] * shared + [2 + index] * (prompt - shared),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=t.start)
 
 
 class _Instance:
@@ -181,9 +188,12 @@ class _Instance:
         self.m, self.hw, self.inst, self.wl, self.role, self.rng = m, hw, inst, wl, role, rng
         self.max_batched, self.groups = max_batched, groups
         self.prefill_free, self.pulled = role in ("decode", "pd-decode"), role == "pd-decode"
+        # The prefix cache saves compute where prompts are computed (a PD decode instance pulls them).
+        caching = wl.prefix_hit > 0 and role in ("unified", "prefill")
         self.scheds = [make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
                                       role="prefill" if role == "prefill" else "decode",
-                                      free_prompts=self.prefill_free, max_requests=max_requests)
+                                      free_prompts=self.prefill_free, max_requests=max_requests,
+                                      prefix_caching=caching)
                        for _ in range(groups)]
         self.router = LeastLoadedRouter(groups)
         self.traces: dict[str, Trace] = {}
@@ -199,7 +209,7 @@ class _Instance:
         return any(s.has_unfinished() for s in self.scheds)
 
     def admit(self, rid: str, trace: Trace) -> None:
-        req = _request(rid, trace, self.role)
+        req = _request(rid, trace, self.role, self.wl, len(self.traces))
         sched = self.scheds[self.router.assign(rid, req.num_prompt_tokens, req.sampling_params.max_tokens)]
         try:
             sched.add_request(req)
@@ -272,7 +282,9 @@ class _Instance:
 
     def result(self) -> dict:
         return {"traces": self.traces, "makespan": self.clock, "steps": self.steps, "busy": self.busy,
-                "groups": self.groups, "preemptions": sum(s.num_preemptions for s in self.scheds)}
+                "groups": self.groups, "preemptions": sum(s.num_preemptions for s in self.scheds),
+                "prefix_cache": [sum(s.prefix_cache_queries for s in self.scheds),
+                                 sum(s.prefix_cache_hits for s in self.scheds)]}
 
 
 def _max_len(inst: Instance, traces) -> int:
@@ -301,7 +313,7 @@ def _run_prefill_pool(m: ModelSpec, hw: Hardware, pre: Instance, wl: Workload, s
     per-token prefill cost). Returns request index -> prefill done, and the instances' summed steps, busy
     and makespan."""
     from moeserve.planner.analysis import prefill_point
-    per_token = prefill_point(m, hw, pre, 1, wl.input_len).ttft_ms * 1e-3 / wl.input_len
+    per_token = prefill_point(m, hw, pre, 1, wl.input_len, wl.cached_prompt_tokens).ttft_ms * 1e-3 / wl.input_len
     max_len = _max_len(pre, stream)
     pool = [_Instance(m, hw, pre, wl, "prefill", None, max_batched, rng, pre.dp, max_len, max_requests=len(stream))
             for _ in range(instances)]
@@ -315,8 +327,10 @@ def _run_prefill_pool(m: ModelSpec, hw: Hardware, pre: Instance, wl: Workload, s
     for sim in pool:
         sim.drain(max_steps)
     busy, span = sum(s.busy for s in pool), sum(s.clock for s in pool)
+    results = [s.result() for s in pool]
     summed = {"steps": sum(s.steps for s in pool), "busy": busy, "makespan": span,
-              "busy_fraction": round(busy / (span or 1.0), 4)}
+              "busy_fraction": round(busy / (span or 1.0), 4),
+              "prefix_cache": [sum(r["prefix_cache"][i] for r in results) for i in (0, 1)]}
     return {i: t.token_times[0] for i, t in enumerate(traces) if t.token_times}, summed
 
 

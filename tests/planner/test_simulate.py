@@ -302,7 +302,7 @@ def test_recompute_after_preemption_is_priced_on_a_decode_instance(monkeypatch, 
     # outputs. Their KV is gone (the prefill side freed the prompt's once pulled), so the recompute is
     # compute here; it used to be free in --role decode and --role pd (a one-position decode)
     from moeserve.engine.kv_cache import KVCacheManager
-    monkeypatch.setattr(simulate, "KVCacheManager", lambda n, b: KVCacheManager(min(n, 100), b))
+    monkeypatch.setattr(simulate, "KVCacheManager", lambda n, b, **kw: KVCacheManager(min(n, 100), b, **kw))
     recomputed, priced = [0], [0]
     split = simulate._split
 
