@@ -8,7 +8,8 @@ arrives (its read finished, or it gave up) or after kv_hold_timeout seconds (nob
 
 Lifecycle on a decode instance (kv_consumer): a request with do_remote_prefill waits here, not in the
 scheduler: QUEUED until the KV pool has room for its prompt -> FETCHING the prefill agent's metadata
-(once per prefill engine) -> READING its blocks -> then it enters the scheduler with num_computed_tokens
+(once per prefill engine) -> READING its blocks (only those past a prefix this engine's own prefix cache
+holds, e.g. the earlier turns of a chat it decoded) -> then it enters the scheduler with num_computed_tokens
 = prompt - 1: the engine computes the last prompt token itself and samples the first output token from
 its logits, so a PD deployment answers what a unified engine would (vLLM's NIXL connector does the same).
 A failure answers the request with an error and tells the prefill engine to free its blocks; an abort
@@ -48,6 +49,7 @@ class _Pull:
     remote: RemotePrefill
     num_tokens: int  # prompt tokens to pull: all but the last
     allocated: bool = False
+    local_blocks: int = 0  # leading blocks this engine's prefix cache already holds: not pulled
     handle: object | None = None
     aborted: bool = False
     retried: bool = False  # a failed read is retried once with the prefill agent's metadata fetched anew
@@ -68,6 +70,7 @@ class KVTransfer:
         self.num_tensors = len(tensors)
         self.held_until: dict[str, float] = {}  # prefill side: request id -> when its blocks are freed anyway
         self.pulls: dict[str, _Pull] = {}  # decode side, in arrival order
+        self.blocks_pulled = self.blocks_cached_here = 0  # decode side, since start
         logger.info("KV connector %s (NIXL/UCX, %s) listening on %s:%d", self.engine_id, config.kv_role,
                     self.host, self.port)
 
@@ -132,12 +135,25 @@ class KVTransfer:
                 self._check_read(pull, ready, errors)
                 continue
             if not pull.allocated:
-                if not room or not self.kv.allocate_slots(pull.request, pull.num_tokens + 1):
+                if not room or not self._allocate(pull):
                     room = False
                     continue
                 pull.allocated = True
             self._start_read(pull, ready, errors)
         return ready, errors
+
+    def _allocate(self, pull: _Pull) -> bool:
+        """Blocks for the prompt; a prefix this engine has cached (an earlier turn of the conversation
+        decoded here) is shared, not pulled, as vLLM's NIXL connector does."""
+        req = pull.request
+        cached = self.kv.take_cached_prefix(req)
+        if self.kv.allocate_slots(req, pull.num_tokens + 1 - req.num_computed_tokens):
+            pull.local_blocks = cached // self.kv.block_size
+            return True
+        if cached:  # not this step after all: give the shared blocks back
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+        return False
 
     def _start_read(self, pull: _Pull, ready: list[Request], errors: list[EngineCoreOutput]) -> None:
         r = pull.remote
@@ -157,14 +173,16 @@ class KVTransfer:
                     self._fail(pull, errors, f"the prefill engine {r.engine_id} at {r.host}:{r.port} did not "
                                              f"answer within {METADATA_TIMEOUT_S:.0f} s")
                 return
-            if pull.num_tokens == 0:  # a one-token prompt: nothing to pull, the prefill may free it now
+            n, k = self.kv.blocks_needed(pull.num_tokens), pull.local_blocks
+            if k >= n:  # nothing to pull (a one-token prompt, or all cached here): the prefill may free it now
                 self.connector.notify(r.engine_id, r.request_id.encode())
                 self._finish_pull(pull, ready)
                 return
-            n = self.kv.blocks_needed(pull.num_tokens)
-            local = self.kv.block_tables[pull.request.request_id][:n]
-            pull.handle = self.connector.read(r.engine_id, r.kv_addrs, r.block_ids[:n], local,
+            local = self.kv.block_tables[pull.request.request_id][k:n]
+            pull.handle = self.connector.read(r.engine_id, r.kv_addrs, r.block_ids[k:n], local,
                                               r.request_id.encode())
+            self.blocks_pulled += n - k
+            self.blocks_cached_here += k
         except Exception as e:  # NIXL refuses bad addresses / unreachable peers with exceptions
             self._retry_or_fail(pull, errors, f"the KV pull from {r.engine_id} failed: {e}")
 

@@ -73,6 +73,7 @@ def test_decode_uses_the_pulled_kv(engines):
     """Zero the prefill engine's held blocks before the pull: the decode output changes, so it came from them."""
     unified, prefill, decode = engines
     prompt = PROMPTS[2]
+    decode.kv.pool.reset_cache()  # an earlier test decoded this prompt: its cache would serve it, not the pull
     unified.add_request(EngineCoreRequest("cu", prompt, greedy(8), []))
     want, _ = run(unified)
     prefill.add_request(EngineCoreRequest("cp", prompt, greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
@@ -242,3 +243,21 @@ def test_a_held_request_id_is_not_reused(engines):
     prefill.kv_transfer.held_until["dup"] = 0.0  # expire it now
     prefill.step()
     assert prefill.kv_transfer.num_held <= held and prefill.kv.pool.num_free >= free
+
+
+def test_decode_pulls_only_what_its_prefix_cache_lacks(engines):
+    """A second turn of a chat: the decode instance decoded turn 1, so its prefix cache holds that prompt's
+    blocks and it pulls only the new ones (still lossless)."""
+    unified, prefill, decode = engines
+    turn1 = list(range(100, 141))  # 41 tokens: 5 full blocks of 8
+    turn2 = turn1 + list(range(200, 230))
+    unified.add_request(EngineCoreRequest("t2u", turn2, greedy(6), []))
+    want, _ = run(unified)
+    pd(prefill, decode, [turn1], 6, prefix="t1")
+    pulled, here = decode.kv_transfer.blocks_pulled, decode.kv_transfer.blocks_cached_here
+    got, _ = pd(prefill, decode, [turn2], 6, prefix="t2")
+    assert got == [want["t2u"]]
+    # turn 2 needs blocks for 70 of its 71 tokens (9); turn 1's 5 full blocks are cached here
+    assert decode.kv_transfer.blocks_cached_here - here == 5
+    assert decode.kv_transfer.blocks_pulled - pulled == 4
+    assert decode.kv.pool.num_free == decode.kv.pool.num_blocks
