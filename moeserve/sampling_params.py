@@ -42,6 +42,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
+    # vLLM's penalties: presence / frequency (OpenAI's) over the generated tokens, repetition (CTRL's:
+    # positive logits divided by it, negative ones multiplied) over prompt and generated tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,7 +65,8 @@ class SamplingParams:
         for name, v in ints.items():
             if not _is_int(v):
                 raise SamplingParamsError(f"{name} must be an integer, got {v!r}", name)
-        for name in ("temperature", "top_p", "min_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             if not _is_real(getattr(self, name)):
                 raise SamplingParamsError(f"{name} must be a number, got {getattr(self, name)!r}", name)
         checks = [
@@ -88,6 +94,12 @@ class SamplingParams:
              "logit_bias keys must be token ids (non-negative integers)"),
             ("logit_bias", all(_is_real(b) and math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
              "logit_bias values must be numbers in [-100, 100]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty < math.inf,
+             f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"),
         ]
         for param, ok, message in checks:
             if not ok:
@@ -106,6 +118,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def all_stop_token_ids(self, eos_token_ids: list[int]) -> set[int]:
         """Token ids that end this request (EOS unless ignore_eos, plus stop_token_ids)."""

@@ -19,7 +19,7 @@ from moeserve.layers.attention.metadata import (AttentionMetadata, SeqSpan, atte
                                                 build_attention_metadata)
 from moeserve.layers.moe.load_stats import ExpertLoadRecorder, recording
 from moeserve.layers.moe.placement import build_plan, moe_plan_context
-from moeserve.layers.sampler import Sampler, TokenLogprobs, apply_logits_processors
+from moeserve.layers.sampler import LogitsRows, Sampler, TokenLogprobs, apply_logits_processors
 from moeserve.models.config import DeepseekArch
 from moeserve.models.registry import build_model
 
@@ -127,11 +127,12 @@ class ModelRunner:
         reqs = [s.request for _, s in sample_rows]
         params = [r.sampling_params for r in reqs]
         raw = logits
-        if any(p.logit_bias or p.min_tokens for p in params):
+        if any(p.logit_bias or p.min_tokens or p.has_penalties for p in params):
             if any(p.logprobs is not None for p in params):
                 raw = logits.clone()  # logprobs report the model's own distribution
-            apply_logits_processors(logits, [(r.sampling_params, len(rows), r.num_output_tokens, r.stop_ids)
-                                             for (rows, _), r in zip(sample_rows, reqs)])
+            apply_logits_processors(logits, [LogitsRows(s.request.sampling_params, s.request.stop_ids,
+                                                        s.request.prompt_token_ids, s.request.output_token_ids,
+                                                        s.draft_token_ids) for _, s in sample_rows])
         gens = [self._generator(r) for r in reqs]
         if self.rejection_sampler is None:
             tokens, lps = self.sampler(logits, params, gens, raw)

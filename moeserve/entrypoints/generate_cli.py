@@ -19,6 +19,10 @@ def register(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], over generated tokens")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], per occurrence")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0, over prompt and generated tokens (1 = off)")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
@@ -31,7 +35,8 @@ def run(args) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     engine_args = EngineArgs.from_cli(args, args.model)
     llm = LLM(**vars(engine_args))
     prompts = args.prompt or ["def fibonacci(n):"]

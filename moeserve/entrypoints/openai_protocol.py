@@ -92,12 +92,6 @@ class _SamplingFields(_Strict):
     kv_transfer_params: dict | None = None  # PD disaggregation (vLLM's extension; disagg/params.py)
 
     def _unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise APIError(f"'{name}' is not supported by this server; omit it or pass 0", param=name)
-        if self.repetition_penalty not in (None, 1.0):
-            raise APIError("'repetition_penalty' is not supported by this server; omit it or pass 1",
-                           param="repetition_penalty")
         if self.response_format is not None and self.response_format.get("type", "text") != "text":
             raise APIError("'response_format' other than {\"type\": \"text\"} (structured output) is not "
                            "supported by this server; omit it", param="response_format")
@@ -118,7 +112,9 @@ class _SamplingFields(_Strict):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._unsupported()
-        kwargs = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p)
+        kwargs = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                      presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                      repetition_penalty=self.repetition_penalty)
         try:
             return SamplingParams(
                 n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,

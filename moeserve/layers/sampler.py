@@ -34,25 +34,59 @@ def apply_filters(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def apply_logits_processors(logits: torch.Tensor, rows: list[tuple[SamplingParams, int, int, set[int]]]) -> None:
-    """In place, before sampling: OpenAI's logit_bias, and min_tokens (vLLM): the stop tokens (EOS unless
-    ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens.
+@dataclass
+class LogitsRows:
+    """One request's rows of a step's logits: row j samples its output token number len(output_ids) + j,
+    after the drafts before it (MTP: row j is used only when drafts 0..j-1 were accepted)."""
 
-    rows: per request (params, its number of rows = 1 + drafts, outputs so far, stop ids); row j of a
-    request samples its output token number `outputs + j`. Logprobs stay those of the raw model output
-    (the caller keeps a copy), as vLLM reports them."""
+    params: SamplingParams
+    stop_ids: set[int]
+    prompt_ids: list[int]
+    output_ids: list[int]
+    draft_ids: list[int]  # one fewer than the rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.draft_ids) + 1
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> None:
+    """In place, before sampling: OpenAI's logit_bias; min_tokens (vLLM): the stop tokens (EOS unless
+    ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens; then vLLM's
+    repetition, frequency and presence penalties. Logprobs stay those of the raw model output (the caller
+    keeps a copy), as vLLM reports them."""
     r = 0
-    for p, n_rows, n_out, stop_ids in rows:
+    for req in rows:
+        p, n_rows, n_out = req.params, req.num_rows, len(req.output_ids)
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
             logits[r:r + n_rows, ids] += bias
         short = min(n_rows, p.min_tokens - n_out)
-        if short > 0 and stop_ids:
-            ids = torch.tensor(sorted(t for t in stop_ids if t < logits.shape[-1]), dtype=torch.long,
+        if short > 0 and req.stop_ids:
+            ids = torch.tensor(sorted(t for t in req.stop_ids if t < logits.shape[-1]), dtype=torch.long,
                                device=logits.device)
             logits[r:r + short, ids] = float("-inf")
+        if p.has_penalties:
+            _apply_penalties(logits[r:r + n_rows], req)
         r += n_rows
+
+
+def _apply_penalties(logits: torch.Tensor, req: LogitsRows) -> None:
+    """logits [rows, V]: row j sees the outputs plus drafts 0..j-1 as generated (vLLM's definitions:
+    repetition over prompt + output, frequency and presence over the output only)."""
+    p = req.params
+    generated = torch.tensor(req.output_ids + req.draft_ids, dtype=torch.long)  # sampled: all in vocabulary
+    n_out = len(req.output_ids)
+    counts = torch.zeros(logits.shape, dtype=logits.dtype)
+    for j in range(logits.shape[0]):
+        counts[j].scatter_add_(0, generated[: n_out + j], torch.ones(n_out + j, dtype=logits.dtype))
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[:, torch.tensor(req.prompt_ids, dtype=torch.long)] = True  # checked against the vocabulary
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
+                                                   logits * p.repetition_penalty), logits))
+    logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
 class Sampler:

@@ -156,6 +156,15 @@ def test_metrics_count_tokens_exactly(openai_server, client, model):
         openai_server.metric(name)  # present
 
 
+def test_penalties_equal_offline(client, model, llm):
+    kw = dict(presence_penalty=0.8, frequency_penalty=0.3)
+    want = offline(llm, PROMPTS[:2], max_tokens=12, repetition_penalty=1.3, **kw)
+    got = client.completions.create(model=model, prompt=PROMPTS[:2], max_tokens=12, temperature=0,
+                                    extra_body={"repetition_penalty": 1.3}, **kw)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [w.text for w in want]
+    assert want[0].token_ids != offline(llm, PROMPTS[:1], max_tokens=12)[0].token_ids
+
+
 def test_prefix_cache_reported_in_usage_and_metrics(openai_server, client, model):
     """A repeated long prompt reuses its cached blocks: usage says how many prompt tokens, /metrics counts
     them (vLLM's prefix_cache_queries / _hits), and the answer is the same."""
@@ -182,6 +191,9 @@ BAD = [
     ("completions", {"prompt": "x", "temperature": -1}, 400),
     ("completions", {"prompt": "x", "top_p": 1.5}, 400),
     ("completions", {"prompt": "x", "top_k": -5}, 400),
+    ("completions", {"prompt": "x", "presence_penalty": 2.5}, 400),
+    ("completions", {"prompt": "x", "frequency_penalty": "lots"}, 400),
+    ("completions", {"prompt": "x", "repetition_penalty": 0}, 400),
     ("completions", {"prompt": "x", "min_p": 2}, 400),
     ("completions", {"prompt": "x", "n": 0}, 400),
     ("completions", {"prompt": "x", "max_tokens": 0}, 400),
