@@ -117,3 +117,76 @@ def test_abort_frees_blocks():
     assert sched.kv.pool.num_free < 16
     sched.abort(["a"])
     assert sched.kv.pool.num_free == 16 and not sched.has_unfinished()
+
+
+class FakeKV:
+    """The KV tensors, faked: a position's slot holds a digest of the tokens up to it (real KV depends on
+    the whole prefix, not only its own token), and the 'model' reads the context back from the blocks. A
+    prefix cache that shared the wrong blocks, or a write into a block another request shares, fails."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv, self.slots = kv, {}
+
+    def step(self, out) -> dict[str, list[int]]:
+        bs, refs = self.kv.block_size, self.kv.pool._refs
+        sampled = {}
+        for s in out.scheduled:
+            table, req = self.kv.block_tables[s.request.request_id], s.request
+            for pos in range(s.start, s.start + s.num_tokens):
+                block = table[pos // bs]
+                assert refs[block] == 1, "a shared block was written"
+                self.slots[(block, pos % bs)] = hash(tuple(req.token_ids_slice(0, pos + 1)))
+            if s.samples:
+                n = req.num_tokens
+                context = [self.slots[(table[p // bs], p % bs)] for p in range(n)]
+                assert context == [hash(tuple(req.token_ids_slice(0, p + 1))) for p in range(n)], \
+                    "the KV read back is not this request's"
+                sampled[req.request_id] = [hash(tuple(context)) % 50 + 2]
+        return sampled
+
+
+def check_refcounts(kv: KVCacheManager) -> None:
+    owners = [0] * kv.pool.num_blocks
+    for table in list(kv.block_tables.values()) + list(kv.held.values()):
+        for b in table:
+            owners[b] += 1
+    assert owners == kv.pool._refs, "a block's reference count is not its owners"
+    assert kv.pool.num_free == owners.count(0)
+
+
+# A prompt is a few 4-token chunks out of three, plus 0-3 more tokens: equal blocks turn up behind
+# different prefixes, which only the chained hash tells apart.
+CHUNKS = [[10, 11, 12, 13], [20, 21, 22, 23], [10, 11, 12, 13][::-1]]
+shared_prompts = st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=5), st.integers(0, 3),
+                                    st.integers(1, 10)), min_size=1, max_size=10)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=shared_prompts, num_blocks=st.integers(6, 40), block_size=st.sampled_from([1, 2, 4]),
+       budget=st.integers(1, 48), next_token=st.booleans())
+def test_prefix_caching_shares_only_equal_prefixes(reqs, num_blocks, block_size, budget, next_token):
+    """With the cache the outputs (which depend on the KV read back) equal those without it, reference
+    counts match the owners at every step, shared blocks are never written, and every block comes back."""
+    outputs = {}
+    for caching in (False, True):
+        kv = KVCacheManager(num_blocks, block_size, enable_caching=caching, hash_next_token=next_token)
+        sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=96), kv)
+        fake, accepted = FakeKV(kv), []
+        for i, (chunks, extra, max_tokens) in enumerate(reqs):
+            prompt = [t for c in chunks for t in CHUNKS[c]] + [7] * extra
+            r = Request(str(i), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            try:
+                sched.add_request(r)
+                accepted.append(r)
+            except RequestRejected:
+                pass
+        steps = 0
+        while sched.has_unfinished():
+            out = sched.schedule()
+            steps += 1
+            assert steps < 5000, "no progress"
+            sched.update_from_output(out, fake.step(out))
+            check_refcounts(kv)
+        assert kv.pool.num_free == num_blocks and not kv.block_tables
+        outputs[caching] = [r.output_token_ids for r in accepted]
+    assert outputs[True] == outputs[False]
