@@ -100,6 +100,9 @@ class LLM:
                     ro, i = children[out.request_id]
                     ro.outputs[i] = self._completion(i, delta)
                     ro.num_cached_tokens = max(ro.num_cached_tokens, delta.num_cached_tokens)
+                    if delta.final.prompt_logprobs is not None and ro.prompt_logprobs is None:
+                        ro.prompt_logprobs = [None] + [{**dict(m.top), m.token_id: m.logprob}
+                                                       for m in delta.final.prompt_logprobs]
                     bar.update(1)
         bar.close()
 

@@ -26,3 +26,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (the most of its n samples)
+    # prompt_logprobs: None for the first prompt token, then {token id: logprob} (the token and the top-N)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -31,6 +31,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prompt_logprobs: list[TokenLogprobsMsg] | None = None  # prompt tokens 1.., with a request's first tokens
     error: str | None = None  # set when the request was rejected
     error_kind: str | None = None  # "invalid" (the request can never run) or "overloaded" (retry later)
     kv_transfer_params: dict | None = None  # a finished do_remote_decode request: what a decode instance pulls

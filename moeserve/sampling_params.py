@@ -39,6 +39,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (vLLM's; the first token has none)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
@@ -61,7 +62,8 @@ class SamplingParams:
     def _validate(self) -> None:
         ints = {"n": self.n, "top_k": self.top_k, "min_tokens": self.min_tokens}
         ints.update({k: v for k, v in (("max_tokens", self.max_tokens), ("seed", self.seed),
-                                        ("logprobs", self.logprobs)) if v is not None})
+                                        ("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))
+                     if v is not None})
         for name, v in ints.items():
             if not _is_int(v):
                 raise SamplingParamsError(f"{name} must be an integer, got {v!r}", name)
@@ -87,6 +89,8 @@ class SamplingParams:
              f"seed must be a 64-bit signed integer, got {self.seed}"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20,
              f"logprobs must be in [0, 20], got {self.logprobs}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),

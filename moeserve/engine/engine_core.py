@@ -129,6 +129,8 @@ class EngineCore:
                 self.runner.execute_dummy()
             return outputs
         result = self.runner.execute(sched_out)
+        for s in sched_out.scheduled:  # on every TP rank alike: the next step's rows depend on it
+            s.request.prompt_logprobs.extend(result.prompt_logprobs.get(s.request.request_id, ()))
         finished = {r.request_id: r for r in self.scheduler.update_from_output(sched_out, result.sampled,
                                                                                result.draft_tokens)}
         for s in sched_out.scheduled:
@@ -140,6 +142,7 @@ class EngineCore:
             # A stop may cut the sampled list short (MTP); report only the tokens the request kept.
             kept = new[: req.num_tokens - (s.start + s.num_tokens - len(s.draft_token_ids))]
             lps = result.logprobs.get(req.request_id)
+            first = req.num_output_tokens == len(kept)
             outputs.append(EngineCoreOutput(
                 req.request_id, kept,
                 new_logprobs=[TokenLogprobsMsg(lp.token_id, lp.logprob, lp.top) for lp in lps[: len(kept)]]
@@ -148,6 +151,8 @@ class EngineCore:
                 stop_reason=fin.stop_reason if fin else None,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_cached_tokens=req.num_cached_tokens,
+                prompt_logprobs=[TokenLogprobsMsg(lp.token_id, lp.logprob, lp.top) for lp in req.prompt_logprobs]
+                if first and req.sampling_params.prompt_logprobs is not None else None,
                 kv_transfer_params=self.kv_transfer.export(req) if fin and req.hold_kv else None))
             if fin:
                 self.runner.release(req.request_id)

@@ -130,6 +130,8 @@ class KVCacheManager:
         (its logits give the next token). Returns the tokens taken; undo with free() on failure."""
         if not self.enable_caching or request.num_computed_tokens or self.block_tables.get(request.request_id):
             return 0
+        if request.sampling_params.prompt_logprobs is not None:
+            return 0  # cached positions have no logits to report (vLLM skips the cache for these too)
         hashes, blocks, parent = [], [], b""
         for i in range(self._hashable_blocks(request, request.num_tokens - 1)):
             parent = self._hash(request, i, parent)

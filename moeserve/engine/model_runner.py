@@ -33,6 +33,8 @@ class StepResult:
     sampled: dict[str, list[int]]  # request id -> new tokens
     logprobs: dict[str, list[TokenLogprobs]]
     draft_tokens: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step (MTP)
+    # prompt_logprobs: request id -> entries for the prompt tokens this step's positions predict, in order
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def resolve_dtype(name: str, arch: DeepseekArch) -> torch.dtype:
@@ -115,6 +117,7 @@ class ModelRunner:
             result = StepResult({}, {})
             if sample_rows:
                 self._sample(hidden, sample_rows, result)
+            self._prompt_logprobs(out, hidden, result)
             if self.proposer is not None:
                 result.draft_tokens = self.proposer.propose(out, hidden, result.sampled)
         if self.load_recorder is not None:
@@ -146,6 +149,34 @@ class ModelRunner:
             if req.sampling_params.logprobs is not None:
                 result.logprobs[req.request_id] = lps[i: i + len(toks)]
             i += len(toks)
+
+    PROMPT_LOGITS_ROWS = 512  # logits rows per slice: a long prompt's [T, vocab] would not fit at once
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, result: StepResult) -> None:
+        """prompt_logprobs: position p's logits score prompt token p + 1. Positions whose entry the request
+        already has (a recompute after preemption) are skipped."""
+        row = 0
+        for s in out.scheduled:
+            req, first_row = s.request, row
+            row += s.num_tokens
+            n = req.sampling_params.prompt_logprobs
+            if n is None:
+                continue
+            lo = max(s.start, len(req.prompt_logprobs))
+            hi = min(s.start + s.num_tokens - len(s.draft_token_ids), req.num_prompt_tokens - 1)
+            entries = []
+            for a in range(lo, hi, self.PROMPT_LOGITS_ROWS):
+                b = min(hi, a + self.PROMPT_LOGITS_ROWS)
+                rows = torch.arange(first_row + a - s.start, first_row + b - s.start)
+                logp = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
+                targets = torch.tensor(req.prompt_token_ids[a + 1: b + 1], dtype=torch.long)
+                chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+                top = logp.topk(n) if n else None
+                for i, (t, lp) in enumerate(zip(targets.tolist(), chosen)):
+                    pairs = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else []
+                    entries.append(TokenLogprobs(t, lp, pairs))
+            if entries:
+                result.prompt_logprobs[req.request_id] = entries
 
     def _spec_logprobs(self, logits: torch.Tensor, num_rows: list[int], emitted: list[list[int]],
                        params: list) -> list:

@@ -23,6 +23,7 @@ class DetokState:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None  # TokenLogprobsMsg per prompt token 1.. (prompt_logprobs requests)
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Delta:
     final: DetokState | None = None  # the request's whole state, once it finished (it is dropped here)
     kv_transfer_params: dict | None = None  # a PD prefill's answer: where its KV waits (disagg/params.py)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list | None = None  # with a request's first tokens, when it asked for them
 
 
 class OutputProcessor:
@@ -55,6 +57,8 @@ class OutputProcessor:
         base, base_lp = len(st.token_ids), len(st.logprobs)
         st.token_ids.extend(new_ids)
         st.logprobs.extend(new_lps)
+        if out.prompt_logprobs is not None:
+            st.prompt_logprobs = list(out.prompt_logprobs)
         full = self._decode(st, st.token_ids)
         finished = out.finish_reason is not None
         if not finished and full.endswith("\ufffd"):
@@ -80,7 +84,8 @@ class OutputProcessor:
         upto = max(st.sent, len(full) - hold)
         delta_text, st.sent = full[st.sent:upto], upto
         delta = Delta(delta_text, new_ids, new_lps, finished, st.finish_reason, st.stop_reason,
-                      kv_transfer_params=out.kv_transfer_params, num_cached_tokens=out.num_cached_tokens)
+                      kv_transfer_params=out.kv_transfer_params, num_cached_tokens=out.num_cached_tokens,
+                      prompt_logprobs=out.prompt_logprobs)
         if finished:
             delta.final = self.states.pop(out.request_id)
         return delta, hit is not None and out.finish_reason is None

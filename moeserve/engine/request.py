@@ -44,6 +44,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step (MTP)
     hold_kv: bool = False  # PD prefill: keep the KV blocks at the finish for a decode instance to pull
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    # prompt_logprobs: entries for prompt tokens 1.. computed so far (kept over preemption; sent with token 1)
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

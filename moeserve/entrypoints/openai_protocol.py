@@ -110,7 +110,8 @@ class _SamplingFields(_Strict):
         except ValueError:
             raise APIError("logit_bias keys must be token ids, e.g. {\"1234\": -100}", param="logit_bias") from None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         self._unsupported()
         kwargs = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -119,6 +120,7 @@ class _SamplingFields(_Strict):
             return SamplingParams(
                 n=self.n, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
                 skip_special_tokens=self.skip_special_tokens, **{k: v for k, v in kwargs.items() if v is not None})
         except SamplingParamsError as e:
@@ -136,15 +138,17 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra: choices[].prompt_logprobs
 
     def check(self) -> None:
         if self.suffix:
             raise APIError("'suffix' is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("'best_of' other than n is not supported by this server", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise APIError("'echo' together with 'logprobs' needs prompt logprobs, which this server does not "
-                           "compute; drop one of them", param="echo")
+        if (self.prompt_logprobs is not None or self.echo and self.logprobs is not None) and self.kv_transfer_params:
+            raise APIError("prompt logprobs ('echo' with 'logprobs', or 'prompt_logprobs') are not available "
+                           "with kv_transfer_params: a decode instance never computes the prompt",
+                           param="prompt_logprobs" if self.prompt_logprobs is not None else "echo")
         if isinstance(self.prompt, list) and not self.prompt:
             raise APIError("'prompt' must not be an empty list", param="prompt")
 

@@ -48,6 +48,7 @@ class Child:
     kv_transfer_params: dict | None = None  # PD: what the request brought (prefill role or KV location)
     kv_transfer_result: dict | None = None  # PD prefill: where its KV now waits, for the decode instance
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list | None = None  # TokenLogprobsMsg per prompt token 1.. (prompt_logprobs requests)
 
 
 def engine_error(e: Exception) -> APIError:
@@ -171,6 +172,8 @@ class Serving:
             if delta.kv_transfer_params is not None:
                 child.kv_transfer_result = delta.kv_transfer_params
             child.num_cached_tokens = max(child.num_cached_tokens, delta.num_cached_tokens)
+            if delta.prompt_logprobs is not None:
+                child.prompt_logprobs = delta.prompt_logprobs
             child.text += delta.text
             child.token_ids.extend(delta.token_ids)
             child.logprobs.extend(delta.logprobs)

@@ -14,7 +14,10 @@ class CompletionServing(Serving):
         req.check()
         prompts = await self.off_loop(self._prompts, req.prompt)
         max_tokens = min(self.check_length(len(ids), req.max_tokens) for _, ids in prompts)
-        params = req.sampling_params(max_tokens if req.max_tokens is not None else None, req.logprobs)
+        # echo with logprobs scores the prompt too (OpenAI's legacy completions; lm-eval's loglikelihood)
+        prompt_lps = max((n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None),
+                         default=None)
+        params = req.sampling_params(max_tokens if req.max_tokens is not None else None, req.logprobs, prompt_lps)
         children = self.make_children([ids for _, ids in prompts], params, "cmpl", req.kv_transfer_params,
                                       req.stream)
         texts = [t for t, _ in prompts]
@@ -49,13 +52,44 @@ class CompletionServing(Serving):
 
     def _choice(self, req: CompletionRequest, c: Child, prompt_text: str) -> dict:
         prefix = prompt_text if req.echo else ""
-        return {"index": c.index, "text": prefix + c.text,
-                "logprobs": self._logprobs(c.logprobs, 0) if req.logprobs is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choice = {"index": c.index, "text": prefix + c.text,
+                  "logprobs": self._logprobs(c.logprobs, 0, self._echoed(req, c)) if req.logprobs is not None else None,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(c, req.prompt_logprobs)
+        return choice
 
-    def _logprobs(self, lps, offset: int) -> dict:
+    def _echoed(self, req: CompletionRequest, c: Child) -> tuple[list[int], list] | None:
+        """With echo and logprobs the prompt's tokens lead the logprobs (the first one has none)."""
+        if not (req.echo and req.logprobs is not None):
+            return None
+        return c.prompt_ids, self._top(c.prompt_logprobs or [], req.logprobs)
+
+    @staticmethod
+    def _top(lps: list, n: int) -> list:
+        """Prompt entries carry max(prompt_logprobs, logprobs) alternatives: keep the best n for logprobs."""
+        return [type(lp)(lp.token_id, lp.logprob, sorted(lp.top, key=lambda tv: -tv[1])[:n]) for lp in lps]
+
+    def _prompt_logprobs(self, c: Child, n: int) -> list:
+        """vLLM's shape: None for the first prompt token, then {token id: {logprob, decoded_token}}."""
+        out: list = [None]
+        for lp in c.prompt_logprobs or []:
+            top = {t: v for t, v in sorted(lp.top, key=lambda tv: -tv[1])[:n]}
+            top.setdefault(lp.token_id, lp.logprob)
+            out.append({str(t): {"logprob": v, "decoded_token": self.token_str(t)} for t, v in top.items()})
+        return out
+
+    def _logprobs(self, lps, offset: int, echoed: tuple[list[int], list] | None = None) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
-        for lp in lps:
+        if echoed is not None:  # the prompt: its first token has no logprob (None), as OpenAI reports it
+            ids, prompt_lps = echoed
+            tok = self.token_str(ids[0])
+            tokens.append(tok)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(offset)
+            offset += len(tok)
+        for lp in (echoed[1] if echoed else []) + list(lps):
             tok = self.token_str(lp.token_id)
             tokens.append(tok)
             token_lps.append(lp.logprob)
@@ -81,11 +115,15 @@ class CompletionServing(Serving):
                 text = texts[child.index // req.n] + text
             lp = None
             if req.logprobs is not None:
-                lp = self._logprobs(delta.logprobs, offsets.get(child.index, 0))
+                first = delta.prompt_logprobs is not None
+                lp = self._logprobs(delta.logprobs, offsets.get(child.index, 0),
+                                    self._echoed(req, child) if first else None)
                 offsets[child.index] = offsets.get(child.index, 0) + sum(len(t) for t in lp["tokens"])
             choice = {"index": child.index, "text": text, "logprobs": lp,
                       "finish_reason": delta.finish_reason if delta.finished else None,
                       "stop_reason": delta.stop_reason if delta.finished else None}
+            if req.prompt_logprobs is not None and delta.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = self._prompt_logprobs(child, req.prompt_logprobs)
             yield sse({**head, "choices": [choice], **usage_null})
         else:
             if req.include_usage:

@@ -165,6 +165,32 @@ def test_penalties_equal_offline(client, model, llm):
     assert want[0].token_ids != offline(llm, PROMPTS[:1], max_tokens=12)[0].token_ids
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, model, llm):
+    """OpenAI's legacy scoring (what lm-eval's loglikelihood sends): echo + logprobs lead with the prompt's
+    tokens, the first without a logprob; the values are the offline engine's prompt_logprobs."""
+    prompt = PROMPTS[2]
+    ids = llm.get_tokenizer().encode(prompt)
+    want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=2, echo=True)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and r.choices[0].text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i, t in enumerate(ids[1:], start=1):
+        assert lp.token_logprobs[i] == pytest.approx(want.prompt_logprobs[i][t], abs=1e-4)
+        assert len(lp.top_logprobs[i]) >= 2
+    assert lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert streamed[: len(ids) + 1] == lp.tokens
+    # vLLM's prompt_logprobs extra: per prompt token {token id: {logprob, decoded_token}}
+    body = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 1}).model_dump()
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    assert plp[1][str(ids[1])]["logprob"] == pytest.approx(want.prompt_logprobs[1][ids[1]], abs=1e-4)
+
+
 def test_prefix_cache_reported_in_usage_and_metrics(openai_server, client, model):
     """A repeated long prompt reuses its cached blocks: usage says how many prompt tokens, /metrics counts
     them (vLLM's prefix_cache_queries / _hits), and the answer is the same."""
@@ -192,6 +218,9 @@ BAD = [
     ("completions", {"prompt": "x", "top_p": 1.5}, 400),
     ("completions", {"prompt": "x", "top_k": -5}, 400),
     ("completions", {"prompt": "x", "presence_penalty": 2.5}, 400),
+    ("completions", {"prompt": "x", "prompt_logprobs": 99}, 400),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 1, "kv_transfer_params": {"do_remote_decode": True}},
+     400),
     ("completions", {"prompt": "x", "frequency_penalty": "lots"}, 400),
     ("completions", {"prompt": "x", "repetition_penalty": 0}, 400),
     ("completions", {"prompt": "x", "min_p": 2}, 400),
