@@ -124,11 +124,17 @@ class KVCacheManager:
         end = start + self.block_size + (1 if self.hash_next_token else 0)
         return block_hash(parent, request.token_ids_slice(start, end))
 
+    def looks_up(self, request: Request) -> bool:
+        """Whether take_cached_prefix searches the cache for this request: caching is on and the request has
+        nothing computed or allocated (a PD decode request arrives with its pulled KV)."""
+        return (self.enable_caching and not request.num_computed_tokens
+                and not self.block_tables.get(request.request_id))
+
     def take_cached_prefix(self, request: Request) -> int:
         """Start a request with nothing computed from its longest cached prefix: the shared blocks become
         the head of its table and num_computed_tokens moves past them. At least one token stays to compute
         (its logits give the next token). Returns the tokens taken; undo with free() on failure."""
-        if not self.enable_caching or request.num_computed_tokens or self.block_tables.get(request.request_id):
+        if not self.looks_up(request):
             return 0
         if request.sampling_params.prompt_logprobs is not None:
             return 0  # cached positions have no logits to report (vLLM skips the cache for these too)

@@ -152,6 +152,7 @@ class Scheduler:
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            looked_up = self.kv.looks_up(req)
             cached = self.kv.take_cached_prefix(req)
             n = min(req.num_missing_tokens, budget)
             s = self._scheduled(req, n, [])
@@ -164,8 +165,9 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_preemptions == 0:  # what the client is told: its prompt, as first admitted
                 req.num_cached_tokens = cached
-            self.prefix_cache_queries += req.num_tokens  # every admission, recomputes included
-            self.prefix_cache_hits += cached
+            if looked_up:  # every lookup, recomputes included; not with the cache off, nor for pulled KV
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(s)

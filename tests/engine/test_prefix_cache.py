@@ -144,6 +144,27 @@ def test_engine_identical_under_preemption_with_caching(mtp_ckpt_dir):
     assert llm.engine.kv.pool.num_free == 24
 
 
+def test_queries_count_only_lookups(mtp_ckpt_dir):
+    """/metrics hit rate = hits / queries: with the cache off nothing is looked up, so nothing is queried
+    (it read 0 hits of every prompt token), and a request that arrives with its KV (a PD pull) is not
+    looked up either."""
+    llm = LLM(mtp_ckpt_dir("v3"), dtype="float32", block_size=BS, enable_prefix_caching=False)
+    _greedy(llm, [PROMPTS[0], PROMPTS[0]])
+    s = llm.engine.stats()
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (0, 0)
+    from moeserve.config import SchedulerConfig
+    from moeserve.engine.scheduler import Scheduler
+    kv = KVCacheManager(64, BS, enable_caching=True)
+    sched = Scheduler(SchedulerConfig(), kv)
+    pulled = _req("p", HEAD)
+    assert kv.allocate_slots(pulled, len(HEAD))
+    pulled.num_computed_tokens = len(HEAD) - 1  # as kv_transfer hands it over
+    sched.add_request(pulled)
+    sched.add_request(_req("n", HEAD))
+    assert len(sched.schedule().scheduled) == 2
+    assert sched.prefix_cache_queries == len(HEAD) and sched.prefix_cache_hits == 0
+
+
 def test_prefix_caching_flag_is_checked():
     with pytest.raises((TypeError, ValueError), match="enable-prefix-caching"):
         LLM(enable_prefix_caching="yes")
