@@ -166,9 +166,9 @@ class EngineCore:
         """Logits [L, V] float32 for every position of a prompt, outside the normal schedule."""
         req = Request(f"score-{id(prompt_token_ids)}", list(prompt_token_ids), SamplingParams(max_tokens=1))
         self.scheduler.check_request(req)
-        if not self.kv.allocate_slots(req, req.num_prompt_tokens):
-            raise RequestRejected("no free KV blocks to score the prompt; retry when the engine is idle")
-        try:
+        try:  # free() also when the pool is short: allocate_slots left an empty table behind
+            if not self.kv.allocate_slots(req, req.num_prompt_tokens):
+                raise RequestRejected("no free KV blocks to score the prompt; retry when the engine is idle")
             out = SchedulerOutput([ScheduledRequest(req, 0, req.num_prompt_tokens,
                                                     self.kv.block_tables[req.request_id])])
             return self.runner.all_logits(out)

@@ -191,3 +191,17 @@ def test_a_rejected_prompt_leaves_nothing_behind(llm):
         llm.generate(prompt_token_ids=[PROMPTS[0], list(range(300))], sampling_params=greedy())
     assert not llm.engine.has_unfinished()
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+def test_score_refused_for_a_full_pool_leaves_no_block_table(ckpt_dir):
+    from moeserve.engine.scheduler import RequestRejected
+    from moeserve.protocol import EngineCoreRequest
+    eng = LLM(ckpt_dir("v3"), dtype="float32", max_model_len=32, num_kv_blocks=4, block_size=8).engine
+    eng.add_request(EngineCoreRequest("busy", list(range(20, 50)), greedy(2), []))
+    eng.step()  # its prompt holds all 4 blocks
+    with pytest.raises(RequestRejected, match="no free KV blocks"):
+        eng.score(list(range(60, 80)))
+    assert list(eng.kv.block_tables) == ["busy"]
+    while eng.has_unfinished():
+        eng.step()
+    assert not eng.kv.block_tables and eng.kv.pool.num_free == 4
