@@ -126,9 +126,11 @@ class KVCacheManager:
 
     def looks_up(self, request: Request) -> bool:
         """Whether take_cached_prefix searches the cache for this request: caching is on and the request has
-        nothing computed or allocated (a PD decode request arrives with its pulled KV)."""
+        nothing computed or allocated (a PD decode request arrives with its pulled KV), and it does not want
+        prompt logprobs (cached positions have no logits to report; vLLM skips the cache for these too)."""
         return (self.enable_caching and not request.num_computed_tokens
-                and not self.block_tables.get(request.request_id))
+                and not self.block_tables.get(request.request_id)
+                and request.sampling_params.prompt_logprobs is None)
 
     def take_cached_prefix(self, request: Request) -> int:
         """Start a request with nothing computed from its longest cached prefix: the shared blocks become
@@ -136,8 +138,6 @@ class KVCacheManager:
         (its logits give the next token). Returns the tokens taken; undo with free() on failure."""
         if not self.looks_up(request):
             return 0
-        if request.sampling_params.prompt_logprobs is not None:
-            return 0  # cached positions have no logits to report (vLLM skips the cache for these too)
         hashes, blocks, parent = [], [], b""
         for i in range(self._hashable_blocks(request, request.num_tokens - 1)):
             parent = self._hash(request, i, parent)
