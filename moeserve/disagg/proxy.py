@@ -17,6 +17,7 @@ import contextlib
 import copy
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass
 
@@ -84,6 +85,39 @@ def _unreachable(role: str, urls: list[str]) -> JSONResponse:
                   code="upstream_unavailable")
 
 
+def _cached_tokens(usage) -> int | None:
+    """Prompt tokens the prefill instance's prefix cache served (its answer's usage), if it says."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    value = details.get("cached_tokens") if isinstance(details, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _patch_usage(content: bytes, cached: int | None) -> bytes:
+    """A decode answer's usage counts the decode instance's cache hits; the client's prompt was computed
+    (or found cached) by the prefill instance, so report that instead."""
+    if cached is None:
+        return content
+    try:
+        body = json.loads(content)
+    except ValueError:
+        return content
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return content
+    usage["prompt_tokens_details"] = {**(usage.get("prompt_tokens_details") or {}), "cached_tokens": cached}
+    return json.dumps(body).encode()
+
+
+_USAGE = re.compile(rb'"usage":\s*\{')
+
+
+def _patch_event(event: bytes, cached: int | None) -> bytes:
+    """One SSE event: the usage chunk (stream_options.include_usage) gets _patch_usage."""
+    if cached is None or not event.startswith(b"data: {") or not _USAGE.search(event):
+        return event
+    return b"data: " + _patch_usage(event[len(b"data: "):], cached)
+
+
 class Proxy:
     def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0) -> None:
         if not prefill or not decode:
@@ -147,9 +181,10 @@ class Proxy:
         usage = answer.get("usage")
         tokens = _count(usage.get("prompt_tokens") if isinstance(usage, dict) else None) + _count(
             body.get("max_completion_tokens") or body.get("max_tokens"))
+        cached = _cached_tokens(usage)
         unreachable = []
         for dec in by_preference(self.decode):
-            answer = await self._relay(dec, path, {**body, "kv_transfer_params": params}, headers, tokens)
+            answer = await self._relay(dec, path, {**body, "kv_transfer_params": params}, headers, tokens, cached)
             if answer is not None:
                 return answer
             unreachable.append(dec.url)  # the prefill's KV waits for whichever decode instance comes
@@ -175,8 +210,9 @@ class Proxy:
             return _error(f"the prefill instance {up.url} answered with something other than JSON", 502,
                           code="bad_gateway")
 
-    async def _relay(self, up: Upstream, path: str, body: dict, headers: dict, tokens: int):
-        """The decode instance's answer relayed, or None when it could not be connected to."""
+    async def _relay(self, up: Upstream, path: str, body: dict, headers: dict, tokens: int, cached: int | None):
+        """The decode instance's answer relayed (its usage says what the prefill's prefix cache served), or
+        None when it could not be connected to."""
         up.load += tokens
         try:
             r = await self.http.send(self.http.build_request("POST", up.url + path, json=body, headers=headers),
@@ -199,12 +235,21 @@ class Proxy:
             finally:
                 await r.aclose()
                 up.load -= tokens
+            if r.status_code == 200:
+                content = _patch_usage(content, cached)
             return Response(content, r.status_code, media_type=media)
 
         async def stream():
+            pending = b""
             try:
                 async for chunk in r.aiter_raw():
-                    yield chunk
+                    # Whole events only, so the one carrying the usage can be patched; the rest pass as is.
+                    events = (pending + chunk).split(b"\n\n")
+                    pending = events.pop()
+                    if events:
+                        yield b"".join(_patch_event(e, cached) + b"\n\n" for e in events)
+                if pending:
+                    yield pending
             except httpx.HTTPError as e:
                 # The decode instance died or timed out mid-answer: say so in the stream, as a server whose
                 # engine fails does, instead of cutting the connection (the client saw only a broken read).

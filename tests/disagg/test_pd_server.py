@@ -78,6 +78,23 @@ def test_proxy_answers_equal_a_unified_server(pd, openai_server):
     assert httpx.get(proxy.url + "/health", timeout=10).status_code == 200
 
 
+def test_proxy_reports_the_prefill_instance_prefix_cache(pd):
+    """The second time a long prompt comes, the prefill instance finds most of it cached; the answer the
+    client gets from the decode instance says so (JSON and the streamed usage chunk)."""
+    _, _, proxy = pd
+    client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="none")
+    prompt = "import os\nimport sys\n" * 12
+    first = client.completions.create(model=None, prompt=prompt, max_tokens=4, temperature=0)
+    again = client.completions.create(model=None, prompt=prompt, max_tokens=4, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and again.choices[0].text == first.choices[0].text
+    chunks = list(client.completions.create(model=None, prompt=prompt, max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == first.choices[0].text
+
+
 def test_prefill_answer_carries_kv_params_and_bad_params_are_400(pd, openai_server):
     prefill, decode, proxy = pd
     r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
