@@ -3,7 +3,12 @@
 simulated deployment and the served one follow one policy.
 
 - Routing: a new request goes to the DP rank with the least outstanding work, counted as prompt tokens +
-  tokens still to generate of its unfinished requests (ties: the lowest rank).
+  tokens still to generate of its unfinished requests (ties: the lowest rank). With prefix caching each
+  rank has its own cache, so the router remembers the block hashes of the prompts it sent where, and a
+  prompt whose first blocks a rank has seen costs that rank that many tokens less: the next turn of a
+  chat goes back to the rank holding its history unless another rank is less loaded by more than the
+  history's length (the cached tokens are work that rank does not do). The memory is a bounded LRU per
+  rank, an estimate of the rank's own cache, which may have evicted since.
 - Prefill budget: the ranks step in lockstep (every MoE layer is a collective), so a step lasts as long as
   its busiest rank. While any rank decodes, each rank's token budget is its own decodes plus an even share
   of the prefill demand of the ranks that have some, so a long prompt next to short ones is chunked to
@@ -15,6 +20,10 @@ simulated deployment and the served one follow one policy.
   reading all the weights again: no cap then.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
+
+from moeserve.engine.kv_cache import block_hash
 
 MIN_PREFILL_CHUNK = 32  # prefill balancing never chunks below this many tokens per rank and step
 
@@ -34,19 +43,50 @@ def prefill_balanced_budget(prefill_demands: list[int], total_decodes: int, max_
 
 class LeastLoadedRouter:
     """Lifecycle: assign() when a request arrives -> progress() as its tokens come out -> forget() when it
-    finishes or is aborted (what it still counted leaves its rank's load)."""
+    finishes or is aborted (what it still counted leaves its rank's load).
 
-    def __init__(self, dp_size: int) -> None:
+    block_size: the engine's prefix-cache block size, or None (caching off): assign() then ignores the
+    prompt's tokens. max_prefix_blocks: block hashes remembered per rank."""
+
+    def __init__(self, dp_size: int, block_size: int | None = None, max_prefix_blocks: int = 1 << 16) -> None:
         self.load = [0] * dp_size  # outstanding tokens per DP rank
         self.owner: dict[str, int] = {}  # unfinished request id -> DP rank
         self.cost: dict[str, int] = {}  # request id -> outstanding tokens it still adds to its rank
+        self.block_size, self.max_prefix_blocks = block_size, max_prefix_blocks
+        self.prefixes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(dp_size)]
 
-    def assign(self, request_id: str, prompt_tokens: int, max_new_tokens: int) -> int:
-        dp = min(range(len(self.load)), key=lambda d: (self.load[d], d))
-        cost = prompt_tokens + max_new_tokens
+    def assign(self, request_id: str, prompt_tokens: int, max_new_tokens: int,
+               token_ids: list[int] | None = None) -> int:
+        hashes = self._hashes(token_ids) if token_ids is not None and self.block_size else []
+        cached = [self._matched(d, hashes) * (self.block_size or 0) for d in range(len(self.load))]
+        dp = min(range(len(self.load)), key=lambda d: (self.load[d] - cached[d], d))
+        cost = prompt_tokens - cached[dp] + max_new_tokens
         self.owner[request_id], self.cost[request_id] = dp, cost
         self.load[dp] += cost
+        self._remember(dp, hashes)
         return dp
+
+    def _hashes(self, token_ids: list[int]) -> list[bytes]:
+        """Chained hashes of the prompt's full blocks but the last token's (what the engine can share)."""
+        out, parent, bs = [], b"", self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
+            out.append(parent)
+        return out
+
+    def _matched(self, dp: int, hashes: list[bytes]) -> int:
+        seen, n = self.prefixes[dp], 0
+        while n < len(hashes) and hashes[n] in seen:
+            n += 1
+        return n
+
+    def _remember(self, dp: int, hashes: list[bytes]) -> None:
+        seen = self.prefixes[dp]
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > self.max_prefix_blocks:
+            seen.popitem(last=False)
 
     def progress(self, request_id: str, num_tokens: int) -> None:
         self.load[self.owner[request_id]] -= num_tokens

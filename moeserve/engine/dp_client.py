@@ -57,7 +57,8 @@ class DPEngineClient:
         self.ranks = LocalRanks(self.config, init_method, zmq_addr, torchrun)
         self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.dp_size)
         self.decoder = msgspec.msgpack.Decoder(RankReport)
-        self.router = LeastLoadedRouter(self.dp_size)  # unfinished request -> DP rank, load per rank
+        cache = config.cache  # with prefix caching the router prefers the rank that has the prompt's prefix
+        self.router = LeastLoadedRouter(self.dp_size, cache.block_size if cache.enable_prefix_caching else None)
         self.rank_stats: list[EngineStats] = [EngineStats() for _ in range(self.dp_size)]
         self.dead: str | None = None
         self.num_kv_blocks = 0
@@ -68,7 +69,7 @@ class DPEngineClient:
     def add_request(self, req: EngineCoreRequest) -> None:
         self._check_alive()  # a stopped engine answers EngineDeadError, not a closed-socket error
         max_new = req.sampling_params.max_tokens or self.config.scheduler.max_model_len
-        dp = self.router.assign(req.request_id, len(req.prompt_token_ids), max_new)
+        dp = self.router.assign(req.request_id, len(req.prompt_token_ids), max_new, req.prompt_token_ids)
         self._send(dp, RankCommand(requests=[req]))
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:

@@ -37,6 +37,7 @@ from moeserve.sampling_params import SamplingParams
 
 
 PROXIES = ("least-loaded", "round-robin")  # how a PD proxy spreads prompts over prefill instances
+BLOCK_SIZE = 16  # KV block of the simulated engines (the engine's default --block-size)
 
 
 @dataclass
@@ -130,7 +131,7 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: st
     else:
         rep = decode_memory(m, hw, inst, wl)
     per_token = m.kv_bytes_per_token(inst.kv_bytes, with_mtp=inst.mtp_drafts > 0)
-    block = 16
+    block = BLOCK_SIZE
     num_blocks = max(1, int(rep.kv_free // (per_token * block)))
     if max_requests is not None:
         num_blocks = min(num_blocks, max_requests * -(-max_len // block))
@@ -195,7 +196,7 @@ class _Instance:
                                       free_prompts=self.prefill_free, max_requests=max_requests,
                                       prefix_caching=caching)
                        for _ in range(groups)]
-        self.router = LeastLoadedRouter(groups)
+        self.router = LeastLoadedRouter(groups, BLOCK_SIZE if caching else None)  # the engine's, cache-aware
         self.traces: dict[str, Trace] = {}
         self.clock, self.steps, self.busy = 0.0, 0, 0.0
 
@@ -210,7 +211,8 @@ class _Instance:
 
     def admit(self, rid: str, trace: Trace) -> None:
         req = _request(rid, trace, self.role, self.wl, len(self.traces))
-        sched = self.scheds[self.router.assign(rid, req.num_prompt_tokens, req.sampling_params.max_tokens)]
+        sched = self.scheds[self.router.assign(rid, req.num_prompt_tokens, req.sampling_params.max_tokens,
+                                               req.prompt_token_ids)]
         try:
             sched.add_request(req)
         except RequestRejected:  # the engine's message names engine flags (--num-kv-blocks)

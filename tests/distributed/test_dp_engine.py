@@ -205,3 +205,20 @@ def test_dp2_lone_prompt_is_not_chunked_when_nobody_decodes(path):
         assert llm.engine.stats().num_steps == before + 1  # the whole prompt in one step
     finally:
         llm.shutdown()
+
+
+def test_dp2_sends_a_chat_turn_back_to_the_rank_holding_its_history(path):
+    """Each DP rank has its own prefix cache: turn 2 of conversation A goes to A's rank (1 here), where its
+    history is cached, though plain least-loaded routing would pick rank 0 (a tie); same tokens either way."""
+    llm = LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True, block_size=4,
+              distributed_timeout=30)
+    try:
+        conv_b, conv_a = list(range(300, 341)), list(range(100, 141))
+        first = llm.generate(prompt_token_ids=[conv_b, conv_a], sampling_params=GREEDY)  # B -> rank 0, A -> 1
+        turn2 = conv_a + first[1].outputs[0].token_ids + [7, 8, 9]
+        out = llm.generate(prompt_token_ids=[turn2], sampling_params=GREEDY)[0]
+        assert out.num_cached_tokens >= 40  # A's 41-token prompt, in whole blocks, at least
+        single = LLM(path, dtype="float32", enable_prefix_caching=False)
+        assert out.outputs[0].token_ids == tokens(single, [turn2])[0]
+    finally:
+        llm.shutdown()

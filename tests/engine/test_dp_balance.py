@@ -51,3 +51,29 @@ def test_rank_budget_counts_mtp_drafts_so_they_cannot_starve_a_prompt():
     assert picked.get("p") == 100 and len(picked) == 41  # every decode and the whole prompt
     starved = prefill_balanced_budget(demands, 80, 8192, sched.num_decodes())  # the old count: 140
     assert starved == 140
+
+
+def test_router_prefers_the_rank_holding_the_prompt_prefix_by_what_it_saves():
+    r = LeastLoadedRouter(2, block_size=4)
+    history = list(range(100, 141))  # 41 tokens: 10 whole blocks the engine could share
+    assert r.assign("t1", 41, 8, history) == 0
+    r.forget("t1")
+    r.assign("other", 30, 8, list(range(500, 530)))  # rank 1 now carries 38
+    r.forget("other")
+    assert r.assign("busy", 20, 5, [9] * 20) == 0  # rank 0: 25 of load
+    turn2 = history + [1, 2, 3]
+    assert r.assign("t2", 44, 8, turn2) == 0  # 25 - 40 cached < 0: back to its history
+    assert r.cost["t2"] == 44 - 40 + 8
+    r.assign("heavy", 100, 0, [8] * 100)  # rank 1 (least loaded) gets it...
+    r.load[0] += 200  # ... and rank 0 becomes busier than the history is worth
+    assert r.assign("t3", 44, 8, turn2) == 1
+    # without a block size (prefix caching off) tokens are ignored: plain least-loaded
+    plain = LeastLoadedRouter(2)
+    plain.load[0] = 1
+    assert plain.assign("x", 44, 8, turn2) == 1
+
+
+def test_router_prefix_memory_is_bounded():
+    r = LeastLoadedRouter(1, block_size=1, max_prefix_blocks=8)
+    r.assign("a", 30, 1, list(range(30)))
+    assert len(r.prefixes[0]) == 8
