@@ -1,8 +1,9 @@
 """`moeserve proxy`: one OpenAI endpoint in front of prefill and decode instances (system-brief item 1).
 
-Lifecycle of a request: pick the prefill instance with the shortest estimated TTFT (the fewest prompt
-characters in flight there: its queue) -> send it the request with max_tokens 1, stream false and
-kv_transfer_params {"do_remote_decode": true} -> its answer says where the prompt's KV waits -> send the
+Lifecycle of a request: pick the prefill instance with the shortest estimated TTFT (the prompt characters
+in flight there, less the part of this prompt it computed before and likely still caches) -> send it the
+request with stream false and kv_transfer_params {"do_remote_decode": true} (it generates one token) -> its
+answer says where the prompt's KV waits -> send the
 original request with that kv_transfer_params to the decode instance with the least active tokens (prompt
 + max_tokens of the requests in flight there) -> relay the decode answer (JSON or SSE) unchanged. The
 decode instance pulls the KV itself over NIXL; the proxy moves only JSON.
@@ -15,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import hashlib
 import json
 import logging
 import re
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import httpx
 from fastapi import FastAPI, Request
@@ -31,6 +34,8 @@ logger = logging.getLogger("moeserve.proxy")
 
 DISCONNECT_POLL_S = 0.25  # how often the proxy checks that a client waiting for its answer is still there
 DOWN_S = 5.0  # an instance that refused a connection is tried after the others for this long
+PREFIX_CHUNK_CHARS = 256  # prompt text is remembered per prefill instance in chunks of this many characters
+MAX_PREFIX_CHUNKS = 1 << 16  # chunks remembered per instance (an LRU: an estimate of its prefix cache)
 
 
 @dataclass
@@ -38,17 +43,39 @@ class Upstream:
     url: str
     load: int = 0  # prefill: prompt characters in flight; decode: active tokens in flight
     down_until: float = 0.0  # monotonic time until which a connection failure puts it last
+    prefixes: OrderedDict = field(default_factory=OrderedDict)  # prefill: hashes of prompt chunks sent here
+
+    def matched_chars(self, hashes: list[bytes]) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.prefixes:
+            n += 1
+        return n * PREFIX_CHUNK_CHARS
+
+    def remember(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self.prefixes[h] = None
+            self.prefixes.move_to_end(h)
+        while len(self.prefixes) > MAX_PREFIX_CHUNKS:
+            self.prefixes.popitem(last=False)
 
 
-def least_loaded(pool: list[Upstream]) -> Upstream:
-    return by_preference(pool)[0]
+def prefix_hashes(prompt_text: str) -> list[bytes]:
+    """Chained digests of the prompt text's whole chunks: equal leading digests, equal prompt prefix."""
+    out, parent = [], b""
+    for i in range(len(prompt_text) // PREFIX_CHUNK_CHARS):
+        chunk = prompt_text[i * PREFIX_CHUNK_CHARS:(i + 1) * PREFIX_CHUNK_CHARS].encode()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        out.append(parent)
+    return out
 
 
-def by_preference(pool: list[Upstream]) -> list[Upstream]:
-    """Instances to try in order: those not recently unreachable first, then the least loaded (ties: the
-    first listed). An unreachable instance must not take every request while it is the least loaded."""
+def by_preference(pool: list[Upstream], hashes: list[bytes] = ()) -> list[Upstream]:
+    """Instances to try in order: those not recently unreachable first, then the shortest estimated TTFT
+    (ties: the first listed): the work in flight there, less the prompt prefix it has computed before (its
+    prefix cache holds it: the next turn of a chat goes back to the instance that has its history). An
+    unreachable instance must not take every request while it is the least loaded."""
     now = time.monotonic()
-    return sorted(pool, key=lambda u: (u.down_until > now, u.load))
+    return sorted(pool, key=lambda u: (u.down_until > now, u.load - u.matched_chars(hashes)))
 
 
 def _prefill_body(body: dict) -> dict:
@@ -70,8 +97,8 @@ def _count(value) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def _prompt_size(body: dict) -> int:
-    return len(json.dumps(body.get("prompt", body.get("messages", "")), ensure_ascii=False))
+def _prompt_text(body: dict) -> str:
+    return json.dumps(body.get("prompt", body.get("messages", "")), ensure_ascii=False)
 
 
 def _error(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -159,15 +186,17 @@ class Proxy:
         if body.get("kv_transfer_params") is not None:
             return _error("kv_transfer_params are set by the proxy; omit them", 400, param="kv_transfer_params")
         headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
-        size = _prompt_size(body)
+        text = _prompt_text(body)
+        size, hashes = len(text), prefix_hashes(text)
         unreachable = []
-        for pre in by_preference(self.prefill):
+        for pre in by_preference(self.prefill, hashes):
             pre.load += size
             try:
                 answer = await self._post(pre, path, _prefill_body(body), headers)
             finally:
                 pre.load -= size
             if answer is not None:
+                pre.remember(hashes)
                 break
             unreachable.append(pre.url)  # nothing reached it: the next prefill instance may serve the request
         else:

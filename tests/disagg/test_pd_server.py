@@ -293,3 +293,17 @@ def test_sixteen_concurrent_requests_through_the_proxy_equal_a_unified_server(pd
     got, want = asyncio.run(main())
     assert got == want
     assert decode.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0) == 0
+
+
+def test_prefill_choice_weighs_the_prompt_prefix_an_instance_has_computed():
+    from moeserve.disagg.proxy import PREFIX_CHUNK_CHARS, Upstream, by_preference, prefix_hashes
+    history = "x" * (3 * PREFIX_CHUNK_CHARS + 10)
+    a, b = Upstream("http://a"), Upstream("http://b")
+    a.remember(prefix_hashes(history))
+    turn2 = prefix_hashes(history + "next question")
+    a.load = 2 * PREFIX_CHUNK_CHARS  # busier, but holds 3 chunks of the prompt
+    assert by_preference([b, a], turn2)[0] is a
+    a.load = 4 * PREFIX_CHUNK_CHARS  # busier than its cached part is worth
+    assert by_preference([b, a], turn2)[0] is b
+    assert by_preference([a, b], prefix_hashes("y" * 1000))[0] is b  # nothing shared: least loaded
+    assert prefix_hashes("z" * (PREFIX_CHUNK_CHARS - 1)) == []
