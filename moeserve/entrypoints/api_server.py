@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -21,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.config import ServerConfig
 from moeserve.entrypoints.engine_client import EngineClient
-from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from moeserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                                  DetokenizeRequest, TokenizeRequest, validation_error)
 from moeserve.entrypoints.serving import ClientDisconnected
 from moeserve.entrypoints.serving_chat import ChatServing
 from moeserve.entrypoints.serving_completion import CompletionServing
@@ -114,6 +116,29 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
     async def create_chat_completion(raw: Request):
         check_engine()
         return await chat.create(_parse(ChatCompletionRequest, await raw.body()), raw)
+
+    # vLLM's token endpoints: what the server would feed the engine, without running it.
+    @app.post("/tokenize", dependencies=[Depends(check_auth)])
+    async def tokenize(raw: Request):
+        req = _parse(TokenizeRequest, await raw.body())
+        chat.check_model(req.model)
+        req.check()
+        if req.messages is not None:
+            ids = await chat.off_loop(chat.render_messages, req.messages, req.add_generation_prompt)
+        else:
+            ids = await chat.off_loop(functools.partial(tokenizer.encode, add_special_tokens=req.add_special_tokens),
+                                      req.prompt)
+        return {"count": len(ids), "max_model_len": spec.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(check_auth)])
+    async def detokenize(raw: Request):
+        req = _parse(DetokenizeRequest, await raw.body())
+        chat.check_model(req.model)
+        try:
+            chat.check_token_ids(req.tokens)
+        except APIError as e:
+            raise APIError(str(e).replace("prompt token id", "token id"), param="tokens") from None
+        return {"prompt": await chat.off_loop(tokenizer.decode, req.tokens)}
 
     return app
 

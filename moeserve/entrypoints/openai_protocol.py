@@ -183,3 +183,22 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a completion prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # prompt only (a chat template writes its own)
+    add_generation_prompt: bool = True  # messages only
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("send exactly one of 'prompt' and 'messages'", param="prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]

@@ -24,11 +24,14 @@ class ChatServing(Serving):
         self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
 
     def render(self, req: ChatCompletionRequest) -> list[int]:
+        return self.render_messages(req.messages, req.add_generation_prompt)
+
+    def render_messages(self, messages: list, add_generation_prompt: bool) -> list[int]:
         conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in req.messages]
+                        for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template,
-                                                      add_generation_prompt=req.add_generation_prompt,
+                                                      add_generation_prompt=add_generation_prompt,
                                                       tokenize=False)
         except Exception as e:  # jinja raises TemplateError (incl. raise_exception) and others
             raise APIError(f"the chat template cannot render these messages: {e}", param="messages") from None

@@ -191,6 +191,26 @@ def test_echo_with_logprobs_scores_the_prompt(client, model, llm):
     assert plp[1][str(ids[1])]["logprob"] == pytest.approx(want.prompt_logprobs[1][ids[1]], abs=1e-4)
 
 
+def test_tokenize_and_detokenize(openai_server, model, llm):
+    tok = llm.get_tokenizer()
+    r = httpx.post(openai_server.url + "/tokenize", json={"model": model, "prompt": PROMPTS[0]}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode(PROMPTS[0])
+    assert r.json()["count"] == len(r.json()["tokens"]) and r.json()["max_model_len"] == 256
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = httpx.post(openai_server.url + "/tokenize", json={"messages": messages}, timeout=30).json()
+    # the chat answer's prompt_tokens is what /tokenize says the template renders
+    client = openai.OpenAI(base_url=openai_server.base_url, api_key="none")
+    usage = client.chat.completions.create(model=model, messages=messages, max_tokens=1).usage
+    assert chat["count"] == usage.prompt_tokens
+    back = httpx.post(openai_server.url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30).json()
+    assert back["prompt"] == tok.decode(tok.encode(PROMPTS[0]))
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/detokenize", {"tokens": [10 ** 9]}, "tokens"), ("/detokenize", {"tokens": "ab"}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "model": "nope"}, "model")]:
+        bad = httpx.post(openai_server.url + path, json=body, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
 def test_prefix_cache_reported_in_usage_and_metrics(openai_server, client, model):
     """A repeated long prompt reuses its cached blocks: usage says how many prompt tokens, /metrics counts
     them (vLLM's prefix_cache_queries / _hits), and the answer is the same."""
