@@ -80,6 +80,8 @@ class ParallelConfig:
     num_redundant_experts: int = 0
     expert_placement: str | None = None  # JSON file with the logical->physical map
     expert_load_stats: str | None = None  # record per-expert routed pairs to this JSON (layers/moe/load_stats.py)
+    enable_eplb: bool = False  # re-place experts while serving (layers/moe/eplb_online.py)
+    eplb_step_interval: int = 3000  # lockstep steps between rebalances (vLLM's default)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -106,6 +108,10 @@ class ParallelConfig:
                  "--enable-expert-parallel (without it experts are TP-sharded and use allgather)")
         _require(self.num_redundant_experts == 0 or self.enable_expert_parallel or self.world_size == 1,
                  "--num-redundant-experts needs --enable-expert-parallel (replicas are whole experts)")
+        _require(not self.enable_eplb or (self.enable_expert_parallel and self.world_size > 1),
+                 "--enable-eplb moves whole experts between EP ranks: it needs --enable-expert-parallel and "
+                 "--data-parallel-size x --tensor-parallel-size > 1")
+        _require(self.eplb_step_interval >= 1, f"--eplb-step-interval must be >= 1, got {self.eplb_step_interval}")
         _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
                  f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
         _require(self.world_size % self.nnodes == 0,
@@ -342,6 +348,8 @@ ENGINE_HELP = {
     "num_redundant_experts": "extra routed-expert replicas (EPLB)",
     "expert_placement": "JSON file mapping logical experts to physical slots per layer (moeserve eplb -o)",
     "expert_load_stats": "record routed tokens per expert and MoE layer to this JSON file (PATH.rank<r> per rank)",
+    "enable_eplb": "online EPLB: re-place (and replicate) experts from recent loads while serving",
+    "eplb_step_interval": "steps between online EPLB rebalances",
     "nnodes": "nodes of a multi-node run",
     "node_rank": "this node's index",
     "master_addr": "address of node 0 (torch.distributed rendezvous)",
@@ -379,6 +387,8 @@ class EngineArgs:
     num_redundant_experts: int = 0
     expert_placement: str | None = None
     expert_load_stats: str | None = None
+    enable_eplb: bool = False
+    eplb_step_interval: int = 3000
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

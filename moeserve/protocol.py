@@ -57,6 +57,9 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Prefix caching, cumulative: prompt tokens looked up at admission, and those found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Online EPLB (--enable-eplb), cumulative: rebalances run, expert copies moved between ranks.
+    eplb_rebalances: int = 0
+    eplb_experts_moved: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

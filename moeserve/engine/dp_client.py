@@ -126,6 +126,8 @@ class DPEngineClient:
             total.num_preemptions += s.num_preemptions
             total.prefix_cache_queries += s.prefix_cache_queries
             total.prefix_cache_hits += s.prefix_cache_hits
+            total.eplb_rebalances = max(total.eplb_rebalances, s.eplb_rebalances)  # every rank runs each one
+            total.eplb_experts_moved += s.eplb_experts_moved
             total.num_steps = max(total.num_steps, s.num_steps)
             total.num_dummy_steps += s.num_dummy_steps
             total.kv_cache_usage = max(total.kv_cache_usage, s.kv_cache_usage)

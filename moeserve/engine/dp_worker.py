@@ -88,6 +88,7 @@ class RankWorker:
                                          self.core.scheduler.num_decode_tokens())  # MTP drafts included
         idle = not self.core.has_schedulable()
         outputs = self.core.step(budget, lockstep=True)
+        self.core.runner.lockstep_step_done()  # --enable-eplb: a rebalance is a collective step boundary
         step = comm.STATS.reset()
         st = self.stats
         st.num_steps += 1
@@ -105,6 +106,9 @@ class RankWorker:
         st.num_running, st.num_waiting, st.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
         st.num_preemptions, st.outstanding_tokens = s.num_preemptions, s.outstanding_tokens
         st.prefix_cache_queries, st.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
+        eplb = self.core.runner.eplb
+        if eplb is not None:
+            st.eplb_rebalances, st.eplb_experts_moved = eplb.num_rebalances, eplb.experts_moved
         for f in SPEC_FIELDS:
             setattr(st, f, getattr(s, f))
         self.report(RankReport(self.info.dp_rank, outputs, st))

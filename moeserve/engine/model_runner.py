@@ -89,14 +89,29 @@ class ModelRunner:
             self.rejection_sampler = RejectionSampler(config.model.seed)
             self.checkpoint.mtp_weights.clear()  # copied into the MTP layer: free the memory
         world = get_world_group()
+        self.eplb = None  # --enable-eplb: built below, once the recorder exists
         self.load_recorder = (ExpertLoadRecorder(config.parallel.expert_load_stats, arch.n_routed_experts or 0,
                                                  world.rank, world.world_size)
                               if config.parallel.expert_load_stats else None)
+        if config.parallel.enable_eplb and self.moe_plan.layers:
+            from moeserve.layers.moe.eplb_online import OnlineEPLB
+            from moeserve.layers.moe.layer import MoE
+            blocks = [m for m in self.model.modules() if isinstance(m, MoE)]
+            if self.proposer is not None:  # the MTP layer's MoE block is one more layer to balance
+                blocks += [m for m in self.proposer.mtp.modules() if isinstance(m, MoE)]
+            self.eplb = OnlineEPLB(blocks, arch.n_routed_experts, config.parallel.eplb_step_interval,
+                                   self.load_recorder)
+            self.load_recorder = self.eplb.recorder  # one recorder: the stats file's, or the in-memory one
 
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every KV-cache tensor, [num_blocks, block_size, kv_cache_dim] each: the layers', then the MTP
         layer's (what a PD decode instance pulls)."""
         return self.kv_caches + ([self.proposer.kv_cache] if self.proposer is not None else [])
+
+    def lockstep_step_done(self) -> None:
+        """After every lockstep step (dp_worker), on every rank at once: online EPLB may rebalance here."""
+        if self.eplb is not None:
+            self.eplb.step_done()
 
     def flush_stats(self) -> None:
         """Write the expert-load statistics now (end of a run; the file is also refreshed while running)."""

@@ -222,3 +222,35 @@ def test_dp2_sends_a_chat_turn_back_to_the_rank_holding_its_history(path):
         assert out.outputs[0].token_ids == tokens(single, [turn2])[0]
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(moe_comm="allgather", quantization="a8w8",
+                                              speculative_config={"method": "mtp", "num_speculative_tokens": 1})],
+                         ids=["alltoall", "allgather-a8w8-mtp"])
+def test_online_eplb_moves_experts_and_changes_no_token(path, mtp_ckpt_dir, kw):
+    """--enable-eplb rebalancing every 2 steps: expert weights (INT8 scales too, the MTP layer's block too)
+    really move between the ranks, and the tokens equal a run that never rebalances."""
+    model = mtp_ckpt_dir("v3") if "speculative_config" in kw else path
+    base = dict(dtype="float32", data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=2,
+                distributed_timeout=30, **kw)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    fixed = LLM(model, **base)
+    try:
+        want = [o.outputs[0].token_ids for o in fixed.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+    finally:
+        fixed.shutdown()
+    llm = LLM(model, enable_eplb=True, eplb_step_interval=2, **base)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+        stats = llm.engine.stats()
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert stats.eplb_rebalances >= 4 and stats.eplb_experts_moved > 0
+
+
+def test_online_eplb_flags_are_checked(path):
+    with pytest.raises(ConfigError, match="--enable-eplb"):
+        LLM(path, enable_eplb=True)  # one rank: nothing to move
+    with pytest.raises(ConfigError, match="--eplb-step-interval"):
+        LLM(path, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, eplb_step_interval=0)

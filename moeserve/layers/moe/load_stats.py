@@ -26,9 +26,10 @@ _CURRENT: Scoped["ExpertLoadRecorder"] = Scoped("expert_load_recorder")
 
 
 class ExpertLoadRecorder:
-    def __init__(self, path: str, num_experts: int, rank: int = 0, world_size: int = 1,
+    def __init__(self, path: str | None, num_experts: int, rank: int = 0, world_size: int = 1,
                  interval_s: float = 5.0) -> None:
-        self.path = Path(f"{path}.rank{rank}" if world_size > 1 else path)
+        """path None: counts in memory only (online EPLB reads them), no file."""
+        self.path = None if path is None else Path(f"{path}.rank{rank}" if world_size > 1 else path)
         self.num_experts, self.rank, self.world_size = num_experts, rank, world_size
         self.interval_s = interval_s
         self.counts: dict[int, torch.Tensor] = {}
@@ -44,7 +45,7 @@ class ExpertLoadRecorder:
     def step_done(self) -> None:
         """After a forward: write the file if the last write is older than the interval."""
         self.steps += 1
-        if time.monotonic() - self._last_write >= self.interval_s:
+        if self.path is not None and time.monotonic() - self._last_write >= self.interval_s:
             self.write()
 
     def to_json(self) -> dict:
@@ -54,6 +55,8 @@ class ExpertLoadRecorder:
 
     def write(self) -> None:
         """Atomically replace the file (a reader never sees half of it)."""
+        if self.path is None:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(self.to_json()))

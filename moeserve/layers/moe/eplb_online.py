@@ -1,0 +1,112 @@
+"""Online EPLB (`--enable-eplb`): re-place experts while serving, from the loads of the last interval.
+
+System-brief item 5: per-expert load statistics in real time, hot experts replicated, placement recomputed
+dynamically. Every `--eplb-step-interval` lockstep steps, on every rank at the same step boundary:
+  1. each MoE layer's routed (token, choice) pairs per logical expert since the last rebalance are summed
+     over the EP group (every rank then holds the same totals);
+  2. eplb.rebalance() turns them into a new phys_to_logical map, the same on every rank (deterministic);
+  3. expert weights move to their new slots: a slot whose expert this rank already holds copies it
+     locally, the others arrive in one all-to-all per expert tensor from the lowest rank that held the
+     expert (every rank derives who sends what to whom from the two maps, so nothing else is exchanged);
+  4. the layer's ExpertMap and the experts' slot list switch to the new map.
+Only placement changes: each (token, choice) pair is still computed by one copy of its expert with the
+same weights, so outputs do not change (tested: a run that rebalances every few steps gives the tokens
+of a run that never does).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from moeserve.distributed.parallel_state import get_ep_group
+from moeserve.layers.moe.eplb import imbalance, rebalance
+from moeserve.layers.moe.load_stats import ExpertLoadRecorder
+from moeserve.layers.moe.placement import ExpertMap
+
+logger = logging.getLogger(__name__)
+
+
+class OnlineEPLB:
+    """Lifecycle: built by the model runner over the MoE blocks (main model and MTP layer) -> its recorder
+    counts every forward -> step_done() after every lockstep step -> rebalance() every `interval` steps."""
+
+    def __init__(self, moe_blocks: list[nn.Module], num_experts: int, interval: int,
+                 recorder: ExpertLoadRecorder | None = None) -> None:
+        """recorder: the --expert-load-stats recorder when there is one (its totals keep counting; the
+        window is their growth since the last rebalance), else an in-memory one."""
+        self.blocks = {b.layer_idx: b for b in moe_blocks}
+        self.num_experts, self.interval = num_experts, interval
+        self.ep = get_ep_group()
+        self.recorder = recorder or ExpertLoadRecorder(None, num_experts)
+        self._base: dict[int, torch.Tensor] = {}  # the recorder's totals at the last rebalance
+        self.steps = 0
+        self.num_rebalances = 0
+        self.experts_moved = 0  # expert copies that crossed ranks
+
+    def step_done(self) -> None:
+        self.steps += 1
+        if self.steps % self.interval == 0:
+            self.rebalance()
+
+    def rebalance(self) -> None:
+        for idx in sorted(self.blocks):
+            block = self.blocks[idx]
+            loads = self._window(idx)
+            self.ep.all_reduce(loads)
+            old = block.expert_map.placement
+            redundant = old.num_physical - self.num_experts
+            new_map = rebalance([float(x) for x in loads.tolist()], redundant, old.num_ranks)
+            if new_map == list(old.phys_to_logical) or loads.sum() == 0:
+                continue
+            if imbalance(new_map, loads.tolist(), old.num_ranks) >= imbalance(list(old.phys_to_logical),
+                                                                          loads.tolist(), old.num_ranks):
+                continue  # no better than what runs: moving weights would buy nothing
+            self._move(block, list(old.phys_to_logical), new_map)
+            new = replace(old, phys_to_logical=tuple(new_map))
+            block.expert_map = ExpertMap(new)
+            block.experts.slot_experts = new.local_slot_experts()
+        self._base = {i: c.clone() for i, c in self.recorder.counts.items()}  # the next window starts now
+        self.num_rebalances += 1
+
+    def _window(self, idx: int) -> torch.Tensor:
+        zero = torch.zeros(self.num_experts, dtype=torch.long)
+        return (self.recorder.counts.get(idx, zero) - self._base.get(idx, zero)).contiguous()
+
+    def _move(self, block: nn.Module, old: list[int], new: list[int]) -> None:
+        """Every expert tensor of the block's experts ([slots, ...] stacked) into the new slot order."""
+        w, me = self.ep.world_size, self.ep.rank
+        s = len(old) // w
+        holders = {}  # expert -> lowest rank that held it
+        for slot, e in enumerate(old):
+            holders.setdefault(e, slot // s)
+        local_old = {e: j for j, e in reversed(list(enumerate(old[me * s:(me + 1) * s])))}  # expert -> my slot
+
+        def remote(r: int) -> list[tuple[int, int]]:
+            """(slot of rank r, expert) that rank r fetches from another rank, in slot order."""
+            held = set(old[r * s:(r + 1) * s])
+            return [(j, e) for j, e in enumerate(new[r * s:(r + 1) * s]) if e not in held]
+
+        wanted = [remote(r) for r in range(w)]
+        sends = [[e for _, e in wanted[r] if holders[e] == me] for r in range(w)]  # what I send rank r
+        recv_from = [[(j, e) for j, e in wanted[me] if holders[e] == q] for q in range(w)]
+        send_counts, recv_counts = [len(x) for x in sends], [len(x) for x in recv_from]
+        self.experts_moved += sum(recv_counts)
+        for name, param in block.experts.named_parameters(recurse=False):
+            t = param.data
+            out = torch.empty_like(t)
+            for j, e in enumerate(new[me * s:(me + 1) * s]):
+                if e in local_old:
+                    out[j] = t[local_old[e]]
+            rows = [t[local_old[e]] for r in range(w) for e in sends[r]]
+            payload = torch.stack(rows) if rows else t.new_empty((0,) + tuple(t.shape[1:]))
+            got = self.ep.all_to_all(payload.contiguous(), send_counts, recv_counts, kind="eplb")
+            i = 0
+            for q in range(w):
+                for j, _ in recv_from[q]:
+                    out[j] = got[i]
+                    i += 1
+            param.data.copy_(out)
+        logger.debug("EPLB moved %d expert copies in layer %d", sum(recv_counts), block.layer_idx)
