@@ -52,6 +52,7 @@ class OnlineEPLB:
             self.rebalance()
 
     def rebalance(self) -> None:
+        before, after = [], []  # max/mean rank load of the moved layers under the old and the new map
         for idx in sorted(self.blocks):
             block = self.blocks[idx]
             loads = self._window(idx)
@@ -61,15 +62,22 @@ class OnlineEPLB:
             new_map = rebalance([float(x) for x in loads.tolist()], redundant, old.num_ranks)
             if new_map == list(old.phys_to_logical) or loads.sum() == 0:
                 continue
-            if imbalance(new_map, loads.tolist(), old.num_ranks) >= imbalance(list(old.phys_to_logical),
-                                                                          loads.tolist(), old.num_ranks):
+            was = imbalance(list(old.phys_to_logical), loads.tolist(), old.num_ranks)
+            now = imbalance(new_map, loads.tolist(), old.num_ranks)
+            if now >= was:
                 continue  # no better than what runs: moving weights would buy nothing
+            before.append(was)
+            after.append(now)
             self._move(block, list(old.phys_to_logical), new_map)
             new = replace(old, phys_to_logical=tuple(new_map))
             block.expert_map = ExpertMap(new)
             block.experts.slot_experts = new.local_slot_experts()
         self._base = {i: c.clone() for i, c in self.recorder.counts.items()}  # the next window starts now
         self.num_rebalances += 1
+        if before and self.ep.rank == 0:
+            logger.info("EPLB rebalance %d: %d of %d MoE layers re-placed, max/mean rank load %.3f -> %.3f "
+                        "(mean over them, on the last %d steps' loads)", self.num_rebalances, len(before),
+                        len(self.blocks), sum(before) / len(before), sum(after) / len(after), self.interval)
 
     def _window(self, idx: int) -> torch.Tensor:
         zero = torch.zeros(self.num_experts, dtype=torch.long)
