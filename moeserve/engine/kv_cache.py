@@ -108,6 +108,7 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self.held: dict[str, list[int]] = {}  # finished requests whose blocks a remote decode will pull
         self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its registered full blocks
+        self._chains: dict[str, tuple[int, list[bytes]]] = {}  # request id -> (num_tokens, prefix_hashes)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -138,13 +139,12 @@ class KVCacheManager:
         (its logits give the next token). Returns the tokens taken; undo with free() on failure."""
         if not self.looks_up(request):
             return 0
-        hashes, blocks, parent = [], [], b""
-        for i in range(self._hashable_blocks(request, request.num_tokens - 1)):
-            parent = self._hash(request, i, parent)
-            b = self.pool.lookup(parent)
+        hashes, blocks = [], []
+        for h in self.prefix_hashes(request):
+            b = self.pool.lookup(h)
             if b is None:
                 break
-            hashes.append(parent)
+            hashes.append(h)
             blocks.append(b)
         if not blocks:
             return 0
@@ -153,6 +153,21 @@ class KVCacheManager:
         self._hashes[request.request_id] = hashes
         request.num_computed_tokens = len(blocks) * self.block_size
         return request.num_computed_tokens
+
+    def prefix_hashes(self, request: Request) -> list[bytes]:
+        """Hashes of the blocks a request could share (its full blocks but the last token's), memoised."""
+        memo = self._chains.get(request.request_id)
+        if memo is None or memo[0] != request.num_tokens:
+            out, parent = [], b""
+            for i in range(self._hashable_blocks(request, request.num_tokens - 1)):
+                parent = self._hash(request, i, parent)
+                out.append(parent)
+            memo = self._chains[request.request_id] = (request.num_tokens, out)
+        return memo[1]
+
+    def uncomputed_prefix(self, request: Request) -> list[bytes]:
+        """Hashes of the shareable blocks the request has still to compute."""
+        return self.prefix_hashes(request)[request.num_computed_tokens // self.block_size:]
 
     def cache_full_blocks(self, request: Request) -> None:
         """Index the request's newly completed full blocks (after a step advanced num_computed_tokens)."""
@@ -177,6 +192,10 @@ class KVCacheManager:
             return False
         table.extend(self.pool.allocate(need))
         return True
+
+    def forget(self, request: Request) -> None:
+        """The request has ended: drop its memoised hashes."""
+        self._chains.pop(request.request_id, None)
 
     def free(self, request: Request) -> None:
         self._hashes.pop(request.request_id, None)

@@ -150,19 +150,28 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        # Prefix blocks running prefills are computing: a waiting request whose next block is one of them
+        # waits a step and shares it instead of computing it again (n > 1 samples, a burst of requests with
+        # one system prompt), as SGLang's in-batch prefix caching does.
+        in_flight = {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                     for h in self.kv.uncomputed_prefix(r)} if self.kv.enable_caching else set()
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             looked_up = self.kv.looks_up(req)
             cached = self.kv.take_cached_prefix(req)
+            ahead = self.kv.uncomputed_prefix(req)[:1] if looked_up and in_flight else []
+            if ahead and ahead[0] in in_flight:
+                self._give_back(req, cached)
+                deferred.append(req)
+                continue
             n = min(req.num_missing_tokens, budget)
             s = self._scheduled(req, n, [])
             if ((n < req.num_missing_tokens and not self.config.enable_chunked_prefill)
                     or not self.kv.allocate_slots(req, n + max(s.num_new_drafts - 1, 0))):
-                if cached:  # not admitted after all: give the shared blocks back, look again next step
-                    self.kv.free(req)
-                    req.num_computed_tokens = 0
+                self._give_back(req, cached)  # not admitted after all: look again next step
+                self.waiting.appendleft(req)
                 break
-            self.waiting.popleft()
             if req.num_preemptions == 0:  # what the client is told: its prompt, as first admitted
                 req.num_cached_tokens = cached
             if looked_up:  # every lookup, recomputes included; not with the cache off, nor for pulled KV
@@ -172,6 +181,15 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(s)
             budget -= n
+            if looked_up:
+                in_flight.update(self.kv.uncomputed_prefix(req))
+        self.waiting.extendleft(reversed(deferred))  # they keep their place in the queue
+
+    def _give_back(self, req: Request, cached: int) -> None:
+        """Undo take_cached_prefix for a request that is not admitted this step."""
+        if cached:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
 
     def _scheduled(self, req: Request, n: int, drafts: list[int]) -> ScheduledRequest:
         """n tokens from num_computed_tokens on (the last len(drafts) are drafts)."""
@@ -256,6 +274,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        self.kv.forget(req)
         if req.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
             self.kv.hold(req)  # disagg/kv_transfer.py frees them once the decode instance pulled them
         else:

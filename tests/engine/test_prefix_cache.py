@@ -178,3 +178,19 @@ def test_seeded_sampling_unchanged_by_caching(mtp_ckpt_dir):
     llm = LLM(mtp_ckpt_dir("v3"), **kw)
     runs = [llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params)[0] for _ in range(2)]
     assert [r.outputs[0].token_ids for r in runs] == [ref, ref] and runs[1].num_cached_tokens == 32
+
+
+def test_siblings_wait_a_step_and_share_the_prompt(mtp_ckpt_dir):
+    """n > 1 samples (and a burst of requests with one prompt) arrive together: the first computes the
+    prompt, the others wait a step and take its blocks from the cache instead of computing it again."""
+    params = SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=8, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=BS)
+    ref = LLM(mtp_ckpt_dir("v3"), enable_prefix_caching=False, **kw).generate(
+        prompt_token_ids=[PROMPTS[0]], sampling_params=params)[0]
+    llm = LLM(mtp_ckpt_dir("v3"), **kw)
+    out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params)[0]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
+    assert llm.engine.stats().prefix_cache_hits == 3 * 32  # 3 siblings x the prompt's shareable 8 blocks
+    burst = llm.generate(prompt_token_ids=[PROMPTS[2]] * 5, sampling_params=GREEDY)
+    assert len({tuple(o.outputs[0].token_ids) for o in burst}) == 1
+    assert sorted(o.num_cached_tokens for o in burst)[1:] == [52] * 4  # 13 blocks of the 56-token prompt
