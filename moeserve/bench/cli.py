@@ -31,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--output-len", type=int, default=32, action=_Given,
                    help="random: mean output tokens; sharegpt: fixed output tokens (default: the reply's)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths uniform in L*(1 +- r)")
+    p.add_argument("--random-prefix-len", type=int, default=0,
+                   help="random: tokens of one shared prefix before every prompt (measures prefix caching)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
@@ -55,6 +57,8 @@ def _run(args) -> int:
     for flag, v in (("--input-len", args.input_len), ("--output-len", args.output_len)):
         if v < 1:
             raise ValueError(f"{flag} must be >= 1, got {v}")
+    if args.random_prefix_len < 0:
+        raise ValueError(f"--random-prefix-len must be >= 0, got {args.random_prefix_len}")
     if not 0 <= args.range_ratio < 1:
         raise ValueError(f"--range-ratio must be in [0, 1), got {args.range_ratio}")
     if args.max_concurrency is not None and args.max_concurrency < 1:

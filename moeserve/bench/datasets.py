@@ -1,7 +1,8 @@
 """Benchmark prompts: random token sequences of a given length, or ShareGPT conversations.
 
 Sampling follows `vllm bench serve` so figures are comparable: random prompts have input lengths drawn
-uniformly from [L*(1-r), L*(1+r)] (the same for outputs); ShareGPT takes the first human turn as the prompt
+uniformly from [L*(1-r), L*(1+r)] (the same for outputs), after a shared prefix of --random-prefix-len
+random tokens when one is asked for; ShareGPT takes the first human turn as the prompt
 and the length of the first reply as the output length, skipping pairs with fewer than 4 tokens on a side,
 prompts over 1024 tokens and pairs over 2048 tokens.
 """
@@ -25,16 +26,18 @@ def _lengths(rng: random.Random, mean: int, ratio: float, n: int) -> list[int]:
 
 
 def random_requests(tokenizer, num: int, input_len: int, output_len: int, range_ratio: float,
-                    seed: int) -> list[SampleRequest]:
+                    seed: int, prefix_len: int = 0) -> list[SampleRequest]:
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"--range-ratio must be in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     vocab = [t for t in range(len(tokenizer)) if t not in special]
+    prefix = [rng.choice(vocab) for _ in range(prefix_len)]
     out = []
     for in_len, out_len in zip(_lengths(rng, input_len, range_ratio, num),
                                _lengths(rng, output_len, range_ratio, num)):
-        ids = [rng.choice(vocab) for _ in range(in_len)]
+        in_len += prefix_len
+        ids = prefix + [rng.choice(vocab) for _ in range(in_len - prefix_len)]
         text = tokenizer.decode(ids)
         # Re-tokenizing decoded text drifts a little; trim or pad so the prompt has in_len tokens.
         enc = tokenizer.encode(text, add_special_tokens=False)

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from moeserve.bench import datasets
 from moeserve.bench.metrics import LATENCIES, compute, latency_series
-from moeserve.bench.spec_metrics import scrape, spec_figures
+from moeserve.bench.spec_metrics import cache_figures, scrape, spec_figures
 from moeserve.bench.request import RequestResult, send
 
 
@@ -79,7 +79,7 @@ def _headers(args) -> dict:
 def _samples(args, tokenizer):
     if args.dataset == "random":
         return datasets.random_requests(tokenizer, args.num_prompts, args.input_len, args.output_len,
-                                        args.range_ratio, args.seed)
+                                        args.range_ratio, args.seed, args.random_prefix_len)
     if not args.dataset_path:
         raise ValueError("--dataset sharegpt needs --dataset-path FILE.json")
     return datasets.sharegpt_requests(args.dataset_path, tokenizer, args.num_prompts,
@@ -106,7 +106,9 @@ def run(args) -> int:
                               ("e2el", args.e2el_slo_ms)) if v is not None}
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     m = compute(results, duration, args.num_devices, slos, percentiles)
-    m.update(spec_figures(spec_before, scrape(args.base_url, _headers(args))))
+    after = scrape(args.base_url, _headers(args))
+    m.update(spec_figures(spec_before, after))
+    m.update(cache_figures(spec_before, after))
     print_report(m, percentiles)
     if args.result_json:
         write_json(args, m, results)
@@ -141,6 +143,8 @@ def print_report(m: dict, percentiles: list[float]) -> None:
                  ("Spec decode mean accepted length", m["spec_decode_mean_accepted_length"]),
                  ("Spec decode per-position acceptance",
                   " ".join(f"{a:.2f}" for a in m["spec_decode_per_position_acceptance"]))]
+    if "prefix_cache_hit_rate" in m:
+        rows.append(("Prefix cache hit rate", m["prefix_cache_hit_rate"]))
     for k, v in rows:
         print(f"{k:<36}{v:>14.2f}" if isinstance(v, float) else f"{k:<36}{v:>14}")
     print(line)

@@ -1,9 +1,10 @@
-"""Speculative-decoding figures of a benchmark run, from the server's /metrics before and after it.
+"""Speculative-decoding and prefix-cache figures of a benchmark run, from the server's /metrics before and
+after it.
 
 The engine counts cumulatively (moeserve:spec_decode_* counters, see entrypoints/metrics.py); the run's
 share is the difference. acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted /
 drafts (tokens per verification step, vLLM's definition); per-position acceptance = accepted at draft
-position j / drafts verified at position j.
+position j / drafts verified at position j. Prefix-cache hit rate = hits / queries (prompt tokens) over the run.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "moeserve:spec_decode_"
+CACHE_PREFIX = "moeserve:prefix_cache_"
 
 
 def scrape(base_url: str, headers: dict) -> dict[str, float]:
@@ -28,6 +30,9 @@ def scrape(base_url: str, headers: dict) -> dict[str, float]:
                 if s.name.startswith(PREFIX) and s.name.endswith("_total"):
                     key = s.name[len(PREFIX):-len("_total")] + (f"@{s.labels['position']}"
                                                                 if "position" in s.labels else "")
+                    out[key] = out.get(key, 0.0) + s.value
+                elif s.name.startswith(CACHE_PREFIX) and s.name.endswith("_total"):
+                    key = s.name[len("moeserve:"):-len("_total")]  # prefix_cache_queries / _hits
                     out[key] = out.get(key, 0.0) + s.value
     except ValueError:  # not Prometheus text
         return {}
@@ -48,3 +53,12 @@ def spec_figures(before: dict[str, float], after: dict[str, float]) -> dict:
             "spec_decode_num_accepted_tokens": int(accepted), "spec_decode_acceptance_rate": accepted / tokens,
             "spec_decode_mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
             "spec_decode_per_position_acceptance": per_pos}
+
+
+def cache_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The run's prefix-cache hit rate; {} when the server looked nothing up during it."""
+    queries = after.get("prefix_cache_queries", 0.0) - before.get("prefix_cache_queries", 0.0)
+    if queries <= 0:
+        return {}
+    hits = after.get("prefix_cache_hits", 0.0) - before.get("prefix_cache_hits", 0.0)
+    return {"prefix_cache_queries": int(queries), "prefix_cache_hits": int(hits), "prefix_cache_hit_rate": hits / queries}

@@ -69,3 +69,16 @@ def test_bench_serve_against_no_server_says_why(ckpt_dir, capsys):
     assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "v3",
                  "--tokenizer", ckpt_dir("v3"), "--num-prompts", "2", "--no-progress"]) == 1
     assert "every request failed; the first error: ConnectError" in capsys.readouterr().err
+
+
+def test_bench_serve_shared_prefix_reports_the_prefix_cache(openai_server, tmp_path):
+    out = tmp_path / "prefix.json"
+    rc = main(["bench", "serve", "--base-url", openai_server.url, "--model", "v3", "--dataset", "random",
+               "--random-prefix-len", "96", "--input-len", "8", "--output-len", "2", "--num-prompts", "6",
+               "--max-concurrency", "1", "--seed", "3", "--ignore-eos", "--result-json", str(out),
+               "--no-progress"])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert all(n >= 96 for n in r["input_lens"])
+    # every prompt after the first finds (most of) the 96-token prefix cached
+    assert 0.5 < r["prefix_cache_hit_rate"] < 1 and r["prefix_cache_hits"] >= 5 * 64
