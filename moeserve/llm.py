@@ -85,6 +85,28 @@ class LLM:
         self.engine.flush_stats()  # --expert-load-stats: the counts of this batch are on disk
         return results
 
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them,
+        rendered with the checkpoint's chat template (or `chat_template`) exactly as the server's
+        /v1/chat/completions does, then generated. RequestOutput.prompt is the rendered text."""
+        from moeserve.chat_template import render, resolve_template
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not convs:
+            raise ValueError("chat() needs at least one conversation (a list of messages)")
+        template = resolve_template(self.tokenizer, chat_template)
+        texts, ids = [], []
+        for c, conv in enumerate(convs):
+            text, toks = render(self.tokenizer, [_chat_message(m, c, i) for i, m in enumerate(conv)], template,
+                                add_generation_prompt)
+            texts.append(text)
+            ids.append(toks)
+        outs = self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
+
     def _run(self, processor: OutputProcessor, children: dict, use_tqdm: bool) -> None:
         bar = tqdm(total=len(children), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished():
@@ -148,3 +170,23 @@ def _generation_config(path: str) -> dict | None:
         return None
     with open(f) as fh:
         return json.load(fh)
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _chat_message(m, conv: int, i: int) -> dict:
+    """A message as the template sees it: role, content text (OpenAI text parts joined), optional name."""
+    where = f"conversation {conv}, message {i}"
+    if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+        raise ValueError(f"{where}: a message is a dict with 'role' one of {', '.join(CHAT_ROLES)}, got {m!r:.80}")
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ValueError(f"{where}: content parts must be {{'type': 'text', 'text': str}}")
+        content = "".join(p["text"] for p in content)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise ValueError(f"{where}: 'content' must be a string or a list of text parts")
+    return {"role": m["role"], "content": content, **({"name": m["name"]} if m.get("name") else {})}

@@ -1,27 +1,18 @@
-"""/v1/chat/completions: messages rendered with the tokenizer's chat template.
-
-A checkpoint without a chat template gets DEFAULT_CHAT_TEMPLATE (documented in docs/serving.md): the BOS
-token, then one "<role>: <content>" line per message, then "assistant:" when a reply is wanted.
-"""
+"""/v1/chat/completions: messages rendered with the tokenizer's chat template (moeserve/chat_template.py)."""
 from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from moeserve.chat_template import ChatTemplateError, render, resolve_template
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest
 from moeserve.entrypoints.serving import Serving, sse
-
-DEFAULT_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
 
 
 class ChatServing(Serving):
     def __init__(self, *args, chat_template: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.chat_template = chat_template or getattr(self.tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        self.chat_template = resolve_template(self.tokenizer, chat_template)
 
     def render(self, req: ChatCompletionRequest) -> list[int]:
         return self.render_messages(req.messages, req.add_generation_prompt)
@@ -30,13 +21,9 @@ class ChatServing(Serving):
         conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                         for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template,
-                                                      add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False)
-        except Exception as e:  # jinja raises TemplateError (incl. raise_exception) and others
-            raise APIError(f"the chat template cannot render these messages: {e}", param="messages") from None
-        # The template writes the special tokens itself (BOS); do not add them twice.
-        return self.tokenizer.encode(text, add_special_tokens=False)
+            return render(self.tokenizer, conversation, self.chat_template, add_generation_prompt)[1]
+        except ChatTemplateError as e:
+            raise APIError(str(e), param="messages") from None
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)

@@ -205,3 +205,20 @@ def test_score_refused_for_a_full_pool_leaves_no_block_table(ckpt_dir):
     while eng.has_unfinished():
         eng.step()
     assert not eng.kv.block_tables and eng.kv.pool.num_free == 4
+
+
+def test_chat_renders_like_the_server_and_generates(ckpt_dir):
+    """LLM.chat: the prompt is the chat template's rendering (the default one for this checkpoint), the
+    tokens are what generate() gives for those ids; bad messages name the conversation and message."""
+    from moeserve.chat_template import render, resolve_template
+    llm = LLM(ckpt_dir("v3"), dtype="float32", max_model_len=256)
+    conv = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    out = llm.chat(conv, greedy)[0]
+    text, ids = render(llm.get_tokenizer(), [{"role": "system", "content": "be brief"},
+                                             {"role": "user", "content": "hi"}], resolve_template(llm.get_tokenizer()))
+    assert out.prompt == text and out.prompt_token_ids == ids and text.endswith("assistant:")
+    assert out.outputs[0].token_ids == llm.generate(prompt_token_ids=[ids], sampling_params=greedy)[0].outputs[0].token_ids
+    assert len(llm.chat([conv, conv[1:]], greedy)) == 2
+    with pytest.raises(ValueError, match="conversation 0, message 1"):
+        llm.chat([{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}])
