@@ -52,7 +52,8 @@ class Upstream:
         return n * PREFIX_CHUNK_CHARS
 
     def remember(self, hashes: list[bytes]) -> None:
-        for h in hashes:
+        # Last chunk first: the LRU then evicts tails before heads (a chain without its head never matches).
+        for h in reversed(hashes):
             self.prefixes[h] = None
             self.prefixes.move_to_end(h)
         while len(self.prefixes) > MAX_PREFIX_CHUNKS:
@@ -196,7 +197,8 @@ class Proxy:
             finally:
                 pre.load -= size
             if answer is not None:
-                pre.remember(hashes)
+                if isinstance(answer, dict):  # it computed the prompt (an error answer computed nothing)
+                    pre.remember(hashes)
                 break
             unreachable.append(pre.url)  # nothing reached it: the next prefill instance may serve the request
         else:

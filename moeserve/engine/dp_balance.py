@@ -82,7 +82,9 @@ class LeastLoadedRouter:
 
     def _remember(self, dp: int, hashes: list[bytes]) -> None:
         seen = self.prefixes[dp]
-        for h in hashes:
+        # Last block first, so a prompt's head is its most recent entry and eviction takes tails first: a
+        # chain missing its head never matches again (_matched counts from the first block).
+        for h in reversed(hashes):
             seen[h] = None
             seen.move_to_end(h)
         while len(seen) > self.max_prefix_blocks:

@@ -307,3 +307,23 @@ def test_prefill_choice_weighs_the_prompt_prefix_an_instance_has_computed():
     assert by_preference([b, a], turn2)[0] is b
     assert by_preference([a, b], prefix_hashes("y" * 1000))[0] is b  # nothing shared: least loaded
     assert prefix_hashes("z" * (PREFIX_CHUNK_CHARS - 1)) == []
+
+
+def test_prefix_memory_evicts_tails_first_and_skips_error_answers(monkeypatch):
+    import asyncio
+
+    from moeserve.disagg import proxy as P
+    monkeypatch.setattr(P, "MAX_PREFIX_CHUNKS", 4)
+    up, long = P.Upstream("http://a"), P.prefix_hashes("x" * (10 * P.PREFIX_CHUNK_CHARS))
+    up.remember(long)  # 10 chunks into room for 4: the head must stay (a headless chain never matches)
+    assert up.matched_chars(long) == 4 * P.PREFIX_CHUNK_CHARS
+
+    # A prefill instance that refused the request (400) computed nothing: it must not be remembered.
+    def handler(request):
+        return httpx.Response(400, json={"error": {"message": "bad", "param": "max_tokens"}})
+    proxy = P.Proxy(["http://pre"], ["http://dec"])
+    proxy.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    raw = type("Raw", (), {"headers": {}})()
+    body = json.dumps({"prompt": "y" * 600, "max_tokens": -1}).encode()
+    answer = asyncio.run(proxy._handle("/v1/completions", raw, body))
+    assert answer.status_code == 400 and not proxy.prefill[0].prefixes

@@ -77,3 +77,5 @@ def test_router_prefix_memory_is_bounded():
     r = LeastLoadedRouter(1, block_size=1, max_prefix_blocks=8)
     r.assign("a", 30, 1, list(range(30)))
     assert len(r.prefixes[0]) == 8
+    # the 8 kept are the prompt's first blocks: eviction took the tail (a chain without its head is useless)
+    assert r._matched(0, r._hashes(list(range(30)))) == 8
