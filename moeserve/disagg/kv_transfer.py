@@ -151,8 +151,7 @@ class KVTransfer:
             pull.local_blocks = cached // self.kv.block_size
             return True
         if cached:  # not this step after all: give the shared blocks back
-            self.kv.free(req)
-            req.num_computed_tokens = 0
+            self.kv.untake(req)
         return False
 
     def _start_read(self, pull: _Pull, ready: list[Request], errors: list[EngineCoreOutput]) -> None:

@@ -21,7 +21,6 @@ import json
 import logging
 import re
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import httpx
@@ -29,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moeserve.entrypoints.openai_protocol import APIError
+from moeserve.prefix_memory import PrefixMemory
 
 logger = logging.getLogger("moeserve.proxy")
 
@@ -43,21 +43,14 @@ class Upstream:
     url: str
     load: int = 0  # prefill: prompt characters in flight; decode: active tokens in flight
     down_until: float = 0.0  # monotonic time until which a connection failure puts it last
-    prefixes: OrderedDict = field(default_factory=OrderedDict)  # prefill: hashes of prompt chunks sent here
+    # prefill: hashes of the prompt chunks sent here
+    prefixes: PrefixMemory = field(default_factory=lambda: PrefixMemory(MAX_PREFIX_CHUNKS))
 
     def matched_chars(self, hashes: list[bytes]) -> int:
-        n = 0
-        while n < len(hashes) and hashes[n] in self.prefixes:
-            n += 1
-        return n * PREFIX_CHUNK_CHARS
+        return self.prefixes.matched(hashes) * PREFIX_CHUNK_CHARS
 
     def remember(self, hashes: list[bytes]) -> None:
-        # Last chunk first: the LRU then evicts tails before heads (a chain without its head never matches).
-        for h in reversed(hashes):
-            self.prefixes[h] = None
-            self.prefixes.move_to_end(h)
-        while len(self.prefixes) > MAX_PREFIX_CHUNKS:
-            self.prefixes.popitem(last=False)
+        self.prefixes.remember(hashes)
 
 
 def prefix_hashes(prompt_text: str) -> list[bytes]:

@@ -21,9 +21,8 @@ simulated deployment and the served one follow one policy.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from moeserve.engine.kv_cache import block_hash
+from moeserve.prefix_memory import PrefixMemory
 
 MIN_PREFILL_CHUNK = 32  # prefill balancing never chunks below this many tokens per rank and step
 
@@ -52,18 +51,18 @@ class LeastLoadedRouter:
         self.load = [0] * dp_size  # outstanding tokens per DP rank
         self.owner: dict[str, int] = {}  # unfinished request id -> DP rank
         self.cost: dict[str, int] = {}  # request id -> outstanding tokens it still adds to its rank
-        self.block_size, self.max_prefix_blocks = block_size, max_prefix_blocks
-        self.prefixes: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(dp_size)]
+        self.block_size = block_size
+        self.prefixes = [PrefixMemory(max_prefix_blocks) for _ in range(dp_size)]
 
     def assign(self, request_id: str, prompt_tokens: int, max_new_tokens: int,
                token_ids: list[int] | None = None) -> int:
         hashes = self._hashes(token_ids) if token_ids is not None and self.block_size else []
-        cached = [self._matched(d, hashes) * (self.block_size or 0) for d in range(len(self.load))]
+        cached = [m.matched(hashes) * (self.block_size or 0) for m in self.prefixes]
         dp = min(range(len(self.load)), key=lambda d: (self.load[d] - cached[d], d))
         cost = prompt_tokens - cached[dp] + max_new_tokens
         self.owner[request_id], self.cost[request_id] = dp, cost
         self.load[dp] += cost
-        self._remember(dp, hashes)
+        self.prefixes[dp].remember(hashes)
         return dp
 
     def _hashes(self, token_ids: list[int]) -> list[bytes]:
@@ -73,22 +72,6 @@ class LeastLoadedRouter:
             parent = block_hash(parent, token_ids[i * bs:(i + 1) * bs])
             out.append(parent)
         return out
-
-    def _matched(self, dp: int, hashes: list[bytes]) -> int:
-        seen, n = self.prefixes[dp], 0
-        while n < len(hashes) and hashes[n] in seen:
-            n += 1
-        return n
-
-    def _remember(self, dp: int, hashes: list[bytes]) -> None:
-        seen = self.prefixes[dp]
-        # Last block first, so a prompt's head is its most recent entry and eviction takes tails first: a
-        # chain missing its head never matches again (_matched counts from the first block).
-        for h in reversed(hashes):
-            seen[h] = None
-            seen.move_to_end(h)
-        while len(seen) > self.max_prefix_blocks:
-            seen.popitem(last=False)
 
     def progress(self, request_id: str, num_tokens: int) -> None:
         self.load[self.owner[request_id]] -= num_tokens

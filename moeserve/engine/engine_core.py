@@ -129,8 +129,9 @@ class EngineCore:
                 self.runner.execute_dummy()
             return outputs
         result = self.runner.execute(sched_out)
-        for s in sched_out.scheduled:  # on every TP rank alike: the next step's rows depend on it
-            s.request.prompt_logprobs.extend(result.prompt_logprobs.get(s.request.request_id, ()))
+        if result.prompt_logprobs:  # kept on every TP rank alike: the next step's rows depend on them
+            for s in sched_out.scheduled:
+                s.request.prompt_logprobs.extend(result.prompt_logprobs.get(s.request.request_id, ()))
         finished = {r.request_id: r for r in self.scheduler.update_from_output(sched_out, result.sampled,
                                                                                result.draft_tokens)}
         for s in sched_out.scheduled:

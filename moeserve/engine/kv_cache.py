@@ -107,8 +107,10 @@ class KVCacheManager:
         self.hash_next_token = hash_next_token  # MTP: a block's hash covers the token after it
         self.block_tables: dict[str, list[int]] = {}
         self.held: dict[str, list[int]] = {}  # finished requests whose blocks a remote decode will pull
-        self._hashes: dict[str, list[bytes]] = {}  # request id -> hashes of its registered full blocks
-        self._chains: dict[str, tuple[int, list[bytes]]] = {}  # request id -> (num_tokens, prefix_hashes)
+        # request id -> chained hashes of its blocks, extended as they become defined (tokens are only ever
+        # appended, so a hash once computed stays right); dropped with the request's blocks
+        self._chains: dict[str, list[bytes]] = {}
+        self._registered: dict[str, int] = {}  # request id -> leading blocks of its table in the index
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -120,10 +122,14 @@ class KVCacheManager:
             n = min(n, (request.num_tokens - 1) // self.block_size)
         return n
 
-    def _hash(self, request: Request, index: int, parent: bytes) -> bytes:
-        start = index * self.block_size
-        end = start + self.block_size + (1 if self.hash_next_token else 0)
-        return block_hash(parent, request.token_ids_slice(start, end))
+    def _chain(self, request: Request, n: int) -> list[bytes]:
+        """The request's first n block hashes (n within _hashable_blocks), computing only the new ones."""
+        chain = self._chains.setdefault(request.request_id, [])
+        bs, extra = self.block_size, 1 if self.hash_next_token else 0
+        while len(chain) < n:
+            start = len(chain) * bs
+            chain.append(block_hash(chain[-1] if chain else b"", request.token_ids_slice(start, start + bs + extra)))
+        return chain[:n]
 
     def looks_up(self, request: Request) -> bool:
         """Whether take_cached_prefix searches the cache for this request: caching is on and the request has
@@ -139,31 +145,29 @@ class KVCacheManager:
         (its logits give the next token). Returns the tokens taken; undo with free() on failure."""
         if not self.looks_up(request):
             return 0
-        hashes, blocks = [], []
+        blocks = []
         for h in self.prefix_hashes(request):
             b = self.pool.lookup(h)
             if b is None:
                 break
-            hashes.append(h)
             blocks.append(b)
         if not blocks:
             return 0
         self.pool.touch(blocks)
         self.block_tables[request.request_id] = blocks
-        self._hashes[request.request_id] = hashes
+        self._registered[request.request_id] = len(blocks)
         request.num_computed_tokens = len(blocks) * self.block_size
         return request.num_computed_tokens
 
+    def untake(self, request: Request) -> None:
+        """Undo take_cached_prefix for a request that is not admitted after all (its hashes stay)."""
+        self._registered.pop(request.request_id, None)
+        self.pool.free(self.block_tables.pop(request.request_id, []))
+        request.num_computed_tokens = 0
+
     def prefix_hashes(self, request: Request) -> list[bytes]:
-        """Hashes of the blocks a request could share (its full blocks but the last token's), memoised."""
-        memo = self._chains.get(request.request_id)
-        if memo is None or memo[0] != request.num_tokens:
-            out, parent = [], b""
-            for i in range(self._hashable_blocks(request, request.num_tokens - 1)):
-                parent = self._hash(request, i, parent)
-                out.append(parent)
-            memo = self._chains[request.request_id] = (request.num_tokens, out)
-        return memo[1]
+        """Hashes of the blocks a request could share: its full blocks but the last token's."""
+        return self._chain(request, self._hashable_blocks(request, request.num_tokens - 1))
 
     def uncomputed_prefix(self, request: Request) -> list[bytes]:
         """Hashes of the shareable blocks the request has still to compute."""
@@ -176,11 +180,11 @@ class KVCacheManager:
         table = self.block_tables.get(request.request_id)
         if not table:
             return
-        hashes = self._hashes.setdefault(request.request_id, [])
-        for i in range(len(hashes), self._hashable_blocks(request, request.num_computed_tokens)):
-            h = self._hash(request, i, hashes[-1] if hashes else b"")
-            hashes.append(h)
-            self.pool.register(table[i], h)
+        n = self._hashable_blocks(request, request.num_computed_tokens)
+        chain = self._chain(request, n)
+        for i in range(self._registered.get(request.request_id, 0), n):
+            self.pool.register(table[i], chain[i])
+        self._registered[request.request_id] = n
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
         """Grow the request's table to hold num_computed + num_new tokens. False if the pool is short."""
@@ -193,18 +197,18 @@ class KVCacheManager:
         table.extend(self.pool.allocate(need))
         return True
 
-    def forget(self, request: Request) -> None:
-        """The request has ended: drop its memoised hashes."""
-        self._chains.pop(request.request_id, None)
-
     def free(self, request: Request) -> None:
-        self._hashes.pop(request.request_id, None)
+        self._drop_hashes(request)
         self.pool.free(self.block_tables.pop(request.request_id, []))
 
     def hold(self, request: Request) -> None:
         """A finished request keeps its blocks (out of the tables, still allocated) until release_held."""
-        self._hashes.pop(request.request_id, None)
+        self._drop_hashes(request)
         self.held[request.request_id] = self.block_tables.pop(request.request_id, [])
+
+    def _drop_hashes(self, request: Request) -> None:
+        self._chains.pop(request.request_id, None)
+        self._registered.pop(request.request_id, None)
 
     def release_held(self, request_id: str) -> None:
         self.pool.free(self.held.pop(request_id, []))

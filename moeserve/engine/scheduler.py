@@ -160,16 +160,17 @@ class Scheduler:
             req = self.waiting.popleft()
             looked_up = self.kv.looks_up(req)
             cached = self.kv.take_cached_prefix(req)
-            ahead = self.kv.uncomputed_prefix(req)[:1] if looked_up and in_flight else []
-            if ahead and ahead[0] in in_flight:
-                self._give_back(req, cached)
+            if looked_up and in_flight and any(h in in_flight for h in self.kv.uncomputed_prefix(req)[:1]):
+                if cached:
+                    self.kv.untake(req)
                 deferred.append(req)
                 continue
             n = min(req.num_missing_tokens, budget)
             s = self._scheduled(req, n, [])
             if ((n < req.num_missing_tokens and not self.config.enable_chunked_prefill)
                     or not self.kv.allocate_slots(req, n + max(s.num_new_drafts - 1, 0))):
-                self._give_back(req, cached)  # not admitted after all: look again next step
+                if cached:  # not admitted after all: look again next step
+                    self.kv.untake(req)
                 self.waiting.appendleft(req)
                 break
             if req.num_preemptions == 0:  # what the client is told: its prompt, as first admitted
@@ -184,12 +185,6 @@ class Scheduler:
             if looked_up:
                 in_flight.update(self.kv.uncomputed_prefix(req))
         self.waiting.extendleft(reversed(deferred))  # they keep their place in the queue
-
-    def _give_back(self, req: Request, cached: int) -> None:
-        """Undo take_cached_prefix for a request that is not admitted this step."""
-        if cached:
-            self.kv.free(req)
-            req.num_computed_tokens = 0
 
     def _scheduled(self, req: Request, n: int, drafts: list[int]) -> ScheduledRequest:
         """n tokens from num_computed_tokens on (the last len(drafts) are drafts)."""
@@ -274,7 +269,6 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.forget(req)
         if req.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
             self.kv.hold(req)  # disagg/kv_transfer.py frees them once the decode instance pulled them
         else:

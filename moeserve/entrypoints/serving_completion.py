@@ -67,14 +67,14 @@ class CompletionServing(Serving):
 
     @staticmethod
     def _top(lps: list, n: int) -> list:
-        """Prompt entries carry max(prompt_logprobs, logprobs) alternatives: keep the best n for logprobs."""
-        return [type(lp)(lp.token_id, lp.logprob, sorted(lp.top, key=lambda tv: -tv[1])[:n]) for lp in lps]
+        """Prompt entries carry max(prompt_logprobs, logprobs) alternatives, best first: keep n."""
+        return [type(lp)(lp.token_id, lp.logprob, lp.top[:n]) for lp in lps]
 
     def _prompt_logprobs(self, c: Child, n: int) -> list:
         """vLLM's shape: None for the first prompt token, then {token id: {logprob, decoded_token}}."""
         out: list = [None]
         for lp in c.prompt_logprobs or []:
-            top = {t: v for t, v in sorted(lp.top, key=lambda tv: -tv[1])[:n]}
+            top = dict(lp.top[:n])  # best first (topk)
             top.setdefault(lp.token_id, lp.logprob)
             out.append({str(t): {"logprob": v, "decoded_token": self.token_str(t)} for t, v in top.items()})
         return out
@@ -83,13 +83,14 @@ class CompletionServing(Serving):
         tokens, token_lps, tops, offsets = [], [], [], []
         if echoed is not None:  # the prompt: its first token has no logprob (None), as OpenAI reports it
             ids, prompt_lps = echoed
+            lps = list(prompt_lps) + list(lps)
             tok = self.token_str(ids[0])
             tokens.append(tok)
             token_lps.append(None)
             tops.append(None)
             offsets.append(offset)
             offset += len(tok)
-        for lp in (echoed[1] if echoed else []) + list(lps):
+        for lp in lps:
             tok = self.token_str(lp.token_id)
             tokens.append(tok)
             token_lps.append(lp.logprob)

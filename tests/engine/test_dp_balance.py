@@ -78,4 +78,4 @@ def test_router_prefix_memory_is_bounded():
     r.assign("a", 30, 1, list(range(30)))
     assert len(r.prefixes[0]) == 8
     # the 8 kept are the prompt's first blocks: eviction took the tail (a chain without its head is useless)
-    assert r._matched(0, r._hashes(list(range(30)))) == 8
+    assert r.prefixes[0].matched(r._hashes(list(range(30)))) == 8

@@ -3,7 +3,7 @@
 System-brief item 5: per-expert load statistics in real time, hot experts replicated, placement recomputed
 dynamically. Every `--eplb-step-interval` lockstep steps, on every rank at the same step boundary:
   1. each MoE layer's routed (token, choice) pairs per logical expert since the last rebalance are summed
-     over the EP group (every rank then holds the same totals);
+     over the EP group in one all-reduce (every rank then holds the same totals);
   2. eplb.rebalance() turns them into a new phys_to_logical map, the same on every rank (deterministic);
   3. expert weights move to their new slots: a slot whose expert this rank already holds copies it
      locally, the others arrive in one all-to-all per expert tensor from the lowest rank that held the
@@ -53,22 +53,20 @@ class OnlineEPLB:
 
     def rebalance(self) -> None:
         before, after = [], []  # max/mean rank load of the moved layers under the old and the new map
-        for idx in sorted(self.blocks):
-            block = self.blocks[idx]
-            loads = self._window(idx)
-            self.ep.all_reduce(loads)
-            old = block.expert_map.placement
-            redundant = old.num_physical - self.num_experts
-            new_map = rebalance([float(x) for x in loads.tolist()], redundant, old.num_ranks)
-            if new_map == list(old.phys_to_logical) or loads.sum() == 0:
+        layers = sorted(self.blocks)
+        windows = self.ep.all_reduce(torch.stack([self._window(i) for i in layers]))  # one collective: [L, E]
+        for idx, row in zip(layers, windows.tolist()):
+            block, old = self.blocks[idx], self.blocks[idx].expert_map.placement
+            if not any(row):
                 continue
-            was = imbalance(list(old.phys_to_logical), loads.tolist(), old.num_ranks)
-            now = imbalance(new_map, loads.tolist(), old.num_ranks)
-            if now >= was:
-                continue  # no better than what runs: moving weights would buy nothing
+            old_map = list(old.phys_to_logical)
+            new_map = rebalance([float(x) for x in row], old.num_physical - self.num_experts, old.num_ranks)
+            was, now = imbalance(old_map, row, old.num_ranks), imbalance(new_map, row, old.num_ranks)
+            if now >= was:  # no better than what runs (the same map included): moving weights buys nothing
+                continue
             before.append(was)
             after.append(now)
-            self._move(block, list(old.phys_to_logical), new_map)
+            self._move(block, old_map, new_map)
             new = replace(old, phys_to_logical=tuple(new_map))
             block.expert_map = ExpertMap(new)
             block.experts.slot_experts = new.local_slot_experts()
@@ -81,7 +79,7 @@ class OnlineEPLB:
 
     def _window(self, idx: int) -> torch.Tensor:
         zero = torch.zeros(self.num_experts, dtype=torch.long)
-        return (self.recorder.counts.get(idx, zero) - self._base.get(idx, zero)).contiguous()
+        return self.recorder.counts.get(idx, zero) - self._base.get(idx, zero)
 
     def _move(self, block: nn.Module, old: list[int], new: list[int]) -> None:
         """Every expert tensor of the block's experts ([slots, ...] stacked) into the new slot order."""
