@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moeserve.structured.params import StructuredOutputsParams
+
 INT64_MAX = 2**63 - 1
 
 
@@ -48,6 +50,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Guided decoding (vLLM's): the output must match a JSON schema, a regex, a choice or any JSON object.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +112,20 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise SamplingParamsError(message, param)
+        self._validate_structured_outputs()
+
+    def _validate_structured_outputs(self) -> None:
+        from moeserve.structured.params import compile_params
+        from moeserve.structured.regex import PatternError
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+        try:
+            compile_params(so)  # a bad pattern is the caller's error, before the engine sees it
+        except PatternError as e:
+            raise SamplingParamsError(f"structured output ({so.describe()}): {e}", "structured_outputs") from None
 
     def child_seed(self, i: int) -> int | None:
         """Seed of the i-th of n samples (seed + i, wrapped into 64 bits)."""

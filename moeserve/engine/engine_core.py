@@ -31,6 +31,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts reported on the next step
         self.kv_transfer = None  # prefill/decode disaggregation (disagg/kv_transfer.py)
+        self.structured = None  # guided decoding: built on the first request that asks for it
         if config.kv_transfer is not None:
             from moeserve.disagg.kv_transfer import KVTransfer
             from moeserve.distributed.parallel_state import get_world_group
@@ -44,6 +45,8 @@ class EngineCore:
             request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
                               eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids))
             self._check_vocab(request)
+            if req.sampling_params.structured_outputs is not None:
+                request.grammar = self._structured().matcher(req.sampling_params.structured_outputs)
             if req.kv_transfer_params is not None and self._add_disaggregated(request, req.kv_transfer_params):
                 return
             self.scheduler.add_request(request)
@@ -68,6 +71,13 @@ class EngineCore:
         self.scheduler.check_request(request)
         self.kv_transfer.add_pull(request, params.remote)
         return True
+
+    def _structured(self):
+        if self.structured is None:
+            from moeserve.structured.grammar import StructuredOutputManager
+            self.structured = StructuredOutputManager(self.config.model.tokenizer or self.config.model.model,
+                                                      self.arch.vocab_size)
+        return self.structured
 
     def _check_vocab(self, request: Request) -> None:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.arch.vocab_size]

@@ -22,6 +22,7 @@ from moeserve.layers.moe.placement import build_plan, moe_plan_context
 from moeserve.layers.sampler import LogitsRows, Sampler, TokenLogprobs, apply_logits_processors
 from moeserve.models.config import DeepseekArch
 from moeserve.models.registry import build_model
+from moeserve.structured.grammar import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,12 @@ class ModelRunner:
             apply_logits_processors(logits, [LogitsRows(s.request.sampling_params, s.request.stop_ids,
                                                         s.request.prompt_token_ids, s.request.output_token_ids,
                                                         s.draft_token_ids) for _, s in sample_rows])
+        if any(r.grammar is not None for r in reqs):
+            if raw is logits and any(p.logprobs is not None for p in params):
+                raw = logits.clone()
+            apply_grammar_masks(logits, [(s.request.grammar, s.request.output_token_ids, s.draft_token_ids,
+                                          sorted(s.request.stop_ids or s.request.eos_token_ids))
+                                         for _, s in sample_rows])
         gens = [self._generator(r) for r in reqs]
         if self.rejection_sampler is None:
             tokens, lps = self.sampler(logits, params, gens, raw)

@@ -11,6 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from moeserve.sampling_params import SamplingParams, SamplingParamsError
+from moeserve.structured.params import StructuredOutputsParams, compile_params
+from moeserve.structured.regex import PatternError
 
 MAX_N = 128  # choices per request; each one is a separate engine request
 MAX_LOGPROBS = 20
@@ -86,15 +88,20 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     response_format: dict | None = None
+    # Guided decoding, vLLM's extras: structured_outputs {"json" | "regex" | "choice" | "json_object": ...},
+    # and the older guided_* fields (guided_decoding_backend is accepted and ignored: there is one backend).
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     user: str | None = None
     kv_transfer_params: dict | None = None  # PD disaggregation (vLLM's extension; disagg/params.py)
 
     def _unsupported(self) -> None:
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise APIError("'response_format' other than {\"type\": \"text\"} (structured output) is not "
-                           "supported by this server; omit it", param="response_format")
         if self.tools or self.tool_choice not in (None, "none"):
             raise APIError("tool calling is not supported by this server; omit 'tools' and 'tool_choice'",
                            param="tools")
@@ -110,9 +117,49 @@ class _SamplingFields(_Strict):
         except ValueError:
             raise APIError("logit_bias keys must be token ids, e.g. {\"1234\": -100}", param="logit_bias") from None
 
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one structured-output request among response_format, structured_outputs and guided_*."""
+        given: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            kind = rf.get("type")
+            if kind == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+                    raise APIError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
+                                   "\"schema\": {...}}}", param="response_format")
+                given.append(("response_format", {"json": spec["schema"]}))
+            else:
+                raise APIError(f"response_format type {kind!r} is not supported; use \"text\", \"json_object\" "
+                               "or \"json_schema\"", param="response_format")
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs))
+        for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if getattr(self, field) is not None:
+                given.append((field, {key: getattr(self, field)}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise APIError(f"give one structured-output constraint, not {' and '.join(f for f, _ in given)}",
+                           param=given[1][0])
+        field, spec = given[0]
+        try:
+            params = StructuredOutputsParams(**spec)
+            compile_params(params)
+        except TypeError:
+            raise APIError(f"'{field}' takes the keys json, regex, choice, json_object; got "
+                           f"{sorted(spec)}", param=field) from None
+        except PatternError as e:
+            raise APIError(f"'{field}': {e}", param=field) from None
+        return params
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         self._unsupported()
+        structured = self._structured_outputs()
         kwargs = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                       presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                       repetition_penalty=self.repetition_penalty)
@@ -122,7 +169,7 @@ class _SamplingFields(_Strict):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
-                skip_special_tokens=self.skip_special_tokens, **{k: v for k, v in kwargs.items() if v is not None})
+                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured, **{k: v for k, v in kwargs.items() if v is not None})
         except SamplingParamsError as e:
             raise APIError(str(e), param=e.param) from None
 

@@ -1,0 +1,196 @@
+"""Token masks from a byte DFA: which vocabulary entries may come next, per request and per logits row.
+
+A token is allowed in DFA state s when reading all its bytes from s ends in a live state. The vocabulary's
+byte strings are stored by column (tokens sorted longest first, column t holds byte t of the tokens longer
+than t), so one state's mask over the whole vocabulary is one gather per byte position. Masks are cached
+per state: a schema's output revisits few states. The stop tokens (EOS, stop_token_ids) are allowed only
+where the output so far matches the whole pattern.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+
+import torch
+
+from moeserve.structured.automaton import DFA
+from moeserve.structured.params import StructuredOutputsParams, compile_params
+
+logger = logging.getLogger(__name__)
+
+MASK_CACHE_BYTES = 256 << 20  # per grammar: masks are vocab-size bools
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE writes byte b as one printable character: printable Latin-1 bytes as
+    themselves, the other 68 bytes as U+0100 onwards, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[chr(b)] = b
+        else:
+            out[chr(0x100 + extra)] = b
+            extra += 1
+    return out
+
+
+def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
+    """Each token id's bytes as it appears in generated text; None for special tokens and ids the
+    tokenizer lacks (the model's vocabulary is often padded)."""
+    decoder = json.loads(tokenizer.backend_tokenizer.to_str()).get("decoder") or {}
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+    byte_level = "ByteLevel" in kinds
+    alphabet = _byte_level_alphabet()
+    special = set(tokenizer.all_special_ids)
+    added = {i: t for i, t in tokenizer.added_tokens_decoder.items()}
+    out: list[bytes | None] = [None] * vocab_size
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+    for i, piece in enumerate(pieces):
+        if piece is None or i in special or (i in added and added[i].special):
+            continue
+        if i in added:  # added tokens are stored as text
+            out[i] = added[i].content.encode("utf-8")
+        elif byte_level:
+            if all(ch in alphabet for ch in piece):
+                out[i] = bytes(alphabet[ch] for ch in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece byte fallback
+            out[i] = bytes([int(piece[3:5], 16)])
+        else:
+            out[i] = piece.replace("\u2581", " ").encode("utf-8")
+    return out
+
+
+class TokenTable:
+    """The vocabulary's bytes laid out for batched DFA runs."""
+
+    def __init__(self, pieces: list[bytes | None]) -> None:
+        self.vocab_size = len(pieces)
+        self.pieces = pieces
+        valid = sorted((i for i, p in enumerate(pieces) if p), key=lambda i: -len(pieces[i]))
+        self.order = torch.tensor(valid, dtype=torch.int64)
+        longest = len(pieces[valid[0]]) if valid else 0
+        self.columns = []
+        n = len(valid)
+        for t in range(longest):
+            while n and len(pieces[valid[n - 1]]) <= t:  # lengths descend: drop the tokens that ended
+                n -= 1
+            self.columns.append(torch.tensor([pieces[i][t] for i in valid[:n]], dtype=torch.int64))
+
+
+class TokenGrammar:
+    """One compiled pattern over one vocabulary: per-state token masks, cached."""
+
+    def __init__(self, dfa: DFA, table: TokenTable) -> None:
+        self.dfa, self.table = dfa, table
+        self.flat = dfa.byte_table()[:, :256].contiguous().view(-1)
+        self.masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.max_masks = max(16, MASK_CACHE_BYTES // max(1, table.vocab_size))
+
+    def allowed(self, state: int) -> torch.Tensor:
+        """bool [vocab]: tokens that keep the output matchable from `state` (stop tokens not included)."""
+        mask = self.masks.get(state)
+        if mask is not None:
+            self.masks.move_to_end(state)
+            return mask
+        mask = torch.zeros(self.table.vocab_size, dtype=torch.bool)
+        if state:
+            cur = torch.full((len(self.table.order),), state, dtype=torch.int64)
+            for col in self.table.columns:
+                k = len(col)
+                cur[:k] = self.flat[cur[:k] * 256 + col]
+            mask[self.table.order] = cur != 0
+        self.masks[state] = mask
+        if len(self.masks) > self.max_masks:
+            self.masks.popitem(last=False)
+        return mask
+
+    def advance(self, state: int, token_id: int) -> int:
+        piece = self.table.pieces[token_id] if 0 <= token_id < self.table.vocab_size else None
+        return self.dfa.step(state, piece) if piece else 0
+
+
+class GrammarMatcher:
+    """One request's position in its grammar, derived from its output tokens (so a preempted and
+    recomputed request, or one whose drafts were rejected, needs no rollback)."""
+
+    def __init__(self, grammar: TokenGrammar) -> None:
+        self.grammar = grammar
+        self.state, self.consumed = 1, 0
+
+    def sync(self, output_ids: list[int]) -> int:
+        if len(output_ids) < self.consumed:
+            self.state, self.consumed = 1, 0
+        for t in output_ids[self.consumed:]:
+            # A stop token ends the output; anything else must follow the grammar (dead state otherwise).
+            self.state = self.grammar.advance(self.state, t) if self.state else 0
+        self.consumed = len(output_ids)
+        return self.state
+
+    def row_masks(self, output_ids: list[int], draft_ids: list[int], end_ids: list[int]) -> torch.Tensor:
+        """bool [len(draft_ids) + 1, vocab]: row j may follow output + drafts[:j]. Rows after a draft the
+        grammar forbids repeat the row before (that draft is rejected, so they are never used)."""
+        g = self.grammar
+        state = self.sync(output_ids)
+        rows = []
+        for j in range(len(draft_ids) + 1):
+            if j and not state:
+                rows.append(rows[-1])
+                continue
+            mask = g.allowed(state)
+            if not state or g.dfa.accepting[state]:
+                mask = mask.clone()
+                mask[[t for t in end_ids if t < g.table.vocab_size]] = True
+            if not bool(mask.any()):  # nothing can continue (a tokenizer lacking some byte): end the output
+                logger.warning("structured output: no token can continue the pattern; ending the request")
+                mask = mask.clone()
+                mask[[t for t in end_ids if t < g.table.vocab_size]] = True
+            rows.append(mask)
+            if j < len(draft_ids):
+                state = g.advance(state, draft_ids[j])
+        return torch.stack(rows)
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[GrammarMatcher | None, list[int], list[int],
+                                                               list[int]]]) -> None:
+    """In place: logits [sum rows, V]; rows = (matcher or None, output_ids, draft_ids, end_ids) per request."""
+    r = 0
+    for matcher, output_ids, draft_ids, end_ids in rows:
+        n = len(draft_ids) + 1
+        if matcher is not None:
+            mask = matcher.row_masks(output_ids, draft_ids, end_ids)
+            logits[r:r + n, :mask.shape[1]].masked_fill_(~mask, float("-inf"))
+            logits[r:r + n, mask.shape[1]:] = float("-inf")
+        r += n
+
+
+class StructuredOutputManager:
+    """The engine's side: the vocabulary's bytes (loaded on the first structured request) and one
+    TokenGrammar per distinct spec."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, tokenizer=None) -> None:
+        self.tokenizer_path, self.vocab_size, self._tokenizer = tokenizer_path, vocab_size, tokenizer
+        self._table: TokenTable | None = None
+        self._grammars: OrderedDict[tuple, TokenGrammar] = OrderedDict()
+
+    def table(self) -> TokenTable:
+        if self._table is None:
+            tok = self._tokenizer
+            if tok is None:
+                from moeserve.tokenizer import load_tokenizer
+                tok = load_tokenizer(self.tokenizer_path)
+            self._table = TokenTable(token_bytes(tok, self.vocab_size))
+        return self._table
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        key = params.key
+        grammar = self._grammars.get(key)
+        if grammar is None:
+            grammar = TokenGrammar(compile_params(params), self.table())
+            self._grammars[key] = grammar
+            if len(self._grammars) > 16:  # each holds its mask cache
+                self._grammars.popitem(last=False)
+        else:
+            self._grammars.move_to_end(key)
+        return GrammarMatcher(grammar)

@@ -1,0 +1,88 @@
+"""What a request's output must look like (vLLM's StructuredOutputsParams), and its compiled byte automaton.
+
+Exactly one of: `json` (a JSON Schema, dict or JSON text), `regex`, `choice` (a list of exact strings),
+`json_object` (any JSON object, OpenAI's response_format json_object). `grammar` (EBNF / Lark) is refused.
+Compilation to a byte DFA needs no tokenizer, so the API server compiles to validate (a bad pattern is a
+400 there) and the engine compiles again from its cache.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from threading import Lock
+
+from moeserve.structured.automaton import DFA, compile_dfa
+from moeserve.structured.json_schema import json_object, schema_to_pattern
+from moeserve.structured.regex import Alt, PatternError, literal, parse
+
+MAX_CHOICES = 1_000
+COMPILE_CACHE_SIZE = 64
+
+
+@dataclass
+class StructuredOutputsParams:
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, (dict, bool)):
+            self.json = json.dumps(self.json)  # one canonical, serialisable form; key order kept
+        given = [k for k in ("json", "regex", "choice", "json_object", "grammar")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise PatternError("structured outputs take exactly one of json, regex, choice, json_object"
+                               + (f"; got {', '.join(given)}" if given else ""))
+        if self.grammar is not None:
+            raise PatternError("grammar-based structured output (EBNF / Lark) is not supported; use a JSON "
+                               "schema, a regex or a choice list")
+        if self.json is not None and not isinstance(self.json, str):
+            raise PatternError(f"json must be a JSON schema (an object or its JSON text), got "
+                               f"{type(self.json).__name__}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or len(self.choice) > MAX_CHOICES
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise PatternError(f"choice must be a list of 1..{MAX_CHOICES} non-empty strings")
+        if self.json_object not in (None, True, False):
+            raise PatternError("json_object must be true or false")
+
+    @property
+    def key(self) -> tuple:
+        return ("json", self.json) if self.json is not None else \
+            ("regex", self.regex) if self.regex is not None else \
+            ("choice", tuple(self.choice)) if self.choice is not None else ("json_object",)
+
+    def describe(self) -> str:
+        return self.key[0]
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
+
+_cache: OrderedDict[tuple, DFA] = OrderedDict()
+_lock = Lock()  # the API server compiles from several request handlers
+
+
+def compile_params(p: StructuredOutputsParams) -> DFA:
+    """The byte DFA the output must match as a whole (LRU-cached by the spec). Raises PatternError."""
+    key = p.key
+    with _lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    if p.json is not None:
+        node = schema_to_pattern(p.json)
+    elif p.regex is not None:
+        node = parse(p.regex)
+    elif p.choice is not None:
+        node = Alt(tuple(literal(c) for c in p.choice))
+    else:
+        node = json_object()
+    dfa = compile_dfa(node)
+    with _lock:
+        _cache[key] = dfa
+        while len(_cache) > COMPILE_CACHE_SIZE:
+            _cache.popitem(last=False)
+    return dfa
