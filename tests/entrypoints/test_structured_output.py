@@ -1,0 +1,74 @@
+"""Structured output over HTTP, as OpenAI and vLLM clients ask for it: response_format json_schema /
+json_object, vLLM's structured_outputs and guided_* extras, streamed or not; errors name the field."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                           "rain": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
+          "required": ["city", "rain", "level"]}
+MESSAGES = [{"role": "user", "content": "Weather in Paris as JSON"}]
+
+
+@pytest.fixture(scope="module")
+def client(openai_server):
+    return openai.OpenAI(base_url=openai_server.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_chat_json_schema(client, model):
+    r = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=120, temperature=0.7, seed=1, n=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}})
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_chat_json_object_streamed(client, model):
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=60, temperature=0,
+                                            response_format={"type": "json_object"}, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text.startswith("{")
+    unary = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=60, temperature=0,
+                                           response_format={"type": "json_object"})
+    assert unary.choices[0].message.content == text  # same greedy text streamed or not
+
+
+@pytest.mark.parametrize("extra,check", [
+    ({"guided_choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue")),
+    ({"guided_regex": r"\d{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"\d{3}-[a-z]{2}", t, re.ASCII)),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+    ({"guided_json": json.dumps(SCHEMA), "guided_decoding_backend": "auto"},
+     lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+])
+def test_completions_with_vllm_extras(client, model, extra, check):
+    r = client.completions.create(model=model, prompt="The answer:", max_tokens=80, temperature=1.0, seed=5, n=2,
+                                  extra_body=extra)
+    for choice in r.choices:
+        assert choice.finish_reason == "stop" and check(choice.text), choice.text
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"guided_regex": "(a"}, "guided_regex", "missing ')'"),
+    ({"guided_json": {"type": "integer", "maximum": 3}}, "guided_json", "'maximum' is not supported"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one structured-output constraint"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "EBNF"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
+     "response_format", "does not resolve"),
+])
+def test_errors_name_the_field(openai_server, model, body, param, words):
+    r = httpx.post(f"{openai_server.base_url}/completions", json={"model": model, "prompt": "x", **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err

@@ -1,0 +1,128 @@
+"""Structured output through the engine: greedy decoding equals a hand loop that masks the model's own
+logits with a brute-force per-token check; MTP and preemption change nothing; sampled outputs are valid."""
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.sampling_params import SamplingParamsError
+from moeserve.structured.grammar import token_bytes
+from moeserve.structured.params import StructuredOutputsParams as SO, compile_params
+
+# Finite: every output ends (with EOS) within max_tokens. The hand loop also runs an unbounded integer.
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"enum": [1, 22]},
+                                           "ok": {"type": "boolean"}, "kind": {"enum": ["cat", "dog"]}},
+          "required": ["name", "ok", "kind"]}
+OPEN_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "x": {"type": ["number", "null"]}}}
+SPECS = [SO(json=SCHEMA), SO(regex=r"[a-f]{2,6}-\d{2}"), SO(choice=["alpha", "beta", "alphabet"]), SO(json_object=True)]
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61))]
+
+
+@pytest.fixture(scope="module")
+def llm(mtp_ckpt_dir):
+    return LLM(mtp_ckpt_dir("v3"), dtype="float32", enable_prefix_caching=False)
+
+
+def _hand_loop(llm: LLM, prompt: list[int], spec: SO, max_tokens: int) -> list[int]:
+    """Greedy over the engine's logits, allowing a token iff its bytes keep the output a prefix of a match
+    (checked token by token with the DFA), and EOS iff the output so far matches."""
+    dfa = compile_params(spec)
+    pieces = token_bytes(llm.get_tokenizer(), llm.arch.vocab_size)
+    out: list[int] = []
+    text = b""
+    for _ in range(max_tokens):
+        logits = llm.engine.score(prompt + out)[-1].clone()
+        state = dfa.step(1, text)
+        allowed = torch.tensor([p is not None and dfa.step(state, p) != 0 for p in pieces])
+        if dfa.accepting[state]:
+            allowed[llm.eos_token_ids] = True
+        logits[~allowed] = float("-inf")
+        token = int(logits.argmax())
+        out.append(token)
+        if token in llm.eos_token_ids:
+            break
+        text += pieces[token]
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS[:3] + [SO(json=OPEN_SCHEMA)], ids=lambda s: s.describe())
+def test_greedy_equals_a_masked_hand_loop(llm, spec):
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec)
+    got = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs[0]
+    assert got.token_ids == _hand_loop(llm, PROMPTS[0], spec, 80)
+    if spec.json != json.dumps(OPEN_SCHEMA):
+        assert got.finish_reason == "stop"  # the grammar ended the output with EOS
+
+
+def _check(text: str, spec: SO) -> None:
+    if spec.json is not None:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif spec.regex is not None:
+        assert re.fullmatch(spec.regex, text, re.ASCII), text
+    elif spec.choice is not None:
+        assert text in spec.choice
+    else:
+        assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: s.describe())
+def test_sampled_outputs_match_their_pattern(llm, spec):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=3, n=6, max_tokens=80, structured_outputs=spec)
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    for o in outs:
+        for c in o.outputs:
+            assert c.finish_reason == "stop", c
+            _check(c.text, spec)
+
+
+def test_json_object_output_is_an_object_prefix_or_object(llm):
+    params = SamplingParams(temperature=0.8, seed=0, n=4, max_tokens=48, structured_outputs=SPECS[3])
+    for c in llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs:
+        if c.finish_reason == "stop":
+            _check(c.text, SPECS[3])
+        else:  # cut by max_tokens: still a prefix the automaton accepts
+            assert compile_params(SPECS[3]).step(1, c.text.encode()) != 0
+        assert c.text.startswith("{")
+
+
+def test_mixed_batch_leaves_other_requests_alone(llm):
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=PROMPTS, sampling_params=plain)
+    guided = SamplingParams(temperature=0, max_tokens=80, structured_outputs=SPECS[0])
+    mixed = llm.generate(prompt_token_ids=PROMPTS + PROMPTS[:1], sampling_params=[plain] * 3 + [guided])
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == [o.outputs[0].token_ids for o in alone]
+    _check(mixed[3].outputs[0].text, SPECS[0])
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_is_lossless_under_structured_output(mtp_ckpt_dir, llm, k):
+    spec_llm = LLM(mtp_ckpt_dir("v3"), dtype="float32", enable_prefix_caching=False,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    for spec in SPECS[:3]:
+        params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec)
+        want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+        got = [o.outputs[0].token_ids for o in spec_llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+        assert got == want, spec.describe()
+    assert spec_llm.engine.stats().spec_num_draft_tokens > 0
+
+
+def test_preemption_changes_nothing(mtp_ckpt_dir, llm):
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=SPECS[0])
+    want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS * 2, sampling_params=params)]
+    small = LLM(mtp_ckpt_dir("v3"), dtype="float32", enable_prefix_caching=False, num_kv_blocks=20, block_size=8)
+    got = [o.outputs[0].token_ids for o in small.generate(prompt_token_ids=PROMPTS * 2, sampling_params=params)]
+    assert got == want
+    assert small.engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(regex="(a"), "missing"), (dict(json={"type": "integer", "maximum": 3}), "maximum"),
+    (dict(grammar="root ::= 'a'"), "not supported"), (dict(regex="a", choice=["a"]), "exactly one"),
+    (dict(choice=[]), "choice"),
+])
+def test_bad_specs_are_refused_naming_the_field(kw, words):
+    with pytest.raises((SamplingParamsError, ValueError), match=words):
+        SamplingParams(structured_outputs=SO(**kw))
