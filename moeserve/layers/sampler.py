@@ -1,8 +1,10 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, top-N logprobs."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moeserve.sampling_params import SamplingParams
@@ -53,9 +55,10 @@ class LogitsRows:
 def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> None:
     """In place, before sampling: OpenAI's logit_bias; min_tokens (vLLM): the stop tokens (EOS unless
     ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens; then vLLM's
-    repetition, frequency and presence penalties. Logprobs stay those of the raw model output (the caller
-    keeps a copy), as vLLM reports them."""
+    repetition, frequency and presence penalties, for all the step's penalised rows at once. Logprobs stay
+    those of the raw model output (the caller keeps a copy), as vLLM reports them."""
     r = 0
+    penalised: list[tuple[int, LogitsRows]] = []  # (first row, request)
     for req in rows:
         p, n_rows, n_out = req.params, req.num_rows, len(req.output_ids)
         if p.logit_bias:
@@ -68,25 +71,77 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> Non
                                device=logits.device)
             logits[r:r + short, ids] = float("-inf")
         if p.has_penalties:
-            _apply_penalties(logits[r:r + n_rows], req)
+            penalised.append((r, req))
         r += n_rows
+    if penalised:  # rows are disjoint: penalising after every request's bias and mask is the same order
+        _apply_penalties(logits, penalised)
 
 
-def _apply_penalties(logits: torch.Tensor, req: LogitsRows) -> None:
-    """logits [rows, V]: row j sees the outputs plus drafts 0..j-1 as generated (vLLM's definitions:
-    repetition over prompt + output, frequency and presence over the output only)."""
-    p = req.params
-    generated = torch.tensor(req.output_ids + req.draft_ids, dtype=torch.long)  # sampled: all in vocabulary
-    n_out = len(req.output_ids)
-    counts = torch.zeros(logits.shape, dtype=logits.dtype)
-    for j in range(logits.shape[0]):
-        counts[j].scatter_add_(0, generated[: n_out + j], torch.ones(n_out + j, dtype=logits.dtype))
-    if p.repetition_penalty != 1.0:
-        seen = counts > 0
-        seen[:, torch.tensor(req.prompt_ids, dtype=torch.long)] = True  # checked against the vocabulary
-        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
-                                                   logits * p.repetition_penalty), logits))
-    logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+def _ids(lists: list[list[int]], n: int) -> torch.Tensor:
+    """The concatenation of lists of token ids (n in all) as one int64 tensor (numpy: ~8x torch.tensor)."""
+    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n))
+
+
+def _entries(tokens: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int], V: int) -> torch.Tensor:
+    """Flat indices row * V + token into contiguous [R, V] logits: segment k gives row rows[k] the tokens
+    tokens[starts[k]:starts[k] + lengths[k]]."""
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+    k = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)
+    offset = torch.arange(k.numel()) - (lengths_t.cumsum(0) - lengths_t).index_select(0, k)
+    start = torch.tensor(starts, dtype=torch.long).index_select(0, k)
+    return torch.tensor(rows, dtype=torch.long).index_select(0, k) * V + tokens.index_select(0, start + offset)
+
+
+def _apply_penalties(logits: torch.Tensor, penalised: list[tuple[int, LogitsRows]]) -> None:
+    """logits [R, V], in place at the rows of the penalised requests ((first row, request)): row j of a
+    request sees its outputs plus drafts 0..j-1 as generated (vLLM's definitions: repetition over prompt +
+    generated, frequency and presence over the generated only).
+
+    All the step's penalised rows at once, reading and writing only the (row, token) entries a penalty
+    changes: the repetition penalty by one gather / where / scatter over the prompt and generated entries
+    (an entry listed twice is written twice with the same value, computed from the logit before), then
+    frequency and presence by one gather / subtract / scatter at the distinct generated entries with their
+    counts. Per entry the arithmetic is the dense per-row formula's (divide or multiply by the penalty, then
+    minus frequency x count + presence, in the logits' dtype), so the logits are the same bit for bit, and
+    entries no penalty reaches are not touched. Token ids must be in the vocabulary (a larger one would
+    index the next row): outputs and drafts are sampled from it, prompts are checked at admission."""
+    R, V, dev, dtype = logits.shape[0], logits.shape[-1], logits.device, logits.dtype
+    rep, freq, pres = [1.0] * R, [0.0] * R, [0.0] * R  # per row of logits
+    gen_lists, g_rows, g_starts, g_lens, n_gen = [], [], [], [], 0
+    prompt_lists, p_rows, p_starts, p_lens, n_prompt = [], [], [], [], 0
+    for r, req in penalised:
+        p, n_out, n_rows = req.params, len(req.output_ids), req.num_rows
+        rep[r:r + n_rows] = [p.repetition_penalty] * n_rows
+        freq[r:r + n_rows] = [p.frequency_penalty] * n_rows
+        pres[r:r + n_rows] = [p.presence_penalty] * n_rows
+        gen_lists += [req.output_ids, req.draft_ids]
+        g_rows += range(r, r + n_rows)
+        g_starts += [n_gen] * n_rows
+        g_lens += range(n_out, n_out + n_rows)  # row j: the outputs and drafts 0..j-1
+        n_gen += n_out + len(req.draft_ids)
+        if p.repetition_penalty != 1.0:
+            prompt_lists.append(req.prompt_ids)
+            p_rows += range(r, r + n_rows)
+            p_starts += [n_prompt] * n_rows
+            p_lens += [len(req.prompt_ids)] * n_rows
+            n_prompt += len(req.prompt_ids)
+    work = logits if logits.is_contiguous() else logits.contiguous()
+    flat = work.view(-1)
+    gen = _entries(_ids(gen_lists, n_gen), g_rows, g_starts, g_lens, V).to(dev)
+    if prompt_lists:
+        entry = torch.cat([_entries(_ids(prompt_lists, n_prompt), p_rows, p_starts, p_lens, V).to(dev), gen])
+        # rows whose request has repetition_penalty 1 (their generated entries are here) divide by 1: a no-op
+        penalty = torch.tensor(rep, dtype=dtype, device=dev).index_select(0, entry // V)
+        x = flat.index_select(0, entry)
+        flat[entry] = torch.where(x > 0, x / penalty, x * penalty)
+    if gen.numel() and (any(freq) or any(pres)):
+        entry, count = torch.unique(gen, return_counts=True)
+        row = entry // V
+        f = torch.tensor(freq, dtype=dtype, device=dev).index_select(0, row)
+        pp = torch.tensor(pres, dtype=dtype, device=dev).index_select(0, row)
+        flat[entry] = flat.index_select(0, entry) - (f * count.to(dtype) + pp)
+    if work is not logits:
+        logits.copy_(work)
 
 
 class Sampler:
