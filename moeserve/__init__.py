@@ -1,8 +1,9 @@
 """moeserve: serve DeepSeek-V3-class MoE models, and plan their deployments."""
-from moeserve.sampling_params import SamplingParams
+from moeserve.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
+           "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

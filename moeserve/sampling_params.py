@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moeserve.structured.params import StructuredOutputsParams
+from moeserve.structured.params import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401 (re-exported)
 
 INT64_MAX = 2**63 - 1
 
@@ -52,8 +52,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Guided decoding (vLLM's): the output must match a JSON schema, a regex, a choice or any JSON object.
     structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name; moved to structured_outputs
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise SamplingParamsError("give structured_outputs or guided_decoding, not both", "guided_decoding")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -156,7 +156,7 @@ class ModelRunner:
             if raw is logits and any(p.logprobs is not None for p in params):
                 raw = logits.clone()
             apply_grammar_masks(logits, [(s.request.grammar, s.request.output_token_ids, s.draft_token_ids,
-                                          sorted(s.request.stop_ids or s.request.eos_token_ids))
+                                          sorted(s.request.stop_ids), s.request.eos_token_ids)
                                          for _, s in sample_rows])
         gens = [self._generator(r) for r in reqs]
         if self.rejection_sampler is None:

@@ -117,6 +117,12 @@ class _SamplingFields(_Strict):
         except ValueError:
             raise APIError("logit_bias keys must be token ids, e.g. {\"1234\": -100}", param="logit_bias") from None
 
+    @property
+    def has_structured_outputs(self) -> bool:
+        return any(x is not None for x in (self.structured_outputs, self.guided_json, self.guided_regex,
+                                           self.guided_choice, self.guided_grammar)) or \
+            (self.response_format is not None and self.response_format.get("type", "text") != "text")
+
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The one structured-output request among response_format, structured_outputs and guided_*."""
         given: list[tuple[str, dict]] = []
@@ -169,7 +175,8 @@ class _SamplingFields(_Strict):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
-                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured, **{k: v for k, v in kwargs.items() if v is not None})
+                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
+                **{k: v for k, v in kwargs.items() if v is not None})
         except SamplingParamsError as e:
             raise APIError(str(e), param=e.param) from None
 

@@ -28,6 +28,9 @@ DISCONNECT_POLL_S = 0.25
 # Tokenizing a long prompt (or rendering a chat template) takes up to seconds: it runs on this one thread,
 # off the event loop, so other requests and /health keep being answered meanwhile.
 _TOKENIZE = ThreadPoolExecutor(1, thread_name_prefix="moeserve-tokenize")
+# Compiling a structured-output pattern can take a second for a large schema: never on the event loop, and
+# not on the tokenizer thread, which other requests wait for.
+_GRAMMAR = ThreadPoolExecutor(1, thread_name_prefix="moeserve-grammar")
 
 
 class ClientDisconnected(Exception):
@@ -83,6 +86,14 @@ class Serving:
     async def off_loop(fn, *args):
         """Run tokenizer work on the tokenizer thread; its APIError reaches the caller unchanged."""
         return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, functools.partial(fn, *args))
+
+    @staticmethod
+    async def sampling_params(req, *args):
+        """req.sampling_params(*args), on the grammar thread when it compiles a structured-output pattern."""
+        if not req.has_structured_outputs:
+            return req.sampling_params(*args)
+        return await asyncio.get_running_loop().run_in_executor(_GRAMMAR, functools.partial(req.sampling_params,
+                                                                                            *args))
 
     # ---- validation ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:

@@ -30,7 +30,7 @@ class ChatServing(Serving):
         ids = await self.off_loop(self.render, req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.check_length(len(ids), getattr(req, field), "messages", field)
-        params = req.sampling_params(max_tokens, req.num_logprobs())
+        params = await self.sampling_params(req, max_tokens, req.num_logprobs())
         children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:

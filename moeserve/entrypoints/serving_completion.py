@@ -17,7 +17,8 @@ class CompletionServing(Serving):
         # echo with logprobs scores the prompt too (OpenAI's legacy completions; lm-eval's loglikelihood)
         prompt_lps = max((n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None),
                          default=None)
-        params = req.sampling_params(max_tokens if req.max_tokens is not None else None, req.logprobs, prompt_lps)
+        params = await self.sampling_params(req, max_tokens if req.max_tokens is not None else None, req.logprobs,
+                                           prompt_lps)
         children = self.make_children([ids for _, ids in prompts], params, "cmpl", req.kv_transfer_params,
                                       req.stream)
         texts = [t for t, _ in prompts]

@@ -9,15 +9,12 @@ where the output so far matches the whole pattern.
 from __future__ import annotations
 
 import json
-import logging
 from collections import OrderedDict
 
 import torch
 
 from moeserve.structured.automaton import DFA
 from moeserve.structured.params import StructuredOutputsParams, compile_params
-
-logger = logging.getLogger(__name__)
 
 MASK_CACHE_BYTES = 256 << 20  # per grammar: masks are vocab-size bools
 
@@ -128,9 +125,12 @@ class GrammarMatcher:
         self.consumed = len(output_ids)
         return self.state
 
-    def row_masks(self, output_ids: list[int], draft_ids: list[int], end_ids: list[int]) -> torch.Tensor:
-        """bool [len(draft_ids) + 1, vocab]: row j may follow output + drafts[:j]. Rows after a draft the
-        grammar forbids repeat the row before (that draft is rejected, so they are never used)."""
+    def row_masks(self, output_ids: list[int], draft_ids: list[int], end_ids: list[int],
+                  fallback_ids: list[int] = ()) -> torch.Tensor:
+        """bool [len(draft_ids) + 1, vocab]: row j may follow output + drafts[:j]. end_ids (the request's
+        stop tokens) are allowed where the output matches; fallback_ids (EOS) only where nothing else is
+        (ignore_eos past the pattern's end). Rows after a draft the grammar forbids repeat the row before
+        (that draft is rejected, so they are never used)."""
         g = self.grammar
         state = self.sync(output_ids)
         rows = []
@@ -142,24 +142,23 @@ class GrammarMatcher:
             if not state or g.dfa.accepting[state]:
                 mask = mask.clone()
                 mask[[t for t in end_ids if t < g.table.vocab_size]] = True
-            if not bool(mask.any()):  # nothing can continue (a tokenizer lacking some byte): end the output
-                logger.warning("structured output: no token can continue the pattern; ending the request")
+            if not bool(mask.any()):  # the pattern is complete (ignore_eos), or no token has the next byte
                 mask = mask.clone()
-                mask[[t for t in end_ids if t < g.table.vocab_size]] = True
+                mask[[t for t in fallback_ids if t < g.table.vocab_size]] = True
             rows.append(mask)
             if j < len(draft_ids):
                 state = g.advance(state, draft_ids[j])
         return torch.stack(rows)
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple[GrammarMatcher | None, list[int], list[int],
-                                                               list[int]]]) -> None:
-    """In place: logits [sum rows, V]; rows = (matcher or None, output_ids, draft_ids, end_ids) per request."""
+def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple]) -> None:
+    """In place: logits [sum rows, V]; rows = (matcher or None, output_ids, draft_ids, end_ids, fallback_ids)
+    per request (see GrammarMatcher.row_masks)."""
     r = 0
-    for matcher, output_ids, draft_ids, end_ids in rows:
+    for matcher, output_ids, draft_ids, end_ids, fallback_ids in rows:
         n = len(draft_ids) + 1
         if matcher is not None:
-            mask = matcher.row_masks(output_ids, draft_ids, end_ids)
+            mask = matcher.row_masks(output_ids, draft_ids, end_ids, fallback_ids)
             logits[r:r + n, :mask.shape[1]].masked_fill_(~mask, float("-inf"))
             logits[r:r + n, mask.shape[1]:] = float("-inf")
         r += n

@@ -126,3 +126,14 @@ def test_preemption_changes_nothing(mtp_ckpt_dir, llm):
 def test_bad_specs_are_refused_naming_the_field(kw, words):
     with pytest.raises((SamplingParamsError, ValueError), match=words):
         SamplingParams(structured_outputs=SO(**kw))
+
+
+def test_ignore_eos_keeps_eos_out_until_the_pattern_is_complete(llm):
+    params = SamplingParams(temperature=1.0, seed=2, n=4, max_tokens=12, ignore_eos=True,
+                            structured_outputs=SO(regex="[ab]{1,6}"))
+    eos = set(llm.eos_token_ids)
+    for c in llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs:
+        assert c.finish_reason == "length" and len(c.token_ids) == 12
+        first_eos = next(i for i, t in enumerate(c.token_ids) if t in eos)  # only once "[ab]{6}" is complete
+        assert all(t in eos for t in c.token_ids[first_eos:])
+        assert re.fullmatch("[ab]{6}", c.text)  # EOS was not allowed earlier: ignore_eos
