@@ -13,8 +13,11 @@ import torch
 
 from moeserve.structured.regex import Alt, Chars, OrderedSubset, PatternError, Repeat, Seq, char_set
 
-MAX_NFA_STATES = 500_000
-MAX_DFA_STATES = 20_000
+MAX_NFA_STATES = 200_000
+MAX_DFA_STATES = 50_000
+# Subset construction's inner-loop steps (moves and closures): a pattern whose DFA states are huge NFA sets ((\w+\s?){1,500})
+# would otherwise take minutes before it reached MAX_DFA_STATES; this bounds a compile to a few seconds.
+MAX_WORK = 10_000_000
 _UTF8_LENGTH_LIMITS = (0x7F, 0x7FF, 0xFFFF, 0x10FFFF)
 
 
@@ -162,10 +165,10 @@ class DFA:
         return any(self.transitions[state])
 
     def byte_table(self) -> torch.Tensor:
-        """[num_states, 257] int64: next state on each byte; column 256 (padding) keeps the state."""
-        tr = torch.tensor(self.transitions, dtype=torch.int64)
+        """[num_states, 257] int32: next state on each byte; column 256 (padding) keeps the state."""
+        tr = torch.tensor(self.transitions, dtype=torch.int32)
         table = tr[:, torch.tensor(self.byte_class, dtype=torch.int64)]
-        return torch.cat([table, torch.arange(self.num_states, dtype=torch.int64)[:, None]], dim=1)
+        return torch.cat([table, torch.arange(self.num_states, dtype=torch.int32)[:, None]], dim=1)
 
 
 def compile_dfa(node) -> DFA:
@@ -183,13 +186,17 @@ def compile_dfa(node) -> DFA:
     class_edges = [[(byte_class[lo], byte_class[hi], t) for lo, hi, t in edges] for edges in nfa.edges]
 
     closure_memo: dict[frozenset, frozenset] = {}
+    work = 0
 
     def closure(states) -> frozenset:
+        nonlocal work
         key = frozenset(states)
         if key in closure_memo:
             return closure_memo[key]
         seen, stack = set(key), list(key)
+        work += len(key)
         while stack:
+            work += 1
             for t in nfa.eps[stack.pop()]:
                 if t not in seen:
                     seen.add(t)
@@ -212,8 +219,12 @@ def compile_dfa(node) -> DFA:
         moves: list[set] = [set() for _ in range(num_classes)]
         for s in sets[sid]:
             for c_lo, c_hi, t in class_edges[s]:
+                work += c_hi - c_lo + 1
                 for c in range(c_lo, c_hi + 1):
                     moves[c].add(t)
+        if work > MAX_WORK:
+            raise PatternError("the pattern is too complex to compile (its automaton does too much work per "
+                               "state); simplify it, e.g. with fewer nested or overlapping repeats")
         row = []
         for targets in moves:
             if not targets:
@@ -223,7 +234,7 @@ def compile_dfa(node) -> DFA:
             if nxt not in ids:
                 if len(sets) >= MAX_DFA_STATES:
                     raise PatternError(f"the pattern is too complex (more than {MAX_DFA_STATES} automaton "
-                                       "states); simplify it")
+                                       "states); lower its repeat counts or lengths (maxLength, maxItems)")
                 ids[nxt] = len(sets)
                 sets.append(nxt)
                 transitions.append([])

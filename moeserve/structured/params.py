@@ -17,7 +17,7 @@ from moeserve.structured.json_schema import json_object, schema_to_pattern
 from moeserve.structured.regex import Alt, PatternError, literal, parse
 
 MAX_CHOICES = 1_000
-COMPILE_CACHE_SIZE = 64
+COMPILE_CACHE_STATES = 200_000  # the LRU holds automata up to this many states in all
 
 
 @dataclass
@@ -83,6 +83,6 @@ def compile_params(p: StructuredOutputsParams) -> DFA:
     dfa = compile_dfa(node)
     with _lock:
         _cache[key] = dfa
-        while len(_cache) > COMPILE_CACHE_SIZE:
+        while len(_cache) > 1 and sum(d.num_states for d in _cache.values()) > COMPILE_CACHE_STATES:
             _cache.popitem(last=False)
     return dfa

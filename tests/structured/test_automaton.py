@@ -47,7 +47,7 @@ def test_partial_utf8_is_a_live_state_and_dead_states_are_pruned():
     (r"(a)\1", "back-references"), (r"(?=a)", "look-around"), (r"\bword", "word boundaries"),
     (r"a++", "possessive"), (r"(?i)a", "flags"), (r"a{5,2}", "max < min"), (r"a{99999}", "above"),
     (r"(ab", "missing ')'"), (r"ab)", "unbalanced"), (r"[ab", "missing ']'"), (r"*a", "nothing to repeat"),
-    (r"a^b", "anchor"), (r"[[:alpha:]]", "POSIX"), (r"\x4", "hex digits"), (r"[^\s\S]", "matches no string"),
+    (r"a^b", "anchor"), (r"(\w+\s?){1,500}", "too complex to compile"), (r".{9000}", "too complex"), (r"[[:alpha:]]", "POSIX"), (r"\x4", "hex digits"), (r"[^\s\S]", "matches no string"),
 ])
 def test_refusals_say_what(pattern, words):
     with pytest.raises(PatternError, match=re.escape(words)):
