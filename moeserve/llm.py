@@ -87,10 +87,11 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, tools: list[dict] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of them,
         rendered with the checkpoint's chat template (or `chat_template`) exactly as the server's
-        /v1/chat/completions does, then generated. RequestOutput.prompt is the rendered text."""
+        /v1/chat/completions does, then generated. RequestOutput.prompt is the rendered text. `tools`
+        (OpenAI function definitions) go to the template; parsing calls is the server's job."""
         from moeserve.chat_template import render, resolve_template
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs:
@@ -99,7 +100,7 @@ class LLM:
         texts, ids = [], []
         for c, conv in enumerate(convs):
             text, toks = render(self.tokenizer, [_chat_message(m, c, i) for i, m in enumerate(conv)], template,
-                                add_generation_prompt)
+                                add_generation_prompt, tools)
             texts.append(text)
             ids.append(toks)
         outs = self.generate(prompt_token_ids=ids, sampling_params=sampling_params, use_tqdm=use_tqdm)
@@ -176,7 +177,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _chat_message(m, conv: int, i: int) -> dict:
-    """A message as the template sees it: role, content text (OpenAI text parts joined), optional name."""
+    """A message as the template sees it: role, content text (OpenAI text parts joined), optional name,
+    tool_calls and tool_call_id."""
     where = f"conversation {conv}, message {i}"
     if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
         raise ValueError(f"{where}: a message is a dict with 'role' one of {', '.join(CHAT_ROLES)}, got {m!r:.80}")
@@ -189,4 +191,5 @@ def _chat_message(m, conv: int, i: int) -> dict:
         content = ""
     elif not isinstance(content, str):
         raise ValueError(f"{where}: 'content' must be a string or a list of text parts")
-    return {"role": m["role"], "content": content, **({"name": m["name"]} if m.get("name") else {})}
+    extra = {k: m[k] for k in ("name", "tool_calls", "tool_call_id") if m.get(k)}  # tool turns, as HF templates read them
+    return {"role": m["role"], "content": content, **extra}

@@ -102,9 +102,6 @@ class _SamplingFields(_Strict):
     kv_transfer_params: dict | None = None  # PD disaggregation (vLLM's extension; disagg/params.py)
 
     def _unsupported(self) -> None:
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise APIError("tool calling is not supported by this server; omit 'tools' and 'tool_choice'",
-                           param="tools")
         if self.stream_options is not None and not self.stream:
             raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
 
@@ -121,7 +118,8 @@ class _SamplingFields(_Strict):
     def has_structured_outputs(self) -> bool:
         return any(x is not None for x in (self.structured_outputs, self.guided_json, self.guided_regex,
                                            self.guided_choice, self.guided_grammar)) or \
-            (self.response_format is not None and self.response_format.get("type", "text") != "text")
+            (self.response_format is not None and self.response_format.get("type", "text") != "text") or \
+            (bool(self.tools) and self.tool_choice not in (None, "none", "auto"))
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The one structured-output request among response_format, structured_outputs and guided_*."""
@@ -146,6 +144,7 @@ class _SamplingFields(_Strict):
                            ("guided_grammar", "grammar")):
             if getattr(self, field) is not None:
                 given.append((field, {key: getattr(self, field)}))
+        given += self._tool_constraint()
         if not given:
             return None
         if len(given) > 1:
@@ -162,6 +161,12 @@ class _SamplingFields(_Strict):
             raise APIError(f"'{field}': {e}", param=field) from None
         return params
 
+    def _tool_constraint(self) -> list[tuple[str, dict]]:
+        return []  # chat's tool_choice "required" / a named function (ChatCompletionRequest)
+
+    def _keeps_special_tokens(self) -> bool:
+        return False  # chat's auto tool choice: the parser reads the model's special-token markers
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         self._unsupported()
@@ -175,7 +180,8 @@ class _SamplingFields(_Strict):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
-                skip_special_tokens=self.skip_special_tokens, structured_outputs=structured,
+                skip_special_tokens=self.skip_special_tokens and not self._keeps_special_tokens(),
+                structured_outputs=structured,
                 **{k: v for k, v in kwargs.items() if v is not None})
         except SamplingParamsError as e:
             raise APIError(str(e), param=e.param) from None
@@ -195,6 +201,9 @@ class CompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra: choices[].prompt_logprobs
 
     def check(self) -> None:
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise APIError("tools are a /v1/chat/completions feature; omit 'tools' and 'tool_choice'",
+                           param="tools")
         if self.suffix:
             raise APIError("'suffix' is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -212,10 +221,34 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def template_fields(self) -> dict:
+        """The message as chat templates read it (HF's convention for tool calls and results)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -225,6 +258,27 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-.]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -232,6 +286,45 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_mode(self, auto_enabled: bool) -> str | None:
+        """None (plain text), "named", "required" or "auto"; refuses what cannot be served."""
+        if not self.tools:
+            if self.tool_choice not in (None, "none"):
+                raise APIError("'tool_choice' needs 'tools'", param="tool_choice")
+            return None
+        choice = self.tool_choice or "auto"  # OpenAI's default when tools are given
+        if choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in [t.function.name for t in self.tools]:
+                raise APIError(f"tool_choice names the function {choice.function.name!r}, which is not in "
+                               "'tools'", param="tool_choice")
+            return "named"
+        if choice == "auto" and not auto_enabled:
+            raise APIError("\"auto\" tool choice needs a server started with --enable-auto-tool-choice and "
+                           "--tool-call-parser; or send tool_choice \"required\", \"none\" or a named function",
+                           param="tool_choice")
+        return choice
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def _tool_constraint(self) -> list[tuple[str, dict]]:
+        from moeserve.entrypoints.tool_calls import function_parameters, required_schema
+        if not self.tools or self.tool_choice in (None, "none", "auto"):
+            return []
+        tools = self.tool_dicts()
+        if isinstance(self.tool_choice, NamedToolChoice):
+            tool = next(t for t in tools if t["function"]["name"] == self.tool_choice.function.name)
+            return [("tool_choice", {"json": function_parameters(tool)})]
+        return [("tool_choice", {"json": required_schema(tools, self.parallel_tool_calls)})]
+
+    def _keeps_special_tokens(self) -> bool:
+        return bool(self.tools) and self.tool_choice in (None, "auto")
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -27,6 +27,10 @@ def register(sub) -> None:
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (default: the tokenizer's, else a plain role: content one)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice \"auto\": the model decides, --tool-call-parser reads its calls")
+    g.add_argument("--tool-call-parser", default=None,
+                   help="how the model writes tool calls: deepseek_v3 (DeepSeek V3 / R1 / V3.1 markers)")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
@@ -50,5 +54,6 @@ def run(args) -> int:
     server = ServerConfig(served_model_name=name, host=args.host, port=args.port,
                           api_server_count=args.api_server_count, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, chat_template=template,
-                          log_level=args.log_level)
+                          log_level=args.log_level, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser)
     return serve(engine_args, server)

@@ -7,26 +7,28 @@ from fastapi.responses import JSONResponse
 from moeserve.chat_template import ChatTemplateError, render, resolve_template
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest
 from moeserve.entrypoints.serving import Serving, sse
+from moeserve.entrypoints.tool_calls import StreamedContent, ToolCall, parse_deepseek_v3, parse_required
 
 
 class ChatServing(Serving):
-    def __init__(self, *args, chat_template: str | None = None, **kwargs) -> None:
+    def __init__(self, *args, chat_template: str | None = None, auto_tools: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = resolve_template(self.tokenizer, chat_template)
+        self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
 
     def render(self, req: ChatCompletionRequest) -> list[int]:
-        return self.render_messages(req.messages, req.add_generation_prompt)
+        return self.render_messages(req.messages, req.add_generation_prompt, req.tool_dicts())
 
-    def render_messages(self, messages: list, add_generation_prompt: bool) -> list[int]:
-        conversation = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                        for m in messages]
+    def render_messages(self, messages: list, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+        conversation = [m.template_fields() for m in messages]
         try:
-            return render(self.tokenizer, conversation, self.chat_template, add_generation_prompt)[1]
+            return render(self.tokenizer, conversation, self.chat_template, add_generation_prompt, tools)[1]
         except ChatTemplateError as e:
             raise APIError(str(e), param="messages") from None
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
+        mode = req.tool_mode(self.auto_tools)
         ids = await self.off_loop(self.render, req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.check_length(len(ids), getattr(req, field), "messages", field)
@@ -35,15 +37,43 @@ class ChatServing(Serving):
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:
             def chunks(first, events, n):
-                return self._chunks(req, rid, created, first, events, n, len(ids), children)
+                return self._chunks(req, rid, created, first, events, n, len(ids), children, mode)
             return await self.stream(children, raw, chunks)
         await self.collect(children, raw)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.logprobs) if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in children]
+        choices = []
+        for c in children:
+            message, finish = self._message(req, mode, c.text, c.finish_reason)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": self._logprobs(c.logprobs) if req.logprobs else None,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self.usage(len(ids), children),
                              **self.kv_transfer_field(children)})
+
+    @staticmethod
+    def _calls(mode: str | None, text: str) -> tuple[str | None, list[ToolCall] | None]:
+        """(content, calls) of a finished choice; calls None when the text holds none (plain, or cut off)."""
+        if mode == "named":
+            return None, None  # the caller names the function
+        if mode == "required":
+            calls = parse_required(text)
+            return (None, calls) if calls else (text, None)
+        if mode == "auto":
+            content, calls = parse_deepseek_v3(text)
+            return content, calls or None
+        return text, None
+
+    def _message(self, req, mode: str | None, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The assistant message and finish_reason: tool calls as OpenAI's tool_calls (finish_reason
+        "tool_calls", except for a named function, where OpenAI says "stop")."""
+        if mode == "named" and finish == "stop":
+            return {"role": "assistant", "content": None,
+                    "tool_calls": [ToolCall(req.tool_choice.function.name, text).to_openai()]}, finish
+        content, calls = self._calls(mode, text)
+        if calls is None:
+            return {"role": "assistant", "content": content}, finish
+        return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}, \
+            "tool_calls" if finish == "stop" else finish
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         tok = self.token_str(token_id)
@@ -53,10 +83,14 @@ class ChatServing(Serving):
         return {"content": [{**self._entry(lp.token_id, lp.logprob),
                              "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in lps]}
 
-    async def _chunks(self, req, rid, created, first, events, n, num_prompt, children):
+    async def _chunks(self, req, rid, created, first, events, n, num_prompt, children, mode=None):
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         usage_null = {"usage": None} if req.include_usage else {}
         started: set[int] = set()
+        # Tool modes: "named"/"required" outputs are JSON that becomes calls, sent when the choice ends;
+        # "auto" streams content until DeepSeek's call marker, then holds the rest for the parser.
+        held: dict[int, str] = {}
+        auto: dict[int, StreamedContent] = {}
         async for child, delta in self.merged(first, events, n):
             if isinstance(delta, Exception):
                 yield self.error_event(delta)
@@ -66,9 +100,20 @@ class ChatServing(Serving):
                 role = {"index": child.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}
                 yield sse({**head, "choices": [role], **usage_null})
-            choice = {"index": child.index, "delta": {"content": delta.text} if delta.text else {},
+            text, out = delta.text, {}
+            if mode in ("named", "required"):
+                held[child.index] = held.get(child.index, "") + text
+                text = ""
+            elif mode == "auto":
+                text = auto.setdefault(child.index, StreamedContent()).push(text)
+            finish = delta.finish_reason if delta.finished else None
+            if delta.finished and mode is not None:
+                text, out, finish = self._final_delta(req, mode, child.index, held, auto, text, finish)
+            if text:
+                out = {"content": text, **out}
+            choice = {"index": child.index, "delta": out,
                       "logprobs": self._logprobs(delta.logprobs) if req.logprobs else None,
-                      "finish_reason": delta.finish_reason if delta.finished else None}
+                      "finish_reason": finish}
             if delta.finished:
                 choice["stop_reason"] = delta.stop_reason
             yield sse({**head, "choices": [choice], **usage_null})
@@ -76,3 +121,18 @@ class ChatServing(Serving):
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": self.usage(num_prompt, children)})
         yield "data: [DONE]\n\n"
+
+    def _final_delta(self, req, mode, index, held, auto, text, finish):
+        """(content still to send, {"tool_calls": ...} or {}, finish_reason) when a tool-mode choice ends."""
+        if mode == "auto":
+            rest, calls = auto.setdefault(index, StreamedContent()).finish()
+            text += rest
+            if not calls:
+                return text, {}, finish
+            return text, {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, \
+                "tool_calls" if finish == "stop" else finish
+        message, finish = self._message(req, mode, held.pop(index, ""), finish)
+        calls = message.get("tool_calls")
+        if not calls:
+            return message["content"] or "", {}, finish
+        return "", {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish

@@ -1,0 +1,108 @@
+"""Tool calling for /v1/chat/completions, as vLLM does it.
+
+- `tool_choice` a named function: the output is guided to that function's `parameters` schema and becomes
+  the call's arguments.
+- `tool_choice: "required"`: the output is guided to a JSON array of {"name", "parameters"} objects, one of
+  the tools each (one item when `parallel_tool_calls` is false), parsed into calls.
+- `tool_choice: "auto"` (needs `--enable-auto-tool-choice --tool-call-parser deepseek_v3`): the model
+  decides; DeepSeek-V3's tool-call markers in its output are parsed into calls, text before them stays
+  content. Special tokens are kept in the text for this (the markers are special tokens).
+- `"none"` (the default without tools): plain text. Tools are passed to the chat template in every mode.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+TOOL_CALL_PARSERS = ("deepseek_v3",)
+
+# DeepSeek-V3's markers (U+FF5C fullwidth bar, U+2581 lower block), as its tokenizer and template write them.
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+# V3 / R1: <call begin>function<sep>NAME\n```json\nARGS\n```<call end>; V3.1: <call begin>NAME<sep>ARGS<call end>
+_V3_CALL = re.compile(r"function" + re.escape(SEP) + r"(?P<name>[^\n]*)\n```json\n(?P<args>.*)\n```\s*$", re.S)
+_V31_CALL = re.compile(r"(?P<name>[^\n]*?)" + re.escape(SEP) + r"(?P<args>.*)$", re.S)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as the OpenAI API carries it
+
+    def to_openai(self, index: int | None = None) -> dict:
+        call = {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def function_parameters(tool: dict) -> dict:
+    """A tool's parameters schema; a function without one takes any JSON object."""
+    return tool["function"].get("parameters") or {"type": "object"}
+
+
+def required_schema(tools: list[dict], parallel: bool) -> dict:
+    """"required": a non-empty array of calls, each naming one tool with arguments of its schema."""
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                               "parameters": function_parameters(t)},
+              "required": ["name", "parameters"]} for t in tools]
+    schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def parse_required(text: str) -> list[ToolCall] | None:
+    """The "required" mode's JSON array -> calls; None when the output is not complete JSON (cut off)."""
+    try:
+        items = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+
+
+def parse_deepseek_v3(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content before the calls or None, calls) from DeepSeek-V3's output; no markers: (text, [])."""
+    start = text.find(CALLS_BEGIN)
+    if start < 0:
+        return text, []
+    content = text[:start] or None
+    body = text[start + len(CALLS_BEGIN):]
+    body = body.split(CALLS_END, 1)[0]
+    calls = []
+    for chunk in body.split(CALL_BEGIN)[1:]:
+        if CALL_END not in chunk:
+            continue  # cut off inside a call (max_tokens): not a call
+        inner = chunk.split(CALL_END, 1)[0]
+        m = _V3_CALL.match(inner) or _V31_CALL.match(inner)
+        if m:
+            calls.append(ToolCall(m.group("name").strip(), m.group("args").strip()))
+    return content, calls
+
+
+class StreamedContent:
+    """Auto mode, streamed: text deltas pass until the calls' marker (or its start) appears; the rest is
+    held back and parsed when the choice finishes."""
+
+    def __init__(self) -> None:
+        self.text, self.sent = "", 0
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        cut = self.text.find(CALLS_BEGIN)
+        if cut < 0:  # hold back a tail that could be the marker's beginning
+            cut = len(self.text)
+            for k in range(min(len(CALLS_BEGIN) - 1, len(self.text)), 0, -1):
+                if CALLS_BEGIN.startswith(self.text[-k:]):
+                    cut = len(self.text) - k
+                    break
+        out = self.text[self.sent:max(cut, self.sent)]
+        self.sent = max(cut, self.sent)
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not sent yet, calls)."""
+        content, calls = parse_deepseek_v3(self.text)
+        content = content or ""
+        return content[self.sent:], calls
