@@ -4,7 +4,9 @@ decode instance, which pulls it before decoding (system-brief item 1: decode pul
 Lifecycle on a prefill instance (kv_producer): a request with do_remote_decode runs as usual (the proxy
 asks for one token); at its finish the scheduler keeps its blocks (KVCacheManager.hold) and the engine's
 output carries export(): where the blocks are. They are freed when the decode engine's notification
-arrives (its read finished, or it gave up) or after kv_hold_timeout seconds (nobody came for them).
+arrives (its read finished, or it gave up), when the request id is aborted (release(): the proxy says the
+decode instance refused the request or could not be reached, so nobody will pull them) or after
+kv_hold_timeout seconds (nobody came for them).
 
 Lifecycle on a decode instance (kv_consumer): a request with do_remote_prefill waits here, not in the
 scheduler: QUEUED until the KV pool has room for its prompt -> FETCHING the prefill agent's metadata
@@ -122,6 +124,14 @@ class KVTransfer:
         pull.aborted = True
         if pull.handle is None:
             self._drop(pull)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """True if the request's blocks were held for a decode instance: they are freed now (nobody will
+        pull them; waiting for kv_hold_timeout would keep a prompt's KV out of use for minutes)."""
+        if self.held_until.pop(request_id, None) is None:
+            return False
+        self.kv.release_held(request_id)
         return True
 
     # ---- each step -------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ Its answer, to forward: {"do_remote_prefill": true, "remote_engine_id": ..., "re
                          "remote_port": ..., "remote_request_id": ..., "remote_block_ids": [...],
                          "remote_kv_addrs": [...], "remote_block_bytes": ..., "remote_num_tokens": ...}
 A decode instance given the answer pulls the blocks and computes only the prompt's last token itself.
+When no decode instance will (it refused the request, or none could be reached), the proxy posts the answer
+back to the prefill instance's /kv_transfer/release, which frees the blocks at once (held_request_id).
 The values are checked here, so a malformed dict is a clear error (an HTTP 400), never a crash.
 """
 from __future__ import annotations
@@ -82,6 +84,18 @@ class KVTransferParams:
         if remote.port > 65535:
             raise KVTransferParamsError(f"kv_transfer_params.remote_port must be a port number, got {remote.port}")
         return cls(remote=remote)
+
+
+def held_request_id(raw: object) -> str:
+    """The prefill instance's request id in a {"kv_transfer_params": <its answer>} release body."""
+    if not isinstance(raw, dict) or set(raw) != {"kv_transfer_params"}:
+        raise KVTransferParamsError("send {\"kv_transfer_params\": {...}} with the kv_transfer_params a prefill "
+                                    "answer carried")
+    params = KVTransferParams.parse(raw["kv_transfer_params"])
+    if params.remote is None:
+        raise KVTransferParamsError("kv_transfer_params must be a prefill instance's answer (do_remote_prefill "
+                                    "true, remote_request_id, ...): they name the KV to release")
+    return params.remote.request_id
 
 
 def remote_prefill_dict(r: RemotePrefill) -> dict:

@@ -9,7 +9,11 @@ original request with that kv_transfer_params to the decode instance with the le
 decode instance pulls the KV itself over NIXL; the proxy moves only JSON.
 
 An instance's error reaches the client with its status and OpenAI body; an unreachable instance is a 503
-naming it; a client that goes away closes the decode stream, which aborts the request there.
+naming it; a client that goes away closes the decode stream, which aborts the request there. When the
+decode instance refuses the request (any error status: overloaded, another --max-model-len, ...) or none
+can be connected to, nobody will pull the prompt's KV: the proxy posts the prefill answer's
+kv_transfer_params to that prefill instance's /kv_transfer/release, which frees them now instead of at its
+kv_hold_timeout.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ from moeserve.prefix_memory import PrefixMemory
 
 logger = logging.getLogger("moeserve.proxy")
 
+RELEASE_TIMEOUT_S = 10.0  # a release the prefill instance does not answer in time is left to its kv_hold_timeout
 DISCONNECT_POLL_S = 0.25  # how often the proxy checks that a client waiting for its answer is still there
 DOWN_S = 5.0  # an instance that refused a connection is tried after the others for this long
 PREFIX_CHUNK_CHARS = 256  # prompt text is remembered per prefill instance in chunks of this many characters
@@ -149,6 +154,7 @@ class Proxy:
         # cap (100) would make request 101 wait in the proxy, unseen by any instance, for --timeout seconds.
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=100))
+        self._releases: set[asyncio.Task] = set()  # in flight; referenced so they are not collected midway
 
     async def handle(self, path: str, raw: Request):
         """Route one request; a client that leaves meanwhile cancels it. A streamed answer notices the
@@ -206,13 +212,38 @@ class Proxy:
         tokens = _count(usage.get("prompt_tokens") if isinstance(usage, dict) else None) + _count(
             body.get("max_completion_tokens") or body.get("max_tokens"))
         cached = _cached_tokens(usage)
+
+        def refused():  # the decode instance answered an error: nobody will pull the KV
+            self._release(pre, params, headers)
+
         unreachable = []
         for dec in by_preference(self.decode):
-            answer = await self._relay(dec, path, {**body, "kv_transfer_params": params}, headers, tokens, cached)
+            answer = await self._relay(dec, path, {**body, "kv_transfer_params": params}, headers, tokens, cached,
+                                       refused)
             if answer is not None:
                 return answer
             unreachable.append(dec.url)  # the prefill's KV waits for whichever decode instance comes
+        self._release(pre, params, headers)
         return _unreachable("decode", unreachable)
+
+    def _release(self, pre: Upstream, params: dict, headers: dict) -> None:
+        """Tell the prefill instance to free the KV it holds for this request, in the background: the
+        client's error answer does not wait for it, and the client leaving does not cancel it."""
+        task = asyncio.ensure_future(self._post_release(pre, params, headers))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _post_release(self, pre: Upstream, params: dict, headers: dict) -> None:
+        try:
+            r = await self.http.post(pre.url + "/kv_transfer/release", json={"kv_transfer_params": params},
+                                     headers=headers, timeout=RELEASE_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            logger.warning("could not release KV at %s (%s: %s); it is freed at its kv_hold_timeout", pre.url,
+                           type(e).__name__, e)
+            return
+        if r.status_code != 200:
+            logger.warning("the prefill instance %s refused to release KV (%d: %s); it is freed at its "
+                           "kv_hold_timeout", pre.url, r.status_code, r.text[:200])
 
     async def _post(self, up: Upstream, path: str, body: dict, headers: dict):
         """The instance's JSON answer, the Response to send back when it failed, or None when it could not
@@ -234,9 +265,11 @@ class Proxy:
             return _error(f"the prefill instance {up.url} answered with something other than JSON", 502,
                           code="bad_gateway")
 
-    async def _relay(self, up: Upstream, path: str, body: dict, headers: dict, tokens: int, cached: int | None):
+    async def _relay(self, up: Upstream, path: str, body: dict, headers: dict, tokens: int, cached: int | None,
+                     refused=lambda: None):
         """The decode instance's answer relayed (its usage says what the prefill's prefix cache served), or
-        None when it could not be connected to."""
+        None when it could not be connected to. refused() is called when it answered an error status (it is
+        done with the request: it pulls nothing more)."""
         up.load += tokens
         try:
             r = await self.http.send(self.http.build_request("POST", up.url + path, json=body, headers=headers),
@@ -249,11 +282,15 @@ class Proxy:
             up.load -= tokens
             if not isinstance(e, httpx.HTTPError):
                 raise
+            # No answer came (a timeout, say): the decode instance may still be pulling the KV, so it is
+            # not released here (the decode instance frees it when its pull ends or fails).
             return _error(f"the decode instance {up.url} failed: {type(e).__name__}: {e}", 503,
                           code="upstream_unavailable")
         up.down_until = 0.0
         media = r.headers.get("content-type", "application/json")
         if r.status_code != 200 or not media.startswith("text/event-stream"):
+            if r.status_code != 200:
+                refused()
             try:
                 content = await r.aread()
             finally:

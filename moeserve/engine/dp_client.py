@@ -74,9 +74,18 @@ class DPEngineClient:
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         by_rank: dict[int, list[str]] = {}
+        unknown = []
         for rid in request_ids:
             if rid in self.router:
                 by_rank.setdefault(self.router.forget(rid), []).append(rid)
+            else:
+                unknown.append(rid)
+        kvt = self.config.kv_transfer
+        if unknown and kvt is not None and kvt.produces:
+            # A finished PD prefill request may still hold KV on its rank (the router forgot it at the
+            # finish): every rank is asked, and the one holding it frees it (EngineCore.abort_requests).
+            for dp in range(self.dp_size):
+                by_rank.setdefault(dp, []).extend(unknown)
         if self.dead:  # nothing runs any more: forgetting them is all there is to do
             return
         for dp, ids in by_rank.items():

@@ -90,7 +90,8 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         for rid in request_ids:
-            if self.kv_transfer is not None and self.kv_transfer.abort(rid):
+            # PD: a pull in flight is dropped; KV held for a decode instance that will never pull it is freed
+            if self.kv_transfer is not None and (self.kv_transfer.abort(rid) | self.kv_transfer.release(rid)):
                 continue
             if rid in self.scheduler.requests:
                 self.scheduler.requests[rid].hold_kv = False  # its answer is settled: nobody will pull its KV

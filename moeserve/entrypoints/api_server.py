@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import socket
@@ -42,6 +43,7 @@ class ApiServerSpec:
     tokenizer_path: str
     eos_token_ids: list[int]
     max_model_len: int
+    kv_role: str | None = None  # --kv-transfer-config kv_role (PD), None without it
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -108,6 +110,23 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
                                             "owned_by": "moeserve", "root": spec.model_path,
                                             "max_model_len": spec.max_model_len}]}
 
+    @app.post("/kv_transfer/release", dependencies=[Depends(check_auth)])
+    async def release_kv(raw: Request):
+        """PD: free the KV a prefill answer said it holds, because no decode instance will pull it (the proxy
+        calls this when the decode instance refused the request or was unreachable). An abort of the
+        prefill's request id: the engine frees held blocks and ignores ids it holds nothing for."""
+        from moeserve.disagg.params import KVTransferParamsError, held_request_id
+        check_engine()
+        if spec.kv_role not in ("kv_producer", "kv_both"):
+            raise APIError("this server holds no KV for decode instances: start it with --kv-transfer-config "
+                           "'{\"kv_connector\": \"nixl\", \"kv_role\": \"kv_producer\"}'", param="kv_transfer_params")
+        try:
+            rid = held_request_id(_json(await raw.body()))
+        except KVTransferParamsError as e:
+            raise APIError(str(e), param="kv_transfer_params") from None
+        client.abort_nowait([rid])
+        return {"released": rid}
+
     @app.post("/v1/completions", dependencies=[Depends(check_auth)])
     async def create_completion(raw: Request):
         check_engine()
@@ -142,6 +161,13 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
         return {"prompt": await chat.off_loop(tokenizer.decode, req.tokens)}
 
     return app
+
+
+def _json(body: bytes):
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
 
 def _parse(model, body: bytes):

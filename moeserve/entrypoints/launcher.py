@@ -52,7 +52,8 @@ class Deployment:
         self.engine_address = f"ipc://{self.tmpdir}/engine-0.sock"
         self.spec = dict(server=_with_port(server, self.port), engine_address=self.engine_address,
                          model_path=path, tokenizer_path=tokenizer_path, eos_token_ids=eos,
-                         max_model_len=self.config.scheduler.max_model_len)
+                         max_model_len=self.config.scheduler.max_model_len,
+                         kv_role=self.config.kv_transfer.kv_role if self.config.kv_transfer else None)
         self.ctx = multiprocessing.get_context("spawn")
         self.engine = None
         self.api_servers: list = []

@@ -122,6 +122,22 @@ def test_unpulled_blocks_are_freed_after_the_hold_timeout(ckpt_dir):
     assert eng.kv_transfer.num_held == 0 and eng.kv.pool.num_free == eng.kv.pool.num_blocks
 
 
+def test_an_abort_frees_kv_held_for_a_decode_instance(engines):
+    """Where the prefill server's /kv_transfer/release ends (the proxy's call when the decode instance refused
+    the request): aborting a finished do_remote_decode request's id frees its held blocks now; they used to
+    stay held until kv_hold_timeout (120 s by default). Unknown ids are ignored."""
+    _, prefill, _ = engines
+    prefill.add_request(EngineCoreRequest("rel", list(range(400, 437)), greedy(1), [],
+                                          kv_transfer_params={"do_remote_decode": True}))
+    run(prefill)
+    blocks = len(prefill.kv.held["rel"])
+    assert "rel" in prefill.kv_transfer.held_until and blocks == 5
+    free = prefill.kv.pool.num_free
+    prefill.abort_requests(["rel", "never-seen"])
+    assert "rel" not in prefill.kv_transfer.held_until and "rel" not in prefill.kv.held
+    assert prefill.kv.pool.num_free == free + blocks
+
+
 def test_unreachable_prefill_engine_and_bad_params_are_errors(engines, monkeypatch):
     from moeserve.disagg import kv_transfer
     unified, prefill, decode = engines
@@ -192,6 +208,19 @@ def test_pd_with_a_data_parallel_instance(ckpt_dir, engines, side):
         pre, dec = (prefill, dp) if side == "decode" else (dp, decode)
         got, _ = pd(pre, dec, PROMPTS, 10, prefix=f"dp{side}")
         assert got == [want[f"dpu{side}{i}"] for i in range(len(PROMPTS))]
+        if side == "prefill":
+            # KV held for a decode instance that will not pull it is freed by an abort of its id, although
+            # the front end forgot which rank ran it at its finish (the abort goes to every rank).
+            dp.add_request(EngineCoreRequest("dprel", PROMPTS[2], greedy(1), [],
+                                             kv_transfer_params={"do_remote_decode": True}))
+            _, done = run(dp)
+            assert done["dprel"].kv_transfer_params["do_remote_prefill"]
+            assert dp.stats().kv_cache_usage > 0
+            dp.abort_requests(["dprel"])
+            t0 = time.monotonic()
+            while dp.stats().kv_cache_usage > 0 and time.monotonic() - t0 < 10:
+                time.sleep(0.05)
+            assert dp.stats().kv_cache_usage == 0
     finally:
         dp.shutdown()
 

@@ -194,6 +194,43 @@ def test_what_the_decode_instance_refuses_is_refused_before_the_prefill_holds_kv
     assert prefill.metric("moeserve:kv_cache_usage_perc") <= before
 
 
+def test_kv_held_for_a_decode_instance_that_refuses_or_is_down_is_released_at_once(ckpt_dir):
+    # The prefill instance cannot check what only the decode instance knows (its --max-model-len, its load,
+    # whether it is up): when the decode instance then refused the request, or none could be reached, the
+    # prompt's KV stayed held on the prefill instance for kv_hold_timeout (120 s), one prompt per request.
+    prefill = ServerProcess(ckpt_dir("v3"), *COMMON, *kv("kv_producer"))  # its own: usage 0 when idle
+    decode = ServerProcess(ckpt_dir("v3"), "--max-model-len", "64", "--dtype", "float32", *kv("kv_consumer"))
+    proxies = [ProxyProcess("--prefill", prefill.url, "--decode", decode.url),
+               ProxyProcess("--prefill", prefill.url, "--decode", dead_url())]
+    try:
+        body = {"prompt": "hello " * 20, "max_tokens": 100}  # fits the prefill's 256 tokens, not the decode's 64
+        for proxy, status, code in [(proxies[0], 400, "context_length_exceeded"),
+                                    (proxies[1], 503, "upstream_unavailable")]:
+            r = httpx.post(proxy.url + "/v1/completions", timeout=60, json=body)
+            assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+            time.sleep(0.6)  # engine gauges come with its 0.25 s heartbeat: none from before the request
+            assert prefill.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0, timeout=10) == 0
+        # The release endpoint itself: what it needs, and only on a prefill instance.
+        r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
+            "prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        params = r.json()["kv_transfer_params"]
+        for url, payload, words in [
+                (prefill.url, {"kv_transfer_params": {"do_remote_decode": True}}, "prefill instance's answer"),
+                (prefill.url, {"kv_transfer_params": {**params, "remote_block_ids": "x"}}, "remote_block_ids"),
+                (prefill.url, params, 'send {"kv_transfer_params"'),
+                (prefill.url, "not json", "not valid JSON"),
+                (decode.url, {"kv_transfer_params": params}, "holds no KV")]:
+            r = httpx.post(url + "/kv_transfer/release", timeout=10,
+                           **({"content": payload} if isinstance(payload, str) else {"json": payload}))
+            assert r.status_code == 400 and words in r.json()["error"]["message"], (payload, r.text)
+        r = httpx.post(prefill.url + "/kv_transfer/release", timeout=10, json={"kv_transfer_params": params})
+        assert r.status_code == 200 and r.json() == {"released": params["remote_request_id"]}, r.text
+        assert prefill.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0, timeout=10) == 0
+    finally:
+        for p in (*proxies, decode, prefill):
+            p.stop()
+
+
 def test_a_client_leaving_a_json_request_aborts_it_at_the_decode_instance(pd):
     # Nothing watched the client of a non-streaming request: the decode instance generated all of it for nobody.
     import socket
