@@ -286,6 +286,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra: top-level prompt_logprobs
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -325,6 +326,11 @@ class ChatCompletionRequest(_SamplingFields):
 
     def _keeps_special_tokens(self) -> bool:
         return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def check(self) -> None:
+        if self.prompt_logprobs is not None and self.kv_transfer_params:
+            raise APIError("'prompt_logprobs' are not available with kv_transfer_params: a decode instance never "
+                           "computes the prompt", param="prompt_logprobs")
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

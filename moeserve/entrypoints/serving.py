@@ -278,6 +278,16 @@ class Serving:
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def prompt_logprobs_field(self, c: Child, n: int) -> list:
+        """vLLM's prompt_logprobs shape (completions: per choice; chat: top level): None for the first prompt
+        token, then {token id: {logprob, decoded_token}} with the top n and the prompt's own token."""
+        out: list = [None]
+        for lp in c.prompt_logprobs or []:
+            top = dict(lp.top[:n])  # best first (topk)
+            top.setdefault(lp.token_id, lp.logprob)
+            out.append({str(t): {"logprob": v, "decoded_token": self.token_str(t)} for t, v in top.items()})
+        return out
+
     @staticmethod
     def usage(num_prompt_tokens: int, children: list[Child]) -> dict:
         completion = sum(len(c.token_ids) for c in children)

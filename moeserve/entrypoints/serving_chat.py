@@ -28,11 +28,12 @@ class ChatServing(Serving):
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
+        req.check()
         mode = req.tool_mode(self.auto_tools)
         ids = await self.off_loop(self.render, req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.check_length(len(ids), getattr(req, field), "messages", field)
-        params = await self.sampling_params(req, max_tokens, req.num_logprobs())
+        params = await self.sampling_params(req, max_tokens, req.num_logprobs(), req.prompt_logprobs)
         children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:
@@ -48,7 +49,12 @@ class ChatServing(Serving):
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self.usage(len(ids), children),
-                             **self.kv_transfer_field(children)})
+                             **self._prompt_field(req, children[0]), **self.kv_transfer_field(children)})
+
+    def _prompt_field(self, req: ChatCompletionRequest, c) -> dict:
+        """vLLM's chat answer carries prompt_logprobs at the top level: every choice has the same prompt."""
+        return {"prompt_logprobs": self.prompt_logprobs_field(c, req.prompt_logprobs)} \
+            if req.prompt_logprobs is not None else {}
 
     @staticmethod
     def _calls(mode: str | None, text: str) -> tuple[str | None, list[ToolCall] | None]:
@@ -96,10 +102,12 @@ class ChatServing(Serving):
                 yield self.error_event(delta)
                 break
             if child.index not in started:  # the first chunk of each choice carries the role
+                # ... and the response's first chunk the prompt_logprobs (a choice's first delta has them)
+                prompt = self._prompt_field(req, child) if not started else {}
                 started.add(child.index)
                 role = {"index": child.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}
-                yield sse({**head, "choices": [role], **usage_null})
+                yield sse({**head, "choices": [role], **prompt, **usage_null})
             text, out = delta.text, {}
             if mode in ("named", "required"):
                 held[child.index] = held.get(child.index, "") + text

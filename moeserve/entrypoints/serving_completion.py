@@ -57,7 +57,7 @@ class CompletionServing(Serving):
                   "logprobs": self._logprobs(c.logprobs, 0, self._echoed(req, c)) if req.logprobs is not None else None,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self._prompt_logprobs(c, req.prompt_logprobs)
+            choice["prompt_logprobs"] = self.prompt_logprobs_field(c, req.prompt_logprobs)
         return choice
 
     def _echoed(self, req: CompletionRequest, c: Child) -> tuple[list[int], list] | None:
@@ -70,15 +70,6 @@ class CompletionServing(Serving):
     def _top(lps: list, n: int) -> list:
         """Prompt entries carry max(prompt_logprobs, logprobs) alternatives, best first: keep n."""
         return [type(lp)(lp.token_id, lp.logprob, lp.top[:n]) for lp in lps]
-
-    def _prompt_logprobs(self, c: Child, n: int) -> list:
-        """vLLM's shape: None for the first prompt token, then {token id: {logprob, decoded_token}}."""
-        out: list = [None]
-        for lp in c.prompt_logprobs or []:
-            top = dict(lp.top[:n])  # best first (topk)
-            top.setdefault(lp.token_id, lp.logprob)
-            out.append({str(t): {"logprob": v, "decoded_token": self.token_str(t)} for t, v in top.items()})
-        return out
 
     def _logprobs(self, lps, offset: int, echoed: tuple[list[int], list] | None = None) -> dict:
         tokens, token_lps, tops, offsets = [], [], [], []
@@ -125,7 +116,7 @@ class CompletionServing(Serving):
                       "finish_reason": delta.finish_reason if delta.finished else None,
                       "stop_reason": delta.stop_reason if delta.finished else None}
             if req.prompt_logprobs is not None and delta.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = self._prompt_logprobs(child, req.prompt_logprobs)
+                choice["prompt_logprobs"] = self.prompt_logprobs_field(child, req.prompt_logprobs)
             yield sse({**head, "choices": [choice], **usage_null})
         else:
             if req.include_usage:

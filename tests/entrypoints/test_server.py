@@ -191,6 +191,49 @@ def test_echo_with_logprobs_scores_the_prompt(client, model, llm):
     assert plp[1][str(ids[1])]["logprob"] == pytest.approx(want.prompt_logprobs[1][ids[1]], abs=1e-4)
 
 
+def same_prompt_logprobs(a: list, b: list) -> bool:
+    """Equal prompt_logprobs lists: the same tokens and decoded tokens, logprobs within float noise."""
+    return len(a) == len(b) and all(
+        x == y if x is None or y is None else
+        x.keys() == y.keys() and all(x[k]["decoded_token"] == y[k]["decoded_token"]
+                                     and abs(x[k]["logprob"] - y[k]["logprob"]) < 1e-4 for k in x)
+        for x, y in zip(a, b))
+
+
+def test_chat_prompt_logprobs(openai_server, client, model, llm):
+    """vLLM's prompt_logprobs extra on chat: a top-level list (every choice shares the prompt) in the shape
+    completions use per choice; it used to be ignored. Streamed, the first chunk carries it."""
+    msgs = [{"role": "user", "content": "hello there"}]
+    ids = llm.get_tokenizer().encode("<|begin|>user: hello there\nassistant:", add_special_tokens=False)
+    want = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=1,
+                                                                               prompt_logprobs=2))[0]
+    body = client.chat.completions.create(model=model, messages=msgs, max_tokens=2, temperature=0, n=2,
+                                          extra_body={"prompt_logprobs": 2}).model_dump()
+    plp = body["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids) == body["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" not in body["choices"][0]
+    tok = llm.get_tokenizer()
+    for i, t in enumerate(ids[1:], start=1):
+        assert plp[i][str(t)]["logprob"] == pytest.approx(want.prompt_logprobs[i][t], abs=1e-4)
+        assert plp[i][str(t)]["decoded_token"] == tok.decode([t])
+        assert 2 <= len(plp[i]) <= 3  # the top 2, and the prompt's token when it is not among them
+    completion = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0,
+                                           extra_body={"prompt_logprobs": 2}).model_dump()
+    assert same_prompt_logprobs(completion["choices"][0]["prompt_logprobs"], plp)  # the same shape and values
+    plain = client.chat.completions.create(model=model, messages=msgs, max_tokens=1).model_dump()
+    assert "prompt_logprobs" not in plain
+    chunks = [c.model_dump() for c in client.chat.completions.create(
+        model=model, messages=msgs, max_tokens=3, temperature=0, stream=True, extra_body={"prompt_logprobs": 2})]
+    assert same_prompt_logprobs(chunks[0]["prompt_logprobs"], plp)
+    assert all("prompt_logprobs" not in c for c in chunks[1:])
+    url = openai_server.base_url + "/chat/completions"
+    for extra, words in [({"prompt_logprobs": 99}, "prompt_logprobs"), ({"prompt_logprobs": -1}, "prompt_logprobs"),
+                         ({"prompt_logprobs": 1, "kv_transfer_params": {"do_remote_decode": True}}, "decode instance")]:
+        r = httpx.post(url, json={"model": model, "messages": msgs, **extra}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+        assert words in r.json()["error"]["message"], r.text
+
+
 def test_tokenize_and_detokenize(openai_server, model, llm):
     tok = llm.get_tokenizer()
     r = httpx.post(openai_server.url + "/tokenize", json={"model": model, "prompt": PROMPTS[0]}, timeout=30)
