@@ -24,6 +24,7 @@ class DetokState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list | None = None  # TokenLogprobsMsg per prompt token 1.. (prompt_logprobs requests)
+    complete_len: int = 0  # characters the tokens so far complete (the text less an unfinished last character)
 
 
 @dataclass
@@ -40,6 +41,13 @@ class Delta:
     kv_transfer_params: dict | None = None  # a PD prefill's answer: where its KV waits (disagg/params.py)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list | None = None  # with a request's first tokens, when it asked for them
+    # logprobs requests: where each of token_ids starts in the request's text (completions' text_offset)
+    text_offsets: list[int] = field(default_factory=list)
+
+
+def complete_part(text: str) -> str:
+    """The text less an unfinished UTF-8 sequence at its end, which decodes to one U+FFFD."""
+    return text[:-1] if text.endswith("\ufffd") else text
 
 
 class OutputProcessor:
@@ -60,6 +68,7 @@ class OutputProcessor:
         if out.prompt_logprobs is not None:
             st.prompt_logprobs = list(out.prompt_logprobs)
         full = self._decode(st, st.token_ids)
+        complete_before, st.complete_len = st.complete_len, len(complete_part(full))
         finished = out.finish_reason is not None
         if not finished and full.endswith("\ufffd"):
             full = full[: len(full.rstrip("\ufffd"))]  # an incomplete UTF-8 sequence: wait for more bytes
@@ -86,9 +95,22 @@ class OutputProcessor:
         delta = Delta(delta_text, new_ids, new_lps, finished, st.finish_reason, st.stop_reason,
                       kv_transfer_params=out.kv_transfer_params, num_cached_tokens=out.num_cached_tokens,
                       prompt_logprobs=out.prompt_logprobs)
+        if st.params.logprobs is not None and new_ids:
+            delta.text_offsets = self._offsets(st, base, len(new_ids), complete_before,
+                                               len(full) if hit is not None else None)
         if finished:
             delta.final = self.states.pop(out.request_id)
         return delta, hit is not None and out.finish_reason is None
+
+    def _offsets(self, st: DetokState, base: int, n: int, first: int, cut: int | None) -> list[int]:
+        """Character offset in the text of each new token's start: the characters the tokens before it
+        complete (first: those before this output). A token whose bytes finish a character begun by the one
+        before starts at that character, so the slices between consecutive offsets are what each token added
+        to the text and concatenate to it (offsets from per-token strings drifted: a partial character
+        decodes to U+FFFD on its own). Several new tokens (MTP) decode the text up to each one; offsets
+        past a stop string's cut are capped there."""
+        out = [first] + [len(complete_part(self._decode(st, st.token_ids[:base + j]))) for j in range(1, n)]
+        return out if cut is None else [min(o, cut) for o in out]
 
     def _decode(self, st: DetokState, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=st.params.skip_special_tokens)

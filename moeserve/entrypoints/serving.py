@@ -46,6 +46,7 @@ class Child:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    text_offsets: list[int] = field(default_factory=list)  # logprobs requests: each token's start in text
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     kv_transfer_params: dict | None = None  # PD: what the request brought (prefill role or KV location)
@@ -188,6 +189,7 @@ class Serving:
             child.text += delta.text
             child.token_ids.extend(delta.token_ids)
             child.logprobs.extend(delta.logprobs)
+            child.text_offsets.extend(delta.text_offsets)
             if delta.finished:
                 child.finish_reason, child.stop_reason = delta.finish_reason, delta.stop_reason
             if sink is not None:

@@ -1,11 +1,27 @@
 """/v1/completions: prompt as a string, a list of strings, token ids or a list of token-id lists."""
 from __future__ import annotations
 
+import functools
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from moeserve.engine.output_processor import complete_part
 from moeserve.entrypoints.openai_protocol import APIError, CompletionRequest
 from moeserve.entrypoints.serving import Child, Serving, sse
+
+
+def token_offsets(decode, ids: list[int]) -> tuple[list[int], int]:
+    """(character offset of each token's start, length of the whole text) for ids, by the rule of the
+    output processor's offsets (a token that finishes a character starts at it), in linear time: the ids
+    are decoded in short runs that end on a character boundary, not as ever longer prefixes."""
+    offsets, done, start = [], 0, 0
+    for i in range(len(ids)):
+        piece = decode(ids[start:i]) if start < i else ""
+        offsets.append(done + len(complete_part(piece)))
+        if not piece.endswith("\ufffd"):  # a character boundary: later runs start here
+            done, start = done + len(piece), i
+    return offsets, done + len(decode(ids[start:]))
 
 
 class CompletionServing(Serving):
@@ -53,35 +69,50 @@ class CompletionServing(Serving):
 
     def _choice(self, req: CompletionRequest, c: Child, prompt_text: str) -> dict:
         prefix = prompt_text if req.echo else ""
-        choice = {"index": c.index, "text": prefix + c.text,
-                  "logprobs": self._logprobs(c.logprobs, 0, self._echoed(req, c)) if req.logprobs is not None else None,
+        text = prefix + c.text
+        lp = None
+        if req.logprobs is not None:
+            # min: tokens that began a stop string later cut off start at the text's end
+            offsets = [min(len(prefix) + o, len(text)) for o in c.text_offsets]
+            lp = self._logprobs(c.logprobs, offsets, self._echoed(req, c, prefix))
+        choice = {"index": c.index, "text": text, "logprobs": lp,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs_field(c, req.prompt_logprobs)
         return choice
 
-    def _echoed(self, req: CompletionRequest, c: Child) -> tuple[list[int], list] | None:
+    def _echoed(self, req: CompletionRequest, c: Child, prompt_text: str) -> tuple[list[int], list, list] | None:
         """With echo and logprobs the prompt's tokens lead the logprobs (the first one has none)."""
         if not (req.echo and req.logprobs is not None):
             return None
-        return c.prompt_ids, self._top(c.prompt_logprobs or [], req.logprobs)
+        return c.prompt_ids, self._top(c.prompt_logprobs or [], req.logprobs), self._prompt_offsets(c.prompt_ids,
+                                                                                                   prompt_text)
+
+    def _prompt_offsets(self, ids: list[int], text: str) -> list[int]:
+        """text_offset of each prompt token in the echoed prompt text. That text is what the client sent (a
+        BOS the tokenizer added is not in it) or, for token ids, their decoding with special tokens: the
+        decoding whose length matches is used."""
+        for skip in (False, True):
+            offsets, end = token_offsets(functools.partial(self.tokenizer.decode, skip_special_tokens=skip), ids)
+            if end == len(text):
+                break
+        return [min(o, len(text)) for o in offsets]
 
     @staticmethod
     def _top(lps: list, n: int) -> list:
         """Prompt entries carry max(prompt_logprobs, logprobs) alternatives, best first: keep n."""
         return [type(lp)(lp.token_id, lp.logprob, lp.top[:n]) for lp in lps]
 
-    def _logprobs(self, lps, offset: int, echoed: tuple[list[int], list] | None = None) -> dict:
-        tokens, token_lps, tops, offsets = [], [], [], []
+    def _logprobs(self, lps, offsets: list[int], echoed: tuple[list[int], list, list] | None = None) -> dict:
+        """OpenAI's legacy logprobs. text_offset: where each token starts in the choice's text, in characters
+        (the output processor's offsets; for an echoed prompt, _prompt_offsets)."""
+        tokens, token_lps, tops = [], [], []
         if echoed is not None:  # the prompt: its first token has no logprob (None), as OpenAI reports it
-            ids, prompt_lps = echoed
-            lps = list(prompt_lps) + list(lps)
-            tok = self.token_str(ids[0])
-            tokens.append(tok)
+            ids, prompt_lps, prompt_offsets = echoed
+            lps, offsets = list(prompt_lps) + list(lps), prompt_offsets + list(offsets)
+            tokens.append(self.token_str(ids[0]))
             token_lps.append(None)
             tops.append(None)
-            offsets.append(offset)
-            offset += len(tok)
         for lp in lps:
             tok = self.token_str(lp.token_id)
             tokens.append(tok)
@@ -89,14 +120,11 @@ class CompletionServing(Serving):
             top = {self.token_str(t): v for t, v in lp.top}
             top.setdefault(tok, lp.logprob)
             tops.append(top)
-            offsets.append(offset)
-            offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": list(offsets)}
 
     async def _chunks(self, req, rid, created, texts, first, events, n, num_prompt, children):
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         usage_null = {"usage": None} if req.include_usage else {}
-        offsets: dict[int, int] = {}
         echoed: set[int] = set()
         async for child, delta in self.merged(first, events, n):
             if isinstance(delta, Exception):
@@ -109,9 +137,9 @@ class CompletionServing(Serving):
             lp = None
             if req.logprobs is not None:
                 first = delta.prompt_logprobs is not None
-                lp = self._logprobs(delta.logprobs, offsets.get(child.index, 0),
-                                    self._echoed(req, child) if first else None)
-                offsets[child.index] = offsets.get(child.index, 0) + sum(len(t) for t in lp["tokens"])
+                prompt_text = texts[child.index // req.n] if req.echo else ""
+                lp = self._logprobs(delta.logprobs, [len(prompt_text) + o for o in delta.text_offsets],
+                                    self._echoed(req, child, prompt_text) if first else None)
             choice = {"index": child.index, "text": text, "logprobs": lp,
                       "finish_reason": delta.finish_reason if delta.finished else None,
                       "stop_reason": delta.stop_reason if delta.finished else None}

@@ -48,3 +48,41 @@ def test_without_stop_strings_nothing_is_held_back(tok):
     deltas, final = stream(tok, SamplingParams(), ids)
     assert "".join(deltas) == TEXT and all(deltas[:-1]) or "".join(deltas) == TEXT
     assert "".join(deltas[:3]) == tok.decode(ids[:3]).rstrip("\ufffd")
+
+
+MULTIBYTE = "a€b naïve 日本"
+
+
+def offsets_of(tok, params, outputs):
+    """Feed the processor outputs (lists of token ids); the text and the text_offsets of every token."""
+    proc = OutputProcessor(tok)
+    proc.add("r", params, prompt_len=0)
+    text, offsets = "", []
+    for i, ids in enumerate(outputs):
+        d, _ = proc.process(EngineCoreOutput("r", ids, finish_reason="length" if i == len(outputs) - 1 else None))
+        text += d.text
+        offsets += d.text_offsets
+        if d.finished:
+            break
+    return text, offsets
+
+
+def test_text_offsets_count_characters_of_the_text_across_split_multibyte_characters(tok):
+    # Offsets built from per-token strings drifted: each byte of a split character decodes alone to U+FFFD
+    # (one character each), so every token after "€" (3 byte tokens) was placed 2 characters too far.
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
+    assert [tok.decode([i]) for i in ids[1:4]] == ["\ufffd"] * 3  # "€": three tokens of one byte each
+    want = [0, 1, 1, 1, 2, 3, 5, 6, 6, 7, 9, 10, 10, 10, 11, 11, 11]  # a €€€ b " n" a ïï ve " " 日日日 本本本
+    text, offsets = offsets_of(tok, SamplingParams(logprobs=0), [[i] for i in ids])
+    assert text == MULTIBYTE and offsets == want
+    # the slices between offsets are what each token added, and they make up the text
+    assert "".join(text[a:b] for a, b in zip(offsets, offsets[1:] + [len(text)])) == text
+    # several tokens in one output (MTP) get the same offsets
+    assert offsets_of(tok, SamplingParams(logprobs=0), [ids[:3], ids[3:9], ids[9:]]) == (text, want)
+    # the prompt side (echo) computes the same by its own linear-time route
+    from moeserve.entrypoints.serving_completion import token_offsets
+    assert token_offsets(tok.decode, ids) == (want, len(text))
+    # a stop string cut: the tokens that made it start at most at the text's end
+    text, offsets = offsets_of(tok, SamplingParams(logprobs=0, stop=["ïve"]), [ids[:7], ids[7:]])
+    assert text == "a€b na" and offsets == want[:7] + [6, 6, 6]
+    assert offsets_of(tok, SamplingParams(), [[i] for i in ids])[1] == []  # only logprobs requests pay for them

@@ -191,6 +191,34 @@ def test_echo_with_logprobs_scores_the_prompt(client, model, llm):
     assert plp[1][str(ids[1])]["logprob"] == pytest.approx(want.prompt_logprobs[1][ids[1]], abs=1e-4)
 
 
+def test_text_offset_counts_characters_across_split_multibyte_characters(client, model, llm):
+    """text_offset used to add up per-token strings, in which each byte of a character split over tokens is a
+    U+FFFD of its own: every token after "€" (three one-byte tokens) was placed two characters too far."""
+    from moeserve.entrypoints.serving_completion import token_offsets
+    tok = llm.get_tokenizer()
+    prompt = "a€b naïve"
+    assert [tok.decode([t]) for t in tok.encode(prompt)] == ["a", *"\ufffd" * 3, "b", " n", "a", *"\ufffd" * 2, "ve"]
+    for stream in (False, True):
+        chunks = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, logprobs=0,
+                                           echo=True, stream=stream)
+        offsets = [o for c in ([chunks] if not stream else chunks) for o in c.choices[0].logprobs.text_offset]
+        assert offsets[:11] == [0, 1, 1, 1, 2, 3, 5, 6, 6, 7, 9], stream  # the prompt's tokens, then the answer's
+    # Generated multibyte characters: sampling among the two byte tokens of "é" (seeded, so the offline
+    # engine gives the same tokens) makes whole and broken characters; offsets are the text's.
+    bias = {t: 100.0 for t in tok.encode("é", add_special_tokens=False)}
+    kw = dict(temperature=1.0, seed=3, max_tokens=12, logit_bias=bias, logprobs=0)
+    want = llm.generate([prompt], SamplingParams(**kw))[0].outputs[0]
+    assert "é" in want.text
+    expected, end = token_offsets(tok.decode, want.token_ids)
+    drifted = [sum(len(tok.decode([t])) for t in want.token_ids[:i]) for i in range(len(want.token_ids))]
+    assert end == len(want.text) and expected != drifted
+    kw["logit_bias"] = {str(t): b for t, b in bias.items()}
+    r = client.completions.create(model=model, prompt=prompt, **kw)
+    assert r.choices[0].text == want.text and r.choices[0].logprobs.text_offset == expected
+    chunks = client.completions.create(model=model, prompt=prompt, stream=True, **kw)
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == expected
+
+
 def same_prompt_logprobs(a: list, b: list) -> bool:
     """Equal prompt_logprobs lists: the same tokens and decoded tokens, logprobs within float noise."""
     return len(a) == len(b) and all(
