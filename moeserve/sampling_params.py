@@ -4,7 +4,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moeserve.structured.params import GuidedDecodingParams, StructuredOutputsParams  # noqa: F401 (re-exported)
+from moeserve.structured.params import GuidedDecodingParams, StructuredOutputsParams
+
+__all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams", "GuidedDecodingParams"]
 
 INT64_MAX = 2**63 - 1
 
