@@ -25,12 +25,14 @@ def resolve_template(tokenizer, chat_template: str | None = None) -> str:
 
 
 def render(tokenizer, conversation: list[dict], template: str, add_generation_prompt: bool = True,
-           tools: list[dict] | None = None) -> tuple[str, list[int]]:
+           tools: list[dict] | None = None, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
     """(prompt text, token ids). The template writes the special tokens itself (BOS): none are added.
-    tools (OpenAI's function definitions) are the template's `tools` variable, as HF templates expect."""
+    tools (OpenAI's function definitions) are the template's `tools` variable, as HF templates expect;
+    template_kwargs (vLLM's chat_template_kwargs, e.g. {"thinking": true}) are more template variables."""
     try:
         text = tokenizer.apply_chat_template(conversation, chat_template=template, tools=tools,
-                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+                                             add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **(template_kwargs or {}))
     except Exception as e:  # jinja raises TemplateError (incl. raise_exception) and others
         raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from None
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -481,6 +481,7 @@ class ServerConfig:
     log_level: str = "info"
     enable_auto_tool_choice: bool = False  # tool_choice "auto": needs tool_call_parser
     tool_call_parser: str | None = None  # entrypoints/tool_calls.py TOOL_CALL_PARSERS
+    reasoning_parser: str | None = None  # entrypoints/reasoning.py REASONING_PARSERS
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
@@ -489,7 +490,10 @@ class ServerConfig:
                  f"--max-waiting-requests must be >= 1 (every request waits briefly before it runs), "
                  f"got {self.max_waiting_requests}")
         _require(self.api_key is None or bool(self.api_key), "--api-key must not be empty")
+        from moeserve.entrypoints.reasoning import REASONING_PARSERS
         from moeserve.entrypoints.tool_calls import TOOL_CALL_PARSERS
+        _require(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+                 f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         _require(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
                  f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None,

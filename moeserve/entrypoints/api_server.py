@@ -64,7 +64,8 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
     completions = CompletionServing(client, tokenizer, name, spec.max_model_len, cfg.max_waiting_requests)
     chat = ChatServing(client, tokenizer, name, spec.max_model_len, cfg.max_waiting_requests,
                        chat_template=cfg.chat_template,
-                       auto_tools=cfg.enable_auto_tool_choice and cfg.tool_call_parser is not None)
+                       auto_tools=cfg.enable_auto_tool_choice and cfg.tool_call_parser is not None,
+                       reasoning_parser=cfg.reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

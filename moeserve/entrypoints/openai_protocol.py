@@ -279,6 +279,11 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# Set by request fields or by the renderer itself, not by chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = ("conversation", "chat_template", "tools", "add_generation_prompt", "tokenize",
+                             "messages", "documents", "return_dict", "continue_final_message")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -290,6 +295,14 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's extra: more variables for the chat template
+
+    def template_kwargs(self) -> dict | None:
+        taken = [k for k in self.chat_template_kwargs or {} if k in _RESERVED_TEMPLATE_KWARGS]
+        if taken:
+            raise APIError(f"chat_template_kwargs must not set {taken[0]!r} (a request field sets it)",
+                           param="chat_template_kwargs")
+        return self.chat_template_kwargs
 
     def tool_mode(self, auto_enabled: bool) -> str | None:
         """None (plain text), "named", "required" or "auto"; refuses what cannot be served."""

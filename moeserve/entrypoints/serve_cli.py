@@ -31,6 +31,9 @@ def register(sub) -> None:
                    help="serve tool_choice \"auto\": the model decides, --tool-call-parser reads its calls")
     g.add_argument("--tool-call-parser", default=None,
                    help="how the model writes tool calls: deepseek_v3 (DeepSeek V3 / R1 / V3.1 markers)")
+    g.add_argument("--reasoning-parser", default=None,
+                   help="split thinking into reasoning_content: deepseek_r1 (always thinks), deepseek_v3 "
+                        "(V3.1: when chat_template_kwargs has thinking: true)")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
@@ -55,5 +58,5 @@ def run(args) -> int:
                           api_server_count=args.api_server_count, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, chat_template=template,
                           log_level=args.log_level, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     return serve(engine_args, server)

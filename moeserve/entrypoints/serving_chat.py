@@ -6,23 +6,29 @@ from fastapi.responses import JSONResponse
 
 from moeserve.chat_template import ChatTemplateError, render, resolve_template
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest
+from moeserve.entrypoints.reasoning import StreamedReasoning, split_reasoning, thinks
 from moeserve.entrypoints.serving import Serving, sse
 from moeserve.entrypoints.tool_calls import StreamedContent, ToolCall, parse_deepseek_v3, parse_required
 
 
 class ChatServing(Serving):
-    def __init__(self, *args, chat_template: str | None = None, auto_tools: bool = False, **kwargs) -> None:
+    def __init__(self, *args, chat_template: str | None = None, auto_tools: bool = False,
+                 reasoning_parser: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.chat_template = resolve_template(self.tokenizer, chat_template)
         self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser (entrypoints/reasoning.py)
 
     def render(self, req: ChatCompletionRequest) -> list[int]:
-        return self.render_messages(req.messages, req.add_generation_prompt, req.tool_dicts())
+        return self.render_messages(req.messages, req.add_generation_prompt, req.tool_dicts(),
+                                    req.template_kwargs())
 
-    def render_messages(self, messages: list, add_generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    def render_messages(self, messages: list, add_generation_prompt: bool, tools: list[dict] | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
         conversation = [m.template_fields() for m in messages]
         try:
-            return render(self.tokenizer, conversation, self.chat_template, add_generation_prompt, tools)[1]
+            return render(self.tokenizer, conversation, self.chat_template, add_generation_prompt, tools,
+                          template_kwargs)[1]
         except ChatTemplateError as e:
             raise APIError(str(e), param="messages") from None
 
@@ -30,6 +36,8 @@ class ChatServing(Serving):
         self.check_model(req.model)
         req.check()
         mode = req.tool_mode(self.auto_tools)
+        # A structured output constrains the whole text, so such a request does not think first.
+        think = thinks(self.reasoning_parser, req.chat_template_kwargs) and not req.has_structured_outputs
         ids = await self.off_loop(self.render, req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.check_length(len(ids), getattr(req, field), "messages", field)
@@ -38,12 +46,17 @@ class ChatServing(Serving):
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:
             def chunks(first, events, n):
-                return self._chunks(req, rid, created, first, events, n, len(ids), children, mode)
+                return self._chunks(req, rid, created, first, events, n, len(ids), children, mode, think)
             return await self.stream(children, raw, chunks)
         await self.collect(children, raw)
         choices = []
         for c in children:
-            message, finish = self._message(req, mode, c.text, c.finish_reason)
+            reasoning, text = split_reasoning(c.text) if think else (None, c.text)
+            message, finish = self._message(req, mode, text or "", c.finish_reason)
+            if think:
+                message["reasoning_content"] = reasoning
+                if text is None and message["content"] == "":
+                    message["content"] = None
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.logprobs) if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": c.stop_reason})
@@ -89,7 +102,7 @@ class ChatServing(Serving):
         return {"content": [{**self._entry(lp.token_id, lp.logprob),
                              "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in lps]}
 
-    async def _chunks(self, req, rid, created, first, events, n, num_prompt, children, mode=None):
+    async def _chunks(self, req, rid, created, first, events, n, num_prompt, children, mode=None, think=False):
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         usage_null = {"usage": None} if req.include_usage else {}
         started: set[int] = set()
@@ -97,6 +110,7 @@ class ChatServing(Serving):
         # "auto" streams content until DeepSeek's call marker, then holds the rest for the parser.
         held: dict[int, str] = {}
         auto: dict[int, StreamedContent] = {}
+        thinking: dict[int, StreamedReasoning] = {}  # --reasoning-parser: text up to </think> is reasoning
         async for child, delta in self.merged(first, events, n):
             if isinstance(delta, Exception):
                 yield self.error_event(delta)
@@ -108,7 +122,12 @@ class ChatServing(Serving):
                 role = {"index": child.index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}
                 yield sse({**head, "choices": [role], **prompt, **usage_null})
-            text, out = delta.text, {}
+            text, out, reasoning = delta.text, {}, ""
+            if think:
+                split = thinking.setdefault(child.index, StreamedReasoning())
+                reasoning, text = split.push(text)
+                if delta.finished:
+                    reasoning += split.finish()
             if mode in ("named", "required"):
                 held[child.index] = held.get(child.index, "") + text
                 text = ""
@@ -119,6 +138,8 @@ class ChatServing(Serving):
                 text, out, finish = self._final_delta(req, mode, child.index, held, auto, text, finish)
             if text:
                 out = {"content": text, **out}
+            if reasoning:
+                out = {"reasoning_content": reasoning, **out}
             choice = {"index": child.index, "delta": out,
                       "logprobs": self._logprobs(delta.logprobs) if req.logprobs else None,
                       "finish_reason": finish}

@@ -1,6 +1,7 @@
 """Tool calling on /v1/chat/completions: a named function and "required" guided to the tools' schemas,
 "auto" with DeepSeek-V3's markers parsed (the parser alone, and end to end with a regex that makes the
-tiny model write the markers as text), streamed deltas adding up to the unary answer."""
+tiny model write the markers as text), streamed deltas adding up to the unary answer; and the reasoning
+parser's split at </think>, which shares the server (--reasoning-parser deepseek_v3)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import pytest
 
 from moeserve.entrypoints.tool_calls import (CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, StreamedContent,
                                              parse_deepseek_v3, parse_required)
+from moeserve.entrypoints.reasoning import StreamedReasoning, split_reasoning
 from tests.entrypoints.server import ServerProcess
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
@@ -58,7 +60,8 @@ def test_parse_required():
 @pytest.fixture(scope="module")
 def auto_server(ckpt_dir):
     server = ServerProcess(ckpt_dir("v3"), "--max-model-len", "512", "--dtype", "float32",
-                           "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3")
+                           "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3",
+                           "--reasoning-parser", "deepseek_v3")
     yield server
     server.stop()
 
@@ -168,3 +171,50 @@ def test_auto_parses_deepseek_calls(auto_server, client, model):
     assert _streamed(c, **kw) == (choice.message.content, {0: ("ping", "{}")}, "tool_calls")
     plain = c.chat.completions.create(model=model, messages=MESSAGES, tools=TOOLS, max_tokens=8, temperature=0)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
+
+
+# ---- reasoning (--reasoning-parser); the module's server runs deepseek_v3: thinking on request ----
+
+@pytest.mark.parametrize("text,want", [
+    ("plan it</think>The answer", ("plan it", "The answer")),
+    ("<think>plan</think>", ("plan", None)),
+    ("still thinking", ("still thinking", None)),  # never closed: all reasoning, as vLLM's deepseek_r1
+])
+def test_split_reasoning(text, want):
+    assert split_reasoning(text) == want
+
+
+@pytest.mark.parametrize("split", [1, 2, 5])
+@pytest.mark.parametrize("text", ["<think>a < b, so</think>x</think>y", "no end </thi", "</think>", "<thin"])
+def test_streamed_reasoning_adds_up_to_the_split(text, split):
+    s, reasoning, content = StreamedReasoning(), "", ""
+    for i in range(0, len(text), split):
+        r, c = s.push(text[i:i + split])
+        assert "</think>" not in r + c
+        reasoning, content = reasoning + r, content + c
+    reasoning += s.finish()
+    want_r, want_c = split_reasoning(text)
+    assert (reasoning, content) == (want_r or "", want_c or "")
+
+
+def test_thinking_request_returns_reasoning_content(client, model):
+    kw = dict(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
+              extra_body={"chat_template_kwargs": {"thinking": True}})
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message.model_dump()
+    assert msg["content"] is None and msg["reasoning_content"]  # the tiny model never writes </think>
+    reasoning = ""
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            reasoning += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            assert not ch.delta.content
+    assert reasoning == msg["reasoning_content"]
+    plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert plain.choices[0].message.content == msg["reasoning_content"]  # same text, not split without thinking
+    assert "reasoning_content" not in plain.choices[0].message.model_dump()
+
+
+def test_reserved_template_kwargs_are_refused(auto_server, model):
+    r = httpx.post(f"{auto_server.base_url}/chat/completions",
+                   json={"model": model, "messages": MESSAGES, "chat_template_kwargs": {"tools": []}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
