@@ -21,6 +21,8 @@ from moeserve.bench.metrics import LATENCIES, compute, latency_series
 from moeserve.bench.spec_metrics import cache_figures, scrape, spec_figures
 from moeserve.bench.request import RequestResult, send
 
+STATS_SETTLE_S = 0.6  # a little over two engine stats heartbeats (entrypoints/engine_core_proc.py HEARTBEAT_S)
+
 
 async def _arrivals(n: int, rate: float, rng: random.Random):
     """Yield request indices at Poisson arrival times (exponential gaps of mean 1/rate)."""
@@ -95,6 +97,9 @@ def run(args) -> int:
     samples = _samples(args, tokenizer)
     url = args.base_url.rstrip("/") + args.endpoint
     extra = {"ignore_eos": True} if args.ignore_eos else {}
+    # The engine's cumulative counters reach /metrics with its stats heartbeat (every 0.25 s): wait a couple
+    # of beats before each scrape so that neither misses counts (a busy machine made the run's delta 0).
+    time.sleep(STATS_SETTLE_S)
     spec_before = scrape(args.base_url, _headers(args))
     results, duration = asyncio.run(run_requests(url, args.model, samples, args.request_rate,
                                                  args.max_concurrency, args.seed, extra, _headers(args),
@@ -106,6 +111,7 @@ def run(args) -> int:
                               ("e2el", args.e2el_slo_ms)) if v is not None}
     percentiles = [float(p) for p in args.metric_percentiles.split(",")]
     m = compute(results, duration, args.num_devices, slos, percentiles)
+    time.sleep(STATS_SETTLE_S)
     after = scrape(args.base_url, _headers(args))
     m.update(spec_figures(spec_before, after))
     m.update(cache_figures(spec_before, after))
