@@ -356,6 +356,9 @@ ENGINE_HELP = {
     "master_port": "rendezvous port (None: a free port on one node)",
     "distributed_backend": "auto|gloo|nccl (auto: NCCL for CUDA, gloo otherwise)",
     "distributed_timeout": "seconds a collective may wait before the engine reports a dead rank",
+    "generation_config": "auto|vllm|FOLDER: sampling defaults (temperature, top_p, top_k, min_p, "
+                         "repetition_penalty, max_new_tokens) from the model's (or FOLDER's) generation_config.json "
+                         "for requests that leave them unset; vllm: none",
 }
 
 
@@ -395,6 +398,7 @@ class EngineArgs:
     master_port: int | None = None
     distributed_backend: str = "auto"
     distributed_timeout: float = 60.0
+    generation_config: str = "auto"  # request defaults: "auto" (the model's generation_config.json), "vllm", a folder
 
     def __post_init__(self) -> None:
         _check_field_types(self)

@@ -16,6 +16,7 @@ from moeserve.models.registry import resolve_model_path
 from moeserve.outputs import CompletionOutput, RequestOutput
 from moeserve.protocol import EngineCoreRequest
 from moeserve.sampling_params import SamplingParams
+from moeserve.generation_defaults import default_sampling
 from moeserve.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -31,6 +32,7 @@ class LLM:
         self.config = self.args.create_config(self.arch.max_position_embeddings)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, _generation_config(path))
+        self.default_sampling = default_sampling(self.args.generation_config, path)
         self.engine = self._make_engine()
         self._ids = itertools.count()
 
@@ -48,10 +50,15 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the checkpoint's recommended fields (--generation-config); what
+        generate() and chat() use when given no sampling_params."""
+        return SamplingParams(**self.default_sampling)
+
     def generate(self, prompts=None, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         texts, token_lists = self._normalise_prompts(prompts, prompt_token_ids)
-        params = SamplingParams() if sampling_params is None else sampling_params
+        params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params = [params] * len(token_lists) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(token_lists):
             raise ValueError(f"got {len(params)} sampling_params for {len(token_lists)} prompts")

@@ -44,6 +44,7 @@ class ApiServerSpec:
     eos_token_ids: list[int]
     max_model_len: int
     kv_role: str | None = None  # --kv-transfer-config kv_role (PD), None without it
+    default_sampling: dict | None = None  # --generation-config: defaults for fields a request leaves unset
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -61,8 +62,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_ready=None) -> FastAPI:
     cfg = spec.server
     name = cfg.served_model_name
-    completions = CompletionServing(client, tokenizer, name, spec.max_model_len, cfg.max_waiting_requests)
-    chat = ChatServing(client, tokenizer, name, spec.max_model_len, cfg.max_waiting_requests,
+    completions = CompletionServing(client, tokenizer, name, spec.max_model_len, cfg.max_waiting_requests,
+                                    spec.default_sampling)
+    chat = ChatServing(client, tokenizer, name, spec.max_model_len, cfg.max_waiting_requests, spec.default_sampling,
                        chat_template=cfg.chat_template,
                        auto_tools=cfg.enable_auto_tool_choice and cfg.tool_call_parser is not None,
                        reasoning_parser=cfg.reasoning_parser)

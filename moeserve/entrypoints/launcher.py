@@ -33,6 +33,7 @@ logger = logging.getLogger("moeserve.serve")
 class Deployment:
     def __init__(self, engine_args: EngineArgs, server: ServerConfig, ready_timeout: float = 600.0) -> None:
         from moeserve.engine.launch import TorchrunEnv, check_parallel_layout, needs_ranks
+        from moeserve.generation_defaults import default_sampling
         from moeserve.llm import _generation_config
         from moeserve.models.config import DeepseekArch
         from moeserve.tokenizer import eos_token_ids, load_tokenizer
@@ -53,7 +54,8 @@ class Deployment:
         self.spec = dict(server=_with_port(server, self.port), engine_address=self.engine_address,
                          model_path=path, tokenizer_path=tokenizer_path, eos_token_ids=eos,
                          max_model_len=self.config.scheduler.max_model_len,
-                         kv_role=self.config.kv_transfer.kv_role if self.config.kv_transfer else None)
+                         kv_role=self.config.kv_transfer.kv_role if self.config.kv_transfer else None,
+                         default_sampling=default_sampling(engine_args.generation_config, path))
         self.ctx = multiprocessing.get_context("spawn")
         self.engine = None
         self.api_servers: list = []

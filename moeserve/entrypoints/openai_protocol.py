@@ -168,7 +168,8 @@ class _SamplingFields(_Strict):
         return False  # chat's auto tool choice: the parser reads the model's special-token markers
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
+        """defaults: the server's --generation-config fields, for the ones this request leaves unset."""
         self._unsupported()
         structured = self._structured_outputs()
         kwargs = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -182,7 +183,8 @@ class _SamplingFields(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
                 skip_special_tokens=self.skip_special_tokens and not self._keeps_special_tokens(),
                 structured_outputs=structured,
-                **{k: v for k, v in kwargs.items() if v is not None})
+                **{**{k: v for k, v in (defaults or {}).items() if k in kwargs},
+                   **{k: v for k, v in kwargs.items() if v is not None}})
         except SamplingParamsError as e:
             raise APIError(str(e), param=e.param) from None
 

@@ -78,23 +78,24 @@ class Serving:
     """Base of the completions and chat handlers."""
 
     def __init__(self, client: EngineClient, tokenizer, model_name: str, max_model_len: int,
-                 max_waiting_requests: int | None = None) -> None:
+                 max_waiting_requests: int | None = None, default_sampling: dict | None = None) -> None:
         self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
         self.max_waiting = max_waiting_requests
+        self.default_sampling = default_sampling or {}  # --generation-config (generation_defaults.py)
 
     @staticmethod
     async def off_loop(fn, *args):
         """Run tokenizer work on the tokenizer thread; its APIError reaches the caller unchanged."""
         return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, functools.partial(fn, *args))
 
-    @staticmethod
-    async def sampling_params(req, *args):
-        """req.sampling_params(*args), on the grammar thread when it compiles a structured-output pattern."""
+    async def sampling_params(self, req, *args):
+        """req.sampling_params(*args) with the server's defaults, on the grammar thread when it compiles a
+        structured-output pattern."""
+        call = functools.partial(req.sampling_params, *args, defaults=self.default_sampling)
         if not req.has_structured_outputs:
-            return req.sampling_params(*args)
-        return await asyncio.get_running_loop().run_in_executor(_GRAMMAR, functools.partial(req.sampling_params,
-                                                                                            *args))
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(_GRAMMAR, call)
 
     # ---- validation ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -111,8 +112,8 @@ class Serving:
         if num_prompt >= limit:
             raise APIError(f"this model's maximum context length is {limit} tokens, but the {what} has "
                            f"{num_prompt} tokens; shorten it", param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            return limit - num_prompt
+        if max_tokens is None:  # the rest of the context, or the checkpoint's max_new_tokens when smaller
+            return min(limit - num_prompt, self.default_sampling.get("max_tokens", limit))
         if max_tokens < 1:
             raise APIError(f"{field} must be at least 1, got {max_tokens}", param=field)
         if num_prompt + max_tokens > limit:
