@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse
 
 from moeserve.chat_template import ChatTemplateError, render, resolve_template
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest
-from moeserve.entrypoints.reasoning import StreamedReasoning, split_reasoning, thinks
+from moeserve.entrypoints.reasoning import THINK_END, StreamedReasoning, split_reasoning, thinks
 from moeserve.entrypoints.serving import Serving, sse
 from moeserve.entrypoints.tool_calls import StreamedContent, ToolCall, parse_deepseek_v3, parse_required
 
@@ -36,12 +36,13 @@ class ChatServing(Serving):
         self.check_model(req.model)
         req.check()
         mode = req.tool_mode(self.auto_tools)
-        # A structured output constrains the whole text, so such a request does not think first.
-        think = thinks(self.reasoning_parser, req.chat_template_kwargs) and not req.has_structured_outputs
+        think = thinks(self.reasoning_parser, req.chat_template_kwargs)
         ids = await self.off_loop(self.render, req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.check_length(len(ids), getattr(req, field), "messages", field)
         params = await self.sampling_params(req, max_tokens, req.num_logprobs(), req.prompt_logprobs)
+        if think and params.structured_outputs is not None:  # the pattern (or tool schema) starts after thinking
+            params.structured_outputs.after = THINK_END
         children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:

@@ -83,6 +83,7 @@ class TokenGrammar:
         self.dfa, self.table = dfa, table
         self.flat = dfa.byte_table()[:, :256].contiguous().view(-1)
         self.masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.thinking: dict[tuple[bytes, bytes], torch.Tensor | None] = {}  # at most len(marker) entries each
         self.max_masks = max(16, MASK_CACHE_BYTES // max(1, table.vocab_size))
 
     def allowed(self, state: int) -> torch.Tensor:
@@ -107,48 +108,89 @@ class TokenGrammar:
         piece = self.table.pieces[token_id] if 0 <= token_id < self.table.vocab_size else None
         return self.dfa.step(state, piece) if piece else 0
 
+    def thinking_mask(self, marker: bytes, matched: bytes) -> torch.Tensor | None:
+        """Before the marker: every token, except those that complete it with bytes the pattern cannot
+        start with (None when there are none). Cached per matched prefix of the marker."""
+        key = (marker, matched)
+        if key not in self.thinking:
+            mask = torch.ones(self.table.vocab_size, dtype=torch.bool)
+            bad = [t for t, p in enumerate(self.table.pieces)
+                   if p and (marker in p or (matched and (matched + p).find(marker) >= 0))
+                   and _after_marker(marker, matched + p, self.dfa) == 0]
+            mask[bad] = False
+            self.thinking[key] = mask if bad else None
+        return self.thinking[key]
+
+
+def _after_marker(marker: bytes, text: bytes, dfa: DFA) -> int | bytes:
+    """The position after `text` (the marker's matched prefix + a token's bytes): the DFA state after the
+    marker once it is complete, else the longest end of text that begins the marker."""
+    cut = text.find(marker)
+    if cut >= 0:
+        return dfa.step(1, text[cut + len(marker):])
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-k:]):
+            return text[-k:]
+    return b""
+
 
 class GrammarMatcher:
     """One request's position in its grammar, derived from its output tokens (so a preempted and
-    recomputed request, or one whose drafts were rejected, needs no rollback)."""
+    recomputed request, or one whose drafts were rejected, needs no rollback).
 
-    def __init__(self, grammar: TokenGrammar) -> None:
-        self.grammar = grammar
-        self.state, self.consumed = 1, 0
+    With `after` (a reasoning model's end of thinking, b"</think>"), the output is free until that text
+    appears and the pattern applies to what follows it. Until then the position is the text's last bytes
+    (bytes, enough to find the marker across tokens); after it, a DFA state (int)."""
 
-    def sync(self, output_ids: list[int]) -> int:
+    def __init__(self, grammar: TokenGrammar, after: bytes | None = None) -> None:
+        self.grammar, self.after = grammar, after
+        self.start: int | bytes = b"" if after else 1
+        self.state, self.consumed = self.start, 0
+
+    def advance(self, state: int | bytes, token_id: int) -> int | bytes:
+        g = self.grammar
+        if isinstance(state, int):  # a stop token ends the output; anything else must follow the grammar
+            return g.advance(state, token_id) if state else 0
+        piece = g.table.pieces[token_id] if 0 <= token_id < g.table.vocab_size else None
+        return _after_marker(self.after, state + (piece or b""), g.dfa)
+
+    def sync(self, output_ids: list[int]) -> int | bytes:
         if len(output_ids) < self.consumed:
-            self.state, self.consumed = 1, 0
+            self.state, self.consumed = self.start, 0
         for t in output_ids[self.consumed:]:
-            # A stop token ends the output; anything else must follow the grammar (dead state otherwise).
-            self.state = self.grammar.advance(self.state, t) if self.state else 0
+            self.state = self.advance(self.state, t)
         self.consumed = len(output_ids)
         return self.state
 
     def row_masks(self, output_ids: list[int], draft_ids: list[int], end_ids: list[int],
-                  fallback_ids: list[int] = ()) -> torch.Tensor:
+                  fallback_ids: list[int] = ()) -> torch.Tensor | None:
         """bool [len(draft_ids) + 1, vocab]: row j may follow output + drafts[:j]. end_ids (the request's
         stop tokens) are allowed where the output matches; fallback_ids (EOS) only where nothing else is
         (ignore_eos past the pattern's end). Rows after a draft the grammar forbids repeat the row before
-        (that draft is rejected, so they are never used)."""
+        (that draft is rejected, so they are never used). None: no row is constrained yet (thinking)."""
         g = self.grammar
         state = self.sync(output_ids)
-        rows = []
+        rows: list[torch.Tensor | None] = []
         for j in range(len(draft_ids) + 1):
-            if j and not state:
+            if isinstance(state, bytes):  # still thinking: anything that does not end it badly
+                rows.append(g.thinking_mask(self.after, state))
+            elif j and not state:
                 rows.append(rows[-1])
-                continue
-            mask = g.allowed(state)
-            if not state or g.dfa.accepting[state]:
-                mask = mask.clone()
-                mask[[t for t in end_ids if t < g.table.vocab_size]] = True
-            if not bool(mask.any()):  # the pattern is complete (ignore_eos), or no token has the next byte
-                mask = mask.clone()
-                mask[[t for t in fallback_ids if t < g.table.vocab_size]] = True
-            rows.append(mask)
+            else:
+                mask = g.allowed(state)
+                if not state or g.dfa.accepting[state]:
+                    mask = mask.clone()
+                    mask[[t for t in end_ids if t < g.table.vocab_size]] = True
+                if not bool(mask.any()):  # the pattern is complete (ignore_eos), or no token has the next byte
+                    mask = mask.clone()
+                    mask[[t for t in fallback_ids if t < g.table.vocab_size]] = True
+                rows.append(mask)
             if j < len(draft_ids):
-                state = g.advance(state, draft_ids[j])
-        return torch.stack(rows)
+                state = self.advance(state, draft_ids[j])
+        if all(r is None for r in rows):
+            return None
+        free = torch.ones(g.table.vocab_size, dtype=torch.bool)
+        return torch.stack([free if r is None else r for r in rows])
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple]) -> None:
@@ -157,8 +199,8 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple]) -> None:
     r = 0
     for matcher, output_ids, draft_ids, end_ids, fallback_ids in rows:
         n = len(draft_ids) + 1
-        if matcher is not None:
-            mask = matcher.row_masks(output_ids, draft_ids, end_ids, fallback_ids)
+        mask = matcher.row_masks(output_ids, draft_ids, end_ids, fallback_ids) if matcher is not None else None
+        if mask is not None:
             logits[r:r + n, :mask.shape[1]].masked_fill_(~mask, float("-inf"))
             logits[r:r + n, mask.shape[1]:] = float("-inf")
         r += n
@@ -192,4 +234,4 @@ class StructuredOutputManager:
                 self._grammars.popitem(last=False)
         else:
             self._grammars.move_to_end(key)
-        return GrammarMatcher(grammar)
+        return GrammarMatcher(grammar, params.after.encode("utf-8") if params.after else None)

@@ -27,6 +27,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     json_object: bool | None = None
     grammar: str | None = None
+    # The pattern applies to the text after this one (a reasoning model's "</think>"; the server sets it
+    # with --reasoning-parser); before it the output is free. Not part of the compiled pattern.
+    after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.json, (dict, bool)):
@@ -46,6 +49,8 @@ class StructuredOutputsParams:
                                         or len(self.choice) > MAX_CHOICES
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise PatternError(f"choice must be a list of 1..{MAX_CHOICES} non-empty strings")
+        if self.after is not None and (not isinstance(self.after, str) or not self.after):
+            raise PatternError("after must be a non-empty string")
         if self.json_object not in (None, True, False):
             raise PatternError("json_object must be true or false")
 

@@ -137,3 +137,27 @@ def test_ignore_eos_keeps_eos_out_until_the_pattern_is_complete(llm):
         first_eos = next(i for i, t in enumerate(c.token_ids) if t in eos)  # only once "[ab]{6}" is complete
         assert all(t in eos for t in c.token_ids[first_eos:])
         assert re.fullmatch("[ab]{6}", c.text)  # EOS was not allowed earlier: ignore_eos
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_pattern_starts_after_the_marker(mtp_ckpt_dir, llm, k):
+    # "after" is how the server starts a pattern once a reasoning model writes </think>; the tiny model
+    # writes no such marker, so a frequent byte ("e") stands in for it: free text up to it, the pattern after.
+    spec = SO(regex=r"[a-f]{2,4}-\d", after="e")
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
+    engine = llm if not k else LLM(mtp_ckpt_dir("v3"), dtype="float32", enable_prefix_caching=False,
+                                   speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    outs = engine.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    free, ended = 0, 0
+    for o in outs:
+        c = o.outputs[0]
+        head, marker, tail = c.text.partition("e")
+        if marker:
+            assert re.fullmatch(r"[a-f]{2,4}-\d", tail), c.text
+            assert c.finish_reason == "stop"
+            ended += 1
+        free += len(head)
+    assert ended and free  # some free text before the marker, and the pattern completed after it
+    if k:  # lossless: the same tokens as without MTP
+        assert [o.outputs[0].token_ids for o in outs] == \
+            [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]

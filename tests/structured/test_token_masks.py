@@ -62,3 +62,19 @@ def test_rows_follow_the_drafts_and_end_tokens_need_a_match(tok):
     assert torch.equal(rows[2], rows[1]) and torch.equal(rows[3], rows[1])  # draft "x" breaks: never used
     # the state comes from the output tokens, so a shorter output (drafts rejected) needs no rollback
     assert m.row_masks([ids[b"a"], ids[b"b"], ids[b"c"]], [], [eos])[0].nonzero().flatten().tolist() == [eos]
+
+
+def test_after_a_marker_the_pattern_applies(tok):
+    pieces = token_bytes(tok, len(tok))
+    grammar = TokenGrammar(compile_params(SO(choice=["yes", "no"])), TokenTable(pieces))
+    ids = {p: i for i, p in enumerate(pieces) if p in (b"a", b"<", b"/", b"x", b"y", b"e", b"s", b">")}
+    m = GrammarMatcher(grammar, after=b"</x>")
+    eos = tok.eos_token_id
+    thinking = [ids[b"a"], ids[b"<"], ids[b"/"]]  # "a</": the marker is not complete yet
+    assert m.row_masks(thinking, [], [eos]) is None  # free text
+    rows = m.row_masks(thinking, [ids[b"x"], ids[b">"], ids[b"y"]], [eos])
+    assert rows[0].all() and rows[1].all()  # "a</x" still thinking
+    assert rows[2, ids[b"y"]] and not rows[2, ids[b"a"]] and not rows[2, eos]  # after "</x>": yes | no
+    assert rows[3, ids[b"e"]] and not rows[3, ids[b"y"]]
+    after = thinking + [ids[b"x"], ids[b">"], ids[b"y"], ids[b"e"], ids[b"s"]]
+    assert m.row_masks(after, [], [eos])[0].nonzero().flatten().tolist() == [eos]  # "yes": complete
