@@ -18,16 +18,6 @@ def llm(ckpt_dir):
     return LLM(ckpt_dir("v3"), max_model_len=256, dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def client(openai_server):
-    return openai.OpenAI(base_url=openai_server.base_url, api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def offline(llm, prompts, **kw):
     outs = llm.generate(prompts, SamplingParams(temperature=0, **kw))
     return [o.outputs[0] for o in outs]

@@ -7,23 +7,12 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                            "rain": {"type": "boolean"}, "level": {"enum": ["low", "high"]}},
           "required": ["city", "rain", "level"]}
 MESSAGES = [{"role": "user", "content": "Weather in Paris as JSON"}]
-
-
-@pytest.fixture(scope="module")
-def client(openai_server):
-    return openai.OpenAI(base_url=openai_server.base_url, api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_chat_json_schema(client, model):

@@ -72,11 +72,6 @@ def client(auto_server):
     return openai.OpenAI(base_url=auto_server.base_url, api_key="none", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
-
-
 def _streamed(client, **kw):
     """(content, {index: (name, arguments)}, finish_reason) assembled from the deltas, as clients do."""
     content, calls, finish = "", {}, None
