@@ -1,6 +1,8 @@
 """MoE communication of data-parallel attention + expert parallelism: alltoall vs allgather, D = 2 and 4.
 
-Usage: python benchmarks/dp_ep.py [--layouts 1 2 4] [--batch 8] [--prompt-len 32] [--new-tokens 32]
+Usage: python benchmarks/dp_ep.py [--layouts 1 2 4] [--batch 8] [--prompt-len 32] [--new-tokens 32] [--dbo]
+(--dbo: each D > 1 layout also runs with --enable-dbo, two micro-batches per step; its row's ratio column
+compares with the same layout without it.)
 For each layout it runs the same greedy batch through LLM(...) and prints
   - decode tokens/s and its ratio to the single-process engine measured in the same run;
   - bytes sent per token per MoE layer by the MoE collectives, next to the formula:
@@ -29,10 +31,10 @@ MOE_KINDS = ("alltoall", "allgather", "reduce_scatter")  # the token payload col
 PHASES = ("attention", "router", "dispatch", "experts", "combine", "shared_experts")
 
 
-def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
+def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: int, dbo: bool = False) -> dict:
     from moeserve import LLM
 
-    kw = dict(data_parallel_size=d, enable_expert_parallel=True, moe_comm=comm) if d > 1 else {}
+    kw = dict(data_parallel_size=d, enable_expert_parallel=True, moe_comm=comm, enable_dbo=dbo) if d > 1 else {}
     llm = LLM(path, dtype="bfloat16", max_num_seqs=batch, enable_prefix_caching=False, **kw)  # the same prompts run again: measure compute, not the prefix cache
     prompts = [[(7 * i + j) % (SHRUNK["vocab_size"] - 2) + 2 for j in range(prompt_len)] for i in range(batch)]
     drive(llm.engine, prompts, 2, "warm")  # warm-up
@@ -45,7 +47,8 @@ def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: i
     moe_layers = SHRUNK["num_hidden_layers"] - SHRUNK["first_k_dense_replace"]
     bytes_ = {k: after["bytes"].get(k, 0) - before["bytes"].get(k, 0) for k in after["bytes"]}
     secs = {k: after["seconds"].get(k, 0.0) - before["seconds"].get(k, 0.0) for k in PHASES}
-    return dict(layout=f"D={d} {comm}", d=d, comm=comm, decode_tps=batch * (new_tokens - 1) / decode_s,
+    return dict(layout=f"D={d} {comm}" + (" dbo" if dbo else ""), d=d, comm=comm, dbo=dbo,
+                decode_tps=batch * (new_tokens - 1) / decode_s,
                 bytes_per_token_layer=sum(bytes_.get(k, 0) for k in MOE_KINDS) / (processed * moe_layers),
                 formula=formula(comm, d), seconds=secs, bytes=bytes_, tokens=tokens)
 
@@ -96,6 +99,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dbo", action="store_true", help="also run each D > 1 layout with --enable-dbo")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the single-process engine (ranks get cpu_count / ranks each)")
     args = ap.parse_args()
@@ -105,13 +109,17 @@ def main() -> None:
     results = []
     for d in args.layouts:
         for comm in (("local",) if d == 1 else ("alltoall", "allgather")):
-            results.append(run(path, d, comm, args.batch, args.prompt_len, args.new_tokens))
-            print(f"done {results[-1]['layout']}", file=sys.stderr)
+            for dbo in ((False, True) if args.dbo and d > 1 else (False,)):
+                results.append(run(path, d, comm, args.batch, args.prompt_len, args.new_tokens, dbo))
+                print(f"done {results[-1]['layout']}", file=sys.stderr)
     base = next((r for r in results if r["d"] == 1), None)
     print(f"{'layout':<16}{'decode tok/s':>13}{'vs D=1':>8}{'B/token/layer':>15}{'formula':>10}  phase share "
           "(attention router dispatch experts combine shared)")
     for r in results:
-        ratio = r["decode_tps"] / base["decode_tps"] if base else float("nan")
+        ref = base
+        if r["dbo"]:  # against the same layout without micro-batches
+            ref = next(x for x in results if x["d"] == r["d"] and x["comm"] == r["comm"] and not x["dbo"])
+        ratio = r["decode_tps"] / ref["decode_tps"] if ref else float("nan")
         tot = sum(r["seconds"].values()) or 1.0
         share = " ".join(f"{100 * r['seconds'][p] / tot:4.0f}%" for p in PHASES)
         same = "" if base is None or r["tokens"] == base["tokens"] else "  (tokens differ from D=1)"

@@ -82,6 +82,7 @@ class ParallelConfig:
     expert_load_stats: str | None = None  # record per-expert routed pairs to this JSON (layers/moe/load_stats.py)
     enable_eplb: bool = False  # re-place experts while serving (layers/moe/eplb_online.py)
     eplb_step_interval: int = 3000  # lockstep steps between rebalances (vLLM's default)
+    enable_dbo: bool = False  # dual-batch overlap: two micro-batches per step, one's MoE comm under the other's compute
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -111,6 +112,9 @@ class ParallelConfig:
         _require(not self.enable_eplb or (self.enable_expert_parallel and self.world_size > 1),
                  "--enable-eplb moves whole experts between EP ranks: it needs --enable-expert-parallel and "
                  "--data-parallel-size x --tensor-parallel-size > 1")
+        _require(not self.enable_dbo or (self.tensor_parallel_size == 1 and self.flashcomm == "off"),
+                 "--enable-dbo overlaps data-parallel ranks' MoE communication; it does not yet combine with "
+                 "--tensor-parallel-size > 1 or --flashcomm")
         _require(self.eplb_step_interval >= 1, f"--eplb-step-interval must be >= 1, got {self.eplb_step_interval}")
         _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
                  f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
@@ -349,6 +353,8 @@ ENGINE_HELP = {
     "expert_placement": "JSON file mapping logical experts to physical slots per layer (moeserve eplb -o)",
     "expert_load_stats": "record routed tokens per expert and MoE layer to this JSON file (PATH.rank<r> per rank)",
     "enable_eplb": "online EPLB: re-place (and replicate) experts from recent loads while serving",
+    "enable_dbo": "dual-batch overlap: split every step into two micro-batches so that one's MoE "
+                  "dispatch/combine transfers run under the other's attention and experts (with EP over DP ranks)",
     "eplb_step_interval": "steps between online EPLB rebalances",
     "nnodes": "nodes of a multi-node run",
     "node_rank": "this node's index",
@@ -392,6 +398,7 @@ class EngineArgs:
     expert_load_stats: str | None = None
     enable_eplb: bool = False
     eplb_step_interval: int = 3000
+    enable_dbo: bool = False
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

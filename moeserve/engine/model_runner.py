@@ -126,10 +126,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         if out.is_empty:
             return StepResult({}, {})
-        input_ids, positions, meta, sample_rows = self._prepare(out)
         with recording(self.load_recorder):
-            with attention_context(meta):
-                hidden = self.model(input_ids, positions)
+            if self.config.parallel.enable_dbo:
+                hidden, sample_rows = self._forward_dbo(out)
+            else:
+                input_ids, positions, meta, sample_rows = self._prepare(out)
+                with attention_context(meta):
+                    hidden = self.model(input_ids, positions)
             result = StepResult({}, {})
             if sample_rows:
                 self._sample(hidden, sample_rows, result)
@@ -210,13 +213,30 @@ class ModelRunner:
         flat_params = [p for p, toks in zip(params, emitted) for _ in toks]
         return self.sampler.logprobs(logits[sel], flat_params, [t for toks in emitted for t in toks])
 
+    def _forward_dbo(self, out: SchedulerOutput) -> tuple[torch.Tensor, list]:
+        """--enable-dbo: the step's requests in two contiguous micro-batches of about equal tokens (one may
+        be empty: every rank runs two, so the collectives pair up); hidden rows back in the batch's order."""
+        tokens = [s.num_tokens for s in out.scheduled]
+        total, acc, cut = sum(tokens), 0, 0
+        while cut < len(tokens) and abs(total - 2 * (acc + tokens[cut])) < abs(total - 2 * acc):
+            acc += tokens[cut]
+            cut += 1
+        first, second = (self._prepare(SchedulerOutput(part)) for part in (out.scheduled[:cut], out.scheduled[cut:]))
+        offset = len(first[0])  # the second micro-batch's rows follow the first's
+        sample_rows = first[3] + [([r + offset for r in rows], s) for rows, s in second[3]]
+        hidden = self.model.forward_dbo([first[:3], second[:3]])
+        return torch.cat(hidden), sample_rows
+
     @torch.inference_mode()
     def execute_dummy(self) -> None:
         """A forward over zero tokens: this rank has no work but must join every MoE collective."""
         empty = torch.zeros(0, dtype=torch.long)
         meta = AttentionMetadata(empty, [], None, self.kv_caches)
-        with attention_context(meta):
-            self.model(empty, empty)
+        if self.config.parallel.enable_dbo:  # the same two micro-batches as the ranks with work
+            self.model.forward_dbo([(empty, empty, meta), (empty, empty, meta)])
+        else:
+            with attention_context(meta):
+                self.model(empty, empty)
         if self.proposer is not None:  # the MTP layer's MoE block is a collective too
             self.proposer.execute_dummy()
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from moeserve.distributed.flashcomm import sequence_parallel
 from moeserve.distributed.parallel_state import get_flashcomm, get_tp_group
+from moeserve.layers.attention.metadata import attention_context
 from moeserve.layers.attention.mla import MLAttention
 from moeserve.layers.mlp import DenseMLP
 from moeserve.layers.moe.layer import MoE
@@ -32,6 +33,10 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.mlp, MoE)
+
 
 class DeepseekModel(nn.Module):
     def __init__(self, arch: DeepseekArch, max_positions: int) -> None:
@@ -51,6 +56,41 @@ class DeepseekModel(nn.Module):
                 x = layer(x, positions)
             return sp.gather(self.norm(x), allow_int8=False)
 
+    def forward_dbo(self, batches: list[tuple[torch.Tensor, torch.Tensor, object]]) -> list[torch.Tensor]:
+        """--enable-dbo: two micro-batches [(input_ids, positions, attention metadata)] through the layers,
+        interleaved so that each one's MoE transfers are in flight while the other computes. Per MoE layer:
+        attention(0), start(0) | attention(1), start(1) | middle(0) | middle(1) | finish(0) at the next
+        layer's top, where it waits for the way back that middle(1) and attention(1) ran under. Every rank
+        runs this same sequence (empty micro-batches too), so the collectives pair up. (TP 1, no FlashComm.)"""
+        xs = [self.embed_tokens(ids) for ids, _, _ in batches]
+        pending: list = [None] * len(batches)  # (residual, MoE state) waiting for its combine
+        for layer in self.layers:
+            states = []
+            for i, (_, positions, meta) in enumerate(batches):
+                if pending[i] is not None:
+                    residual, state = pending[i]
+                    xs[i], pending[i] = residual + layer_finish(state), None
+                with attention_context(meta):
+                    xs[i] = xs[i] + layer.self_attn(layer.input_layernorm(xs[i]), positions)
+                h = layer.post_attention_layernorm(xs[i])
+                if layer.is_moe:
+                    states.append(layer.mlp.start(h))
+                else:
+                    xs[i] = xs[i] + layer.mlp(h)
+                    states.append(None)
+            for i, state in enumerate(states):
+                if state is not None:
+                    pending[i] = (xs[i], (layer.mlp, layer.mlp.middle(state)))
+        for i, p in enumerate(pending):
+            if p is not None:
+                xs[i] = p[0] + layer_finish(p[1])
+        return [self.norm(x) for x in xs]
+
+
+def layer_finish(state: tuple) -> torch.Tensor:
+    moe, inner = state
+    return moe.finish(inner)
+
 
 class DeepseekV3ForCausalLM(nn.Module):
     def __init__(self, arch: DeepseekArch, max_positions: int) -> None:
@@ -62,6 +102,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """-> final hidden states [T, hidden]."""
         return self.model(input_ids, positions)
+
+    def forward_dbo(self, batches: list) -> list[torch.Tensor]:
+        return self.model.forward_dbo(batches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

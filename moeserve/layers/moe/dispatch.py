@@ -1,9 +1,11 @@
 """Dispatch/combine: how token rows reach the experts that hold them and come back.
 
-Every dispatcher has the same two calls, so the MoE layer can overlap work (the shared experts) with the
-communication in between:
+Every dispatcher has the same calls, so the MoE layer can overlap work (the shared experts, or with
+--enable-dbo the other micro-batch) with the communication in between:
   handle = dispatcher.dispatch(x, weights, phys_ids)   # starts the (async) transfer of token rows
   out = dispatcher.combine(handle, experts)            # waits, runs the local experts, returns [T, H]
+combine is combine_finish(combine_start(handle, experts)): start waits for the rows, runs the experts and
+starts the way back; finish waits for it and sums.
 phys_ids are physical expert slots (placement.ExpertMap already chose a replica for each pair).
 
 - LocalDispatcher: one rank holds every slot.
@@ -66,11 +68,19 @@ def _weighted_sum(pair_out: torch.Tensor, weights: torch.Tensor, dtype: torch.dt
     return weighted.view(t, k, pair_out.shape[-1]).sum(dim=1)
 
 
-class LocalDispatcher:
+class _Dispatcher:
+    def combine(self, handle, experts: FusedExperts) -> torch.Tensor:
+        return self.combine_finish(self.combine_start(handle, experts))
+
+
+class LocalDispatcher(_Dispatcher):
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor):
         return x, weights, phys_ids
 
-    def combine(self, handle, experts: FusedExperts) -> torch.Tensor:
+    def combine_finish(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def combine_start(self, handle, experts: FusedExperts) -> torch.Tensor:
         """x [T, H]; weights, phys_ids [T, k] -> [T, H]."""
         x, weights, phys_ids = handle
         t, k = phys_ids.shape
@@ -91,7 +101,15 @@ class _A2AHandle:
     slots: tuple  # (tensor, work) local slot of each received row
 
 
-class AllToAllDispatcher:
+@dataclass
+class _A2AReturn:
+    back: tuple  # (tensor, work): expert outputs coming back, in send order
+    order: torch.Tensor
+    weights: torch.Tensor
+    dtype: torch.dtype
+
+
+class AllToAllDispatcher(_Dispatcher):
     def __init__(self, group: GroupCoordinator, placement: LayerPlacement, codec: PayloadCodec | None = None):
         self.group, self.placement = group, placement
         self.codec = codec or PayloadCodec()
@@ -111,7 +129,7 @@ class AllToAllDispatcher:
                                           recv_counts, async_op=True, kind="alltoall_meta")
         return _A2AHandle(x, weights, order, send_counts, recv_counts, parts, slots)
 
-    def combine(self, h: _A2AHandle, experts: FusedExperts) -> torch.Tensor:
+    def combine_start(self, h: _A2AHandle, experts: FusedExperts) -> _A2AReturn:
         with timed("dispatch"):  # waiting for the rows is part of the dispatch
             for _, work in h.parts + [h.slots]:
                 if work is not None:
@@ -122,10 +140,17 @@ class AllToAllDispatcher:
             y = experts(recv, slots, torch.ones(recv.shape[0], dtype=torch.float32))  # unweighted
         with timed("combine"):  # back in the activation dtype (an INT8 payload decodes to float32)
             y = y.to(h.x.dtype).contiguous()
-            back = self.group.all_to_all(y, h.recv_counts, h.send_counts, kind="alltoall")  # [T*k, H] send order
+            back = self.group.all_to_all(y, h.recv_counts, h.send_counts, async_op=True, kind="alltoall")
+        return _A2AReturn(back, h.order, h.weights, h.x.dtype)
+
+    def combine_finish(self, r: _A2AReturn) -> torch.Tensor:
+        with timed("combine"):
+            back, work = r.back  # [T*k, H] in send order
+            if work is not None:
+                work.wait()
             pair_out = torch.empty_like(back)
-            pair_out[h.order] = back
-            return _weighted_sum(pair_out, h.weights, h.x.dtype)
+            pair_out[r.order] = back
+            return _weighted_sum(pair_out, r.weights, r.dtype)
 
 
 @dataclass
@@ -136,7 +161,7 @@ class _AGHandle:
     gathered: list  # (tensor, work): rows, weights, phys ids of all ranks
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_Dispatcher):
     def __init__(self, group: GroupCoordinator, placement: LayerPlacement, codec: PayloadCodec | None = None):
         self.group, self.placement = group, placement
         self.codec = codec or PayloadCodec()
@@ -151,7 +176,7 @@ class AllGatherDispatcher:
             gathered = [self.group.all_gather(p, async_op=True) for p in padded + meta]
         return _AGHandle(x.dtype, t, width, gathered)
 
-    def combine(self, h: _AGHandle, experts: FusedExperts) -> torch.Tensor:
+    def combine_start(self, h: _AGHandle, experts: FusedExperts) -> tuple:
         with timed("dispatch"):
             for _, work in h.gathered:
                 if work is not None:
@@ -165,7 +190,14 @@ class AllGatherDispatcher:
             rows = x.repeat_interleave(k, dim=0)
             partial = experts(rows, local.reshape(-1), weights.reshape(-1)).view(-1, k, x.shape[1]).sum(dim=1)
         with timed("combine"):
-            return self.group.reduce_scatter(partial.to(h.dtype).contiguous())[: h.num_tokens]
+            return self.group.reduce_scatter(partial.to(h.dtype).contiguous(), async_op=True), h.num_tokens
+
+    def combine_finish(self, pending: tuple) -> torch.Tensor:
+        (out, work), num_tokens = pending
+        with timed("combine"):
+            if work is not None:
+                work.wait()
+            return out[:num_tokens]
 
     def _local_slots(self, phys: torch.Tensor) -> torch.Tensor:
         if self.placement.experts_tp_sharded:

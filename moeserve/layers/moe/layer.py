@@ -38,6 +38,12 @@ class MoE(nn.Module):
         self.dispatcher = make_dispatcher(comm, ep, placement, make_codec(current_comm_dtype()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.finish(self.middle(self.start(x)))
+
+    # The three stages, apart so that --enable-dbo can interleave two micro-batches (models/deepseek_v3.py):
+    # start (route, start sending rows) | middle (shared experts, wait for rows, experts, start the way back)
+    # | finish (wait for the way back, sum).
+    def start(self, x: torch.Tensor) -> tuple:
         sharded = self.tp.world_size > 1 and current_seq_parallel() is None  # FlashComm: x is the shard already
         rows = x.tensor_split(self.tp.world_size)[self.tp.rank] if sharded else x  # [T_tp, H]
         with timed("router"):
@@ -46,12 +52,19 @@ class MoE(nn.Module):
             if recorder is not None:  # --expert-load-stats: logical loads, before replicas split them
                 recorder.record(self.layer_idx, expert_ids)
             phys_ids = self.expert_map.to_physical(expert_ids)  # [T_tp, k] physical slots
-        handle = self.dispatcher.dispatch(rows, weights, phys_ids)
+        return rows, sharded, self.dispatcher.dispatch(rows, weights, phys_ids)
+
+    def middle(self, state: tuple) -> tuple:
+        rows, sharded, handle = state
         shared = None
-        if self.shared_experts is not None:
+        if self.shared_experts is not None:  # on this rank's rows while they travel
             with timed("shared_experts"):
                 shared = self.shared_experts(rows)
-        out = self.dispatcher.combine(handle, self.experts)
+        return shared, sharded, self.dispatcher.combine_start(handle, self.experts)
+
+    def finish(self, state: tuple) -> torch.Tensor:
+        shared, sharded, pending = state
+        out = self.dispatcher.combine_finish(pending)
         if shared is not None:
             out = out + shared
         return self.tp.all_gather_varlen(out) if sharded else out
