@@ -63,8 +63,10 @@ def get_dp_group() -> GroupCoordinator:
     return _group("dp")
 
 
-def get_ep_group() -> GroupCoordinator:
-    return _group("ep")
+def get_ep_group(micro_batch: int = 0) -> GroupCoordinator:
+    """The EP group; with --enable-dbo micro-batch 1 has a process group of its own (same ranks), so the
+    two micro-batches' transfers are ordered apart and can be in flight together."""
+    return _group("ep") if micro_batch == 0 or "ep_mb1" not in _GROUPS else _group("ep_mb1")
 
 
 def get_flashcomm() -> str:
@@ -97,6 +99,8 @@ def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
     _FLASHCOMM[0] = parallel.flashcomm
     _GROUPS["world"] = GroupCoordinator("world", world, rank, dist.group.WORLD, device)
     _GROUPS["ep"] = GroupCoordinator("ep", world, rank, dist.group.WORLD, device)
+    if parallel.enable_dbo and len(world) > 1:
+        _GROUPS["ep_mb1"] = GroupCoordinator("ep", world, rank, dist.new_group(world, timeout=timeout), device)
     for name, groups in (("tp", tp_groups), ("dp", dp_groups)):
         for ranks in groups:
             pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None

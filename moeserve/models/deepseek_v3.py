@@ -74,7 +74,7 @@ class DeepseekModel(nn.Module):
                     xs[i] = xs[i] + layer.self_attn(layer.input_layernorm(xs[i]), positions)
                 h = layer.post_attention_layernorm(xs[i])
                 if layer.is_moe:
-                    states.append(layer.mlp.start(h))
+                    states.append(layer.mlp.start(h, micro_batch=i))
                 else:
                     xs[i] = xs[i] + layer.mlp(h)
                     states.append(None)

@@ -35,7 +35,10 @@ class MoE(nn.Module):
         self.expert_map = ExpertMap(placement)
         self.shared_experts = (DenseMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts)
                                if arch.n_shared_experts else None)
-        self.dispatcher = make_dispatcher(comm, ep, placement, make_codec(current_comm_dtype()))
+        codec = make_codec(current_comm_dtype())
+        self.dispatcher = make_dispatcher(comm, ep, placement, codec)
+        mb1 = get_ep_group(micro_batch=1)  # --enable-dbo: micro-batch 1's own process group
+        self.dispatchers = [self.dispatcher] + ([make_dispatcher(comm, mb1, placement, codec)] if mb1 is not ep else [])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.middle(self.start(x)))
@@ -43,7 +46,7 @@ class MoE(nn.Module):
     # The three stages, apart so that --enable-dbo can interleave two micro-batches (models/deepseek_v3.py):
     # start (route, start sending rows) | middle (shared experts, wait for rows, experts, start the way back)
     # | finish (wait for the way back, sum).
-    def start(self, x: torch.Tensor) -> tuple:
+    def start(self, x: torch.Tensor, micro_batch: int = 0) -> tuple:
         sharded = self.tp.world_size > 1 and current_seq_parallel() is None  # FlashComm: x is the shard already
         rows = x.tensor_split(self.tp.world_size)[self.tp.rank] if sharded else x  # [T_tp, H]
         with timed("router"):
@@ -52,19 +55,20 @@ class MoE(nn.Module):
             if recorder is not None:  # --expert-load-stats: logical loads, before replicas split them
                 recorder.record(self.layer_idx, expert_ids)
             phys_ids = self.expert_map.to_physical(expert_ids)  # [T_tp, k] physical slots
-        return rows, sharded, self.dispatcher.dispatch(rows, weights, phys_ids)
+        dispatcher = self.dispatchers[min(micro_batch, len(self.dispatchers) - 1)]
+        return rows, sharded, dispatcher, dispatcher.dispatch(rows, weights, phys_ids)
 
     def middle(self, state: tuple) -> tuple:
-        rows, sharded, handle = state
+        rows, sharded, dispatcher, handle = state
         shared = None
         if self.shared_experts is not None:  # on this rank's rows while they travel
             with timed("shared_experts"):
                 shared = self.shared_experts(rows)
-        return shared, sharded, self.dispatcher.combine_start(handle, self.experts)
+        return shared, sharded, dispatcher, dispatcher.combine_start(handle, self.experts)
 
     def finish(self, state: tuple) -> torch.Tensor:
-        shared, sharded, pending = state
-        out = self.dispatcher.combine_finish(pending)
+        shared, sharded, dispatcher, pending = state
+        out = dispatcher.combine_finish(pending)
         if shared is not None:
             out = out + shared
         return self.tp.all_gather_varlen(out) if sharded else out
