@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 
-from moeserve.structured.regex import (DIGIT, NOTHING, Alt, OrderedSubset, PatternError, Repeat, Seq, char_set,
-                                       literal, parse)
+from moeserve.structured.regex import (DIGIT, NOTHING, Alt, Chars, OrderedSubset, PatternError, Repeat, Seq,
+                                       char_set, literal, parse)
 
 MAX_DEPTH = 4  # nesting of schemaless objects/arrays, and of recursive $ref expansions
 MAX_LENGTH = 2_000  # minLength / maxLength / minItems / maxItems above this are refused
+MAX_REF_EXPANSIONS = 2_000  # $ref expansions per schema (each is a copy of the definition)
 
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "readOnly",
                 "writeOnly", "deprecated", "$defs", "definitions", "strict", "discriminator", "nullable"}
@@ -32,10 +33,19 @@ _KNOWN = {"type", "properties", "required", "additionalProperties", "items", "pr
 
 SPACE = Repeat(literal(" "), 0, 1)
 _HEX = char_set([(48, 57), (65, 70), (97, 102)])
-_STRING_CHAR = Alt((char_set([(0x20, 0x21), (0x23, 0x5B), (0x5D, 0x10FFFF)]),  # not " \ or controls
-                    Seq((literal("\\"), Alt((char_set([(34, 34), (47, 47), (92, 92), (98, 98), (102, 102),
-                                                       (110, 110), (114, 114), (116, 116)]),
-                                             Seq((literal("u"), Repeat(_HEX, 4, 4)))))))))
+# \uXXXX escapes: a non-surrogate, or a high and low surrogate together (one character, as it decodes and as
+# minLength counts it); a lone surrogate is not text.
+_D = char_set([(68, 68), (100, 100)])
+_U_ESCAPE = Seq((literal("u"), Alt((
+    Seq((char_set([(48, 57), (65, 67), (69, 70), (97, 99), (101, 102)]), Repeat(_HEX, 3, 3))),
+    Seq((_D, char_set([(48, 55)]), Repeat(_HEX, 2, 2))),
+    Seq((_D, char_set([(56, 57), (65, 66), (97, 98)]), Repeat(_HEX, 2, 2),
+         literal("\\u"), _D, char_set([(67, 70), (99, 102)]), Repeat(_HEX, 2, 2)))))))
+_RAW = char_set([(0x20, 0x21), (0x23, 0x5B), (0x5D, 0x10FFFF)])  # not " \ or controls: as themselves in JSON
+_STRING_CHAR = Alt((_RAW, Seq((literal("\\"), Alt((char_set([(34, 34), (47, 47), (92, 92), (98, 98), (102, 102),
+                                                              (110, 110), (114, 114), (116, 116)]),
+                                                    _U_ESCAPE))))))
+_SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
 _INT = Seq((Repeat(literal("-"), 0, 1), Alt((literal("0"), Seq((char_set([(49, 57)]), Repeat(DIGIT, 0, None)))))))
 _NUMBER = Seq((_INT, Repeat(Seq((literal("."), Repeat(DIGIT, 1, None))), 0, 1),
                Repeat(Seq((char_set([(69, 69), (101, 101)]), Repeat(char_set([(43, 43), (45, 45)]), 0, 1),
@@ -88,6 +98,24 @@ def json_object(depth: int = MAX_DEPTH, values=None) -> object:
                 literal("}")))
 
 
+def _json_escaped(node) -> object:
+    """A pattern over a string's characters -> the same over its JSON text: `"`, `\\` and control
+    characters the pattern allows are written escaped (a raw one would end the string or break the JSON)."""
+    if isinstance(node, Chars):
+        raw = [(max(lo, a), min(hi, b)) for lo, hi in node.ranges for a, b in _RAW.ranges if max(lo, a) <= min(hi, b)]
+        special = [cp for lo, hi in node.ranges for cp in range(lo, min(hi, 0x5C) + 1)
+                   if cp < 0x20 or cp in (0x22, 0x5C)]
+        if not special:
+            return node
+        escapes = tuple(literal(_SHORT_ESCAPES.get(cp, f"\\u{cp:04x}")) for cp in special)
+        return Alt((char_set(raw),) + escapes)
+    if isinstance(node, (Seq, Alt)):
+        return type(node)(tuple(_json_escaped(x) for x in node.items))
+    if isinstance(node, Repeat):
+        return Repeat(_json_escaped(node.item), node.lo, node.hi)
+    return node
+
+
 def _string(lo: int = 0, hi: int | None = None, inner=None) -> object:
     return Seq((literal('"'), inner if inner is not None else Repeat(_STRING_CHAR, lo, hi), literal('"')))
 
@@ -107,6 +135,8 @@ def _const(value) -> object:
 class _Compiler:
     def __init__(self, root: dict) -> None:
         self.root = root
+        self.expanding: dict[str, int] = {}  # $ref -> how many times it is being expanded now (recursion)
+        self.expansions = 0
 
     def value(self, schema, where: str, depth: int) -> object:
         if schema is True or schema == {}:
@@ -177,9 +207,15 @@ class _Compiler:
         raise SchemaError(f"{where}: unknown type {kind!r}")
 
     def _string(self, schema: dict, where: str) -> object:
+        given = [k for k in ("pattern", "format", "minLength", "maxLength") if k in schema]
+        if len(given) > 1 and {"pattern", "format"} & set(given):
+            # The automaton cannot intersect two constraints: using one would break the other.
+            raise SchemaError(f"{where}: {' and '.join(repr(k) for k in given)} together are not supported by "
+                              "guided decoding (only one can be enforced); fold the lengths into 'pattern' "
+                              "(e.g. '^[a-z]{3,8}$') or keep one of them")
         if "pattern" in schema:
             try:
-                return _string(inner=parse(schema["pattern"]))
+                return _string(inner=_json_escaped(parse(schema["pattern"])))
             except PatternError as e:
                 raise SchemaError(f"{where}/pattern: {e}") from None
         if "format" in schema:
@@ -203,12 +239,14 @@ class _Compiler:
     def _object(self, schema: dict, where: str, depth: int) -> object:
         props = schema.get("properties")
         extra = schema.get("additionalProperties", True)
-        if props is None or (not props and extra is not False):
-            if depth >= MAX_DEPTH:
-                return NOTHING
-            values = json_value(MAX_DEPTH - depth - 1) if extra in (True, {}) else \
+        if schema.get("required") and not props:  # the generic object below would leave the keys out
+            props = {}
+        elif props is None or (not props and extra is not False):
+            # A free-form object deep in a schema still gets one level (scalar values), not nothing.
+            levels = max(MAX_DEPTH - depth, 1)
+            values = json_value(levels - 1) if extra in (True, {}) else \
                 self.value(extra, f"{where}/additionalProperties", depth + 1)
-            return json_object(MAX_DEPTH - depth, values)
+            return json_object(levels, values)
         if not isinstance(props, dict):
             raise SchemaError(f"{where}: 'properties' must be an object")
         required = schema.get("required", [])
@@ -231,25 +269,33 @@ class _Compiler:
                 return literal("[]")
             body = [items[0]] + [Seq((literal(","), SPACE, x)) for x in items[1:]]
             return Seq((literal("["), *body, literal("]")))
-        item_schema = schema.get("items", True)
-        if item_schema in (True, {}) and depth >= MAX_DEPTH:
-            return literal("[]") if lo == 0 else NOTHING
+        item_schema = schema.get("items", True)  # free-form items deep in a schema: scalars (json_value)
         return _array(self.value(item_schema, f"{where}/items", depth + 1), lo, hi)
 
     def _ref(self, schema: dict, where: str, depth: int) -> object:
         ref = schema["$ref"]
-        if not isinstance(ref, str) or not ref.startswith("#/"):
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise SchemaError(f"{where}: only local references like '#/$defs/Name' are supported, got {ref!r}")
-        if depth > MAX_DEPTH:  # a recursive schema: stop expanding; an optional branch simply ends here
+        # Only recursion is bounded, not nesting: a chain of models 5 deep is fine, a tree unrolls to
+        # MAX_DEPTH levels (an optional branch simply ends there).
+        if self.expanding.get(ref, 0) >= MAX_DEPTH:
             return NOTHING
+        self.expansions += 1
+        if self.expansions > MAX_REF_EXPANSIONS:  # definitions that each use the next several times
+            raise SchemaError(f"{where}: the schema expands to more than {MAX_REF_EXPANSIONS} references; "
+                              "simplify it")
         target = self.root
-        for part in ref[2:].split("/"):
+        for part in ref[2:].split("/") if ref != "#" else ():
             part = part.replace("~1", "/").replace("~0", "~")
             if not isinstance(target, dict) or part not in target:
                 raise SchemaError(f"{where}: reference {ref!r} does not resolve in the schema")
             target = target[part]
         siblings = {k: v for k, v in schema.items() if k != "$ref" and k not in _ANNOTATIONS}
         merged = {**target, **siblings} if isinstance(target, dict) else target
-        return self.value(merged, ref, depth + 1)
+        self.expanding[ref] = self.expanding.get(ref, 0) + 1
+        try:
+            return self.value(merged, ref, depth)
+        finally:
+            self.expanding[ref] -= 1
 
 

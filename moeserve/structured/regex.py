@@ -96,7 +96,7 @@ WORD = char_set([(48, 57), (65, 90), (95, 95), (97, 122)])
 SPACE = char_set([(9, 13), (32, 32)])
 ANY_BUT_NEWLINE = negate(char_set([(10, 10)]))
 _CLASS_ESCAPES = {"d": DIGIT, "w": WORD, "s": SPACE, "D": negate(DIGIT), "W": negate(WORD), "S": negate(SPACE)}
-_CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a", "0": "\0"}
+_CHAR_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "a": "\a"}
 
 
 def parse(pattern: str):
@@ -124,10 +124,6 @@ class _Parser:
         return ch
 
     def parse(self):
-        if self.peek() == "^":
-            self.pos += 1
-        elif self.text.startswith("\\A"):
-            self.pos += 2
         node = self.alternation(top=True)
         if self.pos != len(self.text):
             raise self.error("unbalanced ')'")
@@ -142,6 +138,11 @@ class _Parser:
 
     def sequence(self, top: bool):
         items = []
+        if top:  # `^` / `\\A` starting the pattern or a top-level alternative (`^a$|^b$`)
+            for anchor in ("^", "\\A"):
+                if self.text.startswith(anchor, self.pos):
+                    self.pos += len(anchor)
+                    break
         while (ch := self.peek()) is not None and ch not in "|)":
             if top and self._at_end_anchor():
                 break
@@ -187,7 +188,9 @@ class _Parser:
             return None
         body = self.text[self.pos + 1: end]
         lo_s, comma, hi_s = body.partition(",")
-        if not lo_s.isdigit() or (hi_s and not hi_s.isdigit()) or (not comma and hi_s):
+        if not lo_s and comma and _digits(hi_s):  # Python reads {,m} as {0,m}, JSON Schema as text
+            raise self.error(f"write {{0,{hi_s}}} for {{,{hi_s}}} (regex dialects disagree on it)")
+        if not _digits(lo_s) or (hi_s and not _digits(hi_s)) or (not comma and hi_s):
             return None
         lo = int(lo_s)
         hi = lo if not comma else (int(hi_s) if hi_s else None)
@@ -232,6 +235,11 @@ class _Parser:
         ch = self.take()
         if ch in _CLASS_ESCAPES:
             return _CLASS_ESCAPES[ch]
+        if ch == "0":  # Python's octal escape: \\0 and up to two more octal digits (\\012 is a newline)
+            digits = "0"
+            while len(digits) < 3 and self.peek() is not None and self.peek() in "01234567":
+                digits += self.take()
+            return _point(int(digits, 8))
         if ch in _CHAR_ESCAPES:
             return _point(ord(_CHAR_ESCAPES[ch]))
         if ch == "b" and in_class:
@@ -286,6 +294,10 @@ class _Parser:
     def _class_member(self) -> Chars:
         ch = self.take()
         return self.escape(in_class=True) if ch == "\\" else _point(ord(ch))
+
+
+def _digits(s: str) -> bool:
+    return s.isascii() and s.isdigit()  # str.isdigit() is also true for '١', which re reads as text
 
 
 def _point(cp: int) -> Chars:

@@ -52,3 +52,22 @@ def test_partial_utf8_is_a_live_state_and_dead_states_are_pruned():
 def test_refusals_say_what(pattern, words):
     with pytest.raises(PatternError, match=re.escape(words)):
         compile_dfa(parse(pattern))
+
+
+@pytest.mark.parametrize("pattern,texts", [
+    (r"\012|\0", ["\n", "\x00", "\x0012"]),  # Python's octal escapes, not NUL then digits
+    (r"[\0-\07]+\08", ["\x07\x00\x008", "\x01\x008"]),
+    (r"^ab$|^c$", ["ab", "c", "abc"]),  # an anchor at every top-level alternative
+    (r"\Aa|\Ab\Z", ["a", "b"]),
+    (r"a{١}", ["a{١}", "a"]),  # non-ASCII digits are text in re, not a repeat count
+])
+def test_tricky_syntax_matches_python_re(pattern, texts):
+    dfa = compile_dfa(parse(pattern))
+    for text in texts:
+        assert dfa.fullmatch(text.encode()) == bool(re.fullmatch(pattern, text, re.ASCII)), text
+
+
+def test_open_lower_bound_repeat_is_refused():
+    # Python reads a{,3} as a{0,3}, JSON Schema (ECMA-262) as the text "a{,3}": neither reading is safe
+    with pytest.raises(PatternError, match=re.escape("write {0,3}")):
+        parse(r"a{,3}")

@@ -141,3 +141,63 @@ def test_formats_generate_real_dates_and_times(fmt, parse):
     if fmt == "date":
         assert not dfa.fullmatch(b'"2023-02-29"') and not dfa.fullmatch(b'"1900-02-29"')
         assert dfa.fullmatch(b'"2000-02-29"') and not dfa.fullmatch(b'"0000-01-01"')
+
+
+class Leaf(BaseModel):
+    x: int
+    meta: dict
+
+
+class Level3(BaseModel):
+    leaf: Leaf
+
+
+class Level2(BaseModel):
+    c: Level3
+
+
+class Level1(BaseModel):
+    b: Level2
+
+
+@pytest.mark.parametrize("schema", [
+    # a string pattern that allows ", \ or control characters: they must come out escaped
+    {"type": "string", "pattern": "[^,]{1,4}"},
+    {"type": "string", "pattern": "a.b"},
+    {"type": "string", "pattern": "a\\nb|\\\\|\"|\\x01"},
+    # nesting is not recursion: five models deep, a free-form object at the bottom
+    Level1.model_json_schema(),
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/c"}, "c": {"$ref": "#/$defs/d"},
+               "d": {"$ref": "#/$defs/e"}, "e": {"$ref": "#/$defs/f"}, "f": {"type": "integer"}}, "$ref": "#/$defs/a"},
+    # recursion through the root
+    {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+     "required": ["v"]},
+], ids=range(6))
+def test_more_schemas_accept_only_valid_json(schema):
+    test_everything_accepted_validates(schema)
+
+
+def test_pattern_characters_are_json_escaped():
+    dfa = compile_dfa(schema_to_pattern({"type": "string", "pattern": "a\\nb|\\\\|\"|\\x01"}))
+    for value in ["a\nb", "\\", '"', "\x01"]:
+        assert dfa.fullmatch(json.dumps(value).encode()), value
+    assert not dfa.fullmatch(b'"a\nb"') and not dfa.fullmatch(b'"\\"')
+
+
+def test_a_surrogate_pair_is_one_character():
+    # it was two escapes, each counted as a character: minLength 2 let one character through
+    dfa = compile_dfa(schema_to_pattern({"type": "string", "minLength": 2, "maxLength": 2}))
+    assert dfa.fullmatch(b'"\\u00e9\\uFFFD"') and dfa.fullmatch('"😀a"'.encode())
+    assert dfa.fullmatch(b'"\\ud83d\\ude00a"') and not dfa.fullmatch(b'"\\ud83d\\ude00"')
+    assert not dfa.fullmatch(b'"\\uDBFFa"') and not dfa.fullmatch(b'"a\\udc00"')  # lone surrogates
+
+
+@pytest.mark.parametrize("schema,words", [
+    ({"type": "object", "required": ["a"]}, "'required' must list keys"),  # else {} would come out
+    ({"type": "object", "properties": {}, "required": ["a"]}, "'required' must list keys"),
+    ({"type": "string", "pattern": "[a-z]*", "minLength": 3}, "'pattern' and 'minLength' together"),
+    ({"type": "string", "format": "date", "maxLength": 8}, "'format' and 'maxLength' together"),
+])
+def test_constraints_that_would_be_dropped_are_refused(schema, words):
+    with pytest.raises(SchemaError, match=words):
+        compile_dfa(schema_to_pattern(schema))
