@@ -85,7 +85,9 @@ class Request:
         """Status after the newest token was appended, or None to keep generating."""
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens and last in self._stop_ids:
+        # A structured request samples a stop token before min_tokens only when its pattern is complete
+        # and nothing can follow (structured/grammar.py): it ends there.
+        if last in self._stop_ids and (self.num_output_tokens >= params.min_tokens or self.grammar is not None):
             if last in params.stop_token_ids:
                 self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED

@@ -104,6 +104,11 @@ class TokenGrammar:
             self.masks.popitem(last=False)
         return mask
 
+    def ends_match(self, state: int, token_id: int) -> bool:
+        """Whether ending the output with stop token `token_id` (its text kept, if it has any) leaves a match."""
+        piece = self.table.pieces[token_id]
+        return self.dfa.accepting[self.dfa.step(state, piece) if piece else state]
+
     def advance(self, state: int, token_id: int) -> int:
         piece = self.table.pieces[token_id] if 0 <= token_id < self.table.vocab_size else None
         return self.dfa.step(state, piece) if piece else 0
@@ -165,10 +170,13 @@ class GrammarMatcher:
     def row_masks(self, output_ids: list[int], draft_ids: list[int], end_ids: list[int],
                   fallback_ids: list[int] = ()) -> torch.Tensor | None:
         """bool [len(draft_ids) + 1, vocab]: row j may follow output + drafts[:j]. end_ids (the request's
-        stop tokens) are allowed where the output matches; fallback_ids (EOS) only where nothing else is
-        (ignore_eos past the pattern's end). Rows after a draft the grammar forbids repeat the row before
-        (that draft is rejected, so they are never used). None: no row is constrained yet (thinking)."""
+        stop tokens) are allowed where they leave a match: a special one (EOS) where the output matches, one
+        with text (a stop_token_ids entry; its text stays in the output) where output + its text does.
+        fallback_ids (EOS) only where nothing else is (ignore_eos past the pattern's end). Rows after a
+        draft the grammar forbids repeat the row before (that draft is rejected, so they are never used).
+        None: no row is constrained yet (thinking)."""
         g = self.grammar
+        ends = [t for t in end_ids if t < g.table.vocab_size]
         state = self.sync(output_ids)
         rows: list[torch.Tensor | None] = []
         for j in range(len(draft_ids) + 1):
@@ -178,9 +186,9 @@ class GrammarMatcher:
                 rows.append(rows[-1])
             else:
                 mask = g.allowed(state)
-                if not state or g.dfa.accepting[state]:
+                if ends:
                     mask = mask.clone()
-                    mask[[t for t in end_ids if t < g.table.vocab_size]] = True
+                    mask[ends] = torch.tensor([not state or g.ends_match(state, t) for t in ends])
                 if not bool(mask.any()):  # the pattern is complete (ignore_eos), or no token has the next byte
                     mask = mask.clone()
                     mask[[t for t in fallback_ids if t < g.table.vocab_size]] = True
@@ -201,8 +209,15 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple]) -> None:
         n = len(draft_ids) + 1
         mask = matcher.row_masks(output_ids, draft_ids, end_ids, fallback_ids) if matcher is not None else None
         if mask is not None:
-            logits[r:r + n, :mask.shape[1]].masked_fill_(~mask, float("-inf"))
+            block = logits[r:r + n, :mask.shape[1]]
+            block.masked_fill_(~mask, float("-inf"))
             logits[r:r + n, mask.shape[1]:] = float("-inf")
+            # min_tokens masked the stop tokens and the pattern is complete, nothing can follow: the grammar
+            # wins (a row of -inf would sample garbage, or raise), so the output ends as a match
+            # (Request.check_stop lets a structured request stop before min_tokens).
+            stuck = torch.isneginf(block).all(-1) & mask.any(-1)
+            if bool(stuck.any()):
+                block[stuck] = torch.zeros((), dtype=block.dtype).masked_fill(~mask[stuck], float("-inf"))
         r += n
 
 

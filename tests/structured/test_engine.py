@@ -161,3 +161,45 @@ def test_pattern_starts_after_the_marker(mtp_ckpt_dir, llm, k):
     if k:  # lossless: the same tokens as without MTP
         assert [o.outputs[0].token_ids for o in outs] == \
             [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_yields_to_a_complete_pattern(llm, temperature):
+    # "yes" is complete after a few tokens and nothing may follow, while min_tokens masks EOS: the row had
+    # no finite logit left (greedy emitted token 0 until min_tokens, sampling raised)
+    params = SamplingParams(temperature=temperature, seed=1, n=4, max_tokens=20, min_tokens=10,
+                            structured_outputs=SO(choice=["yes", "no"]))
+    for c in llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs:
+        assert c.finish_reason == "stop" and c.text in ("yes", "no")
+        assert c.token_ids[-1] in llm.eos_token_ids and len(c.token_ids) < 10
+    # a pattern that can go on still honours min_tokens
+    params = SamplingParams(temperature=0, max_tokens=20, min_tokens=10, structured_outputs=SO(regex="[a-z]+"))
+    assert len(llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs[0].token_ids) >= 10
+
+
+def test_a_stop_token_with_text_ends_the_output_only_as_a_match(llm):
+    pieces = token_bytes(llm.get_tokenizer(), llm.arch.vocab_size)
+    first = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(
+        temperature=0, max_tokens=1, structured_outputs=SO(regex="[a-z]{10,20}"))).pop().outputs[0].token_ids[0]
+    assert pieces[first] and len(pieces[first]) < 10  # the greedy first token, e.g. b"name"
+    # its text stays in the output: stopping on it at once left a 4-letter output that does not match
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[first],
+                            structured_outputs=SO(regex="[a-z]{10,20}"))
+    c = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs[0]
+    assert c.finish_reason == "stop" and re.fullmatch("[a-z]{10,20}", c.text), c
+    # where output + its text match, it may end the output
+    word = pieces[first].decode()
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[first],
+                            structured_outputs=SO(regex=f"({word})+"))
+    c = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == first and c.text == word
+
+
+def test_logprobs_are_the_raw_model_distribution(llm):
+    # as for logit_bias and the other logits processors (and vLLM's default): not the masked distribution
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, structured_outputs=SO(regex="[a-z]{3,20}"))
+    c = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs[0]
+    for i, (t, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+        raw = llm.engine.score(PROMPTS[0] + c.token_ids[:i])[-1].float().log_softmax(-1)
+        assert lp[t] == pytest.approx(float(raw[t]), abs=1e-4)
+        assert set(raw.topk(3).indices.tolist()) <= set(lp)
