@@ -152,11 +152,12 @@ class _SamplingFields(_Strict):
                            param=given[1][0])
         field, spec = given[0]
         try:
-            params = StructuredOutputsParams(**spec)
+            try:
+                params = StructuredOutputsParams(**spec)
+            except TypeError:  # an unknown key (only this call: a TypeError while compiling is another bug)
+                raise APIError(f"'{field}' takes the keys json, regex, choice, json_object; got "
+                               f"{sorted(spec)}", param=field) from None
             compile_params(params)
-        except TypeError:
-            raise APIError(f"'{field}' takes the keys json, regex, choice, json_object; got "
-                           f"{sorted(spec)}", param=field) from None
         except PatternError as e:
             raise APIError(f"'{field}': {e}", param=field) from None
         return params

@@ -220,7 +220,7 @@ class _Compiler:
                 raise SchemaError(f"{where}/pattern: {e}") from None
         if "format" in schema:
             fmt = schema["format"]
-            if fmt not in _FORMATS:
+            if not isinstance(fmt, str) or fmt not in _FORMATS:
                 raise SchemaError(f"{where}: string format {fmt!r} is not supported (supported: "
                                   f"{', '.join(sorted(_FORMATS))}); remove it or use 'pattern'")
             return _string(inner=parse(_FORMATS[fmt]))
@@ -250,8 +250,9 @@ class _Compiler:
         if not isinstance(props, dict):
             raise SchemaError(f"{where}: 'properties' must be an object")
         required = schema.get("required", [])
-        if not isinstance(required, list) or any(r not in props for r in required):
-            missing = [r for r in required if r not in props] if isinstance(required, list) else required
+        if not isinstance(required, list) or any(not isinstance(r, str) or r not in props for r in required):
+            missing = [r for r in required if not isinstance(r, str) or r not in props] \
+                if isinstance(required, list) else required
             raise SchemaError(f"{where}: 'required' must list keys of 'properties' (not {missing!r})")
         members = tuple(Seq((_const(str(k)), literal(":"), SPACE, self.value(v, f"{where}/properties/{k}", depth + 1)))
                         for k, v in props.items())

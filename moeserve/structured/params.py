@@ -42,6 +42,8 @@ class StructuredOutputsParams:
         if self.grammar is not None:
             raise PatternError("grammar-based structured output (EBNF / Lark) is not supported; use a JSON "
                                "schema, a regex or a choice list")
+        if self.regex is not None and not isinstance(self.regex, str):  # a list would be an unhashable cache key
+            raise PatternError(f"regex must be a string, got {type(self.regex).__name__}")
         if self.json is not None and not isinstance(self.json, str):
             raise PatternError(f"json must be a JSON schema (an object or its JSON text), got "
                                f"{type(self.json).__name__}")

@@ -55,6 +55,12 @@ def test_completions_with_vllm_extras(client, model, extra, check):
     ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "EBNF"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},
      "response_format", "does not resolve"),
+    # lists where strings belong were unhashable: a TypeError reported as unknown keys
+    ({"structured_outputs": {"regex": ["a"]}}, "structured_outputs", "regex must be a string"),
+    ({"guided_json": {"properties": {"a": {}}, "required": [["a"]]}}, "guided_json", "'required' must list keys"),
+    ({"guided_json": {"type": "string", "format": ["date"]}}, "guided_json", "format ['date'] is not supported"),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True}}, "structured_outputs",
+     "takes the keys"),
 ])
 def test_errors_name_the_field(openai_server, model, body, param, words):
     r = httpx.post(f"{openai_server.base_url}/completions", json={"model": model, "prompt": "x", **body}, timeout=30)
