@@ -8,6 +8,7 @@ where the output so far matches the whole pattern.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from collections import OrderedDict
 
@@ -16,7 +17,7 @@ import torch
 from moeserve.structured.automaton import DFA
 from moeserve.structured.params import StructuredOutputsParams, compile_params
 
-MASK_CACHE_BYTES = 256 << 20  # per grammar: masks are vocab-size bools
+MASK_CACHE_BYTES = 256 << 20  # per vocabulary, all grammars together: masks are vocab-size bools
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -76,21 +77,44 @@ class TokenTable:
             self.columns.append(torch.tensor([pieces[i][t] for i in valid[:n]], dtype=torch.int64))
 
 
-class TokenGrammar:
-    """One compiled pattern over one vocabulary: per-state token masks, cached."""
+class MaskCache:
+    """Token masks of the grammars of one vocabulary, least recently used dropped past MASK_CACHE_BYTES in
+    all (a budget per grammar, with 16 grammars kept, would let the masks grow to 4 GiB)."""
 
-    def __init__(self, dfa: DFA, table: TokenTable) -> None:
+    def __init__(self, vocab_size: int) -> None:
+        self.masks: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self.max_masks = max(16, MASK_CACHE_BYTES // max(1, vocab_size))
+
+    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
+        mask = self.masks.get(key)
+        if mask is not None:
+            self.masks.move_to_end(key)
+        return mask
+
+    def put(self, key: tuple[int, int], mask: torch.Tensor) -> None:
+        self.masks[key] = mask
+        while len(self.masks) > self.max_masks:
+            self.masks.popitem(last=False)
+
+
+_grammar_ids = itertools.count()
+
+
+class TokenGrammar:
+    """One compiled pattern over one vocabulary: per-state token masks, cached (in `cache`, shared by the
+    engine's grammars)."""
+
+    def __init__(self, dfa: DFA, table: TokenTable, cache: MaskCache | None = None) -> None:
         self.dfa, self.table = dfa, table
         self.flat = dfa.byte_table()[:, :256].contiguous().view(-1)
-        self.masks: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.cache = cache if cache is not None else MaskCache(table.vocab_size)
+        self.uid = next(_grammar_ids)  # the cache's key, with the state
         self.thinking: dict[tuple[bytes, bytes], torch.Tensor | None] = {}  # at most len(marker) entries each
-        self.max_masks = max(16, MASK_CACHE_BYTES // max(1, table.vocab_size))
 
     def allowed(self, state: int) -> torch.Tensor:
         """bool [vocab]: tokens that keep the output matchable from `state` (stop tokens not included)."""
-        mask = self.masks.get(state)
+        mask = self.cache.get((self.uid, state))
         if mask is not None:
-            self.masks.move_to_end(state)
             return mask
         mask = torch.zeros(self.table.vocab_size, dtype=torch.bool)
         if state:
@@ -99,9 +123,7 @@ class TokenGrammar:
                 k = len(col)
                 cur[:k] = self.flat[cur[:k] * 256 + col]
             mask[self.table.order] = cur != 0
-        self.masks[state] = mask
-        if len(self.masks) > self.max_masks:
-            self.masks.popitem(last=False)
+        self.cache.put((self.uid, state), mask)
         return mask
 
     def ends_match(self, state: int, token_id: int) -> bool:
@@ -228,6 +250,7 @@ class StructuredOutputManager:
     def __init__(self, tokenizer_path: str, vocab_size: int, tokenizer=None) -> None:
         self.tokenizer_path, self.vocab_size, self._tokenizer = tokenizer_path, vocab_size, tokenizer
         self._table: TokenTable | None = None
+        self._masks: MaskCache | None = None
         self._grammars: OrderedDict[tuple, TokenGrammar] = OrderedDict()
 
     def table(self) -> TokenTable:
@@ -237,13 +260,14 @@ class StructuredOutputManager:
                 from moeserve.tokenizer import load_tokenizer
                 tok = load_tokenizer(self.tokenizer_path)
             self._table = TokenTable(token_bytes(tok, self.vocab_size))
+            self._masks = MaskCache(self._table.vocab_size)
         return self._table
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         key = params.key
         grammar = self._grammars.get(key)
         if grammar is None:
-            grammar = TokenGrammar(compile_params(params), self.table())
+            grammar = TokenGrammar(compile_params(params), self.table(), self._masks)
             self._grammars[key] = grammar
             if len(self._grammars) > 16:  # each holds its mask cache
                 self._grammars.popitem(last=False)

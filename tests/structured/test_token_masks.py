@@ -78,3 +78,14 @@ def test_after_a_marker_the_pattern_applies(tok):
     assert rows[3, ids[b"e"]] and not rows[3, ids[b"y"]]
     after = thinking + [ids[b"x"], ids[b">"], ids[b"y"], ids[b"e"], ids[b"s"]]
     assert m.row_masks(after, [], [eos])[0].nonzero().flatten().tolist() == [eos]  # "yes": complete
+
+
+def test_masks_are_bounded_across_the_engines_grammars(tok, monkeypatch):
+    from moeserve.structured import grammar as g
+    monkeypatch.setattr(g, "MASK_CACHE_BYTES", len(tok) * 20)  # 20 masks in all
+    manager = g.StructuredOutputManager("unused", len(tok), tokenizer=tok)
+    matchers = [manager.matcher(SO(regex=f"[a-z]{{1,{n}}}x")) for n in range(10, 16)]
+    for m in matchers:  # each visits 11+ states: a budget per grammar would keep 6 x 16 masks
+        for state in range(1, m.grammar.dfa.num_states):
+            m.grammar.allowed(state)
+    assert len(manager._masks.masks) <= 20
