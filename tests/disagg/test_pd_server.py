@@ -59,9 +59,10 @@ def pd(ckpt_dir):
     prefill.stop()
 
 
-def complete(url: str, prompt: str, **kw) -> str:
+def complete(url: str, prompt: str, max_tokens: int = 12, **kw) -> str:
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
-    return client.completions.create(model=None, prompt=prompt, max_tokens=12, temperature=0, **kw).choices[0].text
+    return client.completions.create(model=None, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     **kw).choices[0].text
 
 
 def test_proxy_answers_equal_a_unified_server(pd, openai_server):
@@ -76,6 +77,21 @@ def test_proxy_answers_equal_a_unified_server(pd, openai_server):
         model=None, messages=messages, max_tokens=10, temperature=0)
     assert streamed == ref.choices[0].message.content and streamed
     assert httpx.get(proxy.url + "/health", timeout=10).status_code == 200
+
+
+def test_structured_output_through_the_proxy_equals_a_unified_server(pd, openai_server):
+    # the decode instance samples the first token itself, under the grammar; the prefill one refuses a bad one
+    _, _, proxy = pd
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "rain": {"type": "boolean"}},
+              "required": ["city", "rain"]}
+    for extra in ({"guided_regex": r"\d{3}-[a-z]{2}"}, {"guided_choice": ["yes", "no"], "min_tokens": 4},
+                  {"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}):
+        got = complete(proxy.url, "The answer:", extra_body=extra, max_tokens=60)
+        assert got == complete(openai_server.url, "The answer:", extra_body=extra, max_tokens=60)
+        assert "response_format" not in extra or json.loads(got).keys() == {"city", "rain"}
+        assert "guided_regex" not in extra or re.fullmatch(r"\d{3}-[a-z]{2}", got)
+    r = httpx.post(proxy.url + "/v1/completions", json={"prompt": "x", "guided_regex": "("}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
 
 
 def test_proxy_reports_the_prefill_instance_prefix_cache(pd):

@@ -70,6 +70,18 @@ def test_dp2_uneven_arrivals(dp2, reference):
     assert got == {f"r{i}": reference[i] for i in range(4)}
 
 
+def test_dp2_structured_output_matches_single_process(dp2, path):
+    # each rank compiles the grammars of its own requests; masks must not depend on the rank
+    from moeserve.structured.params import StructuredOutputsParams as SO
+    specs = [SO(json={"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+                      "required": ["b"]}), SO(regex=r"[a-f]{2,6}-\d{2}"), SO(choice=["yes", "no"]), SO(json_object=True)]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=s) for s in specs for _ in PROMPTS]
+    prompts = PROMPTS * len(specs)
+    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompt_token_ids=prompts,
+                                                                               sampling_params=params)]
+    assert [o.outputs[0].token_ids for o in dp2.generate(prompt_token_ids=prompts, sampling_params=params)] == want
+
+
 def run_requests(engine, arrivals, owners):
     """Feed (step, prompt index) arrivals through the EngineCore-shaped interface; collect tokens."""
     out, step, pending = {}, 0, sorted(arrivals)
