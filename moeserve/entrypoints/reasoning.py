@@ -62,5 +62,7 @@ class StreamedReasoning:
 
     def finish(self) -> str:
         """The held-back reasoning tail (the stream ended inside the thinking)."""
+        if not self.started and self.buffer.startswith(THINK_START):  # the output was just "<think>"
+            self.buffer = self.buffer[len(THINK_START):]
         out, self.buffer = self.buffer, ""
         return out

@@ -180,7 +180,8 @@ def test_split_reasoning(text, want):
 
 
 @pytest.mark.parametrize("split", [1, 2, 5])
-@pytest.mark.parametrize("text", ["<think>a < b, so</think>x</think>y", "no end </thi", "</think>", "<thin"])
+@pytest.mark.parametrize("text", ["<think>a < b, so</think>x</think>y", "no end </thi", "</think>", "<thin",
+                                  "<think>"])  # the output ended right after <think> (max_tokens 1)
 def test_streamed_reasoning_adds_up_to_the_split(text, split):
     s, reasoning, content = StreamedReasoning(), "", ""
     for i in range(0, len(text), split):
