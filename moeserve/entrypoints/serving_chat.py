@@ -86,7 +86,8 @@ class ChatServing(Serving):
     def _message(self, req, mode: str | None, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The assistant message and finish_reason: tool calls as OpenAI's tool_calls (finish_reason
         "tool_calls", except for a named function, where OpenAI says "stop")."""
-        if mode == "named" and finish == "stop":
+        # No text: a thinking request that stopped (EOS) before </think>, so the schema never applied.
+        if mode == "named" and finish == "stop" and text:
             return {"role": "assistant", "content": None,
                     "tool_calls": [ToolCall(req.tool_choice.function.name, text).to_openai()]}, finish
         content, calls = self._calls(mode, text)

@@ -51,6 +51,18 @@ def test_streamed_content_stops_at_the_marker_even_split_across_deltas(split):
     assert plain.push("a <｜to") == "a " and plain.finish() == ("<｜to", [])  # held back, then released
 
 
+def test_named_call_needs_text():
+    # A thinking request that ends (EOS) before </think> has no text after it: no call with arguments "".
+    from moeserve.entrypoints.openai_protocol import ChatCompletionRequest
+    from moeserve.entrypoints.serving_chat import ChatServing
+    req = ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "ping"}}})
+    serving = ChatServing.__new__(ChatServing)
+    assert serving._message(req, "named", "", "stop") == ({"role": "assistant", "content": None}, "stop")
+    msg, finish = serving._message(req, "named", "{}", "stop")
+    assert msg["tool_calls"][0]["function"] == {"name": "ping", "arguments": "{}"} and finish == "stop"
+
+
 def test_parse_required():
     calls = parse_required('[{"name": "ping", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "é"}}]')
     assert [(c.name, c.arguments) for c in calls] == [("ping", "{}"), ("get_weather", '{"city": "é"}')]
