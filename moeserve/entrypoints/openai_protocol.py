@@ -159,8 +159,11 @@ class _SamplingFields(_Strict):
                                f"{sorted(spec)}", param=field) from None
             compile_params(params)
         except PatternError as e:
-            raise APIError(f"'{field}': {e}", param=field) from None
+            raise self._pattern_error(field, e) from None
         return params
+
+    def _pattern_error(self, field: str, e: PatternError) -> APIError:
+        return APIError(f"'{field}': {e}", param=field)
 
     def _tool_constraint(self) -> list[tuple[str, dict]]:
         return []  # chat's tool_choice "required" / a named function (ChatCompletionRequest)
@@ -342,6 +345,20 @@ class ChatCompletionRequest(_SamplingFields):
 
     def _keeps_special_tokens(self) -> bool:
         return bool(self.tools) and self.tool_choice in (None, "auto")
+
+    def _pattern_error(self, field: str, e: PatternError) -> APIError:
+        """A tool's bad schema is named as that tool's field, not as the combined schema's inner path."""
+        from moeserve.entrypoints.tool_calls import function_parameters
+        if field == "tool_choice":
+            for i, tool in enumerate(self.tool_dicts()):
+                if isinstance(self.tool_choice, NamedToolChoice) and \
+                        tool["function"]["name"] != self.tool_choice.function.name:
+                    continue
+                try:
+                    compile_params(StructuredOutputsParams(json=function_parameters(tool)))
+                except PatternError as bad:
+                    return APIError(f"'tools[{i}].function.parameters': {bad}", param="tools")
+        return super()._pattern_error(field, e)
 
     def check(self) -> None:
         if self.prompt_logprobs is not None and self.kv_transfer_params:

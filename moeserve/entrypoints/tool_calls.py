@@ -42,11 +42,30 @@ def function_parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object"}
 
 
+def _rebase_refs(schema, base: str):
+    """The schema with its local $refs ("#/$defs/X", "#") pointing below `base`, where it now sits."""
+    if isinstance(schema, list):
+        return [_rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and v.startswith("#"):
+            out[k] = base + v[1:]
+        elif k in ("const", "enum", "default", "examples"):  # values, not schemas
+            out[k] = v
+        else:
+            out[k] = _rebase_refs(v, base)
+    return out
+
+
 def required_schema(tools: list[dict], parallel: bool) -> dict:
     """"required": a non-empty array of calls, each naming one tool with arguments of its schema."""
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "parameters": function_parameters(t)},
-              "required": ["name", "parameters"]} for t in tools]
+    # Each tool's parameters move below the array's root: their local $refs ($defs, as pydantic writes
+    # them) must point there.
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _rebase_refs(
+                 function_parameters(t), f"#/items/anyOf/{i}/properties/parameters")},
+              "required": ["name", "parameters"]} for i, t in enumerate(tools)]
     schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1

@@ -288,6 +288,9 @@ class _Compiler:
         target = self.root
         for part in ref[2:].split("/") if ref != "#" else ():
             part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, list) and part.isdigit() and int(part) < len(target):  # JSON pointer: an index
+                target = target[int(part)]
+                continue
             if not isinstance(target, dict) or part not in target:
                 raise SchemaError(f"{where}: reference {ref!r} does not resolve in the schema")
             target = target[part]

@@ -63,6 +63,27 @@ def test_named_call_needs_text():
     assert msg["tool_calls"][0]["function"] == {"name": "ping", "arguments": "{}"} and finish == "stop"
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}],
+                         ids=["required", "named"])
+def test_tool_schemas_with_defs_and_bad_ones(choice):
+    from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest
+    from moeserve.structured.params import compile_params
+
+    def params(parameters):
+        tools = [TOOLS[1], {"type": "function", "function": {"name": "f", "parameters": parameters}}]
+        return ChatCompletionRequest.model_validate({"messages": MESSAGES, "tools": tools, "tool_choice": choice}) \
+            .sampling_params(10, None)
+    # pydantic writes $defs with "#/$defs/..." refs; "required" nests the schema in its array of calls
+    defs = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}}, "properties": {"u": {"$ref": "#/$defs/Unit"}},
+            "required": ["u"]}
+    dfa = compile_params(params(defs).structured_outputs)
+    text = '[{"name":"f","parameters":{"u":"c"}}]' if choice == "required" else '{"u":"c"}'
+    assert dfa.accepting[dfa.step(1, text.encode())]
+    with pytest.raises(APIError) as e:  # a bad schema is named as the tool's field, not the combined schema's
+        params({"type": "object", "properties": {"a": {"type": "nope"}}})
+    assert e.value.param == "tools" and e.value.message.startswith("'tools[1].function.parameters': #/properties/a")
+
+
 def test_parse_required():
     calls = parse_required('[{"name": "ping", "parameters": {}}, {"name": "get_weather", "parameters": {"city": "é"}}]')
     assert [(c.name, c.arguments) for c in calls] == [("ping", "{}"), ("get_weather", '{"city": "é"}')]
