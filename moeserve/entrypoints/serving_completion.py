@@ -29,7 +29,10 @@ class CompletionServing(Serving):
         self.check_model(req.model)
         req.check()
         prompts = await self.off_loop(self._prompts, req.prompt)
-        max_tokens = min(self.check_length(len(ids), req.max_tokens) for _, ids in prompts)
+        asked = req.max_tokens
+        if "max_tokens" not in req.model_fields_set and asked is not None:  # the default 16: the file's
+            asked = min(asked, self.default_sampling.get("max_tokens", asked))  # max_new_tokens caps it (vLLM)
+        max_tokens = min(self.check_length(len(ids), asked) for _, ids in prompts)
         # echo with logprobs scores the prompt too (OpenAI's legacy completions; lm-eval's loglikelihood)
         prompt_lps = max((n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None),
                          default=None)

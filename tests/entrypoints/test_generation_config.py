@@ -58,5 +58,10 @@ def test_server_fills_unset_fields(gen_ckpt):
         assert unset["choices"][0]["message"] == greedy["choices"][0]["message"]  # temperature 0 from the file
         longer = httpx.post(url, json={"messages": msgs, "max_tokens": 9, "ignore_eos": True}, timeout=60).json()
         assert longer["usage"]["completion_tokens"] == 9  # the request's own value wins
+        done = httpx.post(server.base_url + "/completions", json={"prompt": PROMPT, "ignore_eos": True}, timeout=60)
+        assert done.json()["usage"]["completion_tokens"] == 5  # completions' default 16, capped by the file (vLLM)
+        done = httpx.post(server.base_url + "/completions", json={"prompt": PROMPT, "ignore_eos": True,
+                                                                   "max_tokens": 16}, timeout=60)
+        assert done.json()["usage"]["completion_tokens"] == 16  # an explicit 16 wins
     finally:
         server.stop()
