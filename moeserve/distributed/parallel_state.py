@@ -69,6 +69,12 @@ def get_ep_group(micro_batch: int = 0) -> GroupCoordinator:
     return _group("ep") if micro_batch == 0 or "ep_mb1" not in _GROUPS else _group("ep_mb1")
 
 
+def get_eplb_group() -> GroupCoordinator:
+    """Online EPLB's weight transfers: a process group of their own (the EP ranks) when --enable-eplb, so they
+    travel while the next step's MoE collectives run on the EP group."""
+    return _group("eplb") if "eplb" in _GROUPS else _group("ep")
+
+
 def get_flashcomm() -> str:
     return _FLASHCOMM[0]
 
@@ -99,6 +105,8 @@ def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
     _FLASHCOMM[0] = parallel.flashcomm
     _GROUPS["world"] = GroupCoordinator("world", world, rank, dist.group.WORLD, device)
     _GROUPS["ep"] = GroupCoordinator("ep", world, rank, dist.group.WORLD, device)
+    if parallel.enable_eplb and len(world) > 1:
+        _GROUPS["eplb"] = GroupCoordinator("ep", world, rank, dist.new_group(world, timeout=timeout), device)
     if parallel.enable_dbo and len(world) > 1:
         _GROUPS["ep_mb1"] = GroupCoordinator("ep", world, rank, dist.new_group(world, timeout=timeout), device)
     for name, groups in (("tp", tp_groups), ("dp", dp_groups)):

@@ -5,10 +5,12 @@ dynamically. Every `--eplb-step-interval` lockstep steps, on every rank at the s
   1. each MoE layer's routed (token, choice) pairs per logical expert since the last rebalance are summed
      over the EP group in one all-reduce (every rank then holds the same totals);
   2. eplb.rebalance() turns them into a new phys_to_logical map, the same on every rank (deterministic);
-  3. expert weights move to their new slots: a slot whose expert this rank already holds copies it
-     locally, the others arrive in one all-to-all per expert tensor from the lowest rank that held the
-     expert (every rank derives who sends what to whom from the two maps, so nothing else is exchanged);
-  4. the layer's ExpertMap and the experts' slot list switch to the new map.
+  3. expert weights start moving to their new slots: the experts a slot needs from another rank travel in
+     one async all-to-all per expert tensor from the lowest rank that held the expert (every rank derives
+     who sends what to whom from the two maps, so nothing else is exchanged), on a process group of their
+     own, while the next step runs on the old map;
+  4. after that step, on every rank at the same boundary: wait for the transfers, fill each layer's new
+     slot order (local copies + what arrived) and switch its ExpertMap and slot list to the new map.
 Only placement changes: each (token, choice) pair is still computed by one copy of its expert with the
 same weights, so outputs do not change (tested: a run that rebalances every few steps gives the tokens
 of a run that never does).
@@ -21,7 +23,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from moeserve.distributed.parallel_state import get_ep_group
+from moeserve.distributed.parallel_state import get_ep_group, get_eplb_group
 from moeserve.layers.moe.eplb import imbalance, rebalance
 from moeserve.layers.moe.load_stats import ExpertLoadRecorder
 from moeserve.layers.moe.placement import ExpertMap
@@ -40,6 +42,8 @@ class OnlineEPLB:
         self.blocks = {b.layer_idx: b for b in moe_blocks}
         self.num_experts, self.interval = num_experts, interval
         self.ep = get_ep_group()
+        self.transfer_group = get_eplb_group()
+        self.pending: list = []  # moves started by the last rebalance, applied after the next step
         self.recorder = recorder or ExpertLoadRecorder(None, num_experts)
         self._base: dict[int, torch.Tensor] = {}  # the recorder's totals at the last rebalance
         self.steps = 0
@@ -48,6 +52,10 @@ class OnlineEPLB:
 
     def step_done(self) -> None:
         self.steps += 1
+        if self.pending:  # the moves the last rebalance started ran under this step: apply them
+            for move in self.pending:
+                move.finish()
+            self.pending = []
         if self.steps % self.interval == 0:
             self.rebalance()
 
@@ -66,10 +74,7 @@ class OnlineEPLB:
                 continue
             before.append(was)
             after.append(now)
-            self._move(block, old_map, new_map)
-            new = replace(old, phys_to_logical=tuple(new_map))
-            block.expert_map = ExpertMap(new)
-            block.experts.slot_experts = new.local_slot_experts()
+            self.pending.append(self._start_move(block, old_map, new_map, replace(old, phys_to_logical=tuple(new_map))))
         self._base = {i: c.clone() for i, c in self.recorder.counts.items()}  # the next window starts now
         self.num_rebalances += 1
         if before and self.ep.rank == 0:
@@ -81,8 +86,8 @@ class OnlineEPLB:
         zero = torch.zeros(self.num_experts, dtype=torch.long)
         return self.recorder.counts.get(idx, zero) - self._base.get(idx, zero)
 
-    def _move(self, block: nn.Module, old: list[int], new: list[int]) -> None:
-        """Every expert tensor of the block's experts ([slots, ...] stacked) into the new slot order."""
+    def _start_move(self, block: nn.Module, old: list[int], new: list[int], placement) -> "_Move":
+        """Start moving every expert tensor of the block ([slots, ...] stacked) into the new slot order."""
         w, me = self.ep.world_size, self.ep.rank
         s = len(old) // w
         holders = {}  # expert -> lowest rank that held it
@@ -100,19 +105,37 @@ class OnlineEPLB:
         recv_from = [[(j, e) for j, e in wanted[me] if holders[e] == q] for q in range(w)]
         send_counts, recv_counts = [len(x) for x in sends], [len(x) for x in recv_from]
         self.experts_moved += sum(recv_counts)
-        for name, param in block.experts.named_parameters(recurse=False):
+        transfers = []
+        for _, param in block.experts.named_parameters(recurse=False):
+            t = param.data
+            rows = [t[local_old[e]] for r in range(w) for e in sends[r]]  # copies: the old weights keep serving
+            payload = torch.stack(rows) if rows else t.new_empty((0,) + tuple(t.shape[1:]))
+            transfers.append((param, self.transfer_group.all_to_all(payload.contiguous(), send_counts, recv_counts,
+                                                                    async_op=True, kind="eplb")))
+        local = [(j, local_old[e]) for j, e in enumerate(new[me * s:(me + 1) * s]) if e in local_old]
+        arrived = [j for q in range(w) for j, _ in recv_from[q]]
+        return _Move(block, placement, transfers, local, arrived)
+
+
+class _Move:
+    """One layer's expert weights in flight to a new placement; finish() waits and switches to it."""
+
+    def __init__(self, block: nn.Module, placement, transfers: list, local: list[tuple[int, int]],
+                 arrived: list[int]) -> None:
+        self.block, self.placement, self.transfers = block, placement, transfers
+        self.local, self.arrived = local, arrived  # (new slot, old slot) kept here; new slots filled remotely
+
+    def finish(self) -> None:
+        for param, (got, work) in self.transfers:
+            if work is not None:
+                work.wait()
             t = param.data
             out = torch.empty_like(t)
-            for j, e in enumerate(new[me * s:(me + 1) * s]):
-                if e in local_old:
-                    out[j] = t[local_old[e]]
-            rows = [t[local_old[e]] for r in range(w) for e in sends[r]]
-            payload = torch.stack(rows) if rows else t.new_empty((0,) + tuple(t.shape[1:]))
-            got = self.ep.all_to_all(payload.contiguous(), send_counts, recv_counts, kind="eplb")
-            i = 0
-            for q in range(w):
-                for j, _ in recv_from[q]:
-                    out[j] = got[i]
-                    i += 1
+            for j, old_slot in self.local:
+                out[j] = t[old_slot]
+            for i, j in enumerate(self.arrived):
+                out[j] = got[i]
             param.data.copy_(out)
-        logger.debug("EPLB moved %d expert copies in layer %d", sum(recv_counts), block.layer_idx)
+        self.block.expert_map = ExpertMap(self.placement)
+        self.block.experts.slot_experts = self.placement.local_slot_experts()
+        logger.debug("EPLB moved %d expert copies in layer %d", len(self.arrived), self.block.layer_idx)
