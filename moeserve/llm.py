@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import os
 
 from tqdm import tqdm
 
@@ -16,7 +14,7 @@ from moeserve.models.registry import resolve_model_path
 from moeserve.outputs import CompletionOutput, RequestOutput
 from moeserve.protocol import EngineCoreRequest
 from moeserve.sampling_params import SamplingParams
-from moeserve.generation_defaults import default_sampling
+from moeserve.generation_defaults import default_sampling, read_generation_config
 from moeserve.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -31,7 +29,7 @@ class LLM:
         self.arch = DeepseekArch.from_pretrained(path)
         self.config = self.args.create_config(self.arch.max_position_embeddings)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or path)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, _generation_config(path))
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, read_generation_config(path))
         self.default_sampling = default_sampling(self.args.generation_config, path)
         self.engine = self._make_engine()
         self._ids = itertools.count()
@@ -170,14 +168,6 @@ class LLM:
             else:
                 raise TypeError(f"a prompt must be a string or a dict, got {type(p).__name__}")
         return texts, ids
-
-
-def _generation_config(path: str) -> dict | None:
-    f = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(f):
-        return None
-    with open(f) as fh:
-        return json.load(fh)
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")

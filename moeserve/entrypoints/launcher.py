@@ -33,8 +33,7 @@ logger = logging.getLogger("moeserve.serve")
 class Deployment:
     def __init__(self, engine_args: EngineArgs, server: ServerConfig, ready_timeout: float = 600.0) -> None:
         from moeserve.engine.launch import TorchrunEnv, check_parallel_layout, needs_ranks
-        from moeserve.generation_defaults import default_sampling
-        from moeserve.llm import _generation_config
+        from moeserve.generation_defaults import default_sampling, read_generation_config
         from moeserve.models.config import DeepseekArch
         from moeserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -46,7 +45,7 @@ class Deployment:
         if needs_ranks(self.config.parallel, TorchrunEnv.detect()):
             check_parallel_layout(self.config, arch)  # here, not as a failure in the engine-core process
         tokenizer_path = self.config.model.tokenizer or path
-        eos = eos_token_ids(load_tokenizer(tokenizer_path), arch.eos_token_ids, _generation_config(path))
+        eos = eos_token_ids(load_tokenizer(tokenizer_path), arch.eos_token_ids, read_generation_config(path))
         self.reserved = _reserve_port(server.host, server.port)
         self.port = self.reserved.getsockname()[1]
         self.tmpdir = tempfile.mkdtemp(prefix="moeserve-")

@@ -116,13 +116,11 @@ class _SamplingFields(_Strict):
 
     @property
     def has_structured_outputs(self) -> bool:
-        return any(x is not None for x in (self.structured_outputs, self.guided_json, self.guided_regex,
-                                           self.guided_choice, self.guided_grammar)) or \
-            (self.response_format is not None and self.response_format.get("type", "text") != "text") or \
-            (bool(self.tools) and self.tool_choice not in (None, "none", "auto"))
+        return bool(self._constraints())
 
-    def _structured_outputs(self) -> StructuredOutputsParams | None:
-        """The one structured-output request among response_format, structured_outputs and guided_*."""
+    def _constraints(self) -> list[tuple[str, dict]]:
+        """(request field, StructuredOutputsParams keywords) of every structured-output constraint asked for
+        (response_format, structured_outputs, guided_*, chat's tool_choice), uncompiled."""
         given: list[tuple[str, dict]] = []
         rf = self.response_format
         if rf is not None and rf.get("type", "text") != "text":
@@ -144,7 +142,11 @@ class _SamplingFields(_Strict):
                            ("guided_grammar", "grammar")):
             if getattr(self, field) is not None:
                 given.append((field, {key: getattr(self, field)}))
-        given += self._tool_constraint()
+        return given + self._tool_constraint()
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint, compiled to check it."""
+        given = self._constraints()
         if not given:
             return None
         if len(given) > 1:

@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from moeserve.markers import partial_marker_len
+
 REASONING_PARSERS = ("deepseek_r1", "deepseek_v3")
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -55,8 +57,7 @@ class StreamedReasoning:
             reasoning, content = self.buffer[:cut], self.buffer[cut + len(THINK_END):]
             self.buffer = ""
             return reasoning, content
-        keep = next((k for k in range(min(len(THINK_END) - 1, len(self.buffer)), 0, -1)
-                     if THINK_END.startswith(self.buffer[-k:])), 0)
+        keep = partial_marker_len(self.buffer, THINK_END)
         out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
         return out, ""
 

@@ -16,6 +16,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from moeserve.markers import partial_marker_len
+
 TOOL_CALL_PARSERS = ("deepseek_v3",)
 
 # DeepSeek-V3's markers (U+FF5C fullwidth bar, U+2581 lower block), as its tokenizer and template write them.
@@ -111,11 +113,7 @@ class StreamedContent:
         self.text += delta
         cut = self.text.find(CALLS_BEGIN)
         if cut < 0:  # hold back a tail that could be the marker's beginning
-            cut = len(self.text)
-            for k in range(min(len(CALLS_BEGIN) - 1, len(self.text)), 0, -1):
-                if CALLS_BEGIN.startswith(self.text[-k:]):
-                    cut = len(self.text) - k
-                    break
+            cut = len(self.text) - partial_marker_len(self.text, CALLS_BEGIN)
         out = self.text[self.sent:max(cut, self.sent)]
         self.sent = max(cut, self.sent)
         return out

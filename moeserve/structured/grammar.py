@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import torch
 
+from moeserve.markers import partial_marker_len
 from moeserve.structured.automaton import DFA
 from moeserve.structured.params import StructuredOutputsParams, compile_params
 
@@ -155,10 +156,8 @@ def _after_marker(marker: bytes, text: bytes, dfa: DFA) -> int | bytes:
     cut = text.find(marker)
     if cut >= 0:
         return dfa.step(1, text[cut + len(marker):])
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return text[-k:]
-    return b""
+    k = partial_marker_len(text, marker)
+    return text[len(text) - k:] if k else b""
 
 
 class GrammarMatcher:
@@ -231,9 +230,8 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple]) -> None:
         n = len(draft_ids) + 1
         mask = matcher.row_masks(output_ids, draft_ids, end_ids, fallback_ids) if matcher is not None else None
         if mask is not None:
-            block = logits[r:r + n, :mask.shape[1]]
+            block = logits[r:r + n]  # the table spans the model's whole vocabulary
             block.masked_fill_(~mask, float("-inf"))
-            logits[r:r + n, mask.shape[1]:] = float("-inf")
             # min_tokens masked the stop tokens and the pattern is complete, nothing can follow: the grammar
             # wins (a row of -inf would sample garbage, or raise), so the output ends as a match
             # (Request.check_stop lets a structured request stop before min_tokens).
