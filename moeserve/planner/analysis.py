@@ -16,6 +16,15 @@ from moeserve.planner.models import ModelSpec
 from moeserve.planner.step import decode_step, prefill_step
 
 
+def band(fn, hw: Hardware) -> list[float] | None:
+    """[low, high] of `fn(hardware)` with every efficiency factor at the low and at the high end of its
+    documented range (data/hardware.yaml `ranges`); None when the hardware has no ranges. Every prediction
+    is monotone in each factor (tests/planner/test_band.py), so the two ends bound the whole box."""
+    if not hw.eff.ranges:
+        return None
+    return sorted(round(fn(hw.at(end)), 1) for end in ("low", "high"))
+
+
 @dataclass
 class DecodePoint:
     batch: int            # sequences per DP group

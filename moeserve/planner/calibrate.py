@@ -2,16 +2,20 @@
 
 The cases only choose layouts; every efficiency factor is the shared one from hardware.yaml. `predicted`
 uses the default (end_to_end) profile; each row also carries `predicted_kernel`, the kernel-level-only
-model, so the effect of the serving factor stays visible. `unlisted` holds sanity checks against other
+model, so the effect of the serving factor stays visible, and `band`, the prediction with every factor at
+the low and at the high end of its documented range. `unlisted` holds sanity checks against other
 published deployments (DeepSeek's own H800 figures); they are reported, not part of `all_within`.
+`feasibility` asks whether any single set of factors inside the documented ranges would put every case
+within the tolerance: an analysis of the facts, never used for a prediction.
 """
 from __future__ import annotations
 
+import itertools
 from importlib import resources
 
 import yaml
 
-from moeserve.planner.analysis import best_under_slo, prefill_point
+from moeserve.planner.analysis import band, best_under_slo, prefill_point
 from moeserve.planner.deploy import Instance, Workload
 from moeserve.planner.hardware import HardwareDB
 from moeserve.planner.models import load_model
@@ -22,19 +26,24 @@ def load_cases() -> dict:
     return yaml.safe_load(text)
 
 
-def predict(case: dict, db: HardwareDB, model: str = "deepseek-v3") -> dict:
-    m, hw = load_model(model), db.get(case["hardware"])
-    inst = Instance(**case["instance"])
-    metric = case["published"]["metric"]
+def _value(case: dict, hw, model: str = "deepseek-v3") -> tuple[float, dict]:
+    """(the case's published metric as predicted on `hw`, the point's details)."""
+    m, inst = load_model(model), Instance(**case["instance"])
     if case["kind"] == "decode":
         pt = best_under_slo(m, hw, inst, Workload(**case["workload"]), case["tpot_ms"])
-        detail = pt.to_dict() if pt else {}
-        value = pt.tok_s_card if pt else 0.0
-    else:
-        pt = prefill_point(m, hw, inst, case["requests"], case["input_len"])
-        detail = pt.to_dict()
-        value = getattr(pt, metric)
-    return {"value": value, "detail": detail}
+        return (pt.tok_s_card, pt.to_dict()) if pt else (0.0, {})
+    pt = prefill_point(m, hw, inst, case["requests"], case["input_len"])
+    return getattr(pt, case["published"]["metric"]), pt.to_dict()
+
+
+def predict(case: dict, db: HardwareDB, model: str = "deepseek-v3") -> dict:
+    hw = db.get(case["hardware"])
+    value, detail = _value(case, hw, model)
+    return {"value": value, "detail": detail, "band": band(lambda h: _value(case, h, model)[0], hw)}
+
+
+def _pct(value: float, published: float) -> float:
+    return 100 * (value - published) / published
 
 
 def _rows(cases: list, db: HardwareDB, kernel_db: HardwareDB, tol: float) -> list[dict]:
@@ -44,9 +53,12 @@ def _rows(cases: list, db: HardwareDB, kernel_db: HardwareDB, tol: float) -> lis
         pub = float(case["published"]["value"])
         err = (pred["value"] - pub) / pub
         kern = predict(case, kernel_db)["value"]
+        rng = pred["band"]
         rows.append({"id": case["id"], "what": case["what"], "unit": case["published"]["metric"],
                      "published": pub, "predicted": round(pred["value"], 1),
                      "error_pct": round(100 * err, 1), "within_tolerance": abs(err) <= tol,
+                     "band": rng, "band_error_pct": rng and [round(_pct(v, pub), 1) for v in rng],
+                     "published_in_band": rng is not None and rng[0] <= pub <= rng[1],
                      "predicted_kernel": round(kern, 1),
                      "error_kernel_pct": round(100 * (kern - pub) / pub, 1),
                      "detail": pred["detail"]})
@@ -67,17 +79,70 @@ def validate(hardware_file: str | None = None, profile: str | None = None) -> di
             "unlisted": unlisted}
 
 
+def _grid(hw_list, points: int) -> dict[str, list[float]]:
+    """Per ranged factor: `points` evenly spaced values over its range, plus the point value in use."""
+    grid: dict[str, set] = {}
+    for hw in hw_list:
+        for k, lo, hi in hw.eff.ranges:
+            vals = {round(lo + (hi - lo) * i / (points - 1), 4) for i in range(points)} if points > 1 else set()
+            grid.setdefault(k, set()).update(vals | {getattr(hw.eff, k)})
+    return {k: sorted(v) for k, v in sorted(grid.items())}
+
+
+def feasibility(hardware_file: str | None = None, profile: str | None = None, points: int = 5) -> dict:
+    """The smallest worst-case |error| over the calibration cases that one set of efficiency factors,
+    each inside its documented range, reaches on a grid (`points` values per factor, plus the value in
+    use, so the answer is never worse than the planner's own). Only the cases count, not `unlisted`."""
+    table = load_cases()
+    db = HardwareDB(hardware_file, profile)
+    cases = table["cases"]
+    hws = {c["hardware"]: db.get(c["hardware"]) for c in cases}
+    grid = _grid(hws.values(), points)
+    best = None
+    for combo in itertools.product(*grid.values()):
+        factors = dict(zip(grid, combo))
+        errs = {}
+        for case in cases:
+            hw = hws[case["hardware"]]
+            mine = {k: v for k, v in factors.items() if k in {r[0] for r in hw.eff.ranges}}
+            errs[case["id"]] = _pct(_value(case, hw.with_overrides(**mine))[0], float(case["published"]["value"]))
+        worst = max(abs(e) for e in errs.values())
+        if best is None or worst < best[0]:
+            best = (worst, factors, errs)
+    tol = 100 * float(table["tolerance"])
+    worst, factors, errs = best
+    return {"tolerance_pct": tol, "efficiency_profile": db.profile, "points_per_factor": points,
+            "combinations": len(list(itertools.product(*grid.values()))), "grid": grid,
+            "best_max_abs_error_pct": round(worst, 1), "best_factors": factors,
+            "best_errors_pct": {k: round(v, 1) for k, v in errs.items()}, "reachable": worst <= tol}
+
+
+def format_feasibility(res: dict) -> str:
+    f = ", ".join(f"{k} {v:g}" for k, v in res["best_factors"].items())
+    errs = ", ".join(f"{k} {v:+.1f}%" for k, v in res["best_errors_pct"].items())
+    verdict = "reachable" if res["reachable"] else "not reachable on this grid"
+    return (f"feasibility ({res['efficiency_profile']}, {res['combinations']} factor sets inside the documented "
+            f"ranges, {res['points_per_factor']} values per factor + the value in use):\n"
+            f"  best worst-case error {res['best_max_abs_error_pct']:.1f}% at {f}\n  rows there: {errs}\n"
+            f"  tolerance +-{res['tolerance_pct']:.0f}%: {verdict} (an analysis only: predictions always use "
+            "the point values)")
+
+
 def format_table(result: dict) -> str:
     head = (f"{'case':<24} {'unit':<11} {'published':>10} {'predicted':>10} {'error':>8}  ok   "
-            f"{'kernel-only':>11} {'error':>8}")
+            f"{'band (documented ranges)':>26} {'kernel-only':>11} {'error':>8}")
 
     def line(r, ok):
+        rng = (f"{r['band'][0]:.0f}..{r['band'][1]:.0f} ({r['band_error_pct'][0]:+.0f}..{r['band_error_pct'][1]:+.0f}%)"
+               if r["band"] else "-")
         return (f"{r['id']:<24} {r['unit']:<11} {r['published']:>10.1f} {r['predicted']:>10.1f} "
-                f"{r['error_pct']:>+7.1f}%  {ok:<4} {r['predicted_kernel']:>11.1f} {r['error_kernel_pct']:>+7.1f}%")
+                f"{r['error_pct']:>+7.1f}%  {ok:<4} {rng:>26} {r['predicted_kernel']:>11.1f} "
+                f"{r['error_kernel_pct']:>+7.1f}%")
     lines = [f"efficiency profile: {result['efficiency_profile']} (serving factor {result['serving_factor']})",
              head]
     lines += [line(r, "yes" if r["within_tolerance"] else "NO") for r in result["rows"]]
-    lines.append(f"tolerance +-{result['tolerance_pct']:.0f}%; all within: {result['all_within']}")
+    lines.append(f"tolerance +-{result['tolerance_pct']:.0f}%; all within: {result['all_within']}; published "
+                 f"inside the band: {sum(r['published_in_band'] for r in result['rows'])} of {len(result['rows'])}")
     if result.get("unlisted"):
         lines.append("unlisted sanity checks (reference figures are approximate, not part of the tolerance):")
         lines += [line(r, "-") for r in result["unlisted"]]

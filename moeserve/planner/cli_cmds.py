@@ -10,6 +10,11 @@ from moeserve.planner.deploy import MAX_INSTANCES, DoesNotFit, PlanError
 from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit, cards
 
 
+def _band_text(rng, unit: str) -> str:
+    """' (documented efficiency ranges: lo..hi unit)', or '' when the hardware has no ranges."""
+    return f" (efficiency ranges: {rng[0]:.0f}..{rng[1]:.0f} {unit})" if rng else ""
+
+
 def _fmt_breakdown(br: dict) -> str:
     total = sum(v for k, v in br.items() if k != "overlap_saving")
     rows = [f"  {k:<22} {v:9.3f} ms  {100 * v / total:5.1f}%" for k, v in br.items() if v]
@@ -63,7 +68,7 @@ def _which(label: str):
 
 
 def cmd_estimate(a):
-    from moeserve.planner.analysis import decode_point, kv_pull_ms, prefill_point, require_fits
+    from moeserve.planner.analysis import band, decode_point, kv_pull_ms, prefill_point, require_fits
     m, hw, inst, wl = _ctx(a)
     with _which(f"decode instance ({inst.cards} cards)"):
         mem = require_fits(m, hw, inst, wl)
@@ -72,30 +77,35 @@ def cmd_estimate(a):
                              f"group at mean context {wl.mean_decode_context:.0f}; use --batch <= {mem.max_batch}")
         batch = mem.max_batch if a.batch is None else a.batch
         pt = decode_point(m, hw, inst, wl, batch)
+        pt_band = band(lambda h: decode_point(m, h, inst, wl, batch).tok_s_card, hw)
     separate = a.prefill_cards is not None
     with _which(f"prefill instance ({a.prefill_cards} cards)" if separate
                 else f"prefill on the decode layout ({inst.cards} cards)"):
         pre_inst = _prefill_instance(a, inst, m)
         requests = pre_inst.dp if a.prefill_requests is None else a.prefill_requests
         pre = prefill_point(m, hw, pre_inst, requests, wl.input_len, wl.cached_prompt_tokens)
+        pre_band = band(lambda h: prefill_point(m, h, pre_inst, requests, wl.input_len,
+                                                wl.cached_prompt_tokens).ttft_ms, hw)
     # PD balance: requests/s one decode instance finishes vs one prefill instance starts.
     dec_req = pt.tok_s_card * inst.cards / wl.output_len
     pre_req = pre.tok_s_card * pre_inst.cards / wl.input_len
     # A separate prefill instance hands each prompt's KV to the decode instance before its first step.
     pull = kv_pull_ms(m, hw, inst, wl.input_len, inst.cards + pre_inst.cards) if separate else 0.0
-    obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst), "decode": pt.to_dict(),
-           "memory": mem.to_dict(), "prefill_layout": asdict(pre_inst), "prefill": pre.to_dict(),
+    obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst),
+           "decode": {**pt.to_dict(), "band_tok_s_card": pt_band},
+           "memory": mem.to_dict(), "prefill_layout": asdict(pre_inst),
+           "prefill": {**pre.to_dict(), "band_ttft_ms": pre_band},
            "prefill_instances_per_decode_instance": round(dec_req / pre_req, 3),
            "kv_pull_ms": round(pull, 3), "ttft_with_kv_pull_ms": round(pre.ttft_ms + pull, 3)}
     text = (f"{m.name} on {hw.name}, {inst.cards} cards (DP{inst.dp} x TP{inst.tp}, EP{inst.ep}), "
             f"context {wl.mean_decode_context:.0f}\n"
             f"decode batch {batch}/DP: step {pt.step_ms:.2f} ms, TPOT {pt.tpot_ms:.2f} ms, "
-            f"{pt.tok_s_card:.0f} tok/s/card, HBM {100 * pt.hbm_util:.0f}% of peak\n"
+            f"{pt.tok_s_card:.0f} tok/s/card{_band_text(pt_band, 'tok/s/card')}, HBM {100 * pt.hbm_util:.0f}% of peak\n"
             f"{_fmt_breakdown(pt.breakdown_ms)}\n"
             f"memory/card: weights {mem.weights / 2**30:.1f} GiB, KV room {mem.kv_free / 2**30:.1f} GiB, "
             f"max batch {mem.max_batch}/DP\n"
             f"prefill ({pre_inst.cards} cards, TP{pre_inst.tp}) {pre.requests} x {pre.length}: TTFT "
-            f"{pre.ttft_ms:.1f} ms, {pre.tok_s_card:.0f} tok/s/card; "
+            f"{pre.ttft_ms:.1f} ms{_band_text(pre_band, 'ms')}, {pre.tok_s_card:.0f} tok/s/card; "
             f"{dec_req / pre_req:.2f} prefill instances per decode instance"
             + (f"\nKV pull to decode {pull:.1f} ms per request: TTFT {pre.ttft_ms + pull:.1f} ms" if pull else ""))
     return _emit(a, obj, text)
@@ -108,22 +118,25 @@ def args_decode(p):
 
 
 def cmd_decode(a):
-    from moeserve.planner.analysis import best_under_slo, decode_curve
+    from moeserve.planner.analysis import band, best_under_slo, decode_curve
     from moeserve.planner.plots import plot_curves, plot_path
     m, hw, inst, wl = _ctx(a)
     plot = plot_path(a.plot) if a.plot is not None else None  # before the work: a bad path loses nothing
     curve = decode_curve(m, hw, inst, wl)
     best = best_under_slo(m, hw, inst, wl, a.tpot_ms)
+    # A factor set under which no batch meets the SLO counts as 0 tok/s/card.
+    rng = band(lambda h: getattr(best_under_slo(m, h, inst, wl, a.tpot_ms), "tok_s_card", 0.0), hw)
     if plot:
         plot_curves({f"{hw.key} {inst.cards} cards": curve}, plot, tpot_slo_ms=a.tpot_ms)
     obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst),
            "curve": [{k: v for k, v in p.to_dict().items() if k != "breakdown_ms"} for p in curve],
-           "best_under_slo": best.to_dict() if best else None, "tpot_slo_ms": a.tpot_ms, "plot": plot}
+           "best_under_slo": best.to_dict() if best else None, "best_band_tok_s_card": rng,
+           "tpot_slo_ms": a.tpot_ms, "plot": plot}
     lines = [f"{'batch/DP':>8} {'TPOT ms':>9} {'tok/s/card':>11}"]
     lines += [f"{p.batch:>8} {p.tpot_ms:>9.2f} {p.tok_s_card:>11.0f}" for p in curve]
     lines.append(f"best under TPOT <= {a.tpot_ms:g} ms: " + (
         f"batch {best.batch}/DP, {best.tok_s_card:.0f} tok/s/card at {best.tpot_ms:.1f} ms" if best
-        else "none (TPOT at batch 1 already exceeds the SLO)"))
+        else "none (TPOT at batch 1 already exceeds the SLO)") + _band_text(rng, "tok/s/card"))
     if plot:
         lines.append(f"wrote {plot}")
     return _emit(a, obj, "\n".join(lines))
@@ -135,13 +148,15 @@ def args_prefill(p):
 
 
 def cmd_prefill(a):
-    from moeserve.planner.analysis import prefill_point
+    from moeserve.planner.analysis import band, prefill_point
     m, hw, inst, wl = _ctx(a)
-    pt = prefill_point(m, hw, inst, inst.dp if a.requests is None else a.requests, wl.input_len,
-                       wl.cached_prompt_tokens)
-    text = (f"prefill {pt.requests} x {pt.length} on {inst.cards} cards: TTFT {pt.ttft_ms:.1f} ms, "
-            f"{pt.tok_s_card:.0f} tok/s/card\n{_fmt_breakdown(pt.breakdown_ms)}")
-    return _emit(a, {"model": m.name, "hardware": hw.key, "layout": asdict(inst), **pt.to_dict()}, text)
+    requests = inst.dp if a.requests is None else a.requests
+    pt = prefill_point(m, hw, inst, requests, wl.input_len, wl.cached_prompt_tokens)
+    rng = band(lambda h: prefill_point(m, h, inst, requests, wl.input_len, wl.cached_prompt_tokens).ttft_ms, hw)
+    text = (f"prefill {pt.requests} x {pt.length} on {inst.cards} cards: TTFT {pt.ttft_ms:.1f} ms"
+            f"{_band_text(rng, 'ms')}, {pt.tok_s_card:.0f} tok/s/card\n{_fmt_breakdown(pt.breakdown_ms)}")
+    return _emit(a, {"model": m.name, "hardware": hw.key, "layout": asdict(inst), **pt.to_dict(),
+                     "band_ttft_ms": rng}, text)
 
 
 def cmd_memory(a):
@@ -284,13 +299,20 @@ def args_validate(p):
     p.add_argument("--hardware-file", help="YAML/JSON with extra devices/systems/efficiency")
     p.add_argument("--efficiency-profile", choices=PROFILES, default=None,
                    help="profile for `predicted` (default end_to_end); rows also carry predicted_kernel")
+    p.add_argument("--feasibility", action="store_true",
+                   help="also search the documented efficiency ranges for the factor set with the smallest "
+                        "worst-case error (an analysis: predictions keep the point values)")
     p.add_argument("--json", action="store_true")
 
 
 def cmd_validate(a):
-    from moeserve.planner.calibrate import format_table, validate
+    from moeserve.planner.calibrate import feasibility, format_feasibility, format_table, validate
     res = validate(a.hardware_file, a.efficiency_profile)
-    return _emit(a, res, format_table(res))
+    text = format_table(res)
+    if a.feasibility:
+        res["feasibility"] = feasibility(a.hardware_file, a.efficiency_profile)
+        text += "\n" + format_feasibility(res["feasibility"])
+    return _emit(a, res, text)
 
 
 def args_hardware(p):

@@ -37,6 +37,9 @@ class Efficiency:
     # Measured speed-up of the attention block from prefetching its weights during communication
     # (Instance.weight_prefetch); an upper bound on what step.py lets the technique hide.
     prefetch_attention_gain: float = 0.10
+    # (factor, low, high): the documented range of a factor whose point value is above (data/hardware.yaml
+    # `ranges`); at(end) moves every ranged factor to that end, which bounds every prediction (`band`).
+    ranges: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self):
         for k in ("gemm", "attention", "memory", "link", "memory_utilization", "serving"):
@@ -49,6 +52,17 @@ class Efficiency:
         if not 0.0 <= self.prefetch_attention_gain < 1.0:
             raise ValueError(f"prefetch_attention_gain must be in [0, 1), "
                              f"got {self.prefetch_attention_gain:g}")
+        for k, lo, hi in self.ranges:  # a point outside its own range would fall outside its band
+            if not lo <= getattr(self, k) <= hi:
+                raise ValueError(f"{k} {getattr(self, k):g} lies outside its range [{lo:g}, {hi:g}]; "
+                                 f"move one or set ranges.{k}")
+
+    def at(self, end: str) -> "Efficiency":
+        """Every ranged factor at its 'low' or 'high' end (no ranges left: a point set of factors)."""
+        if end not in ("low", "high"):
+            raise ValueError(f"end must be 'low' or 'high', got {end!r}")
+        vals = {k: (lo if end == "low" else hi) for k, lo, hi in self.ranges}
+        return replace(self, **vals, ranges=())
 
 
 _POSITIVE = ("bf16_tflops", "int8_tops", "hbm_gib", "hbm_tbps", "scale_up_gbps", "scale_out_gbps")
@@ -106,7 +120,14 @@ class Hardware:
         kw = {k: v for k, v in kw.items() if v is not None}
         eff_kw = {k: kw.pop(k) for k in list(kw) if k in _EFF_KEYS}
         hw = replace(self, **kw)
-        return replace(hw, eff=replace(hw.eff, **eff_kw)) if eff_kw else hw
+        if not eff_kw:
+            return hw
+        ranges = tuple(r for r in hw.eff.ranges if r[0] not in eff_kw)  # an overridden factor is pinned
+        return replace(hw, eff=replace(hw.eff, **eff_kw, ranges=ranges))
+
+    def at(self, end: str) -> "Hardware":
+        """This hardware with its efficiency factors at the low or high end of their documented ranges."""
+        return replace(self, eff=self.eff.at(end))
 
 
 class HardwareDB:
@@ -139,11 +160,15 @@ class HardwareDB:
         return sorted(self.raw["devices"]) + sorted(self.raw["systems"])
 
     def _eff(self, device_key: str) -> Efficiency:
-        eff = dict(self.raw["efficiency"]["default"])
-        eff.update(self.raw["efficiency"]["profiles"][self.profile] or {})
-        eff.update((self.raw["efficiency"].get("devices") or {}).get(device_key) or {})
+        profile = dict(self.raw["efficiency"]["profiles"][self.profile] or {})
+        ranges = {**(self.raw["efficiency"].get("ranges") or {}), **(profile.pop("ranges", None) or {})}
+        device = (self.raw["efficiency"].get("devices") or {}).get(device_key) or {}
+        eff = {**self.raw["efficiency"]["default"], **profile, **device}
         what = f"efficiency of {device_key!r} (profile {self.profile})"
         vals = {k: number(eff, k, what) for k in _EFF_KEYS}
+        # A factor set for this device alone is pinned: the shared range does not describe it.
+        vals["ranges"] = tuple((k, float(lo), float(hi)) for k, (lo, hi) in sorted(ranges.items())
+                               if k not in device)
         try:
             return Efficiency(**vals)
         except ValueError as err:

@@ -40,7 +40,9 @@ DEVICE_FIELDS = ("name", "bf16_tflops", "int8_tops", "fp8_tflops", "hbm_gib", "h
                  "scale_out_gbps", "scale_up_domain")
 EFF_FIELDS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_overhead_ms",
               "memory_utilization", "serving", "prefetch_attention_gain")
-EFF_PARTS = ("default", "devices", "profiles", "default_profile")
+EFF_PARTS = ("default", "devices", "profiles", "default_profile", "ranges")
+# Factors that may carry a documented range ([low, high] fractions of peak; hardware.py Efficiency.ranges).
+RANGED_FIELDS = ("gemm", "attention", "memory", "link", "serving")
 
 
 def _known(src: str, where: str, keys, allowed) -> None:
@@ -79,7 +81,26 @@ def check_shape(data, src: str) -> None:
             if vals is not None and not isinstance(vals, dict):
                 raise ValueError(f"{src}: efficiency.{part}.{name} must be a mapping of factors, got "
                                  f"{type(vals).__name__}")
-            _known(src, f"efficiency.{part}.{name}", vals or {}, EFF_FIELDS)
+            _known(src, f"efficiency.{part}.{name}", vals or {},
+                   EFF_FIELDS + (("ranges",) if part == "profiles" else ()))
+            if part == "profiles":
+                _check_ranges(src, f"efficiency.profiles.{name}.ranges", (vals or {}).get("ranges"))
+    _check_ranges(src, "efficiency.ranges", eff.get("ranges"))
+
+
+def _check_ranges(src: str, where: str, ranges) -> None:
+    """factor -> [low, high], fractions of peak with low <= high."""
+    if ranges is None:
+        return
+    if not isinstance(ranges, dict):
+        raise ValueError(f"{src}: {where} must be a mapping of factor -> [low, high], got {type(ranges).__name__}")
+    _known(src, where, ranges, RANGED_FIELDS)
+    for k, pair in ranges.items():
+        ok = (isinstance(pair, list) and len(pair) == 2
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair))
+        if not ok or not 1e-6 <= pair[0] <= pair[1] <= 1.0:
+            raise ValueError(f"{src}: {where}.{k} must be [low, high] with 1e-6 <= low <= high <= 1 "
+                             f"(fractions of peak), got {pair!r}")
 
 
 def number(entry: dict, field: str, what: str, cast=float):
@@ -93,6 +114,14 @@ def number(entry: dict, field: str, what: str, cast=float):
     return cast(v)
 
 
+def _merge_ranges(base: dict | None, values: dict | None, ranges: dict | None) -> dict:
+    """A factor the file sets without giving its range is pinned (its value is then the user's, so the
+    built-in range no longer describes it); ranges the file gives replace the built-in ones."""
+    out = {k: v for k, v in (base or {}).items() if k not in (values or {})}
+    out.update(ranges or {})
+    return out
+
+
 def merge(base: dict, extra: dict) -> dict:
     """base with the user file's devices/systems added and its efficiency factors overriding."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
@@ -100,10 +129,14 @@ def merge(base: dict, extra: dict) -> dict:
         out.setdefault(section, {}).update(extra.get(section) or {})
     eff = extra.get("efficiency") or {}
     out["efficiency"]["default"] = {**out["efficiency"]["default"], **(eff.get("default") or {})}
+    out["efficiency"]["ranges"] = _merge_ranges(out["efficiency"].get("ranges"), eff.get("default"),
+                                                eff.get("ranges"))
     out["efficiency"]["devices"] = {**(out["efficiency"].get("devices") or {}), **(eff.get("devices") or {})}
     profiles = dict(out["efficiency"].get("profiles") or {})
     for name, vals in (eff.get("profiles") or {}).items():
-        profiles[name] = {**(profiles.get(name) or {}), **(vals or {})}
+        old = profiles.get(name) or {}
+        profiles[name] = {**old, **(vals or {}),
+                          "ranges": _merge_ranges(old.get("ranges"), vals, (vals or {}).get("ranges"))}
     out["efficiency"]["profiles"] = profiles
     if eff.get("default_profile"):
         out["efficiency"]["default_profile"] = eff["default_profile"]

@@ -1,0 +1,175 @@
+"""Documented efficiency ranges: the band every prediction carries, the file rules that pin a factor, and
+`validate --feasibility` (docs/planner.md "Uncertainty band")."""
+import json
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from moeserve.planner.analysis import band, best_under_slo
+from moeserve.planner.calibrate import feasibility, validate
+from moeserve.planner.cli import main
+from moeserve.planner.deploy import Instance, Workload
+from moeserve.planner.hardware import HardwareDB, load_hardware
+from moeserve.planner.models import load_model
+from moeserve.planner.step import decode_step, prefill_step
+
+V3 = load_model("deepseek-v3")
+E2E = {"gemm": (0.77, 0.83), "attention": (0.55, 0.65), "memory": (0.70, 0.85), "serving": (0.429, 0.588)}
+
+
+def _write(tmp_path, text: str) -> str:
+    path = tmp_path / "hw.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_builtin_ranges_hold_the_point_values():
+    db = HardwareDB()
+    for name in db.names():
+        eff = db.get(name).eff
+        assert {k: (lo, hi) for k, lo, hi in eff.ranges} == E2E, name
+        for k, lo, hi in eff.ranges:
+            assert lo <= getattr(eff, k) <= hi
+    kernel = HardwareDB(profile="kernel").get("h800").eff
+    assert kernel.serving == 1.0 and "serving" not in {r[0] for r in kernel.ranges}
+
+
+def test_ends_move_every_ranged_factor():
+    eff = load_hardware("h800").eff
+    low, high = eff.at("low"), eff.at("high")
+    assert (low.gemm, low.attention, low.memory, low.serving) == (0.77, 0.55, 0.70, 0.429)
+    assert (high.gemm, high.attention, high.memory, high.serving) == (0.83, 0.65, 0.85, 0.588)
+    assert low.ranges == () and low.link == eff.link  # unranged factors stay
+    # The end-to-end memory rate at the ends is the documented 30% and 50% of peak.
+    assert low.memory * low.serving == pytest.approx(0.30, abs=1e-3)
+    assert high.memory * high.serving == pytest.approx(0.50, abs=1e-3)
+    with pytest.raises(ValueError, match="'low' or 'high'"):
+        eff.at("middle")
+
+
+layouts = st.builds(Instance, cards=st.sampled_from([16, 32, 64]), tp=st.sampled_from([1, 2]),
+                    moe_comm=st.sampled_from(["alltoall", "allgather"]), micro_batch_overlap=st.booleans(),
+                    mtp_drafts=st.sampled_from([0, 1]), overlap_shared=st.booleans(),
+                    weight_prefetch=st.booleans(), flashcomm=st.sampled_from(["off", "on", "int8"]),
+                    quantization=st.sampled_from(["a8w8", "fp8", "bf16"]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(layouts, st.integers(1, 256), st.integers(128, 16384),
+       st.sampled_from(["hgx-h800", "atlas-800i-a2", "cloudmatrix-384"]))
+def test_band_brackets_the_point(inst, batch, ctx, name):
+    """What makes two runs a band: every step time is monotone in every ranged factor."""
+    hw = load_hardware(name)
+    if inst.quantization == "fp8" and not hw.fp8_tflops:
+        return
+    for step in (lambda h: decode_step(V3, h, inst, batch, ctx).total,
+                 lambda h: prefill_step(V3, h, inst, 1, ctx).total):
+        lo, mid, hi = step(hw.at("high")), step(hw), step(hw.at("low"))
+        assert lo <= mid * (1 + 1e-9) and mid <= hi * (1 + 1e-9)
+        # One factor at a time too: no factor may speed the step up by going down.
+        for k, low, high in hw.eff.ranges:
+            assert step(hw.with_overrides(**{k: high})) <= step(hw.with_overrides(**{k: low})) * (1 + 1e-9), k
+
+
+def test_band_of_a_decode_slo_point():
+    hw, inst = load_hardware("atlas-800i-a2"), Instance(cards=32, moe_comm="allgather", mtp_drafts=1)
+    wl = Workload(2048, 2048)
+    point = best_under_slo(V3, hw, inst, wl, 100).tok_s_card
+    lo, hi = band(lambda h: best_under_slo(V3, h, inst, wl, 100).tok_s_card, hw)
+    assert lo < point < hi
+    assert band(lambda h: 1.0, load_hardware("h800", profile="kernel").with_overrides(
+        gemm=0.8, attention=0.6, memory=0.775)) is None  # every factor pinned: no band
+
+
+def test_a_file_factor_without_its_range_is_pinned(tmp_path):
+    path = _write(tmp_path, "efficiency:\n  default: {gemm: 0.5}\n  profiles:\n    end_to_end: {serving: 0.43}\n")
+    eff = HardwareDB(path).get("h800").eff
+    assert eff.gemm == 0.5 and eff.serving == 0.43
+    assert {r[0] for r in eff.ranges} == {"attention", "memory"}
+
+
+def test_a_file_may_give_ranges_and_device_factors_pin(tmp_path):
+    path = _write(tmp_path, "efficiency:\n  default: {gemm: 0.5}\n  ranges: {gemm: [0.4, 0.6], link: [0.7, 0.9]}\n"
+                            "  devices:\n    h20: {memory: 0.6}\n")
+    db = HardwareDB(path)
+    assert ("gemm", 0.4, 0.6) in db.get("h800").eff.ranges and ("link", 0.7, 0.9) in db.get("h800").eff.ranges
+    assert "memory" not in {r[0] for r in db.get("h20").eff.ranges}
+    assert "memory" in {r[0] for r in db.get("h800").eff.ranges}
+    # A factor overridden in code (cpucheck, tests) is pinned too.
+    assert "gemm" not in {r[0] for r in db.get("h800").with_overrides(gemm=0.9).eff.ranges}
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("efficiency:\n  ranges: {gemm: [0.9, 0.95]}\n", ["gemm 0.8", "outside its range", "[0.9, 0.95]"]),
+    ("efficiency:\n  ranges: {gemm: [0.9, 0.1]}\n", ["efficiency.ranges.gemm", "low <= high"]),
+    ("efficiency:\n  ranges: {gemm: 0.8}\n", ["efficiency.ranges.gemm", "[low, high]"]),
+    ("efficiency:\n  ranges: {gemm: [0.5, 1.5]}\n", ["efficiency.ranges.gemm", "<= 1"]),
+    ("efficiency:\n  ranges: {step_overhead_ms: [0.5, 1.5]}\n", ["efficiency.ranges", "'step_overhead_ms'"]),
+    ("efficiency:\n  ranges: [0.5, 1.5]\n", ["efficiency.ranges must be a mapping"]),
+    ("efficiency:\n  profiles:\n    end_to_end: {ranges: {serving: [0.2, 0.3]}}\n",
+     ["serving 0.516", "outside its range"]),
+])
+def test_bad_ranges_are_refused_naming_the_field(tmp_path, text, needles):
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError) as err:
+        HardwareDB(path)
+    for n in needles:
+        assert n in str(err.value), (n, str(err.value))
+    assert main(["plan", "hardware", "--hardware-file", path]) == 2
+
+
+def test_validate_rows_carry_the_band():
+    res = validate()
+    for row in res["rows"] + res["unlisted"]:
+        lo, hi = row["band"]
+        assert lo <= row["predicted"] <= hi, row["id"]
+        assert row["published_in_band"] == (lo <= row["published"] <= hi)
+        assert row["band_error_pct"][0] <= row["error_pct"] <= row["band_error_pct"][1]
+
+
+def test_feasibility_is_never_worse_than_the_point_values():
+    """The grid holds the values in use, so its best worst-case error is at most the planner's own."""
+    res = feasibility(points=2)
+    point = max(abs(r["error_pct"]) for r in validate()["rows"])
+    assert res["best_max_abs_error_pct"] <= point + 0.05
+    assert res["reachable"] == (res["best_max_abs_error_pct"] <= res["tolerance_pct"])
+    assert set(res["grid"]) == set(E2E) and res["combinations"] == 3 ** 4  # 2 ends + the value in use
+    for k, v in res["best_factors"].items():
+        assert E2E[k][0] <= v <= E2E[k][1]
+
+
+def test_feasibility_with_every_factor_pinned_is_the_point(tmp_path):
+    path = _write(tmp_path, "efficiency:\n  default: {gemm: 0.8, attention: 0.6, memory: 0.775}\n"
+                            "  profiles:\n    end_to_end: {serving: 0.516}\n")
+    res = feasibility(path)
+    assert res["combinations"] == 1 and res["grid"] == {}
+    errs = {r["id"]: r["error_pct"] for r in validate(path)["rows"]}
+    assert res["best_errors_pct"] == pytest.approx(errs, abs=0.06)
+
+
+def test_cli_reports_bands(capsys):
+    a2 = ["--hardware", "atlas-800i-a2", "--cards", "32", "--moe-comm", "allgather", "--mtp-drafts", "1"]
+    assert main(["plan", "decode", "--json", "--tpot-ms", "100", *a2]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["best_band_tok_s_card"][0] < obj["best_under_slo"]["tok_s_card"] < obj["best_band_tok_s_card"][1]
+    assert main(["plan", "prefill", "--json", "--hardware", "atlas-800i-a2", "--cards", "16", "--tp", "2"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["band_ttft_ms"][0] < obj["ttft_ms"] < obj["band_ttft_ms"][1]
+    assert main(["plan", "estimate", "--json", "--batch", "16", *a2]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["decode"]["band_tok_s_card"][0] < obj["decode"]["tok_s_card"] < obj["decode"]["band_tok_s_card"][1]
+    assert obj["prefill"]["band_ttft_ms"][0] < obj["prefill"]["ttft_ms"] < obj["prefill"]["band_ttft_ms"][1]
+    assert main(["plan", "decode", "--tpot-ms", "100", *a2]) == 0
+    assert "efficiency ranges:" in capsys.readouterr().out.splitlines()[-1]
+    assert main(["plan", "decode", "--json", "--tpot-ms", "100", "--efficiency-profile", "kernel", *a2]) == 0
+    obj = json.loads(capsys.readouterr().out)  # the kernel profile has no serving range, still a band
+    assert obj["best_band_tok_s_card"] is not None
+
+
+def test_cli_validate_feasibility(capsys):
+    assert main(["plan", "validate", "--feasibility", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["feasibility"]["combinations"] > 1 and "best_factors" in obj["feasibility"]
+    assert main(["plan", "validate", "--feasibility"]) == 0
+    out = capsys.readouterr().out
+    assert "feasibility (end_to_end" in out and "band (documented ranges)" in out
