@@ -214,7 +214,9 @@ def cmd_search(a):
              + (f": {res['refused']}" if not res["plans"] else "")]
     for i, pl in enumerate(res["plans"], 1):
         d, p = pl["decode"], pl["prefill"]
-        lines.append(f"{i}. {pl['goodput_tok_s_card']:.0f} tok/s/card goodput: "
+        rng = pl["band_goodput_tok_s_card"]
+        lines.append(f"{i}. {pl['goodput_tok_s_card']:.0f} tok/s/card goodput"
+                     + (f" ({rng[0]:.0f}..{rng[1]:.0f} over the efficiency ranges)" if rng else "") + ": "
                      f"{pl['prefill_instances']} x prefill {_lay(p)} : {pl['decode_instances']} x decode "
                      f"{_lay(d)} ({pl['prefill_cards']}:{pl['decode_cards']} cards)")
         if "refused" in pl.get("simulated", {}):

@@ -10,7 +10,7 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
-from moeserve.planner.analysis import best_under_slo, kv_pull_ms, prefill_point
+from moeserve.planner.analysis import band, best_under_slo, kv_pull_ms, prefill_point
 from moeserve.planner.deploy import DoesNotFit, Instance, PlanError, Workload
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.models import ModelSpec
@@ -157,9 +157,12 @@ def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float,
         for p in _best_per_size(pres):
             s = split(cards, d, p, wl)
             if s:
-                plans.append({**s, "decode": d.to_dict(), "prefill": p.to_dict(),
-                              "ttft_with_kv_pull_ms": round(p.latency_ms + pull, 2)})
-    plans.sort(key=lambda p: -p["goodput_tok_s_card"])
+                plans.append(({**s, "decode": d.to_dict(), "prefill": p.to_dict(),
+                               "ttft_with_kv_pull_ms": round(p.latency_ms + pull, 2)}, d, p))
+    plans.sort(key=lambda p: -p[0]["goodput_tok_s_card"])
+    for plan, d, p in plans[:top]:
+        plan["band_goodput_tok_s_card"] = band(lambda h: plan_goodput(m, h, plan, d, p, wl, tpot_ms), hw)
+    plans = [plan for plan, _, _ in plans]
     res = {"cards": cards, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "kv_pull_ms": round(pull, 3),
            "plans": plans[:top],
            "decode_candidates": [d.to_dict() for d in decs[:top]],
@@ -168,6 +171,19 @@ def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float,
     if not plans:
         res["refused"] = no_plan_reason(cards, tpot_ms, ttft_ms, dec_tally, pre_tally, decs, pres)
     return res
+
+
+def plan_goodput(m: ModelSpec, hw: Hardware, plan: dict, dec: Candidate, pre: Candidate, wl: Workload,
+                 tpot_ms: float) -> float:
+    """The plan's goodput per card on `hw` with its instance counts and prefill batch kept (what was
+    deployed): decode at the largest batch inside the TPOT SLO there (0 if none), prefill at the plan's
+    batch. What `band` varies the efficiency factors of."""
+    pt = best_under_slo(m, hw, dec.inst, wl, tpot_ms)
+    pr = prefill_point(m, hw, pre.inst, pre.batch * pre.inst.dp, wl.input_len, wl.cached_prompt_tokens)
+    dec_req = (pt.tok_s_card if pt else 0.0) * dec.inst.cards / wl.output_len
+    pre_req = pr.tok_s_card * pre.inst.cards / wl.input_len
+    req_s = min(plan["decode_instances"] * dec_req, plan["prefill_instances"] * pre_req)
+    return req_s * wl.output_len / plan["cards_used"]
 
 
 def no_plan_reason(cards, tpot_ms, ttft_ms, dec_tally, pre_tally, decs, pres) -> str:

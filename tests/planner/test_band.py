@@ -173,3 +173,25 @@ def test_cli_validate_feasibility(capsys):
     assert main(["plan", "validate", "--feasibility"]) == 0
     out = capsys.readouterr().out
     assert "feasibility (end_to_end" in out and "band (documented ranges)" in out
+
+
+def test_search_plans_carry_a_goodput_band(capsys):
+    assert main(["plan", "search", "--json", "--hardware", "atlas-800i-a2", "--cards", "48", "--tpot-ms", "100",
+                 "--mtp-drafts", "1", "--top", "3"]) == 0
+    plans = json.loads(capsys.readouterr().out)["plans"]
+    assert plans
+    for pl in plans:
+        lo, hi = pl["band_goodput_tok_s_card"]
+        # The plan's own goodput, recomputed at the point values, lies inside (same counts, same batch).
+        assert lo < pl["goodput_tok_s_card"] < hi
+
+
+def test_plan_goodput_at_the_point_values_is_the_plans_own():
+    from moeserve.planner import search as srch
+    hw, wl = load_hardware("atlas-800i-a2"), Workload(2048, 2048)
+    base = Instance(cards=32, mtp_drafts=1)
+    decs = srch.best_decode(V3, hw, 48, base, wl, 100, top=1)
+    pres = srch.best_prefill(V3, hw, 48, base, wl, top=1)
+    plan = srch.split(48, decs[0], pres[0], wl)
+    got = srch.plan_goodput(V3, hw, plan, decs[0], pres[0], wl, 100)
+    assert got == pytest.approx(plan["goodput_tok_s_card"], abs=0.06)
