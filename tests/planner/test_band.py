@@ -190,8 +190,11 @@ def test_plan_goodput_at_the_point_values_is_the_plans_own():
     from moeserve.planner import search as srch
     hw, wl = load_hardware("atlas-800i-a2"), Workload(2048, 2048)
     base = Instance(cards=32, mtp_drafts=1)
-    decs = srch.best_decode(V3, hw, 48, base, wl, 100, top=1)
-    pres = srch.best_prefill(V3, hw, 48, base, wl, top=1)
-    plan = srch.split(48, decs[0], pres[0], wl)
-    got = srch.plan_goodput(V3, hw, plan, decs[0], pres[0], wl, 100)
-    assert got == pytest.approx(plan["goodput_tok_s_card"], abs=0.06)
+    decs = srch.best_decode(V3, hw, 48, base, wl, 100, top=None)
+    pres = srch.best_prefill(V3, hw, 48, base, wl, top=None)
+    pairs = [(d, p, srch.split(48, d, p, wl)) for d in decs[:6] for p in pres[:6]]
+    pairs = [x for x in pairs if x[2]]
+    assert len(pairs) >= 3
+    for d, p, plan in pairs:
+        got = srch.plan_goodput(V3, hw, plan, d, p, wl, 100)
+        assert got == pytest.approx(plan["goodput_tok_s_card"], abs=0.06)
