@@ -1,16 +1,39 @@
 """Planner calibration figure: predicted vs published, plus throughput-vs-TPOT curves with the published
-points marked.
+points marked. With --assumptions: `validate --feasibility` for each choice the brief leaves open (the
+Atlas 800I A2's die bin, the A2 prefill's attention TP), to show what those choices, not the efficiency
+factors, do to the best worst-case error.
 
-Usage: python benchmarks/plan_validate.py [--out plan_validate.png] [--json]
+Usage: python benchmarks/plan_validate.py [--out plan_validate.png] [--json] [--assumptions [--points N]]
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def assumptions(points: int) -> list[dict]:
+    """Feasibility over the documented efficiency ranges for every (A2 device, A2 prefill TP) pair."""
+    from moeserve.planner.calibrate import feasibility, load_cases
+    out = []
+    for device in ("910b", "910b3"):
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write(f"systems:\n  atlas-800i-a2: {{device: {device}, scale_up_domain: 8, scale_up_gbps: 196, "
+                    f"scale_out_gbps: 28}}\n")
+        for tp in (2, 4, 8):
+            cases = copy.deepcopy(load_cases()["cases"])
+            for c in cases:
+                if c["id"].startswith("a2-prefill"):
+                    c["instance"]["tp"] = tp
+            res = feasibility(f.name, points=points, cases=cases)
+            out.append({"a2_device": device, "a2_prefill_tp": tp, **res})
+        os.unlink(f.name)
+    return out
 
 
 def main() -> None:
@@ -24,7 +47,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="plan_validate.png")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--assumptions", action="store_true", help="feasibility for each open layout choice")
+    ap.add_argument("--points", type=int, default=5, help="grid values per factor for --assumptions")
     args = ap.parse_args()
+    if args.assumptions:
+        rows = assumptions(args.points)
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return
+        print(f"{'A2 device':<10} {'prefill TP':>10} {'best worst error':>17}  rows there")
+        for r in rows:
+            errs = ", ".join(f"{v:+.1f}" for v in r["best_errors_pct"].values())
+            print(f"{r['a2_device']:<10} {r['a2_prefill_tp']:>10} {r['best_max_abs_error_pct']:>16.1f}%  {errs}")
+        return
     res = validate()
     db, m = HardwareDB(), load_model("deepseek-v3")
     curves, marks = {}, []

@@ -89,13 +89,15 @@ def _grid(hw_list, points: int) -> dict[str, list[float]]:
     return {k: sorted(v) for k, v in sorted(grid.items())}
 
 
-def feasibility(hardware_file: str | None = None, profile: str | None = None, points: int = 5) -> dict:
+def feasibility(hardware_file: str | None = None, profile: str | None = None, points: int = 5,
+                cases: list | None = None) -> dict:
     """The smallest worst-case |error| over the calibration cases that one set of efficiency factors,
     each inside its documented range, reaches on a grid (`points` values per factor, plus the value in
-    use, so the answer is never worse than the planner's own). Only the cases count, not `unlisted`."""
+    use, so the answer is never worse than the planner's own). Only the cases count, not `unlisted`;
+    `cases` replaces them (benchmarks/plan_validate.py varies the layouts the brief leaves open)."""
     table = load_cases()
     db = HardwareDB(hardware_file, profile)
-    cases = table["cases"]
+    cases = table["cases"] if cases is None else cases
     hws = {c["hardware"]: db.get(c["hardware"]) for c in cases}
     grid = _grid(hws.values(), points)
     best = None
