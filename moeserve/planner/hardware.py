@@ -55,7 +55,7 @@ class Efficiency:
         for k, lo, hi in self.ranges:  # a point outside its own range would fall outside its band
             if not lo <= getattr(self, k) <= hi:
                 raise ValueError(f"{k} {getattr(self, k):g} lies outside its range [{lo:g}, {hi:g}]; "
-                                 f"move one or set ranges.{k}")
+                                 f"set the factor inside its range or change the range")
 
     def at(self, end: str) -> "Efficiency":
         """Every ranged factor at its 'low' or 'high' end (no ranges left: a point set of factors)."""
@@ -161,7 +161,10 @@ class HardwareDB:
 
     def _eff(self, device_key: str) -> Efficiency:
         profile = dict(self.raw["efficiency"]["profiles"][self.profile] or {})
-        ranges = {**(self.raw["efficiency"].get("ranges") or {}), **(profile.pop("ranges", None) or {})}
+        # A factor the profile (or the device, below) sets is described by the profile's range, if any,
+        # not by the shared one.
+        ranges = {k: v for k, v in (self.raw["efficiency"].get("ranges") or {}).items() if k not in profile}
+        ranges.update(profile.pop("ranges", None) or {})
         device = (self.raw["efficiency"].get("devices") or {}).get(device_key) or {}
         eff = {**self.raw["efficiency"]["default"], **profile, **device}
         what = f"efficiency of {device_key!r} (profile {self.profile})"

@@ -88,6 +88,16 @@ def test_a_file_factor_without_its_range_is_pinned(tmp_path):
     assert {r[0] for r in eff.ranges} == {"attention", "memory"}
 
 
+def test_a_profile_factor_is_described_by_the_profiles_range(tmp_path):
+    path = _write(tmp_path, "efficiency:\n  profiles:\n    end_to_end: {gemm: 0.7}\n")
+    eff = HardwareDB(path).get("h800").eff  # the shared [0.77, 0.83] does not describe the profile's 0.7
+    assert eff.gemm == 0.7 and "gemm" not in {r[0] for r in eff.ranges}
+    path = _write(tmp_path, "efficiency:\n  profiles:\n    end_to_end: {gemm: 0.7, ranges: {gemm: [0.6, 0.75]}}\n")
+    eff = HardwareDB(path).get("h800").eff
+    assert ("gemm", 0.6, 0.75) in eff.ranges and ("serving", 0.429, 0.588) in eff.ranges
+    assert ("gemm", 0.77, 0.83) in HardwareDB(path, "kernel").get("h800").eff.ranges
+
+
 def test_a_file_may_give_ranges_and_device_factors_pin(tmp_path):
     path = _write(tmp_path, "efficiency:\n  default: {gemm: 0.5}\n  ranges: {gemm: [0.4, 0.6], link: [0.7, 0.9]}\n"
                             "  devices:\n    h20: {memory: 0.6}\n")
