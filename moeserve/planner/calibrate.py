@@ -84,7 +84,9 @@ def _grid(hw_list, points: int) -> dict[str, list[float]]:
     grid: dict[str, set] = {}
     for hw in hw_list:
         for k, lo, hi in hw.eff.ranges:
-            vals = {round(lo + (hi - lo) * i / (points - 1), 4) for i in range(points)} if points > 1 else set()
+            # Clamped: rounding may leave the range (a low end of 1e-6 rounded to 0, refused as a factor).
+            vals = {min(hi, max(lo, round(lo + (hi - lo) * i / (points - 1), 4)))
+                    for i in range(points)} if points > 1 else set()
             grid.setdefault(k, set()).update(vals | {getattr(hw.eff, k)})
     return {k: sorted(v) for k, v in sorted(grid.items())}
 

@@ -208,3 +208,12 @@ def test_plan_goodput_at_the_point_values_is_the_plans_own():
     for d, p, plan in pairs:
         got = srch.plan_goodput(V3, hw, plan, d, p, wl, 100)
         assert got == pytest.approx(plan["goodput_tok_s_card"], abs=0.06)
+
+
+def test_feasibility_grid_stays_inside_the_ranges(tmp_path):
+    """Grid values are rounded for display; a rounded low end of 1e-6 was 0 and refused as a factor."""
+    path = _write(tmp_path, "efficiency:\n  default: {attention: 0.6, memory: 0.775}\n"
+                            "  ranges: {gemm: [0.000001, 0.83333]}\n  profiles:\n    end_to_end: {serving: 0.516}\n")
+    res = feasibility(path, points=2)
+    assert res["grid"] == {"gemm": [0.000001, 0.8, 0.8333]}
+    assert 0.000001 <= res["best_factors"]["gemm"] <= 0.83333
