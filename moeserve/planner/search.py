@@ -161,7 +161,8 @@ def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float,
                                "ttft_with_kv_pull_ms": round(p.latency_ms + pull, 2)}, d, p))
     plans.sort(key=lambda p: -p[0]["goodput_tok_s_card"])
     for plan, d, p in plans[:top]:
-        plan["band_goodput_tok_s_card"] = band(lambda h: plan_goodput(m, h, plan, d, p, wl, tpot_ms), hw)
+        plan["band_goodput_tok_s_card"] = band(
+            lambda h: plan_goodput(m, h, plan, d, p, wl, tpot_ms, ttft_ms, cards), hw)
     plans = [plan for plan, _, _ in plans]
     res = {"cards": cards, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "kv_pull_ms": round(pull, 3),
            "plans": plans[:top],
@@ -174,14 +175,26 @@ def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float,
 
 
 def plan_goodput(m: ModelSpec, hw: Hardware, plan: dict, dec: Candidate, pre: Candidate, wl: Workload,
-                 tpot_ms: float) -> float:
+                 tpot_ms: float, ttft_ms: float | None = None, cards: int | None = None) -> float:
     """The plan's goodput per card on `hw` with its instance counts and prefill batch kept (what was
     deployed): decode at the largest batch inside the TPOT SLO there (0 if none), prefill at the plan's
-    batch. What `band` varies the efficiency factors of."""
+    batch; with a TTFT SLO, at the best of the search's batches up to the plan's whose TTFT (plus the KV
+    pull within `cards`) meets it there (0 if none), as the search itself chose it. What `band` varies the
+    efficiency factors of."""
     pt = best_under_slo(m, hw, dec.inst, wl, tpot_ms)
-    pr = prefill_point(m, hw, pre.inst, pre.batch * pre.inst.dp, wl.input_len, wl.cached_prompt_tokens)
     dec_req = (pt.tok_s_card if pt else 0.0) * dec.inst.cards / wl.output_len
-    pre_req = pr.tok_s_card * pre.inst.cards / wl.input_len
+    if ttft_ms is None:
+        pr = prefill_point(m, hw, pre.inst, pre.batch * pre.inst.dp, wl.input_len, wl.cached_prompt_tokens)
+        pre_tok = pr.tok_s_card
+    else:  # a prefill batch over the TTFT SLO serves no request within it
+        pull = kv_pull_ms(m, hw, dec.inst, wl.input_len, cards or plan["cards_used"])
+        pre_tok, per_dp = 0.0, 1
+        while per_dp <= pre.batch:
+            pr = prefill_point(m, hw, pre.inst, per_dp * pre.inst.dp, wl.input_len, wl.cached_prompt_tokens)
+            if pr.ttft_ms + pull > ttft_ms:
+                break
+            pre_tok, per_dp = max(pre_tok, pr.tok_s_card), per_dp * 2
+    pre_req = pre_tok * pre.inst.cards / wl.input_len
     req_s = min(plan["decode_instances"] * dec_req, plan["prefill_instances"] * pre_req)
     return req_s * wl.output_len / plan["cards_used"]
 

@@ -217,3 +217,24 @@ def test_feasibility_grid_stays_inside_the_ranges(tmp_path):
     res = feasibility(path, points=2)
     assert res["grid"] == {"gemm": [0.000001, 0.8, 0.8333]}
     assert 0.000001 <= res["best_factors"]["gemm"] <= 0.83333
+
+
+
+def test_search_goodput_band_keeps_the_ttft_slo():
+    """At the slow end no prefill batch meets the TTFT SLO: no request is served within it, goodput 0 (the
+    band's low end was the goodput of prompts served too late)."""
+    from moeserve.planner import search as srch
+    from moeserve.planner.analysis import prefill_point
+    hw, wl = load_hardware("atlas-800i-a2"), Workload(4096, 512)
+    res = srch.search(V3, hw, 48, wl, 100, Instance(cards=32, mtp_drafts=1), ttft_ms=600, top=1)
+    pl = res["plans"][0]
+    dec, pre = (srch.Candidate(r, Instance(**pl[r]["layout"]), 0.0, 0.0, pl[r]["batch_per_dp"])
+                for r in ("decode", "prefill"))
+    slow = prefill_point(V3, hw.at("low"), pre.inst, pre.inst.dp, wl.input_len)  # one prompt per DP group
+    assert slow.ttft_ms + res["kv_pull_ms"] > 600
+    lo, hi = pl["band_goodput_tok_s_card"]
+    assert lo == 0.0 < pl["goodput_tok_s_card"] < hi
+    assert srch.plan_goodput(V3, hw.at("low"), pl, dec, pre, wl, 100) > 50  # SLO-blind
+    # At the point values: the plan's own goodput, as without the SLO.
+    assert srch.plan_goodput(V3, hw, pl, dec, pre, wl, 100, 600, 48) == pytest.approx(pl["goodput_tok_s_card"],
+                                                                                     abs=0.06)
