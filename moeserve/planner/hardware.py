@@ -137,13 +137,20 @@ class HardwareDB:
     def __init__(self, extra_file: str | Path | None = None, profile: str | None = None):
         self.raw = read(None)
         self.source = f"--hardware-file {extra_file}: " if extra_file else ""
+        extra = read(Path(extra_file)) if extra_file else {}
         if extra_file:
-            self.raw = merge(self.raw, read(Path(extra_file)))
+            self.raw = merge(self.raw, extra)
         self.profile = profile or self.raw["efficiency"].get("default_profile", "kernel")
         profiles = self.raw["efficiency"].get("profiles") or {}
         if self.profile not in profiles:
             raise ValueError(f"{self.source}unknown efficiency profile {self.profile!r}; "
                              f"known: {', '.join(sorted(profiles))}")
+        # A shared range the file gives for a factor the profile sets itself would be silently ignored
+        # (_eff): every built-in profile sets serving, so efficiency.ranges.serving never applied.
+        for k in ((extra.get("efficiency") or {}).get("ranges") or {}):
+            if k in (profiles[self.profile] or {}):
+                raise ValueError(f"{self.source}efficiency.ranges.{k} does not apply to profile {self.profile}, "
+                                 f"which sets {k} itself; give it as efficiency.profiles.{self.profile}.ranges.{k}")
         if extra_file:  # every entry now, so a bad one is reported with its file, not at first use
             for name in self.names():
                 self.get(name)

@@ -238,3 +238,18 @@ def test_search_goodput_band_keeps_the_ttft_slo():
     # At the point values: the plan's own goodput, as without the SLO.
     assert srch.plan_goodput(V3, hw, pl, dec, pre, wl, 100, 600, 48) == pytest.approx(pl["goodput_tok_s_card"],
                                                                                      abs=0.06)
+
+
+@pytest.mark.parametrize("text, profile", [
+    ("efficiency:\n  ranges: {serving: [0.3, 0.6]}\n", "end_to_end"),  # every built-in profile sets serving
+    ("efficiency:\n  ranges: {serving: [0.3, 1.0]}\n", "kernel"),
+    ("efficiency:\n  ranges: {gemm: [0.6, 0.9]}\n  profiles:\n    end_to_end: {gemm: 0.7}\n", "end_to_end"),
+])
+def test_a_shared_range_the_profile_overrides_is_refused(tmp_path, text, profile):
+    """It would be silently ignored: the profile's own value is described by the profile's range."""
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError, match=rf"efficiency.ranges.\w+ does not apply to profile {profile}.*"
+                                         rf"efficiency.profiles.{profile}.ranges"):
+        HardwareDB(path, profile)
+    path = _write(tmp_path, "efficiency:\n  ranges: {gemm: [0.6, 0.9]}\n  profiles:\n    end_to_end: {gemm: 0.7}\n")
+    assert ("gemm", 0.6, 0.9) in HardwareDB(path, "kernel").get("h800").eff.ranges  # kernel keeps gemm 0.8
