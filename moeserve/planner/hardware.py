@@ -171,7 +171,8 @@ class HardwareDB:
         # A factor the profile (or the device, below) sets is described by the profile's range, if any,
         # not by the shared one.
         ranges = {k: v for k, v in (self.raw["efficiency"].get("ranges") or {}).items() if k not in profile}
-        ranges.update(profile.pop("ranges", None) or {})
+        own = profile.pop("ranges", None) or {}
+        ranges.update(own)
         device = (self.raw["efficiency"].get("devices") or {}).get(device_key) or {}
         eff = {**self.raw["efficiency"]["default"], **profile, **device}
         what = f"efficiency of {device_key!r} (profile {self.profile})"
@@ -179,6 +180,13 @@ class HardwareDB:
         # A factor set for this device alone is pinned: the shared range does not describe it.
         vals["ranges"] = tuple((k, float(lo), float(hi)) for k, (lo, hi) in sorted(ranges.items())
                                if k not in device)
+        for k, lo, hi in vals["ranges"]:  # name the two entries to change (Efficiency knows neither)
+            if not lo <= vals[k] <= hi:
+                p = f"efficiency.profiles.{self.profile}"
+                raise ValueError(f"{what}: {k} {vals[k]:g} ({p if k in profile else 'efficiency.default'}.{k}) "
+                                 f"lies outside its range [{lo:g}, {hi:g}] "
+                                 f"({p + '.ranges' if k in own else 'efficiency.ranges'}.{k}); "
+                                 "set the factor inside its range or change the range")
         try:
             return Efficiency(**vals)
         except ValueError as err:

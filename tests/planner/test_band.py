@@ -110,14 +110,16 @@ def test_a_file_may_give_ranges_and_device_factors_pin(tmp_path):
 
 
 @pytest.mark.parametrize("text, needles", [
-    ("efficiency:\n  ranges: {gemm: [0.9, 0.95]}\n", ["gemm 0.8", "outside its range", "[0.9, 0.95]"]),
+    ("efficiency:\n  ranges: {gemm: [0.9, 0.95]}\n", ["gemm 0.8", "outside its range", "[0.9, 0.95]",
+                                                      "(efficiency.default.gemm)", "(efficiency.ranges.gemm)"]),
     ("efficiency:\n  ranges: {gemm: [0.9, 0.1]}\n", ["efficiency.ranges.gemm", "low <= high"]),
     ("efficiency:\n  ranges: {gemm: 0.8}\n", ["efficiency.ranges.gemm", "[low, high]"]),
     ("efficiency:\n  ranges: {gemm: [0.5, 1.5]}\n", ["efficiency.ranges.gemm", "<= 1"]),
     ("efficiency:\n  ranges: {step_overhead_ms: [0.5, 1.5]}\n", ["efficiency.ranges", "'step_overhead_ms'"]),
     ("efficiency:\n  ranges: [0.5, 1.5]\n", ["efficiency.ranges must be a mapping"]),
     ("efficiency:\n  profiles:\n    end_to_end: {ranges: {serving: [0.2, 0.3]}}\n",
-     ["serving 0.516", "outside its range"]),
+     ["serving 0.516 (efficiency.profiles.end_to_end.serving)", "outside its range",
+      "(efficiency.profiles.end_to_end.ranges.serving)"]),
 ])
 def test_bad_ranges_are_refused_naming_the_field(tmp_path, text, needles):
     path = _write(tmp_path, text)
