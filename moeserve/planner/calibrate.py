@@ -122,7 +122,8 @@ def feasibility(hardware_file: str | None = None, profile: str | None = None, po
 
 
 def format_feasibility(res: dict) -> str:
-    f = ", ".join(f"{k} {v:g}" for k, v in res["best_factors"].items())
+    f = (", ".join(f"{k} {v:g}" for k, v in res["best_factors"].items())
+         or "the values in use (no factor has a range)")
     errs = ", ".join(f"{k} {v:+.1f}%" for k, v in res["best_errors_pct"].items())
     verdict = "reachable" if res["reachable"] else "not reachable on this grid"
     return (f"feasibility ({res['efficiency_profile']}, {res['combinations']} factor sets inside the documented "

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from moeserve.planner.analysis import band, best_under_slo
-from moeserve.planner.calibrate import feasibility, validate
+from moeserve.planner.calibrate import feasibility, format_feasibility, validate
 from moeserve.planner.cli import main
 from moeserve.planner.deploy import Instance, Workload
 from moeserve.planner.hardware import HardwareDB, load_hardware
@@ -157,6 +157,7 @@ def test_feasibility_with_every_factor_pinned_is_the_point(tmp_path):
     assert res["combinations"] == 1 and res["grid"] == {}
     errs = {r["id"]: r["error_pct"] for r in validate(path)["rows"]}
     assert res["best_errors_pct"] == pytest.approx(errs, abs=0.06)
+    assert "% at the values in use (no factor has a range)\n" in format_feasibility(res)  # was "at " and nothing
 
 
 def test_cli_reports_bands(capsys):
