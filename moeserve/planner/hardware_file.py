@@ -72,6 +72,7 @@ def check_shape(data, src: str) -> None:
     eff = data.get("efficiency") or {}
     _known(src, "efficiency", eff, EFF_PARTS)
     if eff.get("default") is not None and isinstance(eff["default"], dict):
+        _no_ranges(src, "efficiency.default", eff["default"])
         _known(src, "efficiency.default", eff["default"], EFF_FIELDS)
     for part in ("default", "devices", "profiles"):
         if eff.get(part) is not None and not isinstance(eff[part], dict):
@@ -81,11 +82,20 @@ def check_shape(data, src: str) -> None:
             if vals is not None and not isinstance(vals, dict):
                 raise ValueError(f"{src}: efficiency.{part}.{name} must be a mapping of factors, got "
                                  f"{type(vals).__name__}")
+            if part == "devices":
+                _no_ranges(src, f"efficiency.devices.{name}", vals or {})
             _known(src, f"efficiency.{part}.{name}", vals or {},
                    EFF_FIELDS + (("ranges",) if part == "profiles" else ()))
             if part == "profiles":
                 _check_ranges(src, f"efficiency.profiles.{name}.ranges", (vals or {}).get("ranges"))
     _check_ranges(src, "efficiency.ranges", eff.get("ranges"))
+
+
+def _no_ranges(src: str, where: str, vals: dict) -> None:
+    """`ranges` where none is read: say where they go (_known would only list the factors)."""
+    if "ranges" in vals:
+        raise ValueError(f"{src}: {where} cannot hold ranges; give them as efficiency.ranges or "
+                         "efficiency.profiles.<profile>.ranges (a factor set for one device has no range)")
 
 
 def _check_ranges(src: str, where: str, ranges) -> None:

@@ -117,6 +117,9 @@ def test_a_file_may_give_ranges_and_device_factors_pin(tmp_path):
     ("efficiency:\n  ranges: {gemm: [0.5, 1.5]}\n", ["efficiency.ranges.gemm", "<= 1"]),
     ("efficiency:\n  ranges: {step_overhead_ms: [0.5, 1.5]}\n", ["efficiency.ranges", "'step_overhead_ms'"]),
     ("efficiency:\n  ranges: [0.5, 1.5]\n", ["efficiency.ranges must be a mapping"]),
+    ("efficiency:\n  default: {ranges: {gemm: [0.7, 0.9]}}\n",  # where they go, not the list of factors
+     ["efficiency.default cannot hold ranges", "efficiency.ranges or efficiency.profiles.<profile>.ranges"]),
+    ("efficiency:\n  devices:\n    h20: {ranges: {gemm: [0.7, 0.9]}}\n", ["efficiency.devices.h20 cannot hold ranges"]),
     ("efficiency:\n  profiles:\n    end_to_end: {ranges: {serving: [0.2, 0.3]}}\n",
      ["serving 0.516 (efficiency.profiles.end_to_end.serving)", "outside its range",
       "(efficiency.profiles.end_to_end.ranges.serving)"]),
