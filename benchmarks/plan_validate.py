@@ -22,17 +22,18 @@ def assumptions(points: int) -> list[dict]:
     from moeserve.planner.calibrate import feasibility, load_cases
     out = []
     for device in ("910b", "910b3"):
-        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            f.write(f"systems:\n  atlas-800i-a2: {{device: {device}, scale_up_domain: 8, scale_up_gbps: 196, "
-                    f"scale_out_gbps: 28}}\n")
-        for tp in (2, 4, 8):
-            cases = copy.deepcopy(load_cases()["cases"])
-            for c in cases:
-                if c["id"].startswith("a2-prefill"):
-                    c["instance"]["tp"] = tp
-            res = feasibility(f.name, points=points, cases=cases)
-            out.append({"a2_device": device, "a2_prefill_tp": tp, **res})
-        os.unlink(f.name)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "a2.yaml")
+            with open(path, "w") as f:
+                f.write(f"systems:\n  atlas-800i-a2: {{device: {device}, scale_up_domain: 8, scale_up_gbps: 196, "
+                        f"scale_out_gbps: 28}}\n")
+            for tp in (2, 4, 8):
+                cases = copy.deepcopy(load_cases()["cases"])
+                for c in cases:
+                    if c["id"].startswith("a2-prefill"):
+                        c["instance"]["tp"] = tp
+                res = feasibility(path, points=points, cases=cases)
+                out.append({"a2_device": device, "a2_prefill_tp": tp, **res})
     return out
 
 
@@ -50,6 +51,8 @@ def main() -> None:
     ap.add_argument("--assumptions", action="store_true", help="feasibility for each open layout choice")
     ap.add_argument("--points", type=int, default=5, help="grid values per factor for --assumptions")
     args = ap.parse_args()
+    if args.points < 2:
+        ap.error(f"--points must be >= 2 (both ends of each range), got {args.points}")
     if args.assumptions:
         rows = assumptions(args.points)
         if args.json:

@@ -152,6 +152,13 @@ class HardwareDB:
                 raise ValueError(f"{self.source}efficiency.ranges.{k} does not apply to profile {self.profile}, "
                                  f"which sets {k} itself; give it as efficiency.profiles.{self.profile}.ranges.{k}")
         if extra_file:  # every entry now, so a bad one is reported with its file, not at first use
+            default = self.raw["efficiency"].get("default_profile")
+            for name in (extra.get("efficiency") or {}).get("profiles") or {}:
+                # --efficiency-profile offers the built-in names only: any other profile is reachable just
+                # through default_profile, so one that is not would be silently ignored (a typo).
+                if name not in PROFILES and name != default:
+                    raise ValueError(f"{self.source}efficiency.profiles.{name} is never used: profiles are "
+                                     f"{', '.join(PROFILES)}, or a new one named by efficiency.default_profile")
             for name in self.names():
                 self.get(name)
             systems = self.raw["systems"]

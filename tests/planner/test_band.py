@@ -259,3 +259,12 @@ def test_a_shared_range_the_profile_overrides_is_refused(tmp_path, text, profile
         HardwareDB(path, profile)
     path = _write(tmp_path, "efficiency:\n  ranges: {gemm: [0.6, 0.9]}\n  profiles:\n    end_to_end: {gemm: 0.7}\n")
     assert ("gemm", 0.6, 0.9) in HardwareDB(path, "kernel").get("h800").eff.ranges  # kernel keeps gemm 0.8
+
+
+def test_a_profile_nothing_selects_is_refused(tmp_path):
+    """A misspelt profile name was a new, unused profile: its factors silently ignored."""
+    path = _write(tmp_path, "efficiency:\n  profiles:\n    end-to-end: {serving: 0.4}\n")
+    with pytest.raises(ValueError, match="efficiency.profiles.end-to-end is never used"):
+        HardwareDB(path)
+    path = _write(tmp_path, "efficiency:\n  default_profile: mine\n  profiles:\n    mine: {serving: 0.4}\n")
+    assert HardwareDB(path).get("h800").eff.serving == 0.4
