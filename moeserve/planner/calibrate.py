@@ -1,4 +1,5 @@
-"""`moeserve plan validate`: predicted vs published for the cases in data/published.yaml.
+"""`moeserve plan validate`: predicted vs published for the cases in data/published.yaml (or a user's
+own file of cases, planner/cases.py).
 
 The cases only choose layouts; every efficiency factor is the shared one from hardware.yaml. `predicted`
 uses the default (end_to_end) profile; each row also carries `predicted_kernel`, the kernel-level-only
@@ -11,24 +12,22 @@ within the tolerance: an analysis of the facts, never used for a prediction.
 from __future__ import annotations
 
 import itertools
-from importlib import resources
 
-import yaml
-
+from moeserve.planner import cases as case_files
 from moeserve.planner.analysis import band, best_under_slo, prefill_point
-from moeserve.planner.deploy import Instance, Workload
+from moeserve.planner.deploy import Instance, PlanError, Workload
 from moeserve.planner.hardware import HardwareDB
 from moeserve.planner.models import load_model
 
 
-def load_cases() -> dict:
-    text = resources.files("moeserve.planner").joinpath("data/published.yaml").read_text()
-    return yaml.safe_load(text)
+def load_cases(path: str | None = None) -> dict:
+    """The built-in published results, or a user's file of cases (checked either way)."""
+    return case_files.read(path) if path else case_files.builtin()
 
 
-def _value(case: dict, hw, model: str = "deepseek-v3") -> tuple[float, dict]:
+def _value(case: dict, hw) -> tuple[float, dict]:
     """(the case's published metric as predicted on `hw`, the point's details)."""
-    m, inst = load_model(model), Instance(**case["instance"])
+    m, inst = load_model(case.get("model", "deepseek-v3")), Instance(**case["instance"])
     if case["kind"] == "decode":
         pt = best_under_slo(m, hw, inst, Workload(**case["workload"]), case["tpot_ms"])
         return (pt.tok_s_card, pt.to_dict()) if pt else (0.0, {})
@@ -36,10 +35,15 @@ def _value(case: dict, hw, model: str = "deepseek-v3") -> tuple[float, dict]:
     return getattr(pt, case["published"]["metric"]), pt.to_dict()
 
 
-def predict(case: dict, db: HardwareDB, model: str = "deepseek-v3") -> dict:
-    hw = db.get(case["hardware"])
-    value, detail = _value(case, hw, model)
-    return {"value": value, "detail": detail, "band": band(lambda h: _value(case, h, model)[0], hw)}
+def predict(case: dict, db: HardwareDB) -> dict:
+    """Errors (unknown hardware or model, a layout the model cannot run, one that does not fit) name the case."""
+    try:
+        hw = db.get(case["hardware"])
+        value, detail = _value(case, hw)
+        return {"value": value, "detail": detail, "band": band(lambda h: _value(case, h)[0], hw)}
+    except ValueError as err:  # PlanError / DoesNotFit keep their class (exit codes)
+        cls = type(err) if isinstance(err, PlanError) else ValueError
+        raise cls(f"case {case['id']!r}: {err}") from None
 
 
 def _pct(value: float, published: float) -> float:
@@ -65,9 +69,9 @@ def _rows(cases: list, db: HardwareDB, kernel_db: HardwareDB, tol: float) -> lis
     return rows
 
 
-def validate(hardware_file: str | None = None, profile: str | None = None) -> dict:
+def validate(hardware_file: str | None = None, profile: str | None = None, cases_file: str | None = None) -> dict:
     """One JSON-able object: rows with `published` and `predicted` in the same unit."""
-    table = load_cases()
+    table = load_cases(cases_file)
     db = HardwareDB(hardware_file, profile)
     kernel_db = HardwareDB(hardware_file, "kernel")
     tol = float(table["tolerance"])
@@ -92,15 +96,15 @@ def _grid(hw_list, points: int) -> dict[str, list[float]]:
 
 
 def feasibility(hardware_file: str | None = None, profile: str | None = None, points: int = 5,
-                cases: list | None = None) -> dict:
+                cases: list | None = None, cases_file: str | None = None) -> dict:
     """The smallest worst-case |error| over the calibration cases that one set of efficiency factors,
     each inside its documented range, reaches on a grid (`points` values per factor, plus the value in
     use, so the answer is never worse than the planner's own). Only the cases count, not `unlisted`;
     `cases` replaces them (benchmarks/plan_validate.py varies the layouts the brief leaves open)."""
-    table = load_cases()
+    table = load_cases(cases_file)
     db = HardwareDB(hardware_file, profile)
     cases = table["cases"] if cases is None else cases
-    hws = {c["hardware"]: db.get(c["hardware"]) for c in cases}
+    hws = {c["hardware"]: predict(c, db) and db.get(c["hardware"]) for c in cases}  # predict names a bad case
     grid = _grid(hws.values(), points)
     best = None
     for combo in itertools.product(*grid.values()):

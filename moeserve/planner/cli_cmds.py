@@ -301,6 +301,9 @@ def args_validate(p):
     p.add_argument("--hardware-file", help="YAML/JSON with extra devices/systems/efficiency")
     p.add_argument("--efficiency-profile", choices=PROFILES, default=None,
                    help="profile for `predicted` (default end_to_end); rows also carry predicted_kernel")
+    p.add_argument("--cases", metavar="FILE",
+                   help="YAML/JSON of your own published or measured results instead of the built-in ones "
+                        "(docs/planner.md 'Your own cases')")
     p.add_argument("--feasibility", action="store_true",
                    help="also search the documented efficiency ranges for the factor set with the smallest "
                         "worst-case error (an analysis: predictions keep the point values)")
@@ -309,10 +312,10 @@ def args_validate(p):
 
 def cmd_validate(a):
     from moeserve.planner.calibrate import feasibility, format_feasibility, format_table, validate
-    res = validate(a.hardware_file, a.efficiency_profile)
+    res = validate(a.hardware_file, a.efficiency_profile, a.cases)
     text = format_table(res)
     if a.feasibility:
-        res["feasibility"] = feasibility(a.hardware_file, a.efficiency_profile)
+        res["feasibility"] = feasibility(a.hardware_file, a.efficiency_profile, cases_file=a.cases)
         text += "\n" + format_feasibility(res["feasibility"])
     return _emit(a, res, text)
 

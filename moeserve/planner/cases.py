@@ -1,0 +1,147 @@
+"""Published results to check the planner against: the built-in data/published.yaml, or a user's own file
+(`moeserve plan validate --cases FILE`: their cluster's measured figures, other published deployments).
+
+Shape (YAML or JSON), checked when read so that a bad entry is an error naming the file, the case and the
+field, never a traceback halfway through a validation run:
+
+    tolerance: 0.15                 # optional, the +-share a row may miss by (default 0.15)
+    cases:                          # counted in all_within
+      - id: my-decode               # unique
+        what: free text             # optional
+        model: deepseek-v3          # optional: preset, config.json or checkpoint folder
+        hardware: hgx-h800          # device or system (--hardware-file adds more)
+        kind: decode                # decode: tpot_ms + workload; prefill: requests + input_len
+        tpot_ms: 50
+        workload: {input_len: 2048, output_len: 2048}
+        instance: {cards: 32, quantization: fp8, ...}   # moeserve.planner.deploy.Instance fields
+        published: {metric: tok_s_card, value: 1850}    # decode: tok_s_card; prefill: ttft_ms or tok_s_card
+    unlisted: [...]                 # optional, same shape: reported, not counted
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from moeserve.files import read_text
+from moeserve.planner.deploy import Instance, PlanError, Workload
+
+CASE_FIELDS = {"id", "what", "model", "hardware", "kind", "tpot_ms", "workload", "requests", "input_len",
+               "instance", "published"}
+KIND_FIELDS = {"decode": ("tpot_ms", "workload"), "prefill": ("requests", "input_len")}
+METRICS = {"decode": ("tok_s_card",), "prefill": ("ttft_ms", "tok_s_card")}
+_TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
+
+
+def builtin() -> dict:
+    text = resources.files("moeserve.planner").joinpath("data/published.yaml").read_text()
+    return check(yaml.safe_load(text), "data/published.yaml")
+
+
+def read(path: str | Path) -> dict:
+    """A user's cases file, checked."""
+    label = f"--cases {path}"
+    text = read_text(path, label, "YAML or JSON")
+    try:
+        data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        raise ValueError(f"{label}: not valid {'JSON' if str(path).endswith('.json') else 'YAML'}: "
+                         f"{str(err).splitlines()[0]}") from None
+    return check(data, label)
+
+
+def check(data, src: str) -> dict:
+    """The table with defaults filled in (tolerance, what, model, unlisted), or ValueError naming the field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{src}: expected a mapping with cases (and optional tolerance, unlisted)")
+    unknown = set(data) - {"tolerance", "cases", "unlisted"}
+    if unknown:
+        raise ValueError(f"{src}: unknown top-level field {sorted(unknown)[0]!r}; known: tolerance, cases, unlisted")
+    tol = data.get("tolerance", 0.15)
+    if not _number(tol) or not 0 < tol < 10:
+        raise ValueError(f"{src}: tolerance is a share (0.15 = +-15%), got {tol!r}")
+    if not isinstance(data.get("cases"), list) or not data["cases"]:
+        raise ValueError(f"{src}: cases must be a non-empty list of cases")
+    if not isinstance(data.get("unlisted", []), list):
+        raise ValueError(f"{src}: unlisted must be a list of cases")
+    ids: set = set()
+    out = {"tolerance": float(tol)}
+    for part in ("cases", "unlisted"):
+        out[part] = [_case(c, f"{src}: {part}[{i}]", ids) for i, c in enumerate(data.get(part) or [])]
+    return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _case(c, where: str, ids: set) -> dict:
+    if not isinstance(c, dict):
+        raise ValueError(f"{where}: a case is a mapping of fields, got {type(c).__name__}")
+    if not isinstance(c.get("id"), str) or not c["id"]:
+        raise ValueError(f"{where}: needs an id (a string)")
+    where = f"{where} ({c['id']})"
+    if c["id"] in ids:
+        raise ValueError(f"{where}: id used twice")
+    ids.add(c["id"])
+    unknown = set(c) - CASE_FIELDS
+    if unknown:
+        raise ValueError(f"{where}: unknown field {sorted(unknown)[0]!r}; known: {', '.join(sorted(CASE_FIELDS))}")
+    kind = c.get("kind")
+    if kind not in KIND_FIELDS:
+        raise ValueError(f"{where}: kind must be decode or prefill, got {kind!r}")
+    for k in ("hardware", "instance", "published") + KIND_FIELDS[kind]:
+        if k not in c:
+            raise ValueError(f"{where}: a {kind} case needs {k}")
+    extra = {k for kinds in KIND_FIELDS.values() for k in kinds} - set(KIND_FIELDS[kind])
+    if extra & set(c):
+        raise ValueError(f"{where}: {sorted(extra & set(c))[0]} is for the other kind of case, not {kind}")
+    for k in ("hardware", "what", "model"):
+        if k in c and not isinstance(c[k], str):
+            raise ValueError(f"{where}: {k} must be a string, got {c[k]!r}")
+    out = {"what": c["id"], "model": "deepseek-v3", **c}
+    if not isinstance(c["instance"], dict) or "cards" not in c["instance"]:
+        raise ValueError(f"{where}: instance needs cards (and any other Instance field)")
+    try:
+        out["instance"] = _fields(Instance, c["instance"], f"{where}: instance")
+        if kind == "decode":
+            if not _number(c["tpot_ms"]) or c["tpot_ms"] <= 0:
+                raise ValueError(f"{where}: tpot_ms must be a number > 0, got {c['tpot_ms']!r}")
+            out["workload"] = _fields(Workload, c["workload"], f"{where}: workload")
+            Workload(**out["workload"])
+        else:
+            for k in ("requests", "input_len"):
+                if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 1:
+                    raise ValueError(f"{where}: {k} must be an integer >= 1, got {c[k]!r}")
+        Instance(**out["instance"])  # its own checks (divisibility, choices, ranges)
+    except PlanError as err:
+        raise ValueError(f"{where}: {err}") from None
+    pub = c["published"]
+    if not isinstance(pub, dict) or set(pub) - {"metric", "value", "note"}:
+        raise ValueError(f"{where}: published is {{metric, value}} (and an optional note), got {pub!r}")
+    if pub.get("metric") not in METRICS[kind]:
+        raise ValueError(f"{where}: published.metric of a {kind} case is one of {', '.join(METRICS[kind])}, "
+                         f"got {pub.get('metric')!r}")
+    if not _number(pub.get("value")) or pub["value"] <= 0:
+        raise ValueError(f"{where}: published.value must be a number > 0, got {pub.get('value')!r}")
+    return out
+
+
+def _fields(cls, given, where: str) -> dict:
+    """`given` as keyword arguments of dataclass `cls`, each of its field's type (ints, numbers, booleans,
+    strings as YAML gives them: "32" or 32.0 cards is an error, not a silent conversion)."""
+    if not isinstance(given, dict):
+        raise ValueError(f"{where} must be a mapping of fields, got {type(given).__name__}")
+    types = {f.name: str(f.type) for f in fields(cls)}
+    for k, v in given.items():
+        if k not in types:
+            raise ValueError(f"{where}: unknown field {k!r}; known: {', '.join(types)}")
+        want = _TYPES.get(types[k])
+        ok = isinstance(v, want) and not (want is not bool and isinstance(v, bool))
+        if want is not None and not ok or (types[k] == "float" and not _number(v)):
+            raise ValueError(f"{where}.{k} must be a{'n' if types[k] == 'int' else ''} {types[k]}, got {v!r}")
+    return dict(given)

@@ -1,0 +1,104 @@
+"""`moeserve plan validate --cases FILE`: a user's own published or measured results."""
+import json
+
+import pytest
+import yaml
+
+from moeserve.planner.calibrate import feasibility, load_cases, validate
+from moeserve.planner.cli import main
+
+A2 = {"id": "mine", "hardware": "atlas-800i-a2", "kind": "decode", "tpot_ms": 100,
+      "workload": {"input_len": 2048, "output_len": 2048},
+      "instance": {"cards": 32, "moe_comm": "allgather", "mtp_drafts": 1, "weight_prefetch": True},
+      "published": {"metric": "tok_s_card", "value": 808}}
+PREFILL = {"id": "lite", "model": "deepseek-v2-lite", "hardware": "h100", "kind": "prefill", "requests": 4,
+           "input_len": 1024, "instance": {"cards": 1, "quantization": "bf16"},
+           "published": {"metric": "ttft_ms", "value": 60}}
+
+
+def _file(tmp_path, data, name="cases.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(data) if name.endswith(".json") else yaml.safe_dump(data))
+    return str(path)
+
+
+def test_builtin_cases_pass_the_same_checks():
+    table = load_cases()
+    assert table["tolerance"] == 0.15 and len(table["cases"]) == 5 and len(table["unlisted"]) == 2
+    assert all(c["model"] == "deepseek-v3" for c in table["cases"])
+
+
+@pytest.mark.parametrize("name", ["cases.yaml", "cases.json"])
+def test_a_users_case_predicts_as_the_builtin_one(tmp_path, name):
+    builtin = {r["id"]: r for r in validate()["rows"]}["a2-decode-2k2k"]
+    path = _file(tmp_path, {"tolerance": 0.2, "cases": [A2, PREFILL]}, name)
+    res = validate(cases_file=path)
+    mine, lite = res["rows"]
+    assert mine["predicted"] == builtin["predicted"] and mine["band"] == builtin["band"]
+    assert mine["within_tolerance"] == (abs(mine["error_pct"]) <= 20) and res["unlisted"] == []
+    assert lite["unit"] == "ttft_ms" and lite["what"] == "lite" and lite["band"][0] < lite["predicted"]
+    feas = feasibility(cases_file=path, points=2)
+    assert set(feas["best_errors_pct"]) == {"mine", "lite"} and feas["tolerance_pct"] == 20
+
+
+def _bad(**change):
+    case = {**A2, **change}
+    return {k: v for k, v in case.items() if v is not None}
+
+
+@pytest.mark.parametrize("data, needles", [
+    ([A2], ["expected a mapping"]),
+    ({"cases": []}, ["non-empty list"]),
+    ({"cases": [A2], "tolerence": 0.1}, ["unknown top-level field 'tolerence'"]),
+    ({"cases": [A2], "tolerance": "15%"}, ["tolerance is a share"]),
+    ({"cases": [A2, A2]}, ["cases[1] (mine)", "id used twice"]),
+    ({"cases": [_bad(id=None)]}, ["cases[0]", "needs an id"]),
+    ({"cases": [_bad(kind="both")]}, ["(mine)", "kind must be decode or prefill"]),
+    ({"cases": [_bad(tpot_ms=None)]}, ["a decode case needs tpot_ms"]),
+    ({"cases": [_bad(tpot_ms=-5)]}, ["tpot_ms must be a number > 0"]),
+    ({"cases": [_bad(requests=8)]}, ["requests is for the other kind of case, not decode"]),
+    ({"cases": [_bad(tpotms=5)]}, ["unknown field 'tpotms'"]),
+    ({"cases": [_bad(instance={"tp": 2})]}, ["instance needs cards"]),
+    ({"cases": [_bad(instance={"cards": "32"})]}, ["instance.cards must be an int, got '32'"]),
+    ({"cases": [_bad(instance={"cards": 32, "weight_prefetch": "yes"})]}, ["instance.weight_prefetch must be a bool"]),
+    ({"cases": [_bad(instance={"cards": 32, "mtp_acceptance": True})]}, ["instance.mtp_acceptance must be a float"]),
+    ({"cases": [_bad(instance={"cards": 32, "gpus": 4})]}, ["instance: unknown field 'gpus'"]),
+    ({"cases": [_bad(instance={"cards": 30, "tp": 4})]}, ["(mine)", "not divisible"]),
+    ({"cases": [_bad(workload={"input_len": 2048, "output": 5})]}, ["workload: unknown field 'output'"]),
+    ({"cases": [_bad(published={"metric": "ttft_ms", "value": 5})]}, ["published.metric of a decode case"]),
+    ({"cases": [_bad(published={"metric": "tok_s_card", "value": 0})]}, ["published.value must be a number > 0"]),
+    ({"cases": [_bad(published={"metric": "tok_s_card", "value": 5, "source": "x"})]}, ["published is {metric, value}"]),
+    ({"cases": [A2], "unlisted": [_bad(id="other", hardware=3)]}, ["unlisted[0] (other)", "hardware must be a string"]),
+])
+def test_bad_case_files_are_refused_naming_the_field(tmp_path, data, needles, capsys):
+    path = _file(tmp_path, data)
+    with pytest.raises(ValueError) as err:
+        load_cases(path)
+    for n in needles:
+        assert n in str(err.value), (n, str(err.value))
+    assert main(["plan", "validate", "--cases", path, "--json"]) == 2
+    out = capsys.readouterr()
+    assert needles[-1] in json.loads(out.out)["error"]  # one JSON object, and one line on stderr
+    assert len(out.err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("change, needles, code", [
+    ({"hardware": "tpu-v9"}, ["case 'mine'", "unknown hardware 'tpu-v9'"], 2),
+    ({"model": "/nonexistent/model"}, ["case 'mine'"], 2),
+    ({"hardware": "910b", "instance": {"cards": 8}}, ["case 'mine'", "exceed"], 1),  # memory: refused
+])
+def test_cases_the_planner_cannot_price_name_the_case(tmp_path, change, needles, code, capsys):
+    path = _file(tmp_path, {"cases": [{**A2, **change}]})
+    assert main(["plan", "validate", "--cases", path]) == code
+    err = capsys.readouterr().err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_unreadable_and_malformed_files(tmp_path, capsys):
+    assert main(["plan", "validate", "--cases", str(tmp_path / "missing.yaml")]) == 2
+    assert "--cases" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{cases: [")
+    assert main(["plan", "validate", "--cases", str(bad)]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
