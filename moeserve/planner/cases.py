@@ -28,7 +28,9 @@ from pathlib import Path
 import yaml
 
 from moeserve.files import read_text
-from moeserve.planner.deploy import Instance, PlanError, Workload
+from moeserve.planner.cli_args import MAX_INT
+from moeserve.planner.deploy import MAX_CARDS, Instance, PlanError, Workload
+from moeserve.planner.hardware import FIGURE_MAX, FIGURE_MIN
 
 CASE_FIELDS = {"id", "what", "model", "hardware", "kind", "tpot_ms", "workload", "requests", "input_len",
                "instance", "published"}
@@ -51,6 +53,8 @@ def read(path: str | Path) -> dict:
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         raise ValueError(f"{label}: not valid {'JSON' if str(path).endswith('.json') else 'YAML'}: "
                          f"{str(err).splitlines()[0]}") from None
+    except RecursionError:  # thousands of nested [ or {: both parsers recurse
+        raise ValueError(f"{label}: nested too deeply to be a cases file") from None
     return check(data, label)
 
 
@@ -63,7 +67,7 @@ def check(data, src: str) -> dict:
         raise ValueError(f"{src}: unknown top-level field {sorted(unknown)[0]!r}; known: tolerance, cases, unlisted")
     tol = data.get("tolerance", 0.15)
     if not _number(tol) or not 0 < tol < 10:
-        raise ValueError(f"{src}: tolerance is a share (0.15 = +-15%), got {tol!r}")
+        raise ValueError(f"{src}: tolerance is a share (0.15 = +-15%), got {_got(tol)}")
     if not isinstance(data.get("cases"), list) or not data["cases"]:
         raise ValueError(f"{src}: cases must be a non-empty list of cases")
     if not isinstance(data.get("unlisted", []), list):
@@ -76,7 +80,21 @@ def check(data, src: str) -> dict:
 
 
 def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    # An int is finite whatever its size (math.isfinite(10**400) raised OverflowError).
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
+
+
+def _got(v) -> str:
+    """v for an error line: 10**400 written out is 400 digits."""
+    r = repr(v)
+    return r if len(r) <= 30 else r[:20] + "..."
+
+
+def _figure(v, where: str, what: str) -> None:
+    """A time or rate: in the range --tpot-ms and hardware figures take (1e-320 made the error +inf%, which
+    --json printed as Infinity, not JSON; 10**400 overflowed a float)."""
+    if not _number(v) or not FIGURE_MIN <= v <= FIGURE_MAX:
+        raise ValueError(f"{where}: {what} must be a number in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], got {_got(v)}")
 
 
 def _case(c, where: str, ids: set) -> dict:
@@ -84,6 +102,8 @@ def _case(c, where: str, ids: set) -> dict:
         raise ValueError(f"{where}: a case is a mapping of fields, got {type(c).__name__}")
     if not isinstance(c.get("id"), str) or not c["id"]:
         raise ValueError(f"{where}: needs an id (a string)")
+    if not c["id"].isprintable():  # every error names it: a newline in it split the one error line
+        raise ValueError(f"{where}: id must be one line of printable text, got {c['id']!r}")
     where = f"{where} ({c['id']})"
     if c["id"] in ids:
         raise ValueError(f"{where}: id used twice")
@@ -109,14 +129,19 @@ def _case(c, where: str, ids: set) -> dict:
     try:
         out["instance"] = _fields(Instance, c["instance"], f"{where}: instance")
         if kind == "decode":
-            if not _number(c["tpot_ms"]) or c["tpot_ms"] <= 0:
-                raise ValueError(f"{where}: tpot_ms must be a number > 0, got {c['tpot_ms']!r}")
-            out["workload"] = _fields(Workload, c["workload"], f"{where}: workload")
-            Workload(**out["workload"])
+            _figure(c["tpot_ms"], where, "tpot_ms")
+            out["workload"] = wl = _fields(Workload, c["workload"], f"{where}: workload")
+            # Workload checks nothing itself (the CLI's flags do): a length of -5 priced a nonsense row.
+            for k in ("input_len", "output_len"):
+                if wl.get(k, 1) < 1:
+                    raise ValueError(f"{where}: workload.{k} must be an integer >= 1, got {wl[k]!r}")
+            if not 0 <= wl.get("prefix_hit", 0) < 1:
+                raise ValueError(f"{where}: workload.prefix_hit is the share of prompt tokens found cached, "
+                                 f"in [0, 1), got {wl['prefix_hit']!r}")
         else:
             for k in ("requests", "input_len"):
-                if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] < 1:
-                    raise ValueError(f"{where}: {k} must be an integer >= 1, got {c[k]!r}")
+                if not isinstance(c[k], int) or isinstance(c[k], bool) or not 1 <= c[k] <= MAX_INT:
+                    raise ValueError(f"{where}: {k} must be an integer in [1, {MAX_INT:.0e}], got {_got(c[k])}")
         Instance(**out["instance"])  # its own checks (divisibility, choices, ranges)
     except PlanError as err:
         raise ValueError(f"{where}: {err}") from None
@@ -126,8 +151,7 @@ def _case(c, where: str, ids: set) -> dict:
     if pub.get("metric") not in METRICS[kind]:
         raise ValueError(f"{where}: published.metric of a {kind} case is one of {', '.join(METRICS[kind])}, "
                          f"got {pub.get('metric')!r}")
-    if not _number(pub.get("value")) or pub["value"] <= 0:
-        raise ValueError(f"{where}: published.value must be a number > 0, got {pub.get('value')!r}")
+    _figure(pub.get("value"), where, "published.value")
     return out
 
 
@@ -144,4 +168,9 @@ def _fields(cls, given, where: str) -> dict:
         ok = isinstance(v, want) and not (want is not bool and isinstance(v, bool))
         if want is not None and not ok or (types[k] == "float" and not _number(v)):
             raise ValueError(f"{where}.{k} must be a{'n' if types[k] == 'int' else ''} {types[k]}, got {v!r}")
+        # The limits the CLI flags enforce (--cards, integer flags, --imbalance): 10**30 cards or 10**400
+        # anything overflowed a float or priced a nonsense row.
+        high = {"cards": MAX_CARDS, "imbalance": FIGURE_MAX}.get(k, MAX_INT if types[k] == "int" else None)
+        if high is not None and v > high:
+            raise ValueError(f"{where}.{k} must be <= {high:g}, got {_got(v)}")
     return dict(given)

@@ -55,7 +55,7 @@ def _bad(**change):
     ({"cases": [_bad(id=None)]}, ["cases[0]", "needs an id"]),
     ({"cases": [_bad(kind="both")]}, ["(mine)", "kind must be decode or prefill"]),
     ({"cases": [_bad(tpot_ms=None)]}, ["a decode case needs tpot_ms"]),
-    ({"cases": [_bad(tpot_ms=-5)]}, ["tpot_ms must be a number > 0"]),
+    ({"cases": [_bad(tpot_ms=-5)]}, ["tpot_ms must be a number in [1e-06, 1e+09]"]),
     ({"cases": [_bad(requests=8)]}, ["requests is for the other kind of case, not decode"]),
     ({"cases": [_bad(tpotms=5)]}, ["unknown field 'tpotms'"]),
     ({"cases": [_bad(instance={"tp": 2})]}, ["instance needs cards"]),
@@ -66,9 +66,21 @@ def _bad(**change):
     ({"cases": [_bad(instance={"cards": 30, "tp": 4})]}, ["(mine)", "not divisible"]),
     ({"cases": [_bad(workload={"input_len": 2048, "output": 5})]}, ["workload: unknown field 'output'"]),
     ({"cases": [_bad(published={"metric": "ttft_ms", "value": 5})]}, ["published.metric of a decode case"]),
-    ({"cases": [_bad(published={"metric": "tok_s_card", "value": 0})]}, ["published.value must be a number > 0"]),
+    ({"cases": [_bad(published={"metric": "tok_s_card", "value": 0})]}, ["published.value must be a number in"]),
     ({"cases": [_bad(published={"metric": "tok_s_card", "value": 5, "source": "x"})]}, ["published is {metric, value}"]),
     ({"cases": [A2], "unlisted": [_bad(id="other", hardware=3)]}, ["unlisted[0] (other)", "hardware must be a string"]),
+    # The limits the CLI flags enforce: these priced a nonsense row, overflowed, or printed Infinity in --json.
+    ({"cases": [_bad(instance={"cards": 10 ** 30})]}, ["instance.cards must be <= 100000"]),
+    ({"cases": [_bad(instance={"cards": 32, "imbalance": 1e300})]}, ["instance.imbalance must be <= 1e+09"]),
+    ({"cases": [_bad(instance={"cards": 32, "mtp_drafts": 10 ** 400})]}, ["instance.mtp_drafts must be <= 1e+18"]),
+    ({"cases": [_bad(workload={"input_len": -5})]}, ["workload.input_len must be an integer >= 1"]),
+    ({"cases": [_bad(workload={"output_len": 0})]}, ["workload.output_len must be an integer >= 1"]),
+    ({"cases": [_bad(workload={"prefix_hit": 1.5})]}, ["workload.prefix_hit is the share", "in [0, 1)"]),
+    ({"cases": [{**PREFILL, "requests": 10 ** 30}]}, ["(lite)", "requests must be an integer in [1, 1e+18]"]),
+    ({"cases": [_bad(tpot_ms=10 ** 400)]}, ["tpot_ms must be a number in", "got 10000000000000000000..."]),
+    ({"cases": [_bad(published={"metric": "tok_s_card", "value": 1e-320})]}, ["published.value must be a number in"]),
+    ({"cases": [A2], "tolerance": 10 ** 400}, ["tolerance is a share"]),
+    ({"cases": [_bad(id="a\nb")]}, ["cases[0]", "id must be one line"]),
 ])
 def test_bad_case_files_are_refused_naming_the_field(tmp_path, data, needles, capsys):
     path = _file(tmp_path, data)
@@ -93,6 +105,14 @@ def test_cases_the_planner_cannot_price_name_the_case(tmp_path, change, needles,
     err = capsys.readouterr().err
     for n in needles:
         assert n in err, (n, err)
+
+
+def test_deeply_nested_file_is_an_error_not_a_traceback(tmp_path, capsys):
+    for name, text in (("deep.yaml", "cases: " + "[" * 5000 + "]" * 5000), ("deep.json", "[" * 100000 + "]" * 100000)):
+        path = tmp_path / name
+        path.write_text(text)
+        assert main(["plan", "validate", "--cases", str(path)]) == 2
+        assert "nested too deeply" in capsys.readouterr().err
 
 
 def test_unreadable_and_malformed_files(tmp_path, capsys):
