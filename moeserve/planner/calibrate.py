@@ -35,10 +35,28 @@ def _value(case: dict, hw) -> tuple[float, dict]:
     return getattr(pt, case["published"]["metric"]), pt.to_dict()
 
 
+def _check_context(case: dict) -> None:
+    """The lengths must fit the model's context window, as `plan decode/prefill` require (cli._check_lengths):
+    a 200K-token decode case on deepseek-v3 (163840) priced a row instead of being refused."""
+    m = load_model(case.get("model", "deepseek-v3"))
+    limit = m.max_position_embeddings
+    if case["kind"] == "prefill":  # prefill never generates: the prompt alone counts
+        lens, what = case["input_len"], f"input_len {case['input_len']}"
+    else:
+        wl = Workload(**case["workload"])
+        lens = wl.input_len + wl.output_len
+        what = f"workload input_len {wl.input_len} + output_len {wl.output_len} = {lens} tokens"
+    if limit is not None and lens > limit:
+        one = case["kind"] == "prefill"
+        raise PlanError(f"{what} exceed{'s' * one} {m.name}'s context window of {limit} tokens "
+                        f"(max_position_embeddings); shorten {'it' if one else 'them'}")
+
+
 def predict(case: dict, db: HardwareDB) -> dict:
     """Errors (unknown hardware or model, a layout the model cannot run, one that does not fit) name the case."""
     try:
         hw = db.get(case["hardware"])
+        _check_context(case)
         value, detail = _value(case, hw)
         return {"value": value, "detail": detail, "band": band(lambda h: _value(case, h)[0], hw)}
     except ValueError as err:  # PlanError / DoesNotFit keep their class (exit codes)

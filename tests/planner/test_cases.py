@@ -98,6 +98,9 @@ def test_bad_case_files_are_refused_naming_the_field(tmp_path, data, needles, ca
     ({"hardware": "tpu-v9"}, ["case 'mine'", "unknown hardware 'tpu-v9'"], 2),
     ({"model": "/nonexistent/model"}, ["case 'mine'"], 2),
     ({"hardware": "910b", "instance": {"cards": 8}}, ["case 'mine'", "exceed"], 1),  # memory: refused
+    # The model's context window binds as in plan decode/prefill (163840 for deepseek-v3): priced, exit 0.
+    ({"workload": {"input_len": 200000, "output_len": 2048}},
+     ["case 'mine'", "workload input_len 200000 + output_len 2048", "context window of 163840"], 2),
 ])
 def test_cases_the_planner_cannot_price_name_the_case(tmp_path, change, needles, code, capsys):
     path = _file(tmp_path, {"cases": [{**A2, **change}]})
@@ -105,6 +108,14 @@ def test_cases_the_planner_cannot_price_name_the_case(tmp_path, change, needles,
     err = capsys.readouterr().err
     for n in needles:
         assert n in err, (n, err)
+
+
+def test_a_prefill_prompt_beyond_the_context_window_is_refused(tmp_path, capsys):
+    path = _file(tmp_path, {"cases": [{**PREFILL, "input_len": 200000}]})  # deepseek-v2-lite: 163840
+    assert main(["plan", "validate", "--cases", path, "--json"]) == 2
+    out = capsys.readouterr()
+    assert "case 'lite': input_len 200000 exceeds" in json.loads(out.out)["error"]
+    assert "context window of 163840" in out.err  # was exit 1, "activations ... exceed" memory
 
 
 def test_deeply_nested_file_is_an_error_not_a_traceback(tmp_path, capsys):
