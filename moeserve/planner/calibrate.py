@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 from moeserve.planner import cases as case_files
-from moeserve.planner.analysis import band, best_under_slo, prefill_point
+from moeserve.planner.analysis import band, best_under_slo, decode_point, prefill_point
 from moeserve.planner.deploy import Instance, PlanError, Workload
 from moeserve.planner.hardware import HardwareDB
 from moeserve.planner.models import load_model
@@ -29,8 +29,12 @@ def _value(case: dict, hw) -> tuple[float, dict]:
     """(the case's published metric as predicted on `hw`, the point's details)."""
     m, inst = load_model(case.get("model", "deepseek-v3")), Instance(**case["instance"])
     if case["kind"] == "decode":
-        pt = best_under_slo(m, hw, inst, Workload(**case["workload"]), case["tpot_ms"])
-        return (pt.tok_s_card, pt.to_dict()) if pt else (0.0, {})
+        wl = Workload(**case["workload"])
+        pt = best_under_slo(m, hw, inst, wl, case["tpot_ms"])
+        if pt is None:  # counts as 0 tok/s/card; the row says why (a bare -100% read as a broken model)
+            return 0.0, {"note": f"no batch meets tpot_ms {case['tpot_ms']:g}: TPOT at batch 1 is "
+                                 f"{decode_point(m, hw, inst, wl, 1).tpot_ms:.1f} ms"}
+        return pt.tok_s_card, pt.to_dict()
     pt = prefill_point(m, hw, inst, case["requests"], case["input_len"])
     return getattr(pt, case["published"]["metric"]), pt.to_dict()
 
@@ -75,7 +79,7 @@ def _rows(cases: list, db: HardwareDB, kernel_db: HardwareDB, tol: float) -> lis
         pub = float(case["published"]["value"])
         err = (pred["value"] - pub) / pub
         kern = predict(case, kernel_db)["value"]
-        rng = pred["band"]
+        rng, detail = pred["band"], dict(pred["detail"])
         rows.append({"id": case["id"], "what": case["what"], "unit": case["published"]["metric"],
                      "published": pub, "predicted": round(pred["value"], 1),
                      "error_pct": round(100 * err, 1), "within_tolerance": abs(err) <= tol,
@@ -83,7 +87,7 @@ def _rows(cases: list, db: HardwareDB, kernel_db: HardwareDB, tol: float) -> lis
                      "published_in_band": rng is not None and rng[0] <= pub <= rng[1],
                      "predicted_kernel": round(kern, 1),
                      "error_kernel_pct": round(100 * (kern - pub) / pub, 1),
-                     "detail": pred["detail"]})
+                     "note": detail.pop("note", None), "detail": detail})
     return rows
 
 
@@ -164,7 +168,7 @@ def format_table(result: dict) -> str:
                if r["band"] else "-")
         return (f"{r['id']:<24} {r['unit']:<11} {r['published']:>10.1f} {r['predicted']:>10.1f} "
                 f"{r['error_pct']:>+7.1f}%  {ok:<4} {rng:>26} {r['predicted_kernel']:>11.1f} "
-                f"{r['error_kernel_pct']:>+7.1f}%")
+                f"{r['error_kernel_pct']:>+7.1f}%" + (f"  ({r['note']})" if r.get("note") else ""))
     lines = [f"efficiency profile: {result['efficiency_profile']} (serving factor {result['serving_factor']})",
              head]
     lines += [line(r, "yes" if r["within_tolerance"] else "NO") for r in result["rows"]]

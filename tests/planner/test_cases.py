@@ -118,6 +118,15 @@ def test_a_prefill_prompt_beyond_the_context_window_is_refused(tmp_path, capsys)
     assert "context window of 163840" in out.err  # was exit 1, "activations ... exceed" memory
 
 
+def test_a_decode_slo_no_batch_meets_says_so(tmp_path, capsys):
+    path = _file(tmp_path, {"cases": [{**A2, "tpot_ms": 20}]})  # A2 at batch 1: ~36 ms
+    row = validate(cases_file=path)["rows"][0]
+    assert row["predicted"] == 0.0 and row["detail"] == {}  # counts as 0 tok/s/card ...
+    assert row["note"].startswith("no batch meets tpot_ms 20: TPOT at batch 1 is ")  # ... and says why
+    assert main(["plan", "validate", "--cases", path]) == 0
+    assert "(no batch meets tpot_ms 20" in capsys.readouterr().out
+
+
 def test_deeply_nested_file_is_an_error_not_a_traceback(tmp_path, capsys):
     for name, text in (("deep.yaml", "cases: " + "[" * 5000 + "]" * 5000), ("deep.json", "[" * 100000 + "]" * 100000)):
         path = tmp_path / name
