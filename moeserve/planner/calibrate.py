@@ -65,7 +65,7 @@ def predict(case: dict, db: HardwareDB) -> dict:
         return {"value": value, "detail": detail, "band": band(lambda h: _value(case, h)[0], hw)}
     except ValueError as err:  # PlanError / DoesNotFit keep their class (exit codes)
         cls = type(err) if isinstance(err, PlanError) else ValueError
-        raise cls(f"case {case['id']!r}: {err}") from None
+        raise cls(f"case {case['id']!r}: {case_files.as_fields(str(err))}") from None
 
 
 def _pct(value: float, published: float) -> float:

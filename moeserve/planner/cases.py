@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import fields
 from importlib import resources
 from pathlib import Path
@@ -37,6 +38,16 @@ CASE_FIELDS = {"id", "what", "model", "hardware", "kind", "tpot_ms", "workload",
 KIND_FIELDS = {"decode": ("tpot_ms", "workload"), "prefill": ("requests", "input_len")}
 METRICS = {"decode": ("tok_s_card",), "prefill": ("ttft_ms", "tok_s_card")}
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
+# The flags Instance's and the model's errors name, as the field of a case to change.
+_FLAG_FIELDS = {"--cards": "instance.cards", "--tp": "instance.tp", "--shared-expert-ranks":
+                "instance.shared_expert_ranks", "--redundant-experts": "instance.redundant_experts",
+                "--mtp-drafts": "instance.mtp_drafts", "--mtp-acceptance": "instance.mtp_acceptance",
+                "--imbalance": "instance.imbalance", "--model": "model"}
+
+
+def as_fields(msg: str) -> str:
+    """A planner error about a case, naming the case's fields instead of flags the user never typed."""
+    return re.sub(r"--[a-z-]+", lambda m: _FLAG_FIELDS.get(m[0], m[0]), msg)
 
 
 def builtin() -> dict:
@@ -144,7 +155,7 @@ def _case(c, where: str, ids: set) -> dict:
                     raise ValueError(f"{where}: {k} must be an integer in [1, {MAX_INT:.0e}], got {_got(c[k])}")
         Instance(**out["instance"])  # its own checks (divisibility, choices, ranges)
     except PlanError as err:
-        raise ValueError(f"{where}: {err}") from None
+        raise ValueError(f"{where}: {as_fields(str(err))}") from None
     pub = c["published"]
     if not isinstance(pub, dict) or set(pub) - {"metric", "value", "note"}:
         raise ValueError(f"{where}: published is {{metric, value}} (and an optional note), got {pub!r}")

@@ -63,7 +63,8 @@ def _bad(**change):
     ({"cases": [_bad(instance={"cards": 32, "weight_prefetch": "yes"})]}, ["instance.weight_prefetch must be a bool"]),
     ({"cases": [_bad(instance={"cards": 32, "mtp_acceptance": True})]}, ["instance.mtp_acceptance must be a float"]),
     ({"cases": [_bad(instance={"cards": 32, "gpus": 4})]}, ["instance: unknown field 'gpus'"]),
-    ({"cases": [_bad(instance={"cards": 30, "tp": 4})]}, ["(mine)", "not divisible"]),
+    ({"cases": [_bad(instance={"cards": 30, "tp": 4})]}, ["(mine)", "not divisible",
+                                                         "make instance.cards a multiple of instance.tp"]),
     ({"cases": [_bad(workload={"input_len": 2048, "output": 5})]}, ["workload: unknown field 'output'"]),
     ({"cases": [_bad(published={"metric": "ttft_ms", "value": 5})]}, ["published.metric of a decode case"]),
     ({"cases": [_bad(published={"metric": "tok_s_card", "value": 0})]}, ["published.value must be a number in"]),
@@ -98,6 +99,9 @@ def test_bad_case_files_are_refused_naming_the_field(tmp_path, data, needles, ca
     ({"hardware": "tpu-v9"}, ["case 'mine'", "unknown hardware 'tpu-v9'"], 2),
     ({"model": "/nonexistent/model"}, ["case 'mine'"], 2),
     ({"hardware": "910b", "instance": {"cards": 8}}, ["case 'mine'", "exceed"], 1),  # memory: refused
+    # Errors name the case's fields, not the flags of plan decode (--redundant-experts, --tp).
+    ({"instance": {"cards": 48}}, ["case 'mine'", "change instance.redundant_experts"], 2),
+    ({"instance": {"cards": 256, "tp": 256}}, ["case 'mine'", "instance.tp 256 does not divide"], 2),
     # The model's context window binds as in plan decode/prefill (163840 for deepseek-v3): priced, exit 0.
     ({"workload": {"input_len": 200000, "output_len": 2048}},
      ["case 'mine'", "workload input_len 200000 + output_len 2048", "context window of 163840"], 2),
