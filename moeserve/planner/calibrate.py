@@ -27,7 +27,11 @@ def load_cases(path: str | None = None) -> dict:
 
 def _value(case: dict, hw) -> tuple[float, dict]:
     """(the case's published metric as predicted on `hw`, the point's details)."""
-    m, inst = load_model(case.get("model", "deepseek-v3")), Instance(**case["instance"])
+    m = load_model(case.get("model", "deepseek-v3"))
+    kw = dict(case["instance"])
+    if "redundant_experts" not in kw and m.n_routed_experts:  # as the CLI: fewest slots that divide evenly
+        kw["redundant_experts"] = -m.n_routed_experts % (kw["cards"] - kw.get("shared_expert_ranks", 0))
+    inst = Instance(**kw)
     if case["kind"] == "decode":
         wl = Workload(**case["workload"])
         pt = best_under_slo(m, hw, inst, wl, case["tpot_ms"])

@@ -100,7 +100,7 @@ def test_bad_case_files_are_refused_naming_the_field(tmp_path, data, needles, ca
     ({"model": "/nonexistent/model"}, ["case 'mine'"], 2),
     ({"hardware": "910b", "instance": {"cards": 8}}, ["case 'mine'", "exceed"], 1),  # memory: refused
     # Errors name the case's fields, not the flags of plan decode (--redundant-experts, --tp).
-    ({"instance": {"cards": 48}}, ["case 'mine'", "change instance.redundant_experts"], 2),
+    ({"instance": {"cards": 48, "redundant_experts": 0}}, ["case 'mine'", "change instance.redundant_experts"], 2),
     ({"instance": {"cards": 256, "tp": 256}}, ["case 'mine'", "instance.tp 256 does not divide"], 2),
     # The model's context window binds as in plan decode/prefill (163840 for deepseek-v3): priced, exit 0.
     ({"workload": {"input_len": 200000, "output_len": 2048}},
@@ -146,3 +146,15 @@ def test_unreadable_and_malformed_files(tmp_path, capsys):
     bad.write_text("{cases: [")
     assert main(["plan", "validate", "--cases", str(bad)]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_redundant_experts_default_as_on_the_command_line(tmp_path, capsys):
+    """Unset, a case gets the fewest redundant slots that divide the routed experts evenly (256 over 48
+    ranks: 32), as `plan decode --cards 48` does; the published cases are unchanged by it (theirs divide)."""
+    case = {**A2, "instance": {**A2["instance"], "cards": 48}}
+    res = validate(cases_file=_file(tmp_path, {"cases": [case]}))
+    assert main(["plan", "decode", "--json", "--hardware", "atlas-800i-a2", "--cards", "48", "--moe-comm",
+                 "allgather", "--mtp-drafts", "1", "--weight-prefetch", "--tpot-ms", "100"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert cli["layout"]["redundant_experts"] == 32
+    assert res["rows"][0]["predicted"] == cli["best_under_slo"]["tok_s_card"]
