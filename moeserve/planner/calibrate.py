@@ -69,7 +69,8 @@ def predict(case: dict, db: HardwareDB) -> dict:
         return {"value": value, "detail": detail, "band": band(lambda h: _value(case, h)[0], hw)}
     except ValueError as err:  # PlanError / DoesNotFit keep their class (exit codes)
         cls = type(err) if isinstance(err, PlanError) else ValueError
-        raise cls(f"case {case['id']!r}: {case_files.as_fields(str(err))}") from None
+        hint = "; --hardware-file adds devices and systems" if str(err).startswith("unknown hardware") else ""
+        raise cls(f"case {case['id']!r}: {case_files.as_fields(str(err))}{hint}") from None
 
 
 def _pct(value: float, published: float) -> float:
@@ -159,24 +160,25 @@ def format_feasibility(res: dict) -> str:
     return (f"feasibility ({res['efficiency_profile']}, {res['combinations']} factor sets inside the documented "
             f"ranges, {res['points_per_factor']} values per factor + the value in use):\n"
             f"  best worst-case error {res['best_max_abs_error_pct']:.1f}% at {f}\n  rows there: {errs}\n"
-            f"  tolerance +-{res['tolerance_pct']:.0f}%: {verdict} (an analysis only: predictions always use "
+            f"  tolerance +-{res['tolerance_pct']:g}%: {verdict} (an analysis only: predictions always use "
             "the point values)")
 
 
 def format_table(result: dict) -> str:
-    head = (f"{'case':<24} {'unit':<11} {'published':>10} {'predicted':>10} {'error':>8}  ok   "
+    w = max([24] + [len(r["id"]) for r in result["rows"] + (result.get("unlisted") or [])])  # a user's long ids
+    head = (f"{'case':<{w}} {'unit':<11} {'published':>10} {'predicted':>10} {'error':>8}  ok   "
             f"{'band (documented ranges)':>26} {'kernel-only':>11} {'error':>8}")
 
     def line(r, ok):
         rng = (f"{r['band'][0]:.0f}..{r['band'][1]:.0f} ({r['band_error_pct'][0]:+.0f}..{r['band_error_pct'][1]:+.0f}%)"
                if r["band"] else "-")
-        return (f"{r['id']:<24} {r['unit']:<11} {r['published']:>10.1f} {r['predicted']:>10.1f} "
+        return (f"{r['id']:<{w}} {r['unit']:<11} {r['published']:>10.1f} {r['predicted']:>10.1f} "
                 f"{r['error_pct']:>+7.1f}%  {ok:<4} {rng:>26} {r['predicted_kernel']:>11.1f} "
                 f"{r['error_kernel_pct']:>+7.1f}%" + (f"  ({r['note']})" if r.get("note") else ""))
     lines = [f"efficiency profile: {result['efficiency_profile']} (serving factor {result['serving_factor']})",
              head]
     lines += [line(r, "yes" if r["within_tolerance"] else "NO") for r in result["rows"]]
-    lines.append(f"tolerance +-{result['tolerance_pct']:.0f}%; all within: {result['all_within']}; published "
+    lines.append(f"tolerance +-{result['tolerance_pct']:g}%; all within: {result['all_within']}; published "
                  f"inside the band: {sum(r['published_in_band'] for r in result['rows'])} of {len(result['rows'])}")
     if result.get("unlisted"):
         lines.append("unlisted sanity checks (reference figures are approximate, not part of the tolerance):")

@@ -158,3 +158,16 @@ def test_redundant_experts_default_as_on_the_command_line(tmp_path, capsys):
     cli = json.loads(capsys.readouterr().out)
     assert cli["layout"]["redundant_experts"] == 32
     assert res["rows"][0]["predicted"] == cli["best_under_slo"]["tok_s_card"]
+
+
+def test_table_fits_long_ids_and_small_tolerances(tmp_path, capsys):
+    long_id = "our-h800-cluster-decode-2k-in-1k-out-tpot-50ms"
+    path = _file(tmp_path, {"tolerance": 0.001, "cases": [{**A2, "id": long_id}]})
+    assert main(["plan", "validate", "--cases", path]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head, row = out[1], out[2]
+    assert row.startswith(long_id + " ") and head.index("unit") == row.index("tok_s_card")
+    assert "tolerance +-0.1%" in "\n".join(out)
+    path = _file(tmp_path, {"cases": [{**A2, "hardware": "tpu-v9"}]})
+    assert main(["plan", "validate", "--cases", path]) == 2
+    assert "--hardware-file adds devices and systems" in capsys.readouterr().err
