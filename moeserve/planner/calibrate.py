@@ -12,12 +12,14 @@ within the tolerance: an analysis of the facts, never used for a prediction.
 from __future__ import annotations
 
 import itertools
+import math
+from contextlib import contextmanager
 
 from moeserve.planner import cases as case_files
 from moeserve.planner.analysis import band, best_under_slo, decode_point, prefill_point
-from moeserve.planner.deploy import Instance, PlanError, Workload
+from moeserve.planner.deploy import Instance, PlanError, Workload, fewest_redundant_slots
 from moeserve.planner.hardware import HardwareDB
-from moeserve.planner.models import load_model
+from moeserve.planner.models import check_context, load_model
 
 
 def load_cases(path: str | None = None) -> dict:
@@ -29,8 +31,9 @@ def _value(case: dict, hw) -> tuple[float, dict]:
     """(the case's published metric as predicted on `hw`, the point's details)."""
     m = load_model(case.get("model", "deepseek-v3"))
     kw = dict(case["instance"])
-    if "redundant_experts" not in kw and m.n_routed_experts:  # as the CLI: fewest slots that divide evenly
-        kw["redundant_experts"] = -m.n_routed_experts % (kw["cards"] - kw.get("shared_expert_ranks", 0))
+    if "redundant_experts" not in kw:  # as on the command line
+        kw["redundant_experts"] = fewest_redundant_slots(m.n_routed_experts,
+                                                         kw["cards"] - kw.get("shared_expert_ranks", 0))
     inst = Instance(**kw)
     if case["kind"] == "decode":
         wl = Workload(**case["workload"])
@@ -43,34 +46,35 @@ def _value(case: dict, hw) -> tuple[float, dict]:
     return getattr(pt, case["published"]["metric"]), pt.to_dict()
 
 
-def _check_context(case: dict) -> None:
-    """The lengths must fit the model's context window, as `plan decode/prefill` require (cli._check_lengths):
-    a 200K-token decode case on deepseek-v3 (163840) priced a row instead of being refused."""
-    m = load_model(case.get("model", "deepseek-v3"))
-    limit = m.max_position_embeddings
-    if case["kind"] == "prefill":  # prefill never generates: the prompt alone counts
-        lens, what = case["input_len"], f"input_len {case['input_len']}"
-    else:
-        wl = Workload(**case["workload"])
-        lens = wl.input_len + wl.output_len
-        what = f"workload input_len {wl.input_len} + output_len {wl.output_len} = {lens} tokens"
-    if limit is not None and lens > limit:
-        one = case["kind"] == "prefill"
-        raise PlanError(f"{what} exceed{'s' * one} {m.name}'s context window of {limit} tokens "
-                        f"(max_position_embeddings); shorten {'it' if one else 'them'}")
-
-
-def predict(case: dict, db: HardwareDB) -> dict:
-    """Errors (unknown hardware or model, a layout the model cannot run, one that does not fit) name the case."""
+@contextmanager
+def _about(case: dict):
+    """Errors (unknown hardware or model, a layout the model cannot run, one that does not fit) name the case;
+    PlanError / DoesNotFit keep their class (exit codes)."""
     try:
-        hw = db.get(case["hardware"])
-        _check_context(case)
-        value, detail = _value(case, hw)
-        return {"value": value, "detail": detail, "band": band(lambda h: _value(case, h)[0], hw)}
-    except ValueError as err:  # PlanError / DoesNotFit keep their class (exit codes)
+        yield
+    except ValueError as err:
         cls = type(err) if isinstance(err, PlanError) else ValueError
         hint = "; --hardware-file adds devices and systems" if str(err).startswith("unknown hardware") else ""
         raise cls(f"case {case['id']!r}: {case_files.as_fields(str(err))}{hint}") from None
+
+
+def _case_hardware(case: dict, db: HardwareDB):
+    """The case's hardware, after checking its lengths against its model's context window (as `plan
+    decode/prefill` do: a 200K-token decode case on deepseek-v3 priced a row instead of being refused)."""
+    m = load_model(case.get("model", "deepseek-v3"))
+    if case["kind"] == "prefill":
+        check_context(m, case["input_len"], None, ("input_len",))
+    else:
+        wl = Workload(**case["workload"])
+        check_context(m, wl.input_len, wl.output_len, ("workload input_len", "output_len"))
+    return db.get(case["hardware"])
+
+
+def predict(case: dict, db: HardwareDB) -> dict:
+    with _about(case):
+        hw = _case_hardware(case, db)
+        value, detail = _value(case, hw)
+        return {"value": value, "detail": detail, "band": band(lambda h: _value(case, h)[0], hw)}
 
 
 def _pct(value: float, published: float) -> float:
@@ -131,7 +135,11 @@ def feasibility(hardware_file: str | None = None, profile: str | None = None, po
     table = load_cases(cases_file)
     db = HardwareDB(hardware_file, profile)
     cases = table["cases"] if cases is None else cases
-    hws = {c["hardware"]: predict(c, db) and db.get(c["hardware"]) for c in cases}  # predict names a bad case
+    hws = {}
+    for c in cases:
+        with _about(c):
+            hws[c["hardware"]] = _case_hardware(c, db)
+    ranged = {key: {r[0] for r in hw.eff.ranges} for key, hw in hws.items()}
     grid = _grid(hws.values(), points)
     best = None
     for combo in itertools.product(*grid.values()):
@@ -139,15 +147,17 @@ def feasibility(hardware_file: str | None = None, profile: str | None = None, po
         errs = {}
         for case in cases:
             hw = hws[case["hardware"]]
-            mine = {k: v for k, v in factors.items() if k in {r[0] for r in hw.eff.ranges}}
-            errs[case["id"]] = _pct(_value(case, hw.with_overrides(**mine))[0], float(case["published"]["value"]))
+            mine = {k: v for k, v in factors.items() if k in ranged[case["hardware"]]}
+            with _about(case):
+                value = _value(case, hw.with_overrides(**mine))[0]
+            errs[case["id"]] = _pct(value, float(case["published"]["value"]))
         worst = max(abs(e) for e in errs.values())
         if best is None or worst < best[0]:
             best = (worst, factors, errs)
     tol = 100 * float(table["tolerance"])
     worst, factors, errs = best
     return {"tolerance_pct": tol, "efficiency_profile": db.profile, "points_per_factor": points,
-            "combinations": len(list(itertools.product(*grid.values()))), "grid": grid,
+            "combinations": math.prod(len(v) for v in grid.values()), "grid": grid,
             "best_max_abs_error_pct": round(worst, 1), "best_factors": factors,
             "best_errors_pct": {k: round(v, 1) for k, v in errs.items()}, "reachable": worst <= tol}
 

@@ -7,7 +7,7 @@ import sys
 
 from moeserve.planner.cli_args import at_most, fraction, hit_rate, imbalance, nonneg_int, positive_float, positive_int
 from moeserve.planner.deploy import (FLASHCOMM, QUANT, KV_BYTES, MAX_CARDS, MOE_COMM, DoesNotFit, Instance,
-                                     Workload)
+                                     Workload, fewest_redundant_slots)
 
 # --cards, --prefill-cards
 cards = at_most(MAX_CARDS, "the planner's limit on cards in a deployment")
@@ -77,7 +77,7 @@ def _ctx(args):
                          "at least one card has to hold the routed experts")
     red = args.redundant_experts
     if red is None:
-        red = -m.n_routed_experts % (args.cards - args.shared_expert_ranks) if m.n_routed_experts else 0
+        red = fewest_redundant_slots(m.n_routed_experts, args.cards - args.shared_expert_ranks)
     inst = Instance(cards=args.cards, tp=args.tp, shared_expert_ranks=args.shared_expert_ranks,
                     redundant_experts=red, quantization=args.quantization, kv_dtype=args.kv_dtype,
                     mtp_drafts=args.mtp_drafts, mtp_acceptance=args.mtp_acceptance, moe_comm=args.moe_comm,
@@ -94,18 +94,10 @@ def _ctx(args):
 
 
 def _check_lengths(m, args) -> None:
-    """Prompt + output must fit the model's context window when its config states one."""
-    limit = m.max_position_embeddings
-    if limit is None:
-        return
-    if getattr(args, "plan_command", None) == "prefill":  # prefill never generates: the prompt alone counts
-        if args.input_len > limit:
-            raise ValueError(f"--input-len {args.input_len} exceeds {m.name}'s context window of {limit} tokens "
-                             "(max_position_embeddings); use a shorter prompt")
-    elif args.input_len + args.output_len > limit:
-        raise ValueError(f"--input-len {args.input_len} + --output-len {args.output_len} = "
-                         f"{args.input_len + args.output_len} tokens exceed {m.name}'s context window of {limit} "
-                         "(max_position_embeddings); shorten them")
+    """Prompt + output must fit the model's context window (prefill: the prompt alone)."""
+    from moeserve.planner.models import check_context
+    prefill = getattr(args, "plan_command", None) == "prefill"
+    check_context(m, args.input_len, None if prefill else args.output_len, ("--input-len", "--output-len"))
 
 
 def _emit(args, obj: dict, text: str) -> int:

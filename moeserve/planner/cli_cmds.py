@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 
 from moeserve.planner.cli_args import at_most, positive_float, positive_int, positive_int_list
-from moeserve.planner.deploy import MAX_INSTANCES, DoesNotFit, PlanError
+from moeserve.planner.deploy import MAX_INSTANCES, DoesNotFit, PlanError, fewest_redundant_slots
 from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit, cards
 
 
@@ -47,8 +47,8 @@ def _prefill_instance(a, inst, m):
     kw = {**asdict(inst), "tp": inst.tp if a.prefill_tp is None else a.prefill_tp,
           "moe_comm": a.prefill_moe_comm or inst.moe_comm, "micro_batch_overlap": a.prefill_micro_batch_overlap}
     if a.prefill_cards is not None:  # a separate instance: no dedicated shared ranks, fewest redundant slots
-        red = -m.n_routed_experts % a.prefill_cards if m.n_routed_experts else 0
-        kw.update(cards=a.prefill_cards, shared_expert_ranks=0, redundant_experts=red)
+        kw.update(cards=a.prefill_cards, shared_expert_ranks=0,
+                  redundant_experts=fewest_redundant_slots(m.n_routed_experts, a.prefill_cards))
     if kw["cards"] % kw["tp"]:  # Instance would name --cards / --tp, the decode layout's flags
         cards_flag = "--cards" if a.prefill_cards is None else "--prefill-cards"
         tp_flag = "--tp" if a.prefill_tp is None else "--prefill-tp"

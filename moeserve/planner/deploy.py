@@ -37,6 +37,12 @@ def _require(ok: bool, msg: str) -> None:
         raise PlanError(msg)
 
 
+def fewest_redundant_slots(n_routed: int, routed_ranks: int) -> int:
+    """The default --redundant-experts: the fewest extra slots that make the routed experts divide evenly over
+    the ranks that hold them (0 for a dense model)."""
+    return -n_routed % routed_ranks if n_routed else 0
+
+
 @dataclass(frozen=True)
 class Instance:
     cards: int

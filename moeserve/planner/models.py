@@ -182,6 +182,22 @@ def _count(cfg: dict, field: str, where: str, default=...):
 _MAX_COUNT = 2 ** 31 - 1
 
 
+def check_context(m: ModelSpec, input_len: int, output_len: int | None, names: tuple[str, ...]) -> None:
+    """The prompt (plus the output when generating; None: a prefill, which never generates) must fit the
+    model's context window when its config states one. `names`: what the user set the lengths with
+    (flags, or a cases file's fields)."""
+    limit = m.max_position_embeddings
+    if limit is None:
+        return
+    if output_len is None:
+        if input_len > limit:
+            raise ValueError(f"{names[0]} {input_len} exceeds {m.name}'s context window of {limit} tokens "
+                             "(max_position_embeddings); use a shorter prompt")
+    elif input_len + output_len > limit:
+        raise ValueError(f"{names[0]} {input_len} + {names[1]} {output_len} = {input_len + output_len} tokens "
+                         f"exceed {m.name}'s context window of {limit} (max_position_embeddings); shorten them")
+
+
 @lru_cache(maxsize=None)
 def load_model(name_or_path: str) -> ModelSpec:
     """A preset name, a config.json path, or a checkpoint folder holding one."""

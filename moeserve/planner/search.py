@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from moeserve.planner.analysis import band, best_under_slo, kv_pull_ms, prefill_point
-from moeserve.planner.deploy import DoesNotFit, Instance, PlanError, Workload
+from moeserve.planner.deploy import DoesNotFit, Instance, PlanError, Workload, fewest_redundant_slots
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.models import ModelSpec
 
@@ -38,11 +38,6 @@ class Candidate:
                 "latency_ms": round(self.latency_ms, 2), "batch_per_dp": self.batch}
 
 
-def _redundancy(n_experts: int, ep: int) -> int:
-    """Fewest redundant slots making slots divisible by the routed-expert ranks."""
-    return -n_experts % ep
-
-
 def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance, skew=None):
     """skew: eplb_stats.LoadSkew giving each layout the imbalance of its own EP size and spare slots
     (None: every layout keeps base.imbalance, a residual skew)."""
@@ -52,7 +47,7 @@ def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance, skew=
             if m.n_shared_experts and size >= 18 and size % 9 == 0:
                 shared_opts.add(size // 9)  # CloudMatrix-style: 1 of 9 ranks holds shared experts
             for shared in shared_opts:
-                red = _redundancy(m.n_routed_experts, size - shared) if m.n_routed_experts else 0
+                red = fewest_redundant_slots(m.n_routed_experts, size - shared)
                 for comm in ("alltoall", "allgather"):
                     for tbo in (False, True):
                         for fc in _flashcomm_options(tp):
@@ -88,7 +83,7 @@ def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0, skew=
     out, tally = [], Counter() if tally is None else tally
     for size in (s for s in SIZES if s <= cards):
         for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
-            red = _redundancy(m.n_routed_experts, size) if m.n_routed_experts else 0
+            red = fewest_redundant_slots(m.n_routed_experts, size)
             for comm in ("alltoall", "allgather"):
                 for fc in _flashcomm_options(tp):
                     inst = replace(base, cards=size, tp=tp, redundant_experts=red, moe_comm=comm,
@@ -101,11 +96,11 @@ def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0, skew=
     return sorted(out, key=lambda c: -c.tok_s_card)[:top]
 
 
-def _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull=0.0, tally: Counter | None = None):
-    """Largest batch (one prompt per DP group, doubling) that fits and meets the TTFT SLO; tally counts the
-    layout's outcome at its first batch."""
+def _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull=0.0, tally: Counter | None = None, max_per_dp: int = 64):
+    """Largest batch (one prompt per DP group, doubling up to `max_per_dp`) that fits and meets the TTFT SLO;
+    tally counts the layout's outcome at its first batch."""
     best, per_dp, tally = None, 1, Counter() if tally is None else tally
-    while per_dp <= 64:
+    while per_dp <= max_per_dp:
         try:
             pt = prefill_point(m, hw, inst, per_dp * inst.dp, wl.input_len, wl.cached_prompt_tokens)
         except PlanError as err:
@@ -176,24 +171,15 @@ def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float,
 
 def plan_goodput(m: ModelSpec, hw: Hardware, plan: dict, dec: Candidate, pre: Candidate, wl: Workload,
                  tpot_ms: float, ttft_ms: float | None = None, cards: int | None = None) -> float:
-    """The plan's goodput per card on `hw` with its instance counts and prefill batch kept (what was
-    deployed): decode at the largest batch inside the TPOT SLO there (0 if none), prefill at the plan's
-    batch; with a TTFT SLO, at the best of the search's batches up to the plan's whose TTFT (plus the KV
-    pull within `cards`) meets it there (0 if none), as the search itself chose it. What `band` varies the
-    efficiency factors of."""
+    """The plan's goodput per card on `hw` with its instance counts kept (what was deployed): decode at the
+    largest batch inside the TPOT SLO there (0 if none), prefill at the best of the search's batches up to
+    the plan's (at the point values: the plan's own), with a TTFT SLO only those whose TTFT plus the KV pull
+    within `cards` meets it there (0 if none). What `band` varies the efficiency factors of."""
     pt = best_under_slo(m, hw, dec.inst, wl, tpot_ms)
     dec_req = (pt.tok_s_card if pt else 0.0) * dec.inst.cards / wl.output_len
-    if ttft_ms is None:
-        pr = prefill_point(m, hw, pre.inst, pre.batch * pre.inst.dp, wl.input_len, wl.cached_prompt_tokens)
-        pre_tok = pr.tok_s_card
-    else:  # a prefill batch over the TTFT SLO serves no request within it
-        pull = kv_pull_ms(m, hw, dec.inst, wl.input_len, cards or plan["cards_used"])
-        pre_tok, per_dp = 0.0, 1
-        while per_dp <= pre.batch:
-            pr = prefill_point(m, hw, pre.inst, per_dp * pre.inst.dp, wl.input_len, wl.cached_prompt_tokens)
-            if pr.ttft_ms + pull > ttft_ms:
-                break
-            pre_tok, per_dp = max(pre_tok, pr.tok_s_card), per_dp * 2
+    pull = kv_pull_ms(m, hw, dec.inst, wl.input_len, cards or plan["cards_used"]) if ttft_ms is not None else 0.0
+    best = _prefill_candidate(m, hw, pre.inst, wl, ttft_ms, pull, max_per_dp=pre.batch)
+    pre_tok = best.tok_s_card if best else 0.0  # no batch within the TTFT SLO serves a request within it
     pre_req = pre_tok * pre.inst.cards / wl.input_len
     req_s = min(plan["decode_instances"] * dec_req, plan["prefill_instances"] * pre_req)
     return req_s * wl.output_len / plan["cards_used"]
