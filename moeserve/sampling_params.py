@@ -9,6 +9,9 @@ from moeserve.structured.params import GuidedDecodingParams, StructuredOutputsPa
 __all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams", "GuidedDecodingParams"]
 
 INT64_MAX = 2**63 - 1
+# repetition_penalty divides positive logits and multiplies negative ones: outside this range one factor
+# scales a logit by more than 100x (vLLM accepts any value > 0, but 1e-300 is 0 in float32: x / 0 = inf).
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 def _is_int(x) -> bool:
@@ -113,8 +116,9 @@ class SamplingParams:
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty < math.inf,
-             f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}"),
+            ("repetition_penalty", MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+             f"got {self.repetition_penalty}"),
         ]
         for param, ok, message in checks:
             if not ok:

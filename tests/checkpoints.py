@@ -142,3 +142,23 @@ def write_mtp_checkpoint(path: str, variant: str = "v3", seed: int = 0, with_hea
         json.dump(cfg, fh, indent=2)
     os.rename(tmp, path)
     return path
+
+
+NAN_TOKEN = 7  # write_nan_token_checkpoint: the token whose embedding is NaN
+
+
+def write_nan_token_checkpoint(path: str, variant: str = "v3") -> str:
+    """The tiny checkpoint with token NAN_TOKEN's embedding row NaN: a prompt holding it gets non-finite
+    logits from the model itself (what no request validation can prevent), any other prompt is unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    tmp = path + f".tmp{os.getpid()}"
+    write_checkpoint(tmp, variant)
+    f = os.path.join(tmp, "model.safetensors")
+    tensors = load_file(f)
+    tensors["model.embed_tokens.weight"][NAN_TOKEN] = float("nan")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, f, metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return path

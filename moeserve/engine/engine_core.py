@@ -143,6 +143,8 @@ class EngineCore:
         if result.prompt_logprobs:  # kept on every TP rank alike: the next step's rows depend on them
             for s in sched_out.scheduled:
                 s.request.prompt_logprobs.extend(result.prompt_logprobs.get(s.request.request_id, ()))
+        for rid, (kind, message) in result.failed.items():
+            outputs.append(self._fail(rid, kind, message))
         finished = {r.request_id: r for r in self.scheduler.update_from_output(sched_out, result.sampled,
                                                                                result.draft_tokens)}
         for s in sched_out.scheduled:
@@ -169,6 +171,17 @@ class EngineCore:
             if fin:
                 self.runner.release(req.request_id)
         return outputs
+
+    def _fail(self, request_id: str, kind: str, message: str) -> EngineCoreOutput:
+        """End one request of this step with an error (the others go on); update_from_output skips it."""
+        logger.warning("request %s failed while sampling: %s", request_id, message)
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            request.hold_kv = False  # PD prefill: no answer, so no decode instance will pull its KV
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.runner.release(request_id)
+        return EngineCoreOutput(request_id, [], finish_reason="abort", error=f"the request failed: {message}",
+                                error_kind=kind)
 
     def flush_stats(self) -> None:
         """Write --expert-load-stats now (LLM.generate calls it when a batch is done)."""

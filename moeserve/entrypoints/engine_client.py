@@ -35,7 +35,7 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineRequestError(RuntimeError):
-    """The core refused a request: kind "invalid" (a 400) or "overloaded" (a 503)."""
+    """The core refused or failed a request: kind "invalid" (a 400), "overloaded" (a 503), "internal" (a 500)."""
 
     def __init__(self, message: str, kind: str) -> None:
         super().__init__(message)

@@ -63,6 +63,8 @@ def engine_error(e: Exception) -> APIError:
         param = next((f for f in ("logit_bias", "prompt") if str(e).startswith(f)), None)
         if e.kind == "kv_transfer":  # the prefill instance holding the KV failed us, not the client
             return APIError(str(e), 503, param="kv_transfer_params", code=e.kind)
+        if e.kind == "internal":  # the model's own output broke (non-finite logits): not the client's doing
+            return APIError(str(e), 500, code="internal_error")
         param = param or ("kv_transfer_params" if str(e).startswith("kv_transfer_params") else None)
         return APIError(str(e), 503 if e.kind == "overloaded" else 400, param=param, code=e.kind)
     if isinstance(e, APIError):

@@ -144,18 +144,44 @@ def _apply_penalties(logits: torch.Tensor, penalised: list[tuple[int, LogitsRows
         logits.copy_(work)
 
 
+class SamplingError(ValueError):
+    """One row cannot be sampled (its distribution is not finite): that request fails, the others go on."""
+
+
+def non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
+    """bool [R]: rows that cannot be sampled: a NaN or +inf entry, or every entry -inf (masked). A -inf
+    entry alone is a masked token, not an error."""
+    finite = torch.isfinite(logits)
+    return ~(finite | torch.isneginf(logits)).all(-1) | ~finite.any(-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs [V]; SamplingError instead of multinomial's RuntimeError (a temperature that
+    overflowed the logits to inf gives NaN probabilities)."""
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        raise SamplingError("its token probabilities are not finite (NaN or inf) after temperature, top-k, "
+                            "top-p and min-p; lower the logit scale (temperature, logit_bias, penalties)")
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 raw_logits: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits [B, V] float32 -> one token per row, plus logprobs (of raw_logits, default logits)."""
+                 raw_logits: torch.Tensor | None = None,
+                 errors: dict[int, str] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits [B, V] float32 -> one token per row, plus logprobs (of raw_logits, default logits).
+        A row that cannot be sampled gets token 0 and its message in errors[row] (raises without errors)."""
         tokens = logits.argmax(dim=-1).tolist()
         for i, p in enumerate(params):
             if not p.greedy:
-                probs = apply_filters(logits[i], p).softmax(-1)
-                tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i] or self.generator))
+                try:
+                    tokens[i] = draw(apply_filters(logits[i], p).softmax(-1), generators[i] or self.generator)
+                except SamplingError as e:
+                    if errors is None:
+                        raise
+                    errors[i], tokens[i] = str(e), 0
         return tokens, self.logprobs(logits if raw_logits is None else raw_logits, params, tokens)
 
     @staticmethod
@@ -171,7 +197,7 @@ class Sampler:
             if not want[i]:
                 out.append(None)
                 continue
-            top = logp[i].topk(p.logprobs) if p.logprobs else None
+            top = logp[i].topk(min(p.logprobs, logp.shape[-1])) if p.logprobs else None
             pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
             out.append(TokenLogprobs(tokens[i], float(logp[i, tokens[i]]), pairs))
         return out

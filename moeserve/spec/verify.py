@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.layers.sampler import apply_filters
+from moeserve.layers.sampler import SamplingError, apply_filters, draw
 from moeserve.sampling_params import SamplingParams
 
 
@@ -45,9 +45,9 @@ def rejection_sample(logits: torch.Tensor, drafts: list[int], params: SamplingPa
             residual = (probs[j] - draft_probs[j]).clamp(min=0.0)
         if float(residual.sum()) <= 0.0:  # p == q: rejection has probability 0 (numerical edge)
             residual = probs[j]
-        out.append(int(torch.multinomial(residual, 1, generator=generator)))
+        out.append(draw(residual, generator))
         return out
-    out.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
+    out.append(draw(probs[len(drafts)], generator))
     return out
 
 
@@ -58,8 +58,9 @@ class RejectionSampler:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
 
     def __call__(self, logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[list[int]]:
-        """logits [sum(d_i + 1), V] float32, rows of request i contiguous -> emitted tokens per request."""
+                 generators: list[torch.Generator | None], errors: dict[int, str] | None = None) -> list[list[int]]:
+        """logits [sum(d_i + 1), V] float32, rows of request i contiguous -> emitted tokens per request.
+        A request whose rows cannot be sampled emits [0] and gets its message in errors[i] (raises without)."""
         assert logits.shape[0] == sum(len(d) + 1 for d in drafts), "one row per draft plus one per request"
         target_ids = logits.argmax(dim=-1).tolist()
         out, row = [], 0
@@ -68,6 +69,12 @@ class RejectionSampler:
             if p.greedy:
                 out.append(accept_greedy(target_ids[row: row + n], d))
             else:
-                out.append(rejection_sample(logits[row: row + n], d, p, g or self.generator))
+                try:
+                    out.append(rejection_sample(logits[row: row + n], d, p, g or self.generator))
+                except SamplingError as e:
+                    if errors is None:
+                        raise
+                    errors[len(out)] = str(e)
+                    out.append([0])
             row += n
         return out

@@ -222,13 +222,20 @@ class GrammarMatcher:
         return torch.stack([free if r is None else r for r in rows])
 
 
-def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple]) -> None:
+def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple], errors: dict[int, str] | None = None) -> None:
     """In place: logits [sum rows, V]; rows = (matcher or None, output_ids, draft_ids, end_ids, fallback_ids)
-    per request (see GrammarMatcher.row_masks)."""
+    per request (see GrammarMatcher.row_masks). A request whose mask fails gets its message in errors[i]
+    (its rows are left as they were; without errors the exception propagates)."""
     r = 0
-    for matcher, output_ids, draft_ids, end_ids, fallback_ids in rows:
+    for i, (matcher, output_ids, draft_ids, end_ids, fallback_ids) in enumerate(rows):
         n = len(draft_ids) + 1
-        mask = matcher.row_masks(output_ids, draft_ids, end_ids, fallback_ids) if matcher is not None else None
+        try:
+            mask = matcher.row_masks(output_ids, draft_ids, end_ids, fallback_ids) if matcher is not None else None
+        except Exception as e:  # noqa: BLE001 - one request's grammar must not end the step of the others
+            if errors is None:
+                raise
+            errors[i] = f"structured output failed: {type(e).__name__}: {e}"
+            mask = None
         if mask is not None:
             block = logits[r:r + n]  # the table spans the model's whole vocabulary
             block.masked_fill_(~mask, float("-inf"))
