@@ -478,6 +478,9 @@ class EngineArgs:
         return kvt
 
 
+DEFAULT_MAX_REQUEST_BODY = 32 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Options of `moeserve serve` that are not engine options (so they are not LLM keywords)."""
@@ -493,8 +496,22 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": needs tool_call_parser
     tool_call_parser: str | None = None  # entrypoints/tool_calls.py TOOL_CALL_PARSERS
     reasoning_parser: str | None = None  # entrypoints/reasoning.py REASONING_PARSERS
+    max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY  # bytes; a larger body is a 413 before it is read
+    shutdown_timeout: float = 20.0  # SIGTERM: seconds the requests in flight get to finish
+    max_engine_restarts: int = 3  # engine-core deaths in a row that are restarted; then the deployment stops
+    engine_restart_backoff: float = 1.0  # seconds before the first restart, doubled for each next one
+    engine_stall_timeout: float = 5.0  # /health is 503 when the engine made no progress for this long
 
     def __post_init__(self) -> None:
+        _require(self.max_request_body_size >= 1024,
+                 f"--max-request-body-size must be >= 1024 bytes, got {self.max_request_body_size}")
+        _require(self.shutdown_timeout >= 0, f"--shutdown-timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        _require(self.max_engine_restarts >= 0,
+                 f"--max-engine-restarts must be >= 0 (0: none), got {self.max_engine_restarts}")
+        _require(self.engine_restart_backoff >= 0,
+                 f"--engine-restart-backoff must be >= 0 seconds, got {self.engine_restart_backoff}")
+        _require(self.engine_stall_timeout > 0,
+                 f"--engine-stall-timeout must be > 0 seconds, got {self.engine_stall_timeout}")
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
         _require(self.api_server_count >= 1, f"--api-server-count must be >= 1, got {self.api_server_count}")
         _require(self.max_waiting_requests is None or self.max_waiting_requests >= 1,

@@ -60,6 +60,8 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # Online EPLB (--enable-eplb), cumulative: rebalances run, expert copies moved between ranks.
     eplb_rebalances: int = 0
     eplb_experts_moved: int = 0
+    # Seconds a DP rank with work has sent nothing (a hung rank); 0 while every busy rank reports.
+    stalled_s: float = 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:

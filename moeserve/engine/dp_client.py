@@ -63,12 +63,16 @@ class DPEngineClient:
         self.dead: str | None = None
         self.num_kv_blocks = 0
         self._last_progress = time.monotonic()
+        self._last_report = [time.monotonic()] * self.dp_size  # per DP rank, for the stall check
+        self._busy_since = time.monotonic()
         self._wait_ready()
 
     # ---- EngineCore interface ----------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         self._check_alive()  # a stopped engine answers EngineDeadError, not a closed-socket error
         max_new = req.sampling_params.max_tokens or self.config.scheduler.max_model_len
+        if not self.router:
+            self._busy_since = time.monotonic()
         dp = self.router.assign(req.request_id, len(req.prompt_token_ids), max_new, req.prompt_token_ids)
         self._send(dp, RankCommand(requests=[req]))
 
@@ -107,6 +111,7 @@ class DPEngineClient:
         while self.sock.poll(timeout_ms):
             timeout_ms, heard = 0, True
             report = self._recv()
+            self._last_report[report.dp_rank] = time.monotonic()
             self.rank_stats[report.dp_rank] = report.stats or self.rank_stats[report.dp_rank]
             for out in report.outputs:
                 if out.request_id not in self.router:
@@ -146,7 +151,16 @@ class DPEngineClient:
             for k, v in s.phase_seconds.items():
                 total.phase_seconds[k] = total.phase_seconds.get(k, 0.0) + v
         total.outstanding_tokens = sum(self.router.load)
+        total.stalled_s = self.stalled_s()
         return total
+
+    def stalled_s(self) -> float:
+        """Seconds the quietest DP rank has not reported while requests are unfinished. With work anywhere
+        every rank steps (lockstep) and reports each step, so a silent rank is a hung one (SIGSTOP, a stuck
+        collective), long before --distributed-timeout declares it dead."""
+        if not self.router:
+            return 0.0
+        return max(0.0, time.monotonic() - max(self._busy_since, min(self._last_report)))
 
     def flush_stats(self) -> None:
         """--expert-load-stats: each rank process writes its own file (periodically and when it stops)."""

@@ -1,14 +1,19 @@
 """One API-server process: FastAPI app with the OpenAI endpoints, talking to the engine core over ZMQ.
 
-Several of these run side by side (--api-server-count), each with its own listening socket on the same
-port (SO_REUSEPORT: the kernel spreads connections over them), its own tokenizer and detokenizer, and its
-own connection to the engine core.
+Several of these run side by side (--api-server-count), all accepting on the one listening socket the
+launcher bound (the kernel hands each connection to one of them), each with its own tokenizer and
+detokenizer and its own connection to the engine core.
+
+Request bounds, before any work: a body over --max-request-body-size is a 413 before it is read (its
+Content-Length, or counted while it streams in); prompt text that cannot fit --max-model-len is a 400
+before it is tokenized (serving.Serving.check_text_size); big inputs tokenize on their own thread.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import os
@@ -45,18 +50,54 @@ class ApiServerSpec:
     max_model_len: int
     kv_role: str | None = None  # --kv-transfer-config kv_role (PD), None without it
     default_sampling: dict | None = None  # --generation-config: defaults for fields a request leaves unset
+    sock: socket.socket | None = None  # the launcher's listening socket (passed as a file descriptor)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket that shares its port with the other API servers (SO_REUSEPORT)."""
+    """A listening TCP socket of this process alone: no SO_REUSEPORT, so a port in use is an error
+    (EADDRINUSE) instead of a second server silently taking half the connections. SO_REUSEADDR only lets
+    a restarted server bind while old connections linger in TIME_WAIT."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(4096)
+    try:
+        sock.bind((host, port))
+        sock.listen(4096)
+    except OSError:
+        sock.close()
+        raise
     sock.setblocking(False)
     return sock
+
+
+class BodyTooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (BodyTooLarge: a 413) as soon as it is known to exceed limit bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json_body(model, defs: dict) -> dict:
+    """openapi_extra documenting a request body the handler parses itself (it reads raw bytes, for the size
+    bound and for errors in OpenAI's shape); the model's nested schemas go to components."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs.update(schema.pop("$defs", {}))
+    defs[model.__name__] = schema
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_ready=None) -> FastAPI:
@@ -77,13 +118,19 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
         yield
         await client.close()
 
-    app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    from moeserve import __version__
+    app = FastAPI(title="moeserve", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
     _add_error_handlers(app, metrics)
+    _add_schemas(app)
+    defs = app.state.body_schemas
+    expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key is not None else None
 
     def check_auth(request: Request) -> None:
-        if cfg.api_key is None:
+        if expected_auth is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+        # constant time: how long the comparison takes says nothing about how much of the key matched
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected_auth):
             raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401,
                            code="invalid_api_key")
 
@@ -91,9 +138,16 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
         if not client.healthy:
             raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
 
+    async def body(raw: Request) -> bytes:
+        return await read_body(raw, cfg.max_request_body_size)
+
     @app.get("/health")
     async def health():
+        """200 while the engine serves; 503 while it is gone (restarting) or hung (--engine-stall-timeout)."""
         check_engine()
+        stalled = client.stall_reason()
+        if stalled:
+            raise APIError(f"the engine is not making progress: {stalled}", 503, code="engine_stalled")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -113,7 +167,9 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
                                             "owned_by": "moeserve", "root": spec.model_path,
                                             "max_model_len": spec.max_model_len}]}
 
-    @app.post("/kv_transfer/release", dependencies=[Depends(check_auth)])
+    @app.post("/kv_transfer/release", dependencies=[Depends(check_auth)],
+              openapi_extra={"requestBody": {"required": True,
+                                             "content": {"application/json": {"schema": {"type": "object"}}}}})
     async def release_kv(raw: Request):
         """PD: free the KV a prefill answer said it holds, because no decode instance will pull it (the proxy
         calls this when the decode instance refused the request or was unreachable). An abort of the
@@ -124,38 +180,42 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
             raise APIError("this server holds no KV for decode instances: start it with --kv-transfer-config "
                            "'{\"kv_connector\": \"nixl\", \"kv_role\": \"kv_producer\"}'", param="kv_transfer_params")
         try:
-            rid = held_request_id(_json(await raw.body()))
+            rid = held_request_id(_json(await body(raw)))
         except KVTransferParamsError as e:
             raise APIError(str(e), param="kv_transfer_params") from None
         client.abort_nowait([rid])
         return {"released": rid}
 
-    @app.post("/v1/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/completions", dependencies=[Depends(check_auth)],
+              openapi_extra=_json_body(CompletionRequest, defs))
     async def create_completion(raw: Request):
         check_engine()
-        return await completions.create(_parse(CompletionRequest, await raw.body()), raw)
+        return await completions.create(_parse(CompletionRequest, await body(raw)), raw)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)],
+              openapi_extra=_json_body(ChatCompletionRequest, defs))
     async def create_chat_completion(raw: Request):
         check_engine()
-        return await chat.create(_parse(ChatCompletionRequest, await raw.body()), raw)
+        return await chat.create(_parse(ChatCompletionRequest, await body(raw)), raw)
 
     # vLLM's token endpoints: what the server would feed the engine, without running it.
-    @app.post("/tokenize", dependencies=[Depends(check_auth)])
+    @app.post("/tokenize", dependencies=[Depends(check_auth)], openapi_extra=_json_body(TokenizeRequest, defs))
     async def tokenize(raw: Request):
-        req = _parse(TokenizeRequest, await raw.body())
+        req = _parse(TokenizeRequest, await body(raw))
         chat.check_model(req.model)
         req.check()
         if req.messages is not None:
-            ids = await chat.off_loop(chat.render_messages, req.messages, req.add_generation_prompt)
+            size = chat.check_messages_size(req.messages)
+            ids = await chat.off_loop(chat.render_messages, req.messages, req.add_generation_prompt, size=size)
         else:
+            chat.check_text_size(len(req.prompt))
             ids = await chat.off_loop(functools.partial(tokenizer.encode, add_special_tokens=req.add_special_tokens),
-                                      req.prompt)
+                                      req.prompt, size=len(req.prompt))
         return {"count": len(ids), "max_model_len": spec.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", dependencies=[Depends(check_auth)])
+    @app.post("/detokenize", dependencies=[Depends(check_auth)], openapi_extra=_json_body(DetokenizeRequest, defs))
     async def detokenize(raw: Request):
-        req = _parse(DetokenizeRequest, await raw.body())
+        req = _parse(DetokenizeRequest, await body(raw))
         chat.check_model(req.model)
         try:
             chat.check_token_ids(req.tokens)
@@ -180,19 +240,42 @@ def _parse(model, body: bytes):
         raise validation_error(e) from None
 
 
+def _add_schemas(app: FastAPI) -> None:
+    """/openapi.json with the request bodies' schemas (collected by _json_body) among its components."""
+    app.state.body_schemas = {}
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(app.state.body_schemas)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _add_error_handlers(app: FastAPI, metrics) -> None:
-    def answer(status: int, body: dict) -> JSONResponse:
+    def answer(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         if metrics is not None:
             metrics.http_error(status)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
         return answer(e.status, e.body())
 
+    @app.exception_handler(BodyTooLarge)
+    async def too_large(request, e: BodyTooLarge):
+        msg = (f"the request body is larger than this server's limit of {e.limit} bytes "
+               "(--max-request-body-size); send less")
+        err = APIError(msg, 413, param=None, code="request_too_large").body()
+        err["error"]["type"] = "RequestTooLargeError"
+        return answer(413, err)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
-        return answer(e.status_code, APIError(str(e.detail), e.status_code).body())
+        # the headers carry e.g. a 405's Allow (the methods the path takes)
+        return answer(e.status_code, APIError(str(e.detail), e.status_code).body(), e.headers)
 
     @app.exception_handler(ClientDisconnected)
     async def gone(request, e):
@@ -226,11 +309,15 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
                         format=f"%(asctime)s %(levelname)s [api server {spec.index}] %(message)s")
     tokenizer = load_tokenizer(spec.tokenizer_path)
     metrics = ServerMetrics(cfg.served_model_name, spec.index)
-    client = EngineClient(spec.engine_address, tokenizer, spec.eos_token_ids, spec.index, metrics)
-    sock = listen_socket(cfg.host, cfg.port)
+    client = EngineClient(spec.engine_address, tokenizer, spec.eos_token_ids, spec.index, metrics,
+                          stall_timeout=cfg.engine_stall_timeout)
+    sock = spec.sock if spec.sock is not None else listen_socket(cfg.host, cfg.port)
+    sock.setblocking(False)
     app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-                            timeout_keep_alive=30, lifespan="on")
+    # SIGTERM: uvicorn stops accepting, waits up to --shutdown-timeout for the requests in flight (streams
+    # too), then cancels what is left
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=cfg.shutdown_timeout, timeout_keep_alive=30, lifespan="on")
     server = uvicorn.Server(config)
 
     async def main():

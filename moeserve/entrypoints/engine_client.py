@@ -4,7 +4,9 @@ Lifecycle: start() says hello and waits for EngineCoreReady; then one task reads
 detokenizes them (OutputProcessor: text deltas, stop strings) and feeds each request's queue, and another
 watches the connection. generate() yields a request's Deltas; leaving it early (client gone, stop string)
 aborts the request in the core, which frees its KV blocks. When the core dies every waiting request gets
-EngineDeadError and new ones are refused at once, so nobody hangs.
+EngineDeadError and new ones are refused at once, so nobody hangs; meanwhile a fresh socket says hello
+until the core the launcher restarts answers, and then requests are served again. A core that sends nothing
+(it heartbeats every 0.25 s) for --engine-stall-timeout counts as hung (stall_reason: /health 503).
 """
 from __future__ import annotations
 
@@ -54,41 +56,63 @@ class _Stream:
 
 class EngineClient:
     def __init__(self, address: str, tokenizer, eos_token_ids: list[int], client_index: int = 0,
-                 metrics=None) -> None:
+                 metrics=None, stall_timeout: float = 5.0) -> None:
         self.address = address
         self.eos_token_ids = list(eos_token_ids)
         self.client_index = client_index
         self.metrics = metrics
+        self.stall_timeout = stall_timeout
         self.processor = OutputProcessor(tokenizer)
         self.streams: dict[str, _Stream] = {}
         self.ctx = zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, f"api-{client_index}-{os.getpid()}".encode())
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.sock.connect(address)
+        self.sock = self.monitor = None
+        self._connect()
         self.encoder = msgspec.msgpack.Encoder()
         self.dec_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.ready: EngineCoreReady | None = None
         self.stats = EngineStats()
         self.dead_reason: str | None = None
+        self.last_heard = time.monotonic()
         self._tasks: list[asyncio.Task] = []
+        self._reconnecting: asyncio.Task | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        """A fresh DEALER socket: nothing queued for a core that died reaches the one that replaces it."""
+        if self.sock is not None:
+            self.monitor.close(0)
+            self.sock.close(0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"api-{self.client_index}-{os.getpid()}".encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(self.address)
+
     async def start(self, timeout: float = 60.0) -> None:
-        await self.sock.send_multipart([MSG_HELLO, self.encoder.encode(EngineCoreHello(self.client_index))])
-        while True:
-            if not await self.sock.poll(timeout * 1000):
-                raise EngineDeadError(f"the engine core at {self.address} did not answer within {timeout:.0f} s")
-            kind, payload = await self.sock.recv_multipart()
-            if kind == MSG_HELLO:
-                self.ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
-                break
+        if not await self._handshake(timeout):
+            raise EngineDeadError(f"the engine core at {self.address} did not answer within {timeout:.0f} s")
+        self._run()
+
+    async def _handshake(self, timeout: float, resend_s: float = 1.0) -> bool:
+        """Say hello (again every resend_s: a core still starting has not bound yet) until it answers."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await self.sock.send_multipart([MSG_HELLO, self.encoder.encode(EngineCoreHello(self.client_index))])
+            until = min(deadline, time.monotonic() + resend_s)
+            while (left := until - time.monotonic()) > 0 and await self.sock.poll(left * 1000):
+                kind, payload = await self.sock.recv_multipart()
+                if kind == MSG_HELLO:
+                    self.ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
+                    return True
+        return False
+
+    def _run(self) -> None:
+        self.last_heard = time.monotonic()
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in self._tasks + ([self._reconnecting] if self._reconnecting else []):
             t.cancel()
         self.monitor.close(0)
         self.sock.close(0)
@@ -98,16 +122,43 @@ class EngineClient:
     def healthy(self) -> bool:
         return self.dead_reason is None
 
+    def stall_reason(self) -> str | None:
+        """Why the engine counts as hung: nothing heard from the core (it heartbeats every 0.25 s, busy or
+        idle), or a DP rank with work silent, for longer than --engine-stall-timeout. None when neither."""
+        quiet = time.monotonic() - self.last_heard
+        if quiet > self.stall_timeout:
+            return f"the engine core has sent nothing for {quiet:.0f} s (--engine-stall-timeout {self.stall_timeout:g})"
+        if self.stats.stalled_s > self.stall_timeout:
+            return (f"a data-parallel rank with work has reported nothing for {self.stats.stalled_s:.0f} s "
+                    f"(--engine-stall-timeout {self.stall_timeout:g})")
+        return None
+
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        logger.error("engine core is gone: %s; answering 503 from now on", reason)
+        logger.error("engine core is gone: %s; answering 503 until it is back", reason)
         for rid, st in list(self.streams.items()):
             st.queue.put_nowait(EngineDeadError(reason))
             self.processor.states.pop(rid, None)
         if self.metrics:
             self.metrics.engine_alive.set(0)
+        self._reconnecting = asyncio.create_task(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Wait for the launcher's new engine core (same address), then serve again."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._connect()
+        while not await self._handshake(60.0):
+            pass
+        self.stats = EngineStats()
+        self.dead_reason = None
+        self._run()
+        if self.metrics:
+            self.metrics.engine_alive.set(1)
+        logger.info("connected to the engine core again (pid %d)", self.ready.pid)
 
     async def _watch(self) -> None:
         """Death of the core: a socket disconnect, or its pid gone (it may die before we see the socket)."""
@@ -163,6 +214,7 @@ class EngineClient:
     async def _output_loop(self) -> None:
         while True:
             kind, payload = await self.sock.recv_multipart()
+            self.last_heard = time.monotonic()
             if kind != MSG_OUTPUTS:
                 continue
             batch = self.dec_outputs.decode(payload)

@@ -26,7 +26,8 @@ from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, Engin
 logger = logging.getLogger("moeserve.engine_core")
 
 HEARTBEAT_S = 0.25  # stats to every client at least this often, busy or idle (liveness + fresh gauges)
-KV_POLL_S = 0.002  # how often an engine with nothing to compute polls its KV transfers (PD)
+KV_POLL_S = 0.002
+EXIT_RANK_DIED = 3  # the exit code when a DP/TP rank process died or stopped answering  # how often an engine with nothing to compute polls its KV transfers (PD)
 
 
 class EngineCoreProc:
@@ -167,6 +168,11 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
                 core.num_kv_blocks, address)
     if ready_event is not None:
         ready_event.set()
-    proc.run()
+    from moeserve.engine.dp_client import EngineDeadError
+    try:
+        proc.run()
+    except EngineDeadError as e:  # a rank died or hung: the message names it; the launcher restarts us
+        logger.error("engine core %d stops: %s", engine_index, e)
+        raise SystemExit(EXIT_RANK_DIED) from None
     core.flush_stats()  # --expert-load-stats: the last counts
     logger.info("engine core %d stopped", engine_index)

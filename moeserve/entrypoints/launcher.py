@@ -2,16 +2,25 @@
 
 Lifecycle:
   1. resolve the model and the engine config (bad flags fail here, before anything starts);
-  2. reserve the port: a bound, non-listening SO_REUSEPORT socket, so "port in use" is reported at once
-     and --port 0 picks one free port that every API server then shares;
+  2. bind and listen on the port once, without SO_REUSEPORT: a port another program (or another
+     `moeserve serve`) holds is an error naming --port; the listening socket is handed to every API
+     server, so only this deployment's API servers accept on it;
   3. spawn the engine core (it loads the model) and wait until it is ready;
   4. spawn --api-server-count API servers and wait until each is connected to the core and listening;
-  5. print "ready on http://HOST:PORT" and supervise. If an API server dies the deployment stops. If the
-     engine core dies the API servers stay up answering 503 and /health turns unhealthy, so a supervisor
-     (Kubernetes, systemd) sees it and restarts the deployment. SIGINT/SIGTERM stop everything.
+  5. print "ready on http://HOST:PORT" and supervise:
+     - the engine core exits (a crash, a killed DP rank): requests in flight get an error, the API servers
+       answer 503 and /health is 503, and the core is started again after a backoff (1 s, 2 s, 4 s ...
+       --engine-restart-backoff); the API servers reconnect on their own and serve again. More than
+       --max-engine-restarts deaths in a row (without a minute of service between them) stop the
+       deployment with exit code 1, for an outer supervisor;
+     - an API server exits: the deployment stops (exit code 1);
+     - SIGTERM/SIGINT: a graceful stop (Deployment.shutdown): the API servers stop accepting and finish the
+       requests in flight (streams too) within --shutdown-timeout, then the engine core stops.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -24,10 +33,14 @@ import tempfile
 import time
 
 from moeserve.config import EngineArgs, ServerConfig
-from moeserve.entrypoints.api_server import ApiServerSpec, run_api_server
+from moeserve.entrypoints.api_server import ApiServerSpec, listen_socket, run_api_server
 from moeserve.entrypoints.engine_core_proc import run_engine_core
 
 logger = logging.getLogger("moeserve.serve")
+
+HEALTHY_RUN_S = 60.0  # an engine core that served this long before dying starts a fresh restart count
+MAX_BACKOFF_S = 30.0
+ENGINE_STOP_S = 10.0  # after SIGTERM, before SIGKILL
 
 
 class Deployment:
@@ -46,23 +59,38 @@ class Deployment:
             check_parallel_layout(self.config, arch)  # here, not as a failure in the engine-core process
         tokenizer_path = self.config.model.tokenizer or path
         eos = eos_token_ids(load_tokenizer(tokenizer_path), arch.eos_token_ids, read_generation_config(path))
-        self.reserved = _reserve_port(server.host, server.port)
-        self.port = self.reserved.getsockname()[1]
+        self.listener = _listen(server.host, server.port)
+        self.port = self.listener.getsockname()[1]
         self.tmpdir = tempfile.mkdtemp(prefix="moeserve-")
         self.engine_address = f"ipc://{self.tmpdir}/engine-0.sock"
-        self.spec = dict(server=_with_port(server, self.port), engine_address=self.engine_address,
+        self.spec = dict(server=dataclasses.replace(server, port=self.port), engine_address=self.engine_address,
                          model_path=path, tokenizer_path=tokenizer_path, eos_token_ids=eos,
                          max_model_len=self.config.scheduler.max_model_len,
                          kv_role=self.config.kv_transfer.kv_role if self.config.kv_transfer else None,
                          default_sampling=default_sampling(engine_args.generation_config, path))
         self.ctx = multiprocessing.get_context("spawn")
         self.engine = None
+        self.engine_started = 0.0
         self.api_servers: list = []
 
     def start(self) -> None:
         metrics_dir = os.path.join(self.tmpdir, "metrics")
         os.makedirs(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the spawned API servers
+        self._start_engine()
+        for i in range(self.server.api_server_count):
+            ev = self.ctx.Event()
+            p = self.ctx.Process(target=run_api_server, name=f"moeserve-api-server-{i}",
+                                 args=(ApiServerSpec(index=i, sock=self.listener, **self.spec), ev))
+            p.start()
+            self.api_servers.append((p, ev))
+        for i, (p, ev) in enumerate(self.api_servers):
+            self._wait_ready(ev, p, f"API server {i}")
+            logger.info("API server %d pid=%d ready", i, p.pid)
+        # The API servers hold their own copies; without ours, their closing it stops new connections.
+        self.listener.close()
+
+    def _start_engine(self) -> None:
         ready = self.ctx.Event()
         self.engine = self.ctx.Process(
             target=run_engine_core, name="moeserve-engine-core-0", daemon=False,
@@ -71,15 +99,7 @@ class Deployment:
         self.engine.start()
         logger.info("engine core process pid=%d starting (model %s)", self.engine.pid, self.config.model.model)
         self._wait_ready(ready, self.engine, "the engine core")
-        for i in range(self.server.api_server_count):
-            ev = self.ctx.Event()
-            p = self.ctx.Process(target=run_api_server, name=f"moeserve-api-server-{i}",
-                                 args=(ApiServerSpec(index=i, **self.spec), ev))
-            p.start()
-            self.api_servers.append((p, ev))
-        for i, (p, ev) in enumerate(self.api_servers):
-            self._wait_ready(ev, p, f"API server {i}")
-            logger.info("API server %d pid=%d ready", i, p.pid)
+        self.engine_started = time.monotonic()
 
     def _wait_ready(self, event, proc, what: str) -> None:
         deadline = time.monotonic() + self.ready_timeout
@@ -90,55 +110,88 @@ class Deployment:
                 raise RuntimeError(f"{what} was not ready after {self.ready_timeout:.0f} s")
 
     def supervise(self) -> int:
-        """Block until an API server exits (or a signal). Returns the exit code."""
-        engine_reported = False
+        """Block until an API server exits, or the engine core has died too often (or a signal)."""
+        deaths = 0  # engine-core deaths in a row
         while True:
-            sentinels = [p.sentinel for p, _ in self.api_servers]
-            if not engine_reported:
-                sentinels.append(self.engine.sentinel)
-            multiprocessing.connection.wait(sentinels)
-            if not engine_reported and not self.engine.is_alive():
-                self.engine.join()
-                engine_reported = True
-                logger.error("the engine core process exited (code %s); API servers answer 503 and /health "
-                             "is unhealthy until the deployment is restarted", self.engine.exitcode)
+            multiprocessing.connection.wait([p.sentinel for p, _ in self.api_servers] + [self.engine.sentinel])
             dead = [i for i, (p, _) in enumerate(self.api_servers) if not p.is_alive()]
             if dead:
                 logger.error("API server %d exited (code %s); stopping", dead[0],
                              self.api_servers[dead[0]][0].exitcode)
                 return 1
+            if self.engine.is_alive():
+                continue
+            self.engine.join()
+            if time.monotonic() - self.engine_started > HEALTHY_RUN_S:
+                deaths = 0
+            deaths += 1
+            if not self._restart_engine(deaths):
+                return 1
 
-    def shutdown(self) -> None:
-        procs = [p for p, _ in self.api_servers] + ([self.engine] if self.engine else [])
+    def _restart_engine(self, deaths: int) -> bool:
+        """Start the engine core again after a backoff, until it is ready or the restarts are spent."""
+        limit = self.server.max_engine_restarts
+        while True:
+            code = self.engine.exitcode
+            if deaths > limit:
+                logger.error("the engine core exited (code %s) %d times in a row; giving up after "
+                             "--max-engine-restarts %d and stopping the deployment", code, deaths, limit)
+                return False
+            delay = min(MAX_BACKOFF_S, self.server.engine_restart_backoff * 2 ** (deaths - 1))
+            logger.error("the engine core exited (code %s); API servers answer 503 meanwhile; restarting it in "
+                         "%.1f s (restart %d of at most %d in a row)", code, delay, deaths, limit)
+            time.sleep(delay)
+            try:
+                self._start_engine()
+            except RuntimeError as e:
+                logger.error("restarting the engine core failed: %s", e)
+                self._stop(self.engine, ENGINE_STOP_S)
+                deaths += 1
+                continue
+            logger.info("the engine core is back (pid %d); the API servers reconnect", self.engine.pid)
+            return True
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop accepting, let the API servers finish what they serve (--shutdown-timeout), then stop the
+        engine core. A second signal meanwhile (KeyboardInterrupt) stops everything at once."""
+        try:
+            if graceful:
+                self._stop_api_servers(self.server.shutdown_timeout + 5.0)
+        except KeyboardInterrupt:
+            logger.warning("second signal: stopping at once")
+        finally:
+            for p, _ in self.api_servers:
+                self._stop(p, 0.0)
+            if self.engine is not None:
+                self._stop(self.engine, ENGINE_STOP_S)
+            self.listener.close()
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def _stop_api_servers(self, timeout: float) -> None:
+        procs = [p for p, _ in self.api_servers if p.is_alive()]
         for p in procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + 10
+            p.terminate()  # uvicorn: stop accepting, wait for open requests up to --shutdown-timeout
+        deadline = time.monotonic() + timeout
         for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join()
-        self.reserved.close()
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+            p.join(max(0.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def _stop(proc, timeout: float) -> None:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
 
 
-def _reserve_port(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+def _listen(host: str, port: int) -> socket.socket:
     try:
-        s.bind((host, port))
+        return listen_socket(host, port)
     except OSError as e:
-        s.close()
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --host/--port") from None
-    return s
-
-
-def _with_port(server: ServerConfig, port: int) -> ServerConfig:
-    import dataclasses
-    return dataclasses.replace(server, port=port)
+        reason = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror
+        raise ValueError(f"cannot listen on {host}:{port} ({reason}); another server holds it: stop it or pass "
+                         "another --port (or --host)") from None
 
 
 def serve(engine_args: EngineArgs, server: ServerConfig) -> int:
@@ -149,6 +202,7 @@ def serve(engine_args: EngineArgs, server: ServerConfig) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    graceful = False
     try:
         dep.start()
         host = f"[{server.host}]" if ":" in server.host else server.host
@@ -157,11 +211,14 @@ def serve(engine_args: EngineArgs, server: ServerConfig) -> int:
               f"{','.join(str(p.pid) for p, _ in dep.api_servers)})", file=sys.stderr, flush=True)
         return dep.supervise()
     except KeyboardInterrupt:
-        logger.info("shutting down")
+        logger.info("shutting down: finishing requests in flight (at most %.0f s, --shutdown-timeout)",
+                    server.shutdown_timeout)
+        graceful = True
         return 0
     except RuntimeError as e:  # a process failed to start; its own log says why
         print(f"moeserve serve: error: {e}", file=sys.stderr)
         return 1
     finally:
+        dep.shutdown(graceful)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        dep.shutdown()
+        logger.info("stopped")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 from moeserve.cli import HelpFormatter
-from moeserve.config import EngineArgs, ServerConfig
+from moeserve.config import DEFAULT_MAX_REQUEST_BODY, EngineArgs, ServerConfig
 
 
 def register(sub) -> None:
@@ -17,7 +17,7 @@ def register(sub) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     g.add_argument("--api-server-count", type=int, default=1,
-                   help="API-server processes sharing the port (SO_REUSEPORT)")
+                   help="API-server processes accepting on the one listening socket")
     g.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
@@ -34,6 +34,16 @@ def register(sub) -> None:
     g.add_argument("--reasoning-parser", default=None,
                    help="split thinking into reasoning_content: deepseek_r1 (always thinks), deepseek_v3 "
                         "(V3.1: when chat_template_kwargs has thinking: true)")
+    g.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY, metavar="BYTES",
+                   help="a larger request body is refused with 413 before it is read")
+    g.add_argument("--shutdown-timeout", type=float, default=20.0, metavar="S",
+                   help="on SIGTERM, seconds the requests in flight (streams too) get to finish")
+    g.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="engine-core deaths in a row that are restarted (0: none); then the deployment exits 1")
+    g.add_argument("--engine-restart-backoff", type=float, default=1.0, metavar="S",
+                   help="seconds before the first engine-core restart, doubled for each further one (max 30)")
+    g.add_argument("--engine-stall-timeout", type=float, default=5.0, metavar="S",
+                   help="/health answers 503 when the engine (or a DP rank with work) made no progress this long")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
@@ -58,5 +68,9 @@ def run(args) -> int:
                           api_server_count=args.api_server_count, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, chat_template=template,
                           log_level=args.log_level, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          max_request_body_size=args.max_request_body_size, shutdown_timeout=args.shutdown_timeout,
+                          max_engine_restarts=args.max_engine_restarts,
+                          engine_restart_backoff=args.engine_restart_backoff,
+                          engine_stall_timeout=args.engine_stall_timeout)
     return serve(engine_args, server)

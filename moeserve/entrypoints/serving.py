@@ -25,9 +25,12 @@ from moeserve.entrypoints.openai_protocol import APIError
 from moeserve.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25
-# Tokenizing a long prompt (or rendering a chat template) takes up to seconds: it runs on this one thread,
-# off the event loop, so other requests and /health keep being answered meanwhile.
+# Tokenizing a prompt (or rendering a chat template) runs off the event loop, so other requests and /health
+# keep being answered meanwhile; inputs over BIG_INPUT_CHARS (seconds of work) on a thread of their own, so
+# one big request never queues the small ones behind it.
 _TOKENIZE = ThreadPoolExecutor(1, thread_name_prefix="moeserve-tokenize")
+_TOKENIZE_BIG = ThreadPoolExecutor(1, thread_name_prefix="moeserve-tokenize-big")
+BIG_INPUT_CHARS = 1 << 16
 # Compiling a structured-output pattern can take a second for a large schema: never on the event loop, and
 # not on the tokenizer thread, which other requests wait for.
 _GRAMMAR = ThreadPoolExecutor(1, thread_name_prefix="moeserve-grammar")
@@ -53,6 +56,16 @@ class Child:
     kv_transfer_result: dict | None = None  # PD prefill: where its KV now waits, for the decode instance
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list | None = None  # TokenLogprobsMsg per prompt token 1.. (prompt_logprobs requests)
+
+
+def chars_per_token_bound(tokenizer) -> int:
+    """The most input characters one token can stand for: the longest vocabulary entry (a byte-level
+    entry has one character per byte, so this bounds bytes and characters alike), times 4 when a normalizer
+    may shrink the text first (Unicode folding). Text longer than max_model_len times this cannot fit."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    folds = backend is not None and backend.normalizer is not None
+    return max(1, longest) * (4 if folds else 1)
 
 
 def engine_error(e: Exception) -> APIError:
@@ -85,11 +98,22 @@ class Serving:
         self.model_name, self.max_model_len = model_name, max_model_len
         self.max_waiting = max_waiting_requests
         self.default_sampling = default_sampling or {}  # --generation-config (generation_defaults.py)
+        self.token_chars = chars_per_token_bound(tokenizer)
 
     @staticmethod
-    async def off_loop(fn, *args):
-        """Run tokenizer work on the tokenizer thread; its APIError reaches the caller unchanged."""
-        return await asyncio.get_running_loop().run_in_executor(_TOKENIZE, functools.partial(fn, *args))
+    async def off_loop(fn, *args, size: int = 0):
+        """Run tokenizer work (on input of `size` characters) on a tokenizer thread; its APIError reaches the
+        caller unchanged."""
+        pool = _TOKENIZE_BIG if size > BIG_INPUT_CHARS else _TOKENIZE
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+    def check_text_size(self, num_chars: int, what: str = "prompt", param: str = "prompt") -> None:
+        """Before tokenizing: refuse text that cannot fit the context whatever its tokens (each covers at most
+        token_chars characters), so megabytes are never tokenized only to be refused."""
+        if num_chars > self.max_model_len * self.token_chars:
+            raise APIError(f"this model's maximum context length is {self.max_model_len} tokens, but the {what} "
+                           f"has {num_chars} characters, more than that many tokens can hold (a token covers at "
+                           f"most {self.token_chars}); shorten it", param=param, code="context_length_exceeded")
 
     async def sampling_params(self, req, *args):
         """req.sampling_params(*args) with the server's defaults, on the grammar thread when it compiles a

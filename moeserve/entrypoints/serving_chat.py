@@ -32,12 +32,19 @@ class ChatServing(Serving):
         except ChatTemplateError as e:
             raise APIError(str(e), param="messages") from None
 
+    def check_messages_size(self, messages: list) -> int:
+        """The messages' characters (every one is in the rendered prompt), refused when they cannot fit."""
+        size = sum(len(m.text()) for m in messages)
+        self.check_text_size(size, "messages", "messages")
+        return size
+
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         req.check()
         mode = req.tool_mode(self.auto_tools)
         think = thinks(self.reasoning_parser, req.chat_template_kwargs)
-        ids = await self.off_loop(self.render, req)
+        size = self.check_messages_size(req.messages)
+        ids = await self.off_loop(self.render, req, size=size)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.check_length(len(ids), getattr(req, field), "messages", field)
         params = await self.sampling_params(req, max_tokens, req.num_logprobs(), req.prompt_logprobs)

@@ -28,7 +28,10 @@ class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         req.check()
-        prompts = await self.off_loop(self._prompts, req.prompt)
+        texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
+        for t in texts:
+            self.check_text_size(len(t))
+        prompts = await self.off_loop(self._prompts, req.prompt, size=sum(map(len, texts)))
         asked = req.max_tokens
         if "max_tokens" not in req.model_fields_set and asked is not None:  # the default 16: the file's
             asked = min(asked, self.default_sampling.get("max_tokens", asked))  # max_new_tokens caps it (vLLM)

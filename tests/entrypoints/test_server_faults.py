@@ -1,4 +1,5 @@
-"""API key, the bounded waiting queue and a killed engine core, on one server (the last test kills it)."""
+"""API key, the bounded waiting queue and a killed engine core, on one server (the last test kills it, and
+the launcher brings it back)."""
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ KEY = "sk-test-secret"
 @pytest.fixture(scope="module")
 def server(ckpt_dir):
     s = ServerProcess(ckpt_dir("v3"), "--api-key", KEY, "--max-waiting-requests", "1", "--max-num-seqs", "1",
-                      "--max-model-len", "512", "--dtype", "float32")
+                      "--max-model-len", "512", "--dtype", "float32", "--engine-restart-backoff", "5")
     yield s
     s.stop()
 
@@ -76,7 +77,7 @@ def _drain(server, model):
     httpx.post(server.base_url + "/completions", json=body, timeout=120, headers={"Authorization": f"Bearer {KEY}"})
 
 
-def test_engine_core_killed_gives_503_and_unhealthy(server, model):
+def test_engine_core_killed_gives_503_and_unhealthy_until_it_is_restarted(server, model):
     c = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=60)
     with _long_stream(server, model) as r:
         lines = r.iter_lines()
@@ -97,3 +98,10 @@ def test_engine_core_killed_gives_503_and_unhealthy(server, model):
     with pytest.raises(openai.APIStatusError) as e:
         c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert e.value.status_code == 503
+    # --engine-restart-backoff 5: the launcher starts a new core, the API servers reconnect, service resumes
+    deadline = time.monotonic() + 120
+    while httpx.get(server.url + "/health").status_code != 200:
+        assert time.monotonic() < deadline, "".join(server.lines[-30:])
+        time.sleep(0.2)
+    assert c.completions.create(model=model, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    assert any("restarting it in 5.0 s" in line for line in server.lines)
