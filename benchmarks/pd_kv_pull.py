@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 
@@ -23,8 +24,10 @@ def main() -> None:
 
     from benchmarks.common import bench_checkpoint
     from moeserve import LLM, SamplingParams
+    from moeserve.disagg import trust
     from moeserve.protocol import EngineCoreRequest
 
+    SECRET = secrets.token_hex(16)  # the deployment secret both engines share (disagg/trust.py)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--lens", default="128,512,1024")
     ap.add_argument("--repeats", type=int, default=3)
@@ -34,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     lens = [int(x) for x in a.lens.split(",")]
     kw = dict(dtype="bfloat16", max_model_len=max(lens) + 64, max_num_seqs=4, max_num_batched_tokens=max(lens),
-              kv_transfer_config={"kv_connector": "nixl"}, enable_prefix_caching=False)  # the same prompts run again: measure compute, not the prefix cache
+              kv_transfer_config={"kv_connector": "nixl", "kv_secret": SECRET}, enable_prefix_caching=False)  # the same prompts run again: measure compute, not the prefix cache
     prefill, decode = LLM(bench_checkpoint(), **kw).engine, LLM(bench_checkpoint(), **kw).engine
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     rows = []
@@ -43,7 +46,7 @@ def main() -> None:
         for r in range(a.repeats + 1):  # the first round warms up (and loads the remote agent's metadata)
             ids = [(13 * j + r) % 31000 + 2 for j in range(n)]
             rid = f"n{n}-r{r}"
-            prefill.add_request(EngineCoreRequest(rid, ids, one, [], kv_transfer_params={"do_remote_decode": True}))
+            prefill.add_request(EngineCoreRequest(rid, ids, one, [], kv_transfer_params=trust.ticket(SECRET)))
             t = time.perf_counter()
             outs = prefill.step()
             t_pre = time.perf_counter() - t

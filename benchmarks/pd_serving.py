@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2.0)
     a = ap.parse_args()
     model = [a.model] if a.model else []
+    # the deployment secret (disagg/trust.py), in the environment the servers and the proxy inherit
+    ENV.setdefault("MOESERVE_KV_SECRET", secrets.token_hex(16))
     kv = lambda role: ["--kv-transfer-config", json.dumps({"kv_connector": "nixl", "kv_role": role})]  # noqa: E731
     setups = {"unified": lambda: [serve(model)],
               "unified DP2+EP": lambda: [serve(model, "--data-parallel-size", "2", "--enable-expert-parallel")],

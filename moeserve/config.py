@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import json
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import typing
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -252,6 +252,8 @@ class KVTransferConfig:
     kv_port: int | None = None
     engine_id: str | None = None
     kv_hold_timeout: float = 120.0
+    # the deployment's shared secret (disagg/trust.py); None: $MOESERVE_KV_SECRET. Never printed.
+    kv_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _require(self.kv_connector in KV_CONNECTORS, f"--kv-transfer-config kv_connector must be one of "
@@ -475,6 +477,12 @@ class EngineArgs:
         _require(kvt is None or kvt.kv_port is None or kvt.kv_port + self.data_parallel_size - 1 <= 65535,
                  f"--kv-transfer-config kv_port: DP rank r listens on kv_port + r; {self.data_parallel_size} "
                  "ranks do not fit below 65536")
+        if kvt is not None:
+            from moeserve.disagg.trust import TrustError, resolve_secret
+            try:
+                kvt = dataclasses.replace(kvt, kv_secret=resolve_secret(kvt.kv_secret, "--kv-transfer-config"))
+            except TrustError as e:
+                raise ConfigError(str(e)) from None
         return kvt
 
 

@@ -15,12 +15,17 @@ holds, e.g. the earlier turns of a chat it decoded) -> then it enters the schedu
 = prompt - 1: the engine computes the last prompt token itself and samples the first output token from
 its logits, so a PD deployment answers what a unified engine would (vLLM's NIXL connector does the same).
 A failure answers the request with an error and tells the prefill engine to free its blocks; an abort
-waits for a read in flight to end before its blocks go back to the pool.
+waits for a read in flight to end before its blocks go back to the pool. A prefill engine found gone (nothing
+listens at its address, it restarted, or it did not answer within METADATA_TIMEOUT_S) fails every pull
+waiting on it at once.
+
+Trust (disagg/trust.py): a prefill engine holds KV only for a request carrying the proxy's signed ticket, and
+signs the params it exports; a decode engine verifies them (this deployment's, this prompt, not expired, not
+used before) before it connects anywhere or reads a block.
 """
 from __future__ import annotations
 
 import logging
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.config import KVTransferConfig
-from moeserve.disagg.nixl_connector import NixlConnector
+from moeserve.disagg import trust
+from moeserve.disagg.nixl_connector import NixlConnector, RemoteUnavailable
 from moeserve.disagg.params import KVTransferParams, KVTransferParamsError, RemotePrefill, remote_prefill_dict
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.request import Request
@@ -37,12 +43,6 @@ from moeserve.protocol import EngineCoreOutput
 logger = logging.getLogger(__name__)
 
 METADATA_TIMEOUT_S = 10.0  # a prefill engine that does not answer for its metadata within this is down
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -64,11 +64,14 @@ class KVTransfer:
         """rank / world_size: this DP rank of a multi-rank engine; each rank's agent serves its own KV
         (port kv_port + rank, name engine_id-dp<rank>)."""
         self.config, self.kv = config, kv
+        self.secret = trust.resolve_secret(config.kv_secret, "--kv-transfer-config")
         self.host = config.kv_host
-        self.port = config.kv_port + rank if config.kv_port else _free_port(config.kv_host)
         name = config.engine_id or f"moeserve-{uuid.uuid4().hex[:12]}"
         self.engine_id = f"{name}-dp{rank}" if world_size > 1 else name
-        self.connector = NixlConnector(self.engine_id, tensors, self.port)
+        self.connector = NixlConnector(self.engine_id, tensors, self.host,
+                                       config.kv_port + rank if config.kv_port else 0, self.secret)
+        self.port = self.connector.server.address[1]
+        self._tickets_used, self._params_used = trust.OnceCache(), trust.OnceCache()
         self.num_tensors = len(tensors)
         self.held_until: dict[str, float] = {}  # prefill side: request id -> when its blocks are freed anyway
         self.pulls: dict[str, _Pull] = {}  # decode side, in arrival order
@@ -82,6 +85,8 @@ class KVTransfer:
         if params.do_remote_decode and not self.config.produces:
             raise KVTransferParamsError("this engine is a decode instance (kv_role kv_consumer); send "
                                         "do_remote_decode requests to a prefill instance")
+        if params.do_remote_decode:
+            trust.check_ticket(self.secret, params.raw, self._tickets_used)
         if params.do_remote_decode and request.request_id in self.kv.held:
             # its finish would hold new blocks under the same id: the held ones would never be freed
             raise KVTransferParamsError(f"request id {request.request_id!r} is already in use: its KV waits for a "
@@ -92,6 +97,7 @@ class KVTransfer:
         if not self.config.consumes:
             raise KVTransferParamsError("this engine is a prefill instance (kv_role kv_producer); send "
                                         "do_remote_prefill requests to a decode instance")
+        trust.check_params(self.secret, params.raw, request.prompt_token_ids, self._params_used)
         if r.num_tokens != request.num_prompt_tokens:
             raise KVTransferParamsError(f"kv_transfer_params were made for a prompt of {r.num_tokens} tokens; "
                                         f"this prompt has {request.num_prompt_tokens}: send the same prompt")
@@ -112,9 +118,11 @@ class KVTransfer:
     def export(self, request: Request) -> dict:
         """A finished do_remote_decode request: its held blocks, as the decode instance's params."""
         self.held_until[request.request_id] = time.monotonic() + self.config.kv_hold_timeout
-        return remote_prefill_dict(RemotePrefill(
+        params = remote_prefill_dict(RemotePrefill(
             self.engine_id, self.host, self.port, request.request_id, list(self.kv.held[request.request_id]),
-            list(self.connector.kv_addrs), self.connector.block_bytes, request.num_prompt_tokens))
+            list(self.connector.kv_addrs), self.connector.block_bytes, request.num_prompt_tokens,
+            self.connector.incarnation))
+        return trust.sign_params(self.secret, params, request.prompt_token_ids, self.config.kv_hold_timeout)
 
     def abort(self, request_id: str) -> bool:
         """True if the request was one of our pulls (it is dropped; a read in flight ends first)."""
@@ -141,6 +149,8 @@ class KVTransfer:
         ready, errors = [], []
         room = True  # pulls get blocks in arrival order
         for pull in list(self.pulls.values()):
+            if self.pulls.get(pull.request.request_id) is not pull:
+                continue  # failed meanwhile with others waiting on the same prefill engine
             if pull.handle is not None:
                 self._check_read(pull, ready, errors)
                 continue
@@ -167,20 +177,7 @@ class KVTransfer:
     def _start_read(self, pull: _Pull, ready: list[Request], errors: list[EngineCoreOutput]) -> None:
         r = pull.remote
         try:
-            where = self.connector.loaded_from(r.engine_id)
-            if where is not None and where != (r.host, r.port):
-                # The name now lives elsewhere: a prefill instance restarted on another port (or two share an
-                # engine_id). Its old metadata would read the wrong process: fetch it anew once our reads
-                # from the old location have ended.
-                if self._reading_from(r.engine_id):
-                    return
-                self.connector.forget(r.engine_id)
-            if not self.connector.remote_ready(r.engine_id, r.host, r.port):
-                asked = self.connector.asked_since(r.engine_id)
-                if asked is not None and time.monotonic() - asked > METADATA_TIMEOUT_S:
-                    self.connector.forget(r.engine_id)
-                    self._fail(pull, errors, f"the prefill engine {r.engine_id} at {r.host}:{r.port} did not "
-                                             f"answer within {METADATA_TIMEOUT_S:.0f} s")
+            if not self._metadata_ready(pull, errors):
                 return
             n, k = self.kv.blocks_needed(pull.num_tokens), pull.local_blocks
             if k >= n:  # nothing to pull (a one-token prompt, or all cached here): the prefill may free it now
@@ -194,6 +191,47 @@ class KVTransfer:
             self.blocks_cached_here += k
         except Exception as e:  # NIXL refuses bad addresses / unreachable peers with exceptions
             self._retry_or_fail(pull, errors, f"the KV pull from {r.engine_id} failed: {e}")
+
+    def _metadata_ready(self, pull: _Pull, errors: list[EngineCoreOutput]) -> bool:
+        """The prefill agent's metadata, of the life of that process which signed the params, is loaded."""
+        r = pull.remote
+        where = self.connector.loaded_from(r.engine_id)
+        if where is not None and where != (r.host, r.port, r.incarnation):
+            # The name now lives elsewhere or in a new process (a prefill instance restarted, or two share an
+            # engine_id): its old metadata would read the wrong process. Fetch it anew once our reads from
+            # the old one have ended.
+            if self._reading_from(r.engine_id):
+                return False
+            self.connector.forget(r.engine_id)
+        try:
+            if not self.connector.remote_ready(r.engine_id, r.host, r.port):
+                asked = self.connector.asked_since(r.engine_id)
+                if asked is None or time.monotonic() - asked <= METADATA_TIMEOUT_S:
+                    return False
+                message = f"did not answer within {METADATA_TIMEOUT_S:.0f} s"
+                self.connector.forget(r.engine_id)
+            elif self.connector.loaded_from(r.engine_id)[2] != r.incarnation:
+                self._fail_waiting_on(r, errors, f"the prefill engine {r.engine_id} at {r.host}:{r.port} restarted "
+                                                 "since it answered: the KV it named is gone", same_life=True)
+                return False
+            else:
+                return True
+        except RemoteUnavailable as e:
+            if not e.definitive:
+                return False  # retried until METADATA_TIMEOUT_S
+            message = str(e)
+        self._fail_waiting_on(r, errors, f"the prefill engine {r.engine_id} at {r.host}:{r.port}: {message}")
+        return False
+
+    def _fail_waiting_on(self, remote: RemotePrefill, errors: list[EngineCoreOutput], message: str,
+                         same_life: bool = False) -> None:
+        """Every pull still waiting for that prefill engine (or, same_life, that life of it) fails now, not
+        each after a timeout of its own."""
+        for pull in list(self.pulls.values()):
+            r = pull.remote
+            if pull.handle is None and (r.engine_id, r.host, r.port) == (remote.engine_id, remote.host, remote.port) \
+                    and (not same_life or r.incarnation == remote.incarnation):
+                self._fail(pull, errors, message)
 
     def _check_read(self, pull: _Pull, ready: list[Request], errors: list[EngineCoreOutput]) -> None:
         state = self.connector.state(pull.handle)

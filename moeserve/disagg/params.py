@@ -1,9 +1,12 @@
 """kv_transfer_params: what a request says about prefill/decode disaggregation (vLLM's field and keys).
 
 To a prefill instance:  {"do_remote_decode": true}   (the proxy also sets max_tokens 1)
+                        (and the proxy's signed ticket: proxy_nonce, proxy_expires, proxy_signature)
 Its answer, to forward: {"do_remote_prefill": true, "remote_engine_id": ..., "remote_host": ...,
                          "remote_port": ..., "remote_request_id": ..., "remote_block_ids": [...],
-                         "remote_kv_addrs": [...], "remote_block_bytes": ..., "remote_num_tokens": ...}
+                         "remote_kv_addrs": [...], "remote_block_bytes": ..., "remote_num_tokens": ...,
+                         "remote_incarnation": ..., "remote_prompt_hash": ..., "remote_expires": ...,
+                         "remote_signature": ...}   (signed by the prefill instance: disagg/trust.py)
 A decode instance given the answer pulls the blocks and computes only the prompt's last token itself.
 When no decode instance will (it refused the request, or none could be reached), the proxy posts the answer
 back to the prefill instance's /kv_transfer/release, which frees the blocks at once (held_request_id).
@@ -11,7 +14,7 @@ The values are checked here, so a malformed dict is a clear error (an HTTP 400),
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class KVTransferParamsError(ValueError):
@@ -59,12 +62,14 @@ class RemotePrefill:
     kv_addrs: list[int]  # base address of each KV tensor (one per layer) in the prefill process
     block_bytes: int  # bytes of one block in one tensor
     num_tokens: int  # prompt tokens whose KV the blocks hold
+    incarnation: str = ""  # the prefill process's life (its metadata server's): a restart makes these stale
 
 
 @dataclass(frozen=True)
 class KVTransferParams:
     do_remote_decode: bool = False
     remote: RemotePrefill | None = None  # set when do_remote_prefill
+    raw: dict = field(default_factory=dict, compare=False)  # as received: what the signature covers
 
     @classmethod
     def parse(cls, d: object) -> "KVTransferParams":
@@ -75,19 +80,20 @@ class KVTransferParams:
             raise KVTransferParamsError("kv_transfer_params: do_remote_decode (to a prefill instance) and "
                                         "do_remote_prefill (to a decode instance) exclude each other")
         if not prefill:
-            return cls(do_remote_decode=decode)
+            return cls(do_remote_decode=decode, raw=d)
         remote = RemotePrefill(
             engine_id=_str(d, "remote_engine_id"), host=_str(d, "remote_host"), port=_int(d, "remote_port", 1),
             request_id=_str(d, "remote_request_id"), block_ids=_ints(d, "remote_block_ids"),
             kv_addrs=_ints(d, "remote_kv_addrs"), block_bytes=_int(d, "remote_block_bytes", 1),
-            num_tokens=_int(d, "remote_num_tokens", 1))
+            num_tokens=_int(d, "remote_num_tokens", 1), incarnation=_str(d, "remote_incarnation"))
         if remote.port > 65535:
             raise KVTransferParamsError(f"kv_transfer_params.remote_port must be a port number, got {remote.port}")
-        return cls(remote=remote)
+        return cls(remote=remote, raw=d)
 
 
-def held_request_id(raw: object) -> str:
-    """The prefill instance's request id in a {"kv_transfer_params": <its answer>} release body."""
+def held_request_id(raw: object, secret: str) -> str:
+    """The prefill instance's request id in a {"kv_transfer_params": <its signed answer>} release body."""
+    from moeserve.disagg.trust import check_signature
     if not isinstance(raw, dict) or set(raw) != {"kv_transfer_params"}:
         raise KVTransferParamsError("send {\"kv_transfer_params\": {...}} with the kv_transfer_params a prefill "
                                     "answer carried")
@@ -95,6 +101,7 @@ def held_request_id(raw: object) -> str:
     if params.remote is None:
         raise KVTransferParamsError("kv_transfer_params must be a prefill instance's answer (do_remote_prefill "
                                     "true, remote_request_id, ...): they name the KV to release")
+    check_signature(secret, params.raw)  # a TrustError is a KVTransferParamsError
     return params.remote.request_id
 
 
@@ -103,4 +110,4 @@ def remote_prefill_dict(r: RemotePrefill) -> dict:
     return {"do_remote_prefill": True, "remote_engine_id": r.engine_id, "remote_host": r.host,
             "remote_port": r.port, "remote_request_id": r.request_id, "remote_block_ids": list(r.block_ids),
             "remote_kv_addrs": list(r.kv_addrs), "remote_block_bytes": r.block_bytes,
-            "remote_num_tokens": r.num_tokens}
+            "remote_num_tokens": r.num_tokens, "remote_incarnation": r.incarnation}

@@ -14,6 +14,12 @@ decode instance refuses the request (any error status: overloaded, another --max
 can be connected to, nobody will pull the prompt's KV: the proxy posts the prefill answer's
 kv_transfer_params to that prefill instance's /kv_transfer/release, which frees them now instead of at its
 kv_hold_timeout.
+
+Trust (disagg/trust.py): clients authenticate to the proxy with its own --api-key; the proxy talks to the
+instances with the deployment's key (--instance-api-key), never the client's, and signs a one-use ticket into
+each prefill request with the deployment secret. Health: every HEALTH_INTERVAL_S the proxy asks each
+instance's /health (which answers 503 when its engine is dead); an instance that fails it, or answers a request
+with engine_dead, takes requests only when no healthy one of its role is left.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import asyncio
 import contextlib
 import copy
 import hashlib
+import hmac
 import json
 import logging
 import re
@@ -30,7 +37,9 @@ from dataclasses import dataclass, field
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeserve.disagg import trust
 from moeserve.entrypoints.openai_protocol import APIError
 from moeserve.prefix_memory import PrefixMemory
 
@@ -41,6 +50,8 @@ DISCONNECT_POLL_S = 0.25  # how often the proxy checks that a client waiting for
 DOWN_S = 5.0  # an instance that refused a connection is tried after the others for this long
 PREFIX_CHUNK_CHARS = 256  # prompt text is remembered per prefill instance in chunks of this many characters
 MAX_PREFIX_CHUNKS = 1 << 16  # chunks remembered per instance (an LRU: an estimate of its prefix cache)
+HEALTH_INTERVAL_S = 1.0  # how often each instance's /health is asked
+HEALTH_TIMEOUT_S = 2.0  # a /health that takes longer counts as failed
 
 
 @dataclass
@@ -48,6 +59,7 @@ class Upstream:
     url: str
     load: int = 0  # prefill: prompt characters in flight; decode: active tokens in flight
     down_until: float = 0.0  # monotonic time until which a connection failure puts it last
+    healthy: bool = True  # its last /health answered 200 (its engine is alive)
     # prefill: hashes of the prompt chunks sent here
     prefixes: PrefixMemory = field(default_factory=lambda: PrefixMemory(MAX_PREFIX_CHUNKS))
 
@@ -74,10 +86,10 @@ def by_preference(pool: list[Upstream], hashes: list[bytes] = ()) -> list[Upstre
     prefix cache holds it: the next turn of a chat goes back to the instance that has its history). An
     unreachable instance must not take every request while it is the least loaded."""
     now = time.monotonic()
-    return sorted(pool, key=lambda u: (u.down_until > now, u.load - u.matched_chars(hashes)))
+    return sorted(pool, key=lambda u: (not u.healthy or u.down_until > now, u.load - u.matched_chars(hashes)))
 
 
-def _prefill_body(body: dict) -> dict:
+def _prefill_body(body: dict, secret: str) -> dict:
     """The prefill instance's copy: no streaming, KV kept for a decode instance. max_tokens, min_tokens and
     the rest stay as the client sent them, so the prefill instance refuses what the decode instance would
     (a prompt + max_tokens over the context, say) before it computes and holds KV nobody will pull; with
@@ -87,7 +99,7 @@ def _prefill_body(body: dict) -> dict:
         pre.pop("stream_options", None)  # else kept: the prefill refuses stream_options without stream
     if body.get("stream") in (None, True, False):  # anything else: the prefill refuses it as the decode would
         pre["stream"] = False
-    pre["kv_transfer_params"] = {"do_remote_decode": True}
+    pre["kv_transfer_params"] = trust.ticket(secret)  # do_remote_decode, signed: only the proxy may ask it
     return pre
 
 
@@ -106,9 +118,20 @@ def _error(message: str, status: int, param: str | None = None, code: str | None
 
 def _unreachable(role: str, urls: list[str]) -> JSONResponse:
     return _error(f"the {role} instance{'s' if len(urls) > 1 else ''} {', '.join(urls)} "
-                  f"{'are' if len(urls) > 1 else 'is'} unreachable (connection refused or failed); check that "
+                  f"{'are' if len(urls) > 1 else 'is'} unreachable (connection refused or failed, or the engine is down); "
+                  f"check that "
                   f"{'they run' if len(urls) > 1 else 'it runs'} and that the proxy's --{role} URL is right", 503,
                   code="upstream_unavailable")
+
+
+def _engine_dead(status: int, content: bytes) -> bool:
+    """An instance's answer saying its engine is down (api_server.check_engine): it did no work."""
+    if status != 503:
+        return False
+    try:
+        return json.loads(content)["error"]["code"] == "engine_dead"
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _cached_tokens(usage) -> int | None:
@@ -144,10 +167,30 @@ def _patch_event(event: bytes, cached: int | None) -> bytes:
     return b"data: " + _patch_usage(event[len(b"data: "):], cached)
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def parse_body(data: bytes):
+    """The request's JSON, or the 400 to answer: not JSON, NaN / Infinity (not JSON, and they would fail
+    re-encoding for the instances), nested too deep for the parser."""
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+        return _error(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
+    except RecursionError:
+        return _error("the request body is nested too deeply", 400, code="invalid_json")
+
+
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], timeout: float = 600.0, *, secret: str,
+                 api_key: str | None = None, instance_api_key: str | None = None) -> None:
+        """secret: the deployment's (disagg/trust.py); api_key: what clients must send the proxy;
+        instance_api_key: what the proxy sends the instances (their --api-key)."""
         if not prefill or not decode:
             raise ValueError("the proxy needs at least one --prefill and one --decode instance URL")
+        self.secret, self.api_key = secret, api_key
+        self.headers = {"Authorization": f"Bearer {instance_api_key}"} if instance_api_key else {}
         self.prefill = [Upstream(u.rstrip("/")) for u in prefill]
         self.decode = [Upstream(u.rstrip("/")) for u in decode]
         # No cap on connections: each streamed answer holds one for its whole length, and httpx's default
@@ -162,7 +205,10 @@ class Proxy:
         because nothing else watches the client while the instances work. Cancelling closes the upstream
         connections, and each instance aborts the request (its own disconnect check) and frees its blocks."""
         data = await raw.body()  # read first: is_disconnected() would swallow body chunks still to come
-        task = asyncio.ensure_future(self._handle(path, raw, data))
+        denied = self.check_auth(raw)
+        if denied is not None:
+            return denied
+        task = asyncio.ensure_future(self._handle(path, data))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -176,30 +222,38 @@ class Proxy:
             if not task.done():
                 task.cancel()
 
-    async def _handle(self, path: str, raw: Request, data: bytes):
-        try:
-            body = json.loads(data)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
+    def check_auth(self, raw: Request) -> JSONResponse | None:
+        """The 401 to answer a client without the proxy's --api-key (compared in constant time), else None."""
+        if self.api_key is None:
+            return None
+        sent = raw.headers.get("authorization", "").encode()
+        if hmac.compare_digest(sent, f"Bearer {self.api_key}".encode()):
+            return None
+        return _error("missing or wrong API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key")
+
+    async def _handle(self, path: str, data: bytes):
+        body = parse_body(data)
+        if isinstance(body, Response):
+            return body
         if not isinstance(body, dict):
             return _error("the request body must be a JSON object", 400)
         if body.get("kv_transfer_params") is not None:
             return _error("kv_transfer_params are set by the proxy; omit them", 400, param="kv_transfer_params")
-        headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+        headers = self.headers  # the deployment's credentials, never the client's
         text = _prompt_text(body)
         size, hashes = len(text), prefix_hashes(text)
         unreachable = []
         for pre in by_preference(self.prefill, hashes):
             pre.load += size
             try:
-                answer = await self._post(pre, path, _prefill_body(body), headers)
+                answer = await self._post(pre, path, _prefill_body(body, self.secret), headers)
             finally:
                 pre.load -= size
             if answer is not None:
                 if isinstance(answer, dict):  # it computed the prompt (an error answer computed nothing)
                     pre.remember(hashes)
                 break
-            unreachable.append(pre.url)  # nothing reached it: the next prefill instance may serve the request
+            unreachable.append(pre.url)  # it did no work (unreachable, engine dead): the next one may serve it
         else:
             return _unreachable("prefill", unreachable)
         if not isinstance(answer, dict):
@@ -247,7 +301,7 @@ class Proxy:
 
     async def _post(self, up: Upstream, path: str, body: dict, headers: dict):
         """The instance's JSON answer, the Response to send back when it failed, or None when it could not
-        be connected to (the request was not sent: another instance may take it)."""
+        be connected to or its engine is dead (it did no work: another instance may take it)."""
         try:
             r = await self.http.post(up.url + path, json=body, headers=headers)
         except (httpx.ConnectError, httpx.ConnectTimeout):
@@ -257,6 +311,9 @@ class Proxy:
             return _error(f"the prefill instance {up.url} failed: {type(e).__name__}: {e}", 503,
                           code="upstream_unavailable")
         up.down_until = 0.0
+        if _engine_dead(r.status_code, r.content):
+            up.healthy = False
+            return None
         if r.status_code != 200:
             return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
         try:
@@ -289,13 +346,16 @@ class Proxy:
         up.down_until = 0.0
         media = r.headers.get("content-type", "application/json")
         if r.status_code != 200 or not media.startswith("text/event-stream"):
-            if r.status_code != 200:
-                refused()
             try:
                 content = await r.aread()
             finally:
                 await r.aclose()
                 up.load -= tokens
+            if _engine_dead(r.status_code, content):  # it did not take the request: another decode may
+                up.healthy = False
+                return None
+            if r.status_code != 200:
+                refused()
             if r.status_code == 200:
                 content = _patch_usage(content, cached)
             return Response(content, r.status_code, media_type=media)
@@ -324,14 +384,29 @@ class Proxy:
 
         return StreamingResponse(stream(), media_type=media)
 
-    async def health(self) -> JSONResponse:
-        async def ok(up: Upstream) -> bool:
-            try:
-                return (await self.http.get(up.url + "/health", timeout=5.0)).status_code == 200
-            except httpx.HTTPError:
-                return False
+    async def _healthy(self, up: Upstream) -> bool:
+        try:
+            return (await self.http.get(up.url + "/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def check_health(self) -> list[bool]:
+        """Ask every instance's /health now; their `healthy` follows."""
         pools = self.prefill + self.decode
-        states = await asyncio.gather(*(ok(u) for u in pools))
+        states = await asyncio.gather(*(self._healthy(u) for u in pools))
+        for up, ok in zip(pools, states):
+            if up.healthy != ok:
+                logger.warning("instance %s is %s", up.url, "healthy again" if ok else "unhealthy: routing around it")
+            up.healthy = ok
+        return states
+
+    async def watch_health(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    async def health(self) -> JSONResponse:
+        states = await self.check_health()
         body = {"prefill": {u.url: s for u, s in zip(self.prefill, states)},
                 "decode": {u.url: s for u, s in zip(self.decode, states[len(self.prefill):])}}
         return JSONResponse(body, status_code=200 if all(states) else 503)
@@ -340,10 +415,17 @@ class Proxy:
 def build_app(proxy: Proxy) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        watcher = asyncio.ensure_future(proxy.watch_health())
         yield
+        watcher.cancel()
         await proxy.http.aclose()  # the pooled upstream connections close with the proxy
 
-    app = FastAPI(title="moeserve proxy", lifespan=lifespan)
+    app = FastAPI(title="moeserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):  # 404, 405 (with its Allow header): OpenAI bodies
+        return JSONResponse(APIError(str(e.detail), e.status_code).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -355,9 +437,11 @@ def build_app(proxy: Proxy) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(raw: Request):
-        headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+        denied = proxy.check_auth(raw)
+        if denied is not None:
+            return denied
         try:
-            r = await proxy.http.get(proxy.decode[0].url + "/v1/models", headers=headers)
+            r = await proxy.http.get(proxy.decode[0].url + "/v1/models", headers=proxy.headers)
         except httpx.HTTPError as e:
             return _error(f"the decode instance {proxy.decode[0].url} is unreachable: {e}", 503)
         return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))

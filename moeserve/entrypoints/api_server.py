@@ -49,6 +49,7 @@ class ApiServerSpec:
     eos_token_ids: list[int]
     max_model_len: int
     kv_role: str | None = None  # --kv-transfer-config kv_role (PD), None without it
+    kv_secret: str | None = None  # PD: the deployment secret that signed prefill answers (disagg/trust.py)
     default_sampling: dict | None = None  # --generation-config: defaults for fields a request leaves unset
     sock: socket.socket | None = None  # the launcher's listening socket (passed as a file descriptor)
 
@@ -173,14 +174,15 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
     async def release_kv(raw: Request):
         """PD: free the KV a prefill answer said it holds, because no decode instance will pull it (the proxy
         calls this when the decode instance refused the request or was unreachable). An abort of the
-        prefill's request id: the engine frees held blocks and ignores ids it holds nothing for."""
+        prefill's request id: the engine frees held blocks and ignores ids it holds nothing for. Only a
+        signed prefill answer of this deployment names what to free (disagg/trust.py)."""
         from moeserve.disagg.params import KVTransferParamsError, held_request_id
         check_engine()
         if spec.kv_role not in ("kv_producer", "kv_both"):
             raise APIError("this server holds no KV for decode instances: start it with --kv-transfer-config "
                            "'{\"kv_connector\": \"nixl\", \"kv_role\": \"kv_producer\"}'", param="kv_transfer_params")
         try:
-            rid = held_request_id(_json(await body(raw)))
+            rid = held_request_id(_json(await body(raw)), spec.kv_secret)
         except KVTransferParamsError as e:
             raise APIError(str(e), param="kv_transfer_params") from None
         client.abort_nowait([rid])

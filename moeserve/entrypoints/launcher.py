@@ -67,6 +67,7 @@ class Deployment:
                          model_path=path, tokenizer_path=tokenizer_path, eos_token_ids=eos,
                          max_model_len=self.config.scheduler.max_model_len,
                          kv_role=self.config.kv_transfer.kv_role if self.config.kv_transfer else None,
+                         kv_secret=self.config.kv_transfer.kv_secret if self.config.kv_transfer else None,
                          default_sampling=default_sampling(engine_args.generation_config, path))
         self.ctx = multiprocessing.get_context("spawn")
         self.engine = None

@@ -5,11 +5,18 @@ import time
 import pytest
 
 from moeserve import LLM, SamplingParams
+from moeserve.disagg import trust
 from moeserve.protocol import EngineCoreRequest
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [300, 12],
            list(range(20, 90)), [7]]
-NIXL = {"kv_connector": "nixl"}
+SECRET = "test-deployment-secret-0123456789"
+NIXL = {"kv_connector": "nixl", "kv_secret": SECRET}
+
+
+def hold():
+    """What the proxy sends a prefill instance: do_remote_decode with its signed one-use ticket."""
+    return trust.ticket(SECRET)
 
 
 def greedy(n):
@@ -42,7 +49,7 @@ def engines(ckpt_dir):
 def pd(prefill, decode, prompts, n, prefix="r"):
     for i, p in enumerate(prompts):
         prefill.add_request(EngineCoreRequest(f"{prefix}p{i}", p, greedy(1), [],
-                                              kv_transfer_params={"do_remote_decode": True}))
+                                              kv_transfer_params=hold()))
     _, done = run(prefill)
     for i, p in enumerate(prompts):
         params = done[f"{prefix}p{i}"].kv_transfer_params
@@ -76,7 +83,7 @@ def test_decode_uses_the_pulled_kv(engines):
     decode.kv.pool.reset_cache()  # an earlier test decoded this prompt: its cache would serve it, not the pull
     unified.add_request(EngineCoreRequest("cu", prompt, greedy(8), []))
     want, _ = run(unified)
-    prefill.add_request(EngineCoreRequest("cp", prompt, greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    prefill.add_request(EngineCoreRequest("cp", prompt, greedy(1), [], kv_transfer_params=hold()))
     _, done = run(prefill)
     params = done["cp"].kv_transfer_params
     for t in prefill.runner.kv_tensors():
@@ -101,7 +108,7 @@ def test_short_decode_pool_queues_pulls_and_aborts_free_blocks(ckpt_dir, engines
     assert small.kv.pool.num_free == 14
     # An abort while a pull waits for blocks or reads: its blocks come back, nothing is answered for it.
     prefill.add_request(EngineCoreRequest("ap", prompts[0], greedy(1), [],
-                                          kv_transfer_params={"do_remote_decode": True}))
+                                          kv_transfer_params=hold()))
     _, done = run(prefill)
     small.add_request(EngineCoreRequest("ad", prompts[0], greedy(12), [],
                                         kv_transfer_params=done["ap"].kv_transfer_params))
@@ -114,7 +121,7 @@ def test_short_decode_pool_queues_pulls_and_aborts_free_blocks(ckpt_dir, engines
 def test_unpulled_blocks_are_freed_after_the_hold_timeout(ckpt_dir):
     eng = LLM(ckpt_dir("v3"), dtype="float32", max_model_len=256, block_size=8,
               kv_transfer_config={**NIXL, "kv_hold_timeout": 0.2}).engine
-    eng.add_request(EngineCoreRequest("h", PROMPTS[0], greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    eng.add_request(EngineCoreRequest("h", PROMPTS[0], greedy(1), [], kv_transfer_params=hold()))
     run(eng)
     assert eng.kv_transfer.num_held == 1 and eng.kv.pool.num_free < eng.kv.pool.num_blocks
     time.sleep(0.3)
@@ -128,7 +135,7 @@ def test_an_abort_frees_kv_held_for_a_decode_instance(engines):
     stay held until kv_hold_timeout (120 s by default). Unknown ids are ignored."""
     _, prefill, _ = engines
     prefill.add_request(EngineCoreRequest("rel", list(range(400, 437)), greedy(1), [],
-                                          kv_transfer_params={"do_remote_decode": True}))
+                                          kv_transfer_params=hold()))
     run(prefill)
     blocks = len(prefill.kv.held["rel"])
     assert "rel" in prefill.kv_transfer.held_until and blocks == 5
@@ -138,31 +145,37 @@ def test_an_abort_frees_kv_held_for_a_decode_instance(engines):
     assert prefill.kv.pool.num_free == free + blocks
 
 
+def resign(params, tokens, **changes):
+    """Params altered and signed again with the deployment's secret: what only an insider could send."""
+    body = {k: v for k, v in params.items() if k not in ("remote_signature", "remote_prompt_hash", "remote_expires")}
+    return trust.sign_params(SECRET, {**body, **changes}, tokens, 60)
+
+
 def test_unreachable_prefill_engine_and_bad_params_are_errors(engines, monkeypatch):
     from moeserve.disagg import kv_transfer
     unified, prefill, decode = engines
     monkeypatch.setattr(kv_transfer, "METADATA_TIMEOUT_S", 0.5)
-    prefill.add_request(EngineCoreRequest("xp", PROMPTS[0], greedy(1), [],
-                                          kv_transfer_params={"do_remote_decode": True}))
+    prefill.add_request(EngineCoreRequest("xp", PROMPTS[0], greedy(1), [], kv_transfer_params=hold()))
     _, done = run(prefill)
     good = done["xp"].kv_transfer_params
-    gone = {**good, "remote_engine_id": "nobody", "remote_port": 9}  # nothing listens there
+    p0 = PROMPTS[0]
+    gone = resign(good, p0, remote_engine_id="nobody", remote_port=9)  # nothing listens there
     bad = {"x1": ({"do_remote_prefill": True}, "remote_engine_id"),
-           "x2": ({**good, "remote_block_ids": [0]}, "too few"),
-           "x3": ({**good, "remote_block_bytes": 4}, "KV layout"),
+           "x2": (resign(good, p0, remote_block_ids=[0]), "too few"),
+           "x3": (resign(good, p0, remote_block_bytes=4), "KV layout"),
            "x4": ({"do_remote_decode": True, "do_remote_prefill": True}, "exclude"),
            "x5": ([1, 2], "JSON object"),
-           "x6": ({"do_remote_decode": True}, "decode instance")}
+           "x6": (hold(), "decode instance"),
+           "x7": (gone, "nothing listens"),
+           "x8": (good, "another prompt")}  # the params of PROMPTS[0] with PROMPTS[1]
     for rid, (params, _) in bad.items():
-        decode.add_request(EngineCoreRequest(rid, PROMPTS[0], greedy(4), [], kv_transfer_params=params))
-    decode.add_request(EngineCoreRequest("x7", PROMPTS[0], greedy(4), [], kv_transfer_params=gone))
-    decode.add_request(EngineCoreRequest("x8", PROMPTS[1], greedy(4), [], kv_transfer_params=good))
+        decode.add_request(EngineCoreRequest(rid, PROMPTS[1] if rid == "x8" else p0, greedy(4), [],
+                                             kv_transfer_params=params))
     tokens, done = run(decode)
     for rid, (_, words) in bad.items():
         assert words in done[rid].error, (rid, done[rid].error)
-    assert "did not answer" in done["x7"].error and done["x7"].error_kind == "kv_transfer"
-    assert "prompt of" in done["x8"].error
-    unified.add_request(EngineCoreRequest("x9", PROMPTS[0], greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    assert done["x7"].error_kind == "kv_transfer"
+    unified.add_request(EngineCoreRequest("x9", PROMPTS[0], greedy(1), [], kv_transfer_params=hold()))
     _, done = run(unified)
     assert "--kv-transfer-config" in done["x9"].error
     assert decode.kv.pool.num_free == decode.kv.pool.num_blocks
@@ -212,7 +225,7 @@ def test_pd_with_a_data_parallel_instance(ckpt_dir, engines, side):
             # KV held for a decode instance that will not pull it is freed by an abort of its id, although
             # the front end forgot which rank ran it at its finish (the abort goes to every rank).
             dp.add_request(EngineCoreRequest("dprel", PROMPTS[2], greedy(1), [],
-                                             kv_transfer_params={"do_remote_decode": True}))
+                                             kv_transfer_params=hold()))
             _, done = run(dp)
             assert done["dprel"].kv_transfer_params["do_remote_prefill"]
             assert dp.stats().kv_cache_usage > 0
@@ -264,9 +277,9 @@ def test_a_held_request_id_is_not_reused(engines):
     record at its finish: the first blocks were never freed (not by a pull, not by the hold timeout)."""
     _, prefill, _ = engines
     held, free = prefill.kv_transfer.num_held, prefill.kv.pool.num_free  # other tests' KV may still wait
-    prefill.add_request(EngineCoreRequest("dup", PROMPTS[0], greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    prefill.add_request(EngineCoreRequest("dup", PROMPTS[0], greedy(1), [], kv_transfer_params=hold()))
     run(prefill)
-    prefill.add_request(EngineCoreRequest("dup", PROMPTS[2], greedy(1), [], kv_transfer_params={"do_remote_decode": True}))
+    prefill.add_request(EngineCoreRequest("dup", PROMPTS[2], greedy(1), [], kv_transfer_params=hold()))
     _, done = run(prefill)
     assert "already in use" in done["dup"].error and done["dup"].kv_transfer_params is None
     prefill.kv_transfer.held_until["dup"] = 0.0  # expire it now

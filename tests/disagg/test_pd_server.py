@@ -12,17 +12,20 @@ import httpx
 import openai
 import pytest
 
+from moeserve.disagg import trust
 from tests.entrypoints.server import ROOT, ServerProcess, stop_process
 
 COMMON = ("--max-model-len", "256", "--dtype", "float32")
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "a b c d e f g h i j k l m n o p"]
+SECRET = "test-deployment-secret-0123456789"  # the instances get it in --kv-transfer-config, the proxy in its env
 
 
 class ProxyProcess:
     READY = re.compile(r"proxy ready on (http://\S+)")
 
-    def __init__(self, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               trust.SECRET_ENV: SECRET, **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "moeserve.cli", "proxy", "--port", "0", *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.url, self.lines, ready = "", [], threading.Event()
@@ -45,7 +48,13 @@ class ProxyProcess:
 
 
 def kv(role: str) -> tuple[str, str]:
-    return "--kv-transfer-config", json.dumps({"kv_connector": "nixl", "kv_role": role})
+    return "--kv-transfer-config", json.dumps({"kv_connector": "nixl", "kv_role": role, "kv_secret": SECRET})
+
+
+def held(url: str, prompt: str = "hello") -> httpx.Response:
+    """A prefill instance's answer, asked for as the proxy does (with its signed ticket)."""
+    return httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 1, "kv_transfer_params": trust.ticket(SECRET)})
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +122,18 @@ def test_proxy_reports_the_prefill_instance_prefix_cache(pd):
 
 def test_prefill_answer_carries_kv_params_and_bad_params_are_400(pd, openai_server):
     prefill, decode, proxy = pd
-    r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
-        "prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    r = held(prefill.url)
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_num_tokens"] == r.json()["usage"]["prompt_tokens"]
     cases = [
         (prefill.url, {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": "yes"}}, "do_remote_decode"),
-        (prefill.url, {"prompt": "hi", "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, "stream"),
-        (prefill.url, {"prompt": ["a", "b"], "kv_transfer_params": {"do_remote_decode": True}}, "one prompt"),
+        (prefill.url, {"prompt": "hi", "stream": True, "kv_transfer_params": trust.ticket(SECRET)}, "stream"),
+        (prefill.url, {"prompt": ["a", "b"], "kv_transfer_params": trust.ticket(SECRET)}, "one prompt"),
+        (prefill.url, {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}}, "through the proxy"),
         (decode.url, {"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": True}}, "remote_engine_id"),
         (decode.url, {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}}, "decode instance"),
-        (decode.url, {"prompt": "hello world", "kv_transfer_params": params}, "prompt of"),
+        (decode.url, {"prompt": "hello world", "kv_transfer_params": params}, "another prompt"),
         (openai_server.url, {"prompt": "hi", "kv_transfer_params": {"do_remote_decode": True}}, "--kv-transfer-config"),
         (proxy.url, {"prompt": "hi", "kv_transfer_params": {}}, "set by the proxy"),
         (proxy.url, "not json", "JSON"),
@@ -136,15 +145,21 @@ def test_prefill_answer_carries_kv_params_and_bad_params_are_400(pd, openai_serv
         assert words in r.json()["error"]["message"], r.text
 
 
-def test_a_forged_kv_location_fails_that_request_only(pd):
+def test_a_forged_kv_location_is_refused_before_any_connection(pd):
     prefill, decode, proxy = pd
-    r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
-        "prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-    params = r.json()["kv_transfer_params"]
-    forged = {**params, "remote_kv_addrs": [a + (1 << 40) for a in params["remote_kv_addrs"]]}
+    params = held(prefill.url).json()["kv_transfer_params"]
+    for change in ({"remote_kv_addrs": [a + (1 << 40) for a in params["remote_kv_addrs"]]},
+                   {"remote_host": "10.255.255.1", "remote_port": 9}, {"remote_block_ids": [0, 1, 2]}):
+        r = httpx.post(decode.url + "/v1/completions", timeout=60,
+                       json={"prompt": "hello", "max_tokens": 4, "kv_transfer_params": {**params, **change}})
+        assert r.status_code == 400 and "signature" in r.json()["error"]["message"], r.text
+    # the genuine params still work once, for their prompt; a replay of them is refused
     r = httpx.post(decode.url + "/v1/completions", timeout=60,
-                   json={"prompt": "hello", "max_tokens": 4, "kv_transfer_params": forged})
-    assert r.status_code == 503 and r.json()["error"]["code"] == "kv_transfer", r.text
+                   json={"prompt": "hello", "max_tokens": 4, "kv_transfer_params": params})
+    assert r.status_code == 200, r.text
+    r = httpx.post(decode.url + "/v1/completions", timeout=60,
+                   json={"prompt": "hello", "max_tokens": 4, "kv_transfer_params": params})
+    assert r.status_code == 400 and "used already" in r.json()["error"]["message"], r.text
     assert complete(proxy.url, PROMPTS[0])  # the servers still serve
 
 
@@ -227,12 +242,13 @@ def test_kv_held_for_a_decode_instance_that_refuses_or_is_down_is_released_at_on
             time.sleep(0.6)  # engine gauges come with its 0.25 s heartbeat: none from before the request
             assert prefill.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0, timeout=10) == 0
         # The release endpoint itself: what it needs, and only on a prefill instance.
-        r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
-            "prompt": "hello", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-        params = r.json()["kv_transfer_params"]
+        params = held(prefill.url).json()["kv_transfer_params"]
+        unsigned = {k: v for k, v in params.items() if k != "remote_signature"}
         for url, payload, words in [
                 (prefill.url, {"kv_transfer_params": {"do_remote_decode": True}}, "prefill instance's answer"),
                 (prefill.url, {"kv_transfer_params": {**params, "remote_block_ids": "x"}}, "remote_block_ids"),
+                (prefill.url, {"kv_transfer_params": {**params, "remote_request_id": "cmpl-other"}}, "signature"),
+                (prefill.url, {"kv_transfer_params": unsigned}, "remote_signature is missing"),
                 (prefill.url, params, 'send {"kv_transfer_params"'),
                 (prefill.url, "not json", "not valid JSON"),
                 (decode.url, {"kv_transfer_params": params}, "holds no KV")]:
@@ -287,7 +303,8 @@ class FakeInstance:
                 while b"\r\n\r\n" not in data:
                     data += conn.recv(65536)
                 head, rest = data.split(b"\r\n\r\n", 1)
-                n = int(re.search(rb"(?i)content-length: (\d+)", head).group(1))
+                length = re.search(rb"(?i)content-length: (\d+)", head)  # none: the proxy's GET /health
+                n = int(length.group(1)) if length else 0
                 while len(rest) < n:
                     rest += conn.recv(65536)
                 conn.sendall(self.reply)
@@ -374,9 +391,8 @@ def test_prefix_memory_evicts_tails_first_and_skips_error_answers(monkeypatch):
     # A prefill instance that refused the request (400) computed nothing: it must not be remembered.
     def handler(request):
         return httpx.Response(400, json={"error": {"message": "bad", "param": "max_tokens"}})
-    proxy = P.Proxy(["http://pre"], ["http://dec"])
+    proxy = P.Proxy(["http://pre"], ["http://dec"], secret=SECRET)
     proxy.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    raw = type("Raw", (), {"headers": {}})()
     body = json.dumps({"prompt": "y" * 600, "max_tokens": -1}).encode()
-    answer = asyncio.run(proxy._handle("/v1/completions", raw, body))
+    answer = asyncio.run(proxy._handle("/v1/completions", body))
     assert answer.status_code == 400 and not proxy.prefill[0].prefixes
