@@ -33,6 +33,7 @@ logger = logging.getLogger("moeserve.serve")
 class Deployment:
     def __init__(self, engine_args: EngineArgs, server: ServerConfig, ready_timeout: float = 600.0) -> None:
         from moeserve.engine.launch import TorchrunEnv, check_parallel_layout, needs_ranks
+        from moeserve.engine.resolve import resolve_engine_config
         from moeserve.generation_defaults import default_sampling, read_generation_config
         from moeserve.models.config import DeepseekArch
         from moeserve.tokenizer import eos_token_ids, load_tokenizer
@@ -41,7 +42,7 @@ class Deployment:
         self.ready_timeout = ready_timeout
         path = engine_args.model
         arch = DeepseekArch.from_pretrained(path)
-        self.config = engine_args.create_config(arch.max_position_embeddings)
+        self.config = resolve_engine_config(engine_args, arch.max_position_embeddings)
         if needs_ranks(self.config.parallel, TorchrunEnv.detect()):
             check_parallel_layout(self.config, arch)  # here, not as a failure in the engine-core process
         tokenizer_path = self.config.model.tokenizer or path
