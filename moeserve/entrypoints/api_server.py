@@ -45,6 +45,7 @@ class ApiServerSpec:
     max_model_len: int
     kv_role: str | None = None  # --kv-transfer-config kv_role (PD), None without it
     default_sampling: dict | None = None  # --generation-config: defaults for fields a request leaves unset
+    cache_info: dict | None = None  # the cache configuration under vLLM's names (vllm:cache_config_info)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -225,7 +226,7 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [api server {spec.index}] %(message)s")
     tokenizer = load_tokenizer(spec.tokenizer_path)
-    metrics = ServerMetrics(cfg.served_model_name, spec.index)
+    metrics = ServerMetrics(cfg.served_model_name, spec.index, spec.max_model_len, spec.cache_info)
     client = EngineClient(spec.engine_address, tokenizer, spec.eos_token_ids, spec.index, metrics)
     sock = listen_socket(cfg.host, cfg.port)
     app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)

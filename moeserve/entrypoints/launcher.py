@@ -34,6 +34,7 @@ class Deployment:
     def __init__(self, engine_args: EngineArgs, server: ServerConfig, ready_timeout: float = 600.0) -> None:
         from moeserve.engine.launch import TorchrunEnv, check_parallel_layout, needs_ranks
         from moeserve.engine.resolve import resolve_engine_config
+        from moeserve.entrypoints.metrics import cache_config_info
         from moeserve.generation_defaults import default_sampling, read_generation_config
         from moeserve.models.config import DeepseekArch
         from moeserve.tokenizer import eos_token_ids, load_tokenizer
@@ -55,7 +56,8 @@ class Deployment:
                          model_path=path, tokenizer_path=tokenizer_path, eos_token_ids=eos,
                          max_model_len=self.config.scheduler.max_model_len,
                          kv_role=self.config.kv_transfer.kv_role if self.config.kv_transfer else None,
-                         default_sampling=default_sampling(engine_args.generation_config, path))
+                         default_sampling=default_sampling(engine_args.generation_config, path),
+                         cache_info=cache_config_info(self.config))
         self.ctx = multiprocessing.get_context("spawn")
         self.engine = None
         self.api_servers: list = []
