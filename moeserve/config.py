@@ -1,7 +1,8 @@
 """Engine configuration: frozen dataclasses, one per concern, validated on construction.
 
 Every field of EngineArgs is both a CLI flag (`--max-num-seqs`) and an `LLM(max_num_seqs=...)` keyword,
-as in vLLM. EngineArgs.create_config() turns it into the frozen EngineConfig the engine runs with.
+as in vLLM. EngineArgs.create_config() turns it into the frozen EngineConfig the engine runs with; this module is plain
+data and imports no models/, layers/ or engine/ code (engine/resolve.py does the checkpoint lookups).
 """
 from __future__ import annotations
 
@@ -440,19 +441,19 @@ class EngineArgs:
     def from_cli(cls, ns, model: str | None) -> "EngineArgs":
         return cls(model=model, **{k: v for k, v in vars(ns).items() if k in cls.field_names() and k != "model"})
 
-    def create_config(self, model_max_len: int) -> EngineConfig:
-        """Resolve defaults that depend on the checkpoint (its context length) and validate."""
-        from moeserve.models.quantization import resolve_quant_config
-        from moeserve.models.registry import resolve_model_path
-
+    def create_config(self, model_max_len: int, quant: QuantConfig | None = None) -> EngineConfig:
+        """Validate into the frozen EngineConfig. Plain data: the checkpoint-dependent parts (the model
+        folder, its context length, the quantization it implies) are resolved by the caller, see
+        engine/resolve.py; without `quant` only --quantization counts."""
         _check_field_types(self)  # fields may have been set after construction
+        _require(self.model is not None, "EngineArgs.model must be a checkpoint folder here "
+                 "(engine/resolve.py resolve_engine_config resolves None to the bundled model)")
         # `is None`, not `or`: an explicit 0 is an error (SchedulerConfig), not the model's maximum.
         max_len = model_max_len if self.max_model_len is None else self.max_model_len
         _require(max_len <= model_max_len,
                  f"--max-model-len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
-        path = resolve_model_path(self.model)
         return EngineConfig(
-            model=ModelConfig(model=path, dtype=self.dtype,
+            model=ModelConfig(model=self.model, dtype=self.dtype,
                               tokenizer=self.tokenizer, seed=self.seed),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               kv_cache_memory=self.kv_cache_memory,
@@ -463,7 +464,7 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill),
             parallel=ParallelConfig(**{f.name: getattr(self, f.name)
                                        for f in dataclasses.fields(ParallelConfig)}),
-            quant=resolve_quant_config(self.quantization, path),
+            quant=quant if quant is not None else QuantConfig(method=self.quantization),
             speculative=SpeculativeConfig.from_value(self.speculative_config),
             kv_transfer=self._kv_transfer(),
         )

@@ -9,8 +9,9 @@ from tqdm import tqdm
 from moeserve.config import EngineArgs
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.request import RequestStatus
-from moeserve.models.config import DeepseekArch
+from moeserve.engine.resolve import resolve_engine_config
 from moeserve.models.registry import resolve_model_path
+from moeserve.models.config import DeepseekArch
 from moeserve.outputs import CompletionOutput, RequestOutput
 from moeserve.protocol import EngineCoreRequest
 from moeserve.sampling_params import SamplingParams
@@ -25,9 +26,8 @@ class LLM:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(sorted(unknown))}")
         self.args = EngineArgs(model=model, **kwargs)
         path = resolve_model_path(model)
-        self.args.model = path
         self.arch = DeepseekArch.from_pretrained(path)
-        self.config = self.args.create_config(self.arch.max_position_embeddings)
+        self.config = resolve_engine_config(self.args, self.arch.max_position_embeddings)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, read_generation_config(path))
         self.default_sampling = default_sampling(self.args.generation_config, path)

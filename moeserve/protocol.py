@@ -35,6 +35,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None  # set when the request was rejected
     error_kind: str | None = None  # "invalid" (the request can never run) or "overloaded" (retry later)
     kv_transfer_params: dict | None = None  # a finished do_remote_decode request: what a decode instance pulls
+    queue_time: float = 0.0  # with a request's first tokens: seconds from its arrival in the engine to its first step
 
 
 class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):

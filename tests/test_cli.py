@@ -87,8 +87,8 @@ def test_llm_keyword_types_are_checked(ckpt_dir, kwargs, message):
 
 def test_max_model_len_zero_is_refused_and_none_is_the_model_maximum():
     with pytest.raises(ConfigError, match="--max-model-len must be >= 2, got 0"):
-        EngineArgs(max_model_len=0).create_config(512)
-    assert EngineArgs(distributed_timeout=5).create_config(512).scheduler.max_model_len == 512
+        EngineArgs(model="m", max_model_len=0).create_config(512)
+    assert EngineArgs(model="m", distributed_timeout=5).create_config(512).scheduler.max_model_len == 512
 
 
 @pytest.mark.parametrize("command", [["generate"], ["serve"], ["eval-quant"], ["quantize"], ["bench", "serve"]])

@@ -1,7 +1,8 @@
 """Speculative-decoding and prefix-cache figures of a benchmark run, from the server's /metrics before and
 after it.
 
-The engine counts cumulatively (moeserve:spec_decode_* counters, see entrypoints/metrics.py); the run's
+The engine counts cumulatively (vLLM's vllm:spec_decode_* counters and moeserve:spec_decode_num_draft_tokens_per_pos, see
+entrypoints/metrics.py); the run's
 share is the difference. acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted /
 drafts (tokens per verification step, vLLM's definition); per-position acceptance = accepted at draft
 position j / drafts verified at position j. Prefix-cache hit rate = hits / queries (prompt tokens) over the run.
@@ -11,8 +12,9 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-PREFIX = "moeserve:spec_decode_"
-CACHE_PREFIX = "moeserve:prefix_cache_"
+PREFIX = "vllm:spec_decode_"
+OWN_PREFIX = "moeserve:spec_decode_"  # moeserve's drafts-per-position counter, beside vLLM's
+CACHE_PREFIX = "vllm:prefix_cache_"
 
 
 def scrape(base_url: str, headers: dict) -> dict[str, float]:
@@ -27,12 +29,13 @@ def scrape(base_url: str, headers: dict) -> dict[str, float]:
     try:
         for family in text_string_to_metric_families(r.text):
             for s in family.samples:
-                if s.name.startswith(PREFIX) and s.name.endswith("_total"):
-                    key = s.name[len(PREFIX):-len("_total")] + (f"@{s.labels['position']}"
+                prefix = next((p for p in (PREFIX, OWN_PREFIX) if s.name.startswith(p)), None)
+                if prefix and s.name.endswith("_total"):
+                    key = s.name[len(prefix):-len("_total")] + (f"@{s.labels['position']}"
                                                                 if "position" in s.labels else "")
                     out[key] = out.get(key, 0.0) + s.value
                 elif s.name.startswith(CACHE_PREFIX) and s.name.endswith("_total"):
-                    key = s.name[len("moeserve:"):-len("_total")]  # prefix_cache_queries / _hits
+                    key = s.name[len("vllm:"):-len("_total")]  # prefix_cache_queries / _hits
                     out[key] = out.get(key, 0.0) + s.value
     except ValueError:  # not Prometheus text
         return {}

@@ -6,6 +6,7 @@ EngineCoreRequest, results go out as EngineCoreOutput (both msgspec structs, see
 from __future__ import annotations
 
 import logging
+import time
 
 from moeserve.config import EngineConfig
 from moeserve.engine.kv_cache import KVCacheManager
@@ -139,6 +140,7 @@ class EngineCore:
             if lockstep:
                 self.runner.execute_dummy()
             return outputs
+        _stamp_first_scheduled(sched_out)
         result = self.runner.execute(sched_out)
         if result.prompt_logprobs:  # kept on every TP rank alike: the next step's rows depend on them
             for s in sched_out.scheduled:
@@ -167,7 +169,8 @@ class EngineCore:
                 num_cached_tokens=req.num_cached_tokens,
                 prompt_logprobs=[TokenLogprobsMsg(lp.token_id, lp.logprob, lp.top) for lp in req.prompt_logprobs]
                 if first and req.sampling_params.prompt_logprobs is not None else None,
-                kv_transfer_params=self.kv_transfer.export(req) if fin and req.hold_kv else None))
+                kv_transfer_params=self.kv_transfer.export(req) if fin and req.hold_kv else None,
+                queue_time=_queue_time(req) if first else 0.0))
             if fin:
                 self.runner.release(req.request_id)
         return outputs
@@ -209,3 +212,15 @@ class EngineCore:
                            spec_accepted_per_position=list(spec.accepted_per_position),
                            spec_drafts_per_position=list(spec.drafts_per_position),
                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
+
+
+def _stamp_first_scheduled(sched_out: SchedulerOutput) -> None:
+    now = time.monotonic()
+    for s in sched_out.scheduled:
+        if s.request.first_scheduled_time is None:
+            s.request.first_scheduled_time = now
+
+
+def _queue_time(req: Request) -> float:
+    """Seconds the request waited in the engine before its first step (vLLM's request_queue_time)."""
+    return max(0.0, (req.first_scheduled_time or req.arrival_time) - req.arrival_time)

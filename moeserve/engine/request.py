@@ -46,6 +46,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     # prompt_logprobs: entries for prompt tokens 1.. computed so far (kept over preemption; sent with token 1)
     prompt_logprobs: list = field(default_factory=list)
+    first_scheduled_time: float | None = None  # time.monotonic() of its first step (queue-time metric)
     grammar: object = None  # structured output: a structured.grammar.GrammarMatcher, set by the engine core
 
     def __post_init__(self) -> None:

@@ -52,6 +52,7 @@ class ApiServerSpec:
     kv_secret: str | None = None  # PD: the deployment secret that signed prefill answers (disagg/trust.py)
     default_sampling: dict | None = None  # --generation-config: defaults for fields a request leaves unset
     sock: socket.socket | None = None  # the launcher's listening socket (passed as a file descriptor)
+    cache_info: dict | None = None  # the cache configuration under vLLM's names (vllm:cache_config_info)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -310,7 +311,7 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
     logging.basicConfig(level=cfg.log_level.upper(),
                         format=f"%(asctime)s %(levelname)s [api server {spec.index}] %(message)s")
     tokenizer = load_tokenizer(spec.tokenizer_path)
-    metrics = ServerMetrics(cfg.served_model_name, spec.index)
+    metrics = ServerMetrics(cfg.served_model_name, spec.index, spec.max_model_len, spec.cache_info)
     client = EngineClient(spec.engine_address, tokenizer, spec.eos_token_ids, spec.index, metrics,
                           stall_timeout=cfg.engine_stall_timeout)
     sock = spec.sock if spec.sock is not None else listen_socket(cfg.host, cfg.port)

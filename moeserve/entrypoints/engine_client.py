@@ -52,6 +52,8 @@ class _Stream:
     first: float | None = None
     last: float | None = None
     num_tokens: int = 0
+    num_cached: int = 0  # prompt tokens the prefix cache served (from the first output)
+    queue_time: float = 0.0  # seconds in the engine's queue before the first step (from the first output)
 
 
 class EngineClient:
@@ -104,6 +106,8 @@ class EngineClient:
                 kind, payload = await self.sock.recv_multipart()
                 if kind == MSG_HELLO:
                     self.ready = msgspec.msgpack.decode(payload, type=EngineCoreReady)
+                    if self.metrics:
+                        self.metrics.engine_ready(self.ready.num_kv_blocks)
                     return True
         return False
 
@@ -185,6 +189,8 @@ class EngineClient:
         st = _Stream(asyncio.Queue(), len(prompt_token_ids))
         self.streams[request_id] = st
         self.processor.add(request_id, params, len(prompt_token_ids))
+        if self.metrics:
+            self.metrics.observe_request(params)
         outcome = "abort"
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
@@ -224,6 +230,7 @@ class EngineClient:
                     self.metrics.set_engine_stats(batch.stats)
             aborts = []
             now = time.perf_counter()
+            step_tokens = 0
             for out in batch.outputs:
                 st = self.streams.get(out.request_id)
                 if st is None or out.request_id not in self.processor.states:
@@ -235,18 +242,26 @@ class EngineClient:
                 delta, hit_stop = self.processor.process(out)
                 if hit_stop:
                     aborts.append(out.request_id)
-                self._record_timing(st, len(out.new_token_ids), now)
+                step_tokens += self._record_timing(st, out, now)
                 st.queue.put_nowait(delta)
+            if self.metrics:
+                self.metrics.observe_iteration(step_tokens)
             self.abort_nowait(aborts)
 
-    def _record_timing(self, st: _Stream, n: int, now: float) -> None:
+    def _record_timing(self, st: _Stream, out, now: float) -> int:
+        """Timings and token counts of one output; returns the tokens the step computed for it (vLLM's
+        iteration tokens: the prompt's uncached tokens with its first token, then the new tokens)."""
+        n = len(out.new_token_ids)
         if n == 0:
-            return
+            return 0
+        computed = n
         if st.first is None:
-            st.first = now
+            st.first, st.num_cached, st.queue_time = now, out.num_cached_tokens, out.queue_time
+            computed += st.prompt_len - out.num_cached_tokens
             if self.metrics:
-                self.metrics.ttft.observe(now - st.arrival)
+                self.metrics.observe_first_token(st)
         elif self.metrics:
             self.metrics.itl.observe(now - st.last)
         st.last = now
         st.num_tokens += n
+        return computed

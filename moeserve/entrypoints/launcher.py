@@ -46,6 +46,8 @@ ENGINE_STOP_S = 10.0  # after SIGTERM, before SIGKILL
 class Deployment:
     def __init__(self, engine_args: EngineArgs, server: ServerConfig, ready_timeout: float = 600.0) -> None:
         from moeserve.engine.launch import TorchrunEnv, check_parallel_layout, needs_ranks
+        from moeserve.engine.resolve import resolve_engine_config
+        from moeserve.entrypoints.metrics import cache_config_info
         from moeserve.generation_defaults import default_sampling, read_generation_config
         from moeserve.models.config import DeepseekArch
         from moeserve.tokenizer import eos_token_ids, load_tokenizer
@@ -54,7 +56,7 @@ class Deployment:
         self.ready_timeout = ready_timeout
         path = engine_args.model
         arch = DeepseekArch.from_pretrained(path)
-        self.config = engine_args.create_config(arch.max_position_embeddings)
+        self.config = resolve_engine_config(engine_args, arch.max_position_embeddings)
         if needs_ranks(self.config.parallel, TorchrunEnv.detect()):
             check_parallel_layout(self.config, arch)  # here, not as a failure in the engine-core process
         tokenizer_path = self.config.model.tokenizer or path
@@ -68,7 +70,8 @@ class Deployment:
                          max_model_len=self.config.scheduler.max_model_len,
                          kv_role=self.config.kv_transfer.kv_role if self.config.kv_transfer else None,
                          kv_secret=self.config.kv_transfer.kv_secret if self.config.kv_transfer else None,
-                         default_sampling=default_sampling(engine_args.generation_config, path))
+                         default_sampling=default_sampling(engine_args.generation_config, path),
+                         cache_info=cache_config_info(self.config))
         self.ctx = multiprocessing.get_context("spawn")
         self.engine = None
         self.engine_started = 0.0

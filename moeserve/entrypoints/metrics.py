@@ -1,68 +1,140 @@
-"""Prometheus metrics of the API servers (prometheus-client, multiprocess mode).
+"""Prometheus metrics of the API servers (prometheus-client, multiprocess mode), under vLLM's names.
+
+Everything vLLM also measures carries vLLM's name, labels (model_name, engine) and buckets, so vLLM's
+Grafana dashboards, aiperf and vLLM-aware routers read moeserve unchanged; what only moeserve has sits
+beside them with the `moeserve:` prefix (engine_alive, http_errors, spec-decode drafts per position).
 
 With several API-server processes each one writes its own counters and histograms to files in
 PROMETHEUS_MULTIPROC_DIR (the launcher sets it before any server starts) and /metrics in any of them sums
 them up. Engine-wide gauges (running, waiting, KV usage) come from the engine core's stats, which every
 API server receives; they use the "mostrecent" mode so the freshest report wins instead of being summed.
 The engine's cumulative counts (preemptions, prefix-cache queries and hits, speculative-decoding drafts and
-acceptances) are turned into counter increments by API server 0 only.
-Names follow vLLM's (vllm:... -> moeserve:...).
+acceptances) are turned into counter increments by API server 0 only. Per-request timings follow vLLM's
+phases: queue = arrival in the engine -> first step, prefill = first step -> first token, decode = first
+-> last token, inference = prefill + decode.
 """
 from __future__ import annotations
 
 import os
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 from moeserve.protocol import EngineStats
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+# vLLM's bucket families (vllm/v1/metrics/buckets.py), so histograms from both aggregate alike.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
+FINISHED_REASONS = ("stop", "length", "abort", "error")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's request-token buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
+def cache_config_info(config) -> dict[str, str]:
+    """The labels of vllm:cache_config_info from an EngineConfig (vLLM's CacheConfig field names)."""
+    c = config.cache
+    return {"block_size": str(c.block_size), "cache_dtype": getattr(c, "cache_dtype", "auto"),
+            "enable_prefix_caching": str(c.enable_prefix_caching),
+            "kv_cache_memory_bytes": str(c.kv_cache_memory),
+            "num_gpu_blocks_override": str(c.num_kv_blocks)}
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, client_index: int = 0) -> None:
+    def __init__(self, model_name: str, client_index: int = 0, max_model_len: int = 4096,
+                 cache_info: dict | None = None) -> None:
         self.client_index = client_index
-        self._preemptions_seen: int | None = None
-        m = {"labelnames": ["model_name"]}
+        self._model = model_name
+        self._labels = {"model_name": model_name, "engine": "0"}  # one engine front (DP ranks summed)
+        self._cache_info = {k: str(v) for k, v in (cache_info or {}).items()}
+        names = list(self._labels)
+        gauge = {"multiprocess_mode": "mostrecent", "labelnames": names}
+        tokens = build_1_2_5_buckets(max_model_len)
 
-        def labelled(metric):
-            return metric.labels(model_name=model_name)
+        def counter(name, doc):
+            return Counter(name, doc, names).labels(**self._labels)
 
-        self.requests = Counter("moeserve:request_success", "Finished requests by outcome (stop, length, "
-                                "abort = client gone, error = rejected)", ["model_name", "outcome"])
-        self._requests_by = {o: self.requests.labels(model_name=model_name, outcome=o)
-                             for o in ("stop", "length", "abort", "error")}
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, names, buckets=buckets).labels(**self._labels)
+
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                             **gauge).labels(**self._labels)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                             **gauge).labels(**self._labels)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                              **gauge).labels(**self._labels)
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local + external).")
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            names + ["source"])
+        self.prompt_by_source = {s: by_source.labels(**self._labels, source=s) for s in PROMPT_SOURCES}
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          names + ["finished_reason"])
+        self._success = {r: success.labels(**self._labels, finished_reason=r) for r in FINISHED_REASONS}
+        self.prefix_cache = {
+            "prefix_cache_queries": counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens."),
+            "prefix_cache_hits": counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")}
+        self.prompt_len = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", tokens)
+        self.out_len = histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                 tokens)
+        self.max_tokens_param = histogram("vllm:request_params_max_tokens",
+                                          "Histogram of the max_tokens request parameter.", tokens)
+        self.n_param = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                 REQUEST_PARAMS_N_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.phases = {p: histogram(f"vllm:{n}", d, REQUEST_LATENCY_BUCKETS) for p, n, d in (
+            ("e2e", "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds."),
+            ("queue", "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
+            ("inference", "request_inference_time_seconds",
+             "Histogram of time spent in RUNNING phase for request."),
+            ("prefill", "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
+            ("decode", "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."))}
+        self.prefill_computed = histogram("vllm:request_prefill_kv_computed_tokens",
+                                          "Histogram of new KV tokens computed during prefill "
+                                          "(excluding cached tokens).", tokens)
+        self.spec = SpecDecodeMetrics(self._labels)
+        # moeserve's own, beside vLLM's
+        self.engine_alive = Gauge("moeserve:engine_alive", "1 while the engine core answers",
+                                  **gauge).labels(**self._labels)
         self.http_errors = Counter("moeserve:http_errors", "HTTP requests answered with an error",
                                    ["model_name", "status"])
-        self._model = model_name
-        self.prompt_tokens = labelled(Counter("moeserve:prompt_tokens", "Prefilled prompt tokens", **m))
-        self.generation_tokens = labelled(Counter("moeserve:generation_tokens", "Generated tokens", **m))
-        self.preemptions = labelled(Counter("moeserve:num_preemptions", "Preempted requests (engine)", **m))
-        self.spec = SpecDecodeMetrics(model_name)
-        # Prefix caching in prompt tokens (vLLM's prefix_cache_queries / _hits): hit rate = hits / queries.
-        self.prefix_cache = {f: labelled(Counter(f"moeserve:{f}", d, **m)) for f, d in (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache"))}
+        self._preemptions_seen: int | None = None
         self._prefix_seen = dict.fromkeys(self.prefix_cache, 0)  # the engine counts from its start
-        gauge = {"multiprocess_mode": "mostrecent", **m}
-        self.running = labelled(Gauge("moeserve:num_requests_running", "Requests in the running batch", **gauge))
-        self.waiting = labelled(Gauge("moeserve:num_requests_waiting", "Requests waiting to run", **gauge))
-        self.kv_usage = labelled(Gauge("moeserve:kv_cache_usage_perc", "Fraction of KV blocks in use", **gauge))
-        self.engine_alive = labelled(Gauge("moeserve:engine_alive", "1 while the engine core answers", **gauge))
-        self.ttft = labelled(Histogram("moeserve:time_to_first_token_seconds", "Time to first token", **m,
-                                       buckets=LATENCY_BUCKETS))
-        self.tpot = labelled(Histogram("moeserve:request_time_per_output_token_seconds",
-                                       "Per request: (last token - first token) / (output tokens - 1)", **m,
-                                       buckets=LATENCY_BUCKETS))
-        self.itl = labelled(Histogram("moeserve:inter_token_latency_seconds", "Time between token batches", **m,
-                                      buckets=LATENCY_BUCKETS))
-        self.e2e = labelled(Histogram("moeserve:e2e_request_latency_seconds", "Arrival to last token", **m,
-                                      buckets=LATENCY_BUCKETS))
-        self.out_len = labelled(Histogram("moeserve:request_generation_tokens", "Output tokens per request", **m,
-                                          buckets=TOKEN_BUCKETS))
         self.engine_alive.set(1)
+
+    def engine_ready(self, num_kv_blocks: int) -> None:
+        """vllm:cache_config_info: a gauge at 1 whose labels are the cache configuration (as vLLM's)."""
+        info = {**self._cache_info, "num_gpu_blocks": str(num_kv_blocks), "engine": "0"}
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+              list(info), multiprocess_mode="mostrecent").labels(**info).set(1)
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
@@ -72,26 +144,52 @@ class ServerMetrics:
             if self._preemptions_seen is not None and stats.num_preemptions > self._preemptions_seen:
                 self.preemptions.inc(stats.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = stats.num_preemptions
-            for f, counter in self.prefix_cache.items():
+            for f, c in self.prefix_cache.items():
                 value = getattr(stats, f)
                 if value > self._prefix_seen[f]:
-                    counter.inc(value - self._prefix_seen[f])
+                    c.inc(value - self._prefix_seen[f])
                     self._prefix_seen[f] = value
             self.spec.update(stats)
 
-    def observe_finished(self, st, outcome: str) -> None:
-        """st: the engine client's per-request timing record (_Stream)."""
-        import time
+    def observe_request(self, params) -> None:
+        """A request's sampling parameters as it arrives."""
+        if params.max_tokens is not None:
+            self.max_tokens_param.observe(params.max_tokens)
+        self.n_param.observe(params.n)
 
-        self._requests_by.get(outcome, self._requests_by["error"]).inc()
+    def observe_iteration(self, num_tokens: int) -> None:
+        """Tokens one engine step computed for this server's requests (prompt tokens not cached + new ones)."""
+        if num_tokens > 0:
+            self.iteration_tokens.observe(num_tokens)
+
+    def observe_first_token(self, st) -> None:
+        """st: the engine client's per-request record (_Stream) when its first tokens came."""
+        self.ttft.observe(st.first - st.arrival)
+        computed = st.prompt_len - st.num_cached
+        self.prompt_tokens.inc(st.prompt_len)
+        self.prompt_tokens_cached.inc(st.num_cached)
+        self.prompt_by_source["local_compute"].inc(computed)
+        self.prompt_by_source["local_cache_hit"].inc(st.num_cached)
+
+    def observe_finished(self, st, outcome: str) -> None:
+        """st: the engine client's per-request timing record (_Stream); outcome: stop, length, abort, error."""
+        self._success.get(outcome, self._success["error"]).inc()
         if outcome == "error":
             return
-        self.prompt_tokens.inc(st.prompt_len)
+        now = time.perf_counter()
         self.generation_tokens.inc(st.num_tokens)
         self.out_len.observe(st.num_tokens)
-        self.e2e.observe(time.perf_counter() - st.arrival)
-        if st.num_tokens > 1 and st.first is not None:
-            self.tpot.observe((st.last - st.first) / (st.num_tokens - 1))
+        self.prompt_len.observe(st.prompt_len)
+        self.phases["e2e"].observe(now - st.arrival)
+        if st.first is None:  # aborted before its first token: it waited (or prefilled) all along
+            return
+        self.prefill_computed.observe(st.prompt_len - st.num_cached)
+        prefill = max(0.0, st.first - st.arrival - st.queue_time)
+        decode = st.last - st.first
+        for phase, value in (("queue", st.queue_time), ("prefill", prefill), ("decode", decode),
+                             ("inference", prefill + decode)):
+            self.phases[phase].observe(value)
+        self.tpot.observe(decode / (st.num_tokens - 1) if st.num_tokens > 1 else 0.0)
 
     def http_error(self, status: int) -> None:
         self.http_errors.labels(model_name=self._model, status=str(status)).inc()
@@ -101,21 +199,22 @@ class SpecDecodeMetrics:
     """vLLM's spec-decode counters from the engine's cumulative EngineStats.spec_* fields.
 
     acceptance rate = accepted_tokens / draft_tokens; mean accepted length = 1 + accepted_tokens / drafts;
-    per-position acceptance = accepted_tokens_per_pos{position=j} / drafts reaching position j.
+    per-position acceptance = accepted_tokens_per_pos{position=j} / drafts reaching position j (the latter
+    is moeserve's: moeserve:spec_decode_num_draft_tokens_per_pos).
     """
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, labels: dict[str, str]) -> None:
         self._seen: dict[str, int] = {}  # the engine counts from its start, as these counters do
-        lab = {"model_name": model_name}
-        names = {"spec_num_drafts": ("moeserve:spec_decode_num_drafts", "Request-steps that verified drafts"),
-                 "spec_num_draft_tokens": ("moeserve:spec_decode_num_draft_tokens", "Draft tokens verified"),
-                 "spec_num_accepted_tokens": ("moeserve:spec_decode_num_accepted_tokens", "Draft tokens accepted")}
-        self.totals = {f: Counter(n, d, ["model_name"]).labels(**lab) for f, (n, d) in names.items()}
-        self.per_pos = Counter("moeserve:spec_decode_num_accepted_tokens_per_pos",
-                               "Drafts accepted at each draft position", ["model_name", "position"])
+        self._labels = labels
+        names = list(labels)
+        docs = {"spec_num_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                "spec_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                "spec_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")}
+        self.totals = {f: Counter(n, d, names).labels(**labels) for f, (n, d) in docs.items()}
+        self.per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                               names + ["position"])
         self.drafts_per_pos = Counter("moeserve:spec_decode_num_draft_tokens_per_pos",
-                                      "Drafts verified at each draft position", ["model_name", "position"])
-        self._model = model_name
+                                      "Drafts verified at each draft position", names + ["position"])
 
     def update(self, stats: EngineStats) -> None:
         now = {f: getattr(stats, f) for f in self.totals}
@@ -131,7 +230,7 @@ class SpecDecodeMetrics:
         if key in self.totals:
             return self.totals[key]
         metric = self.per_pos if key.startswith("acc") else self.drafts_per_pos
-        return metric.labels(model_name=self._model, position=key.lstrip("acdrfts"))
+        return metric.labels(**self._labels, position=key.lstrip("acdrfts"))
 
 
 def render() -> bytes:

@@ -205,7 +205,7 @@ def test_kv_transfer_config_errors_name_the_flag():
         with pytest.raises(ConfigError, match=words):
             KVTransferConfig.from_value(value)
     with pytest.raises(ConfigError, match="tensor-parallel-size"):
-        EngineArgs(model=None, tensor_parallel_size=2, kv_transfer_config=NIXL).create_config(256)
+        EngineArgs(model="m", tensor_parallel_size=2, kv_transfer_config=NIXL).create_config(256)
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])

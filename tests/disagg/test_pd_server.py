@@ -213,7 +213,7 @@ def test_what_the_decode_instance_refuses_is_refused_before_the_prefill_holds_kv
     # KV held on the prefill instance for kv_hold_timeout (120 s), one prefill's worth per bad request.
     prefill, _, proxy = pd
     time.sleep(0.6)
-    before = prefill.metric("moeserve:kv_cache_usage_perc")
+    before = prefill.metric("vllm:kv_cache_usage_perc")
     for body, param in [({"prompt": "hello", "max_tokens": 300}, "max_tokens"),
                         ({"prompt": "hello", "max_tokens": 4, "min_tokens": 8}, "min_tokens"),
                         ({"prompt": "hello", "stream_options": {"include_usage": True}}, "stream_options"),
@@ -222,7 +222,7 @@ def test_what_the_decode_instance_refuses_is_refused_before_the_prefill_holds_kv
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
         assert "kv_transfer_params" not in r.json()["error"]["message"], r.text  # the client never sent them
     time.sleep(0.6)  # engine gauges come with its 0.25 s heartbeat
-    assert prefill.metric("moeserve:kv_cache_usage_perc") <= before
+    assert prefill.metric("vllm:kv_cache_usage_perc") <= before
 
 
 def test_kv_held_for_a_decode_instance_that_refuses_or_is_down_is_released_at_once(ckpt_dir):
@@ -240,7 +240,7 @@ def test_kv_held_for_a_decode_instance_that_refuses_or_is_down_is_released_at_on
             r = httpx.post(proxy.url + "/v1/completions", timeout=60, json=body)
             assert r.status_code == status and r.json()["error"]["code"] == code, r.text
             time.sleep(0.6)  # engine gauges come with its 0.25 s heartbeat: none from before the request
-            assert prefill.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0, timeout=10) == 0
+            assert prefill.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=10) == 0
         # The release endpoint itself: what it needs, and only on a prefill instance.
         params = held(prefill.url).json()["kv_transfer_params"]
         unsigned = {k: v for k, v in params.items() if k != "remote_signature"}
@@ -257,7 +257,7 @@ def test_kv_held_for_a_decode_instance_that_refuses_or_is_down_is_released_at_on
             assert r.status_code == 400 and words in r.json()["error"]["message"], (payload, r.text)
         r = httpx.post(prefill.url + "/kv_transfer/release", timeout=10, json={"kv_transfer_params": params})
         assert r.status_code == 200 and r.json() == {"released": params["remote_request_id"]}, r.text
-        assert prefill.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0, timeout=10) == 0
+        assert prefill.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=10) == 0
     finally:
         for p in (*proxies, decode, prefill):
             p.stop()
@@ -267,19 +267,19 @@ def test_a_client_leaving_a_json_request_aborts_it_at_the_decode_instance(pd):
     # Nothing watched the client of a non-streaming request: the decode instance generated all of it for nobody.
     import socket
     _, decode, proxy = pd
-    aborted = decode.metric("moeserve:request_success_total", outcome="abort")
+    aborted = decode.metric("vllm:request_success_total", finished_reason="abort")
     body = json.dumps({"prompt": "hi", "max_tokens": 240, "ignore_eos": True})
     host, port = proxy.url.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)))
     sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
-    assert decode.wait_metric("moeserve:num_requests_running", lambda v: v >= 1) >= 1
+    assert decode.wait_metric("vllm:num_requests_running", lambda v: v >= 1) >= 1
     sock.close()
     deadline = time.monotonic() + 15
-    while decode.metric("moeserve:request_success_total", outcome="abort") == aborted and time.monotonic() < deadline:
+    while decode.metric("vllm:request_success_total", finished_reason="abort") == aborted and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert decode.metric("moeserve:request_success_total", outcome="abort") == aborted + 1
-    assert decode.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0) == 0
+    assert decode.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
+    assert decode.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0) == 0
 
 
 class FakeInstance:
@@ -362,7 +362,7 @@ def test_sixteen_concurrent_requests_through_the_proxy_equal_a_unified_server(pd
 
     got, want = asyncio.run(main())
     assert got == want
-    assert decode.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0) == 0
+    assert decode.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0) == 0
 
 
 def test_prefill_choice_weighs_the_prompt_prefix_an_instance_has_computed():

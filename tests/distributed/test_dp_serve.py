@@ -33,8 +33,8 @@ def test_dp2_server_matches_single_process_and_a_dead_rank_makes_it_unhealthy(ck
         stop = got.choices[0].text[2:4]
         cut = c.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0, stop=[stop])
         assert cut.choices[0].finish_reason == "stop"
-        assert server.wait_metric("moeserve:num_requests_running", lambda v: v == 0, timeout=10) == 0
-        assert server.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0, timeout=10) == 0
+        assert server.wait_metric("vllm:num_requests_running", lambda v: v == 0, timeout=10) == 0
+        assert server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0, timeout=10) == 0
         ranks = subprocess.run(["pgrep", "-P", str(server.engine_pid)], capture_output=True, text=True).stdout.split()
         assert len(ranks) == 2, ranks  # the engine-core process started both rank processes
         os.kill(int(ranks[1]), signal.SIGKILL)

@@ -117,32 +117,32 @@ def test_64_concurrent_streaming_clients(openai_server, model, llm):
 
 def test_disconnect_aborts_and_frees_blocks(openai_server, model):
     body = {"model": model, "prompt": "x", "max_tokens": 200, "stream": True, "ignore_eos": True}
-    aborted = openai_server.metric("moeserve:request_success_total", outcome="abort")
+    aborted = openai_server.metric("vllm:request_success_total", finished_reason="abort")
     with httpx.stream("POST", openai_server.base_url + "/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(3):
             next(lines)
-        assert openai_server.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v > 0) > 0
+        assert openai_server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v > 0) > 0
     # Closing the response hangs up; the request must leave the engine and give back its blocks.
-    assert openai_server.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0) == 0
-    assert openai_server.wait_metric("moeserve:num_requests_running", lambda v: v == 0) == 0
-    assert openai_server.metric("moeserve:request_success_total", outcome="abort") == aborted + 1
+    assert openai_server.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0) == 0
+    assert openai_server.wait_metric("vllm:num_requests_running", lambda v: v == 0) == 0
+    assert openai_server.metric("vllm:request_success_total", finished_reason="abort") == aborted + 1
 
 
 def test_metrics_count_tokens_exactly(openai_server, client, model):
-    before = {m: openai_server.metric(m) for m in ("moeserve:generation_tokens_total",
-                                                   "moeserve:prompt_tokens_total",
-                                                   "moeserve:e2e_request_latency_seconds_count")}
+    before = {m: openai_server.metric(m) for m in ("vllm:generation_tokens_total",
+                                                   "vllm:prompt_tokens_total",
+                                                   "vllm:e2e_request_latency_seconds_count")}
     r = client.completions.create(model=model, prompt=PROMPTS, max_tokens=5, temperature=0)
     after = {m: openai_server.metric(m) for m in before}
-    assert after["moeserve:generation_tokens_total"] - before["moeserve:generation_tokens_total"] == \
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == \
         r.usage.completion_tokens
-    assert after["moeserve:prompt_tokens_total"] - before["moeserve:prompt_tokens_total"] == r.usage.prompt_tokens
-    assert after["moeserve:e2e_request_latency_seconds_count"] - \
-        before["moeserve:e2e_request_latency_seconds_count"] == len(PROMPTS)
-    for name in ("moeserve:time_to_first_token_seconds_count", "moeserve:inter_token_latency_seconds_count",
-                 "moeserve:request_time_per_output_token_seconds_count", "moeserve:num_requests_waiting",
-                 "moeserve:num_preemptions_total"):
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["vllm:e2e_request_latency_seconds_count"] - \
+        before["vllm:e2e_request_latency_seconds_count"] == len(PROMPTS)
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:request_time_per_output_token_seconds_count", "vllm:num_requests_waiting",
+                 "vllm:num_preemptions_total"):
         openai_server.metric(name)  # present
 
 
@@ -276,7 +276,7 @@ def test_prefix_cache_reported_in_usage_and_metrics(openai_server, client, model
     """A repeated long prompt reuses its cached blocks: usage says how many prompt tokens, /metrics counts
     them (vLLM's prefix_cache_queries / _hits), and the answer is the same."""
     prompt = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n" * 3
-    hits = "moeserve:prefix_cache_hits_total"
+    hits = "vllm:prefix_cache_hits_total"
     before = openai_server.metric(hits)
     first = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
     again = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
@@ -284,7 +284,7 @@ def test_prefix_cache_reported_in_usage_and_metrics(openai_server, client, model
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0  # whole blocks, never the last token
     assert openai_server.wait_metric(hits, lambda v: v >= before + cached) >= before + cached
-    assert openai_server.metric("moeserve:prefix_cache_queries_total") >= again.usage.prompt_tokens
+    assert openai_server.metric("vllm:prefix_cache_queries_total") >= again.usage.prompt_tokens
 
 
 BAD = [

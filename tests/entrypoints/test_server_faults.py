@@ -54,7 +54,7 @@ def test_full_waiting_queue_answers_503(server, model):
         next(lines)
         waiting = threading.Thread(target=lambda: _drain(server, model), daemon=True)
         waiting.start()
-        assert server.wait_metric("moeserve:num_requests_waiting", lambda v: v == 1) == 1
+        assert server.wait_metric("vllm:num_requests_waiting", lambda v: v == 1) == 1
         c = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0)
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(model=model, prompt="y", max_tokens=2)

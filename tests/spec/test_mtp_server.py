@@ -25,20 +25,20 @@ def test_served_greedy_matches_offline_and_metrics_count_drafts(mtp_server, mtp_
     offline = LLM(mtp_ckpt_dir("v3"), dtype="float32").generate(
         prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     assert sorted(c.text for c in r.choices) == sorted(o.outputs[0].text for o in offline)
-    drafts = mtp_server.wait_metric("moeserve:spec_decode_num_draft_tokens_total", lambda v: v > 0)
-    accepted = mtp_server.metric("moeserve:spec_decode_num_accepted_tokens_total")
+    drafts = mtp_server.wait_metric("vllm:spec_decode_num_draft_tokens_total", lambda v: v > 0)
+    accepted = mtp_server.metric("vllm:spec_decode_num_accepted_tokens_total")
     assert 0 < accepted < drafts
-    assert mtp_server.metric("moeserve:spec_decode_num_drafts_total") > 0
+    assert mtp_server.metric("vllm:spec_decode_num_drafts_total") > 0
     pos0 = mtp_server.metric("moeserve:spec_decode_num_draft_tokens_per_pos_total", position="0")
     pos1 = mtp_server.metric("moeserve:spec_decode_num_draft_tokens_per_pos_total", position="1")
     assert pos0 + pos1 == drafts and pos0 >= pos1 > 0
-    assert mtp_server.metric("moeserve:spec_decode_num_accepted_tokens_per_pos_total") == accepted
+    assert mtp_server.metric("vllm:spec_decode_num_accepted_tokens_per_pos_total") == accepted
 
 
 def test_bench_serve_reports_acceptance(mtp_server, tmp_path):
     from moeserve.cli import main
 
-    before = {n: mtp_server.metric(f"moeserve:spec_decode_{n}_total")
+    before = {n: mtp_server.metric(f"vllm:spec_decode_{n}_total")
               for n in ("num_draft_tokens", "num_accepted_tokens")}
     out = tmp_path / "r.json"
     rc = main(["bench", "serve", "--base-url", mtp_server.url, "--model", "v3", "--dataset", "random",
@@ -46,7 +46,7 @@ def test_bench_serve_reports_acceptance(mtp_server, tmp_path):
                "--result-json", str(out), "--no-progress"])
     assert rc == 0
     r = json.loads(out.read_text())
-    after = {n: mtp_server.metric(f"moeserve:spec_decode_{n}_total") for n in before}
+    after = {n: mtp_server.metric(f"vllm:spec_decode_{n}_total") for n in before}
     assert r["spec_decode_num_draft_tokens"] == after["num_draft_tokens"] - before["num_draft_tokens"] > 0
     assert r["spec_decode_acceptance_rate"] == pytest.approx(
         (after["num_accepted_tokens"] - before["num_accepted_tokens"]) / r["spec_decode_num_draft_tokens"])
