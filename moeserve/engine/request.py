@@ -47,6 +47,8 @@ class Request:
     # prompt_logprobs: entries for prompt tokens 1.. computed so far (kept over preemption; sent with token 1)
     prompt_logprobs: list = field(default_factory=list)
     grammar: object = None  # structured output: a structured.grammar.GrammarMatcher, set by the engine core
+    slo_ttft_ms: float | None = None  # this request's targets (engine/slo.py); None: the engine's default
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
