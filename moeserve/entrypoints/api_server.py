@@ -181,14 +181,14 @@ def _parse(model, body: bytes):
 
 
 def _add_error_handlers(app: FastAPI, metrics) -> None:
-    def answer(status: int, body: dict) -> JSONResponse:
+    def answer(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
         if metrics is not None:
             metrics.http_error(status)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return answer(e.status, e.body())
+        return answer(e.status, e.body(), e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):

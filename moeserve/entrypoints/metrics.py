@@ -14,6 +14,7 @@ import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
+from moeserve.entrypoints.slo_metrics import SLOMetrics
 from moeserve.protocol import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -41,6 +42,7 @@ class ServerMetrics:
         self.generation_tokens = labelled(Counter("moeserve:generation_tokens", "Generated tokens", **m))
         self.preemptions = labelled(Counter("moeserve:num_preemptions", "Preempted requests (engine)", **m))
         self.spec = SpecDecodeMetrics(model_name)
+        self.slo = SLOMetrics(model_name)
         # Prefix caching in prompt tokens (vLLM's prefix_cache_queries / _hits): hit rate = hits / queries.
         self.prefix_cache = {f: labelled(Counter(f"moeserve:{f}", d, **m)) for f, d in (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
@@ -78,6 +80,7 @@ class ServerMetrics:
                     counter.inc(value - self._prefix_seen[f])
                     self._prefix_seen[f] = value
             self.spec.update(stats)
+            self.slo.update(stats)
 
     def observe_finished(self, st, outcome: str) -> None:
         """st: the engine client's per-request timing record (_Stream)."""
