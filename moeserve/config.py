@@ -47,8 +47,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    slo_ttft_ms: float | None = None  # default targets of SLO-aware admission (engine/slo.py)
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
+        from moeserve.engine.slo import check_slo_ms
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            try:
+                check_slo_ms(getattr(self, name), "--" + name.replace("_", "-"))
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1,
                  f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
@@ -340,6 +348,10 @@ ENGINE_HELP = {
     "max_num_batched_tokens": "tokens per step; longer prompts are prefilled in chunks",
     "enable_chunked_prefill": "split prompts longer than the token budget over several steps",
     "enable_prefix_caching": "reuse the KV cache of prompt prefixes computed before (automatic prefix caching)",
+    "slo_ttft_ms": "default time-to-first-token target: admission turns away (503) requests that cannot meet "
+                   "it (requests may set slo_ttft_ms themselves)",
+    "slo_tpot_ms": "default time-per-output-token target: requests are admitted only while the running batch "
+                   "keeps it (requests may set slo_tpot_ms themselves)",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV pool size in blocks (None: every sequence at full length, at most 2 GiB)",
     "kv_cache_memory": "KV pool size in bytes, e.g. 512M or 2G (instead of --num-kv-blocks)",
@@ -384,6 +396,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -461,7 +475,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_len,
-                                      enable_chunked_prefill=self.enable_chunked_prefill),
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms),
             parallel=ParallelConfig(**{f.name: getattr(self, f.name)
                                        for f in dataclasses.fields(ParallelConfig)}),
             quant=quant if quant is not None else QuantConfig(method=self.quantization),

@@ -15,6 +15,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Prefill/decode disaggregation (disagg/params.py): {"do_remote_decode": true} on a prefill instance,
     # the prefill's answer (block ids, agent, ...) with "do_remote_prefill" on a decode instance.
     kv_transfer_params: dict | None = None
+    slo_ttft_ms: float | None = None  # SLO-aware admission targets (engine/slo.py); None: the engine's default
+    slo_tpot_ms: float | None = None
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):
@@ -36,6 +38,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     error_kind: str | None = None  # "invalid" (the request can never run) or "overloaded" (retry later)
     kv_transfer_params: dict | None = None  # a finished do_remote_decode request: what a decode instance pulls
     queue_time: float = 0.0  # with a request's first tokens: seconds from its arrival in the engine to its first step
+    retry_after_s: float | None = None  # an "overloaded" rejection: when a retry may succeed (Retry-After)
 
 
 class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -63,6 +66,19 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     eplb_experts_moved: int = 0
     # Seconds a DP rank with work has sent nothing (a hung rank); 0 while every busy rank reports.
     stalled_s: float = 0.0
+    # SLO-aware admission (engine/slo.py), cumulative: requests with a target that finished or were turned
+    # away, of those the ones inside every target, the turned-away ones; summed |predicted - measured|
+    # TTFT / TPOT of admitted requests with the measured sums and counts (prediction error = err / measured).
+    slo_requests: int = 0
+    slo_met: int = 0
+    slo_rejected: int = 0
+    slo_ttft_error_s: float = 0.0
+    slo_ttft_measured_s: float = 0.0
+    slo_ttft_count: int = 0
+    slo_tpot_error_s: float = 0.0
+    slo_tpot_measured_s: float = 0.0
+    slo_tpot_count: int = 0
+    step_time_error: float = 0.0  # mean relative error of the step-time model's per-step prediction
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -72,6 +88,17 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     def spec_mean_accepted_length(self) -> float:
         """Tokens per verification step: 1 + accepted drafts."""
         return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
+
+
+SLO_FIELDS = ("slo_requests", "slo_met", "slo_rejected", "slo_ttft_error_s", "slo_ttft_measured_s", "slo_ttft_count",
+              "slo_tpot_error_s", "slo_tpot_measured_s", "slo_tpot_count")
+
+
+def add_slo_stats(total: EngineStats, s: EngineStats) -> None:
+    """total += s for the SLO counters (DP ranks' sums)."""
+    for f in SLO_FIELDS:
+        setattr(total, f, getattr(total, f) + getattr(s, f))
+    total.step_time_error = max(total.step_time_error, s.step_time_error)
 
 
 SPEC_FIELDS = ("spec_num_drafts", "spec_num_draft_tokens", "spec_num_accepted_tokens",

@@ -24,7 +24,7 @@ from moeserve.engine.dp_balance import LeastLoadedRouter
 from moeserve.engine.launch import LocalRanks, TorchrunEnv, resolve_endpoints
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import (EngineCoreOutput, EngineCoreRequest, EngineStats, RankCommand, RankReport,
-                               add_spec_stats)
+                               add_slo_stats, add_spec_stats)
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class DPEngineClient:
             total.num_dummy_steps += s.num_dummy_steps
             total.kv_cache_usage = max(total.kv_cache_usage, s.kv_cache_usage)
             add_spec_stats(total, s)
+            add_slo_stats(total, s)
             for k, v in s.comm_bytes.items():
                 total.comm_bytes[k] = total.comm_bytes.get(k, 0) + v
             for k, v in s.phase_seconds.items():

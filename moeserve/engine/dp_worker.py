@@ -30,7 +30,7 @@ from moeserve.distributed.parallel_state import (RankInfo, destroy_distributed, 
 from moeserve.engine.dp_balance import prefill_balanced_budget
 from moeserve.engine.engine_core import EngineCore
 from moeserve.engine.request import RequestStatus
-from moeserve.protocol import SPEC_FIELDS, EngineStats, RankCommand, RankReport
+from moeserve.protocol import SLO_FIELDS, SPEC_FIELDS, EngineStats, RankCommand, RankReport
 
 IDLE_POLL_MS = 10  # how long an idle leader waits for commands before the next agreement round
 
@@ -109,7 +109,7 @@ class RankWorker:
         eplb = self.core.runner.eplb
         if eplb is not None:
             st.eplb_rebalances, st.eplb_experts_moved = eplb.num_rebalances, eplb.experts_moved
-        for f in SPEC_FIELDS:
+        for f in SPEC_FIELDS + SLO_FIELDS + ("step_time_error",):
             setattr(st, f, getattr(s, f))
         self.report(RankReport(self.info.dp_rank, outputs, st))
 

@@ -29,7 +29,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_caching=config.cache.enable_prefix_caching,
                                  hash_next_token=config.speculative is not None)
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, self._admission(config))
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts reported on the next step
         self.kv_transfer = None  # prefill/decode disaggregation (disagg/kv_transfer.py)
         self.structured = None  # guided decoding: built on the first request that asks for it
@@ -40,12 +40,24 @@ class EngineCore:
             self.kv_transfer = KVTransfer(config.kv_transfer, self.kv, self.runner.kv_tensors(), world.rank,
                                           world.world_size)
 
+    @staticmethod
+    def _admission(config: EngineConfig):
+        """SLO-aware admission (engine/slo.py): inert for requests without targets, so always on."""
+        from moeserve.engine.slo import SLOAdmission
+        from moeserve.engine.step_time import StepTimeModel, planner_prior
+        sc = config.scheduler
+        return SLOAdmission(StepTimeModel(planner_prior(config.model.model)), time.monotonic,
+                            sc.max_num_batched_tokens, sc.slo_ttft_ms, sc.slo_tpot_ms, sc.max_num_seqs)
+
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; a request that can never run is answered with an error output instead."""
         try:
             request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
                               eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids))
             self._check_vocab(request)
+            from moeserve.engine.slo import check_slo_ms
+            request.slo_ttft_ms = check_slo_ms(req.slo_ttft_ms, "slo_ttft_ms")
+            request.slo_tpot_ms = check_slo_ms(req.slo_tpot_ms, "slo_tpot_ms")
             if req.sampling_params.structured_outputs is not None:
                 request.grammar = self._structured().matcher(req.sampling_params.structured_outputs)
             if req.kv_transfer_params is not None and self._add_disaggregated(request, req.kv_transfer_params):
@@ -136,12 +148,17 @@ class EngineCore:
         self.poll_kv_transfer()
         outputs, self._pending = self._pending, []
         sched_out = self.scheduler.schedule(token_budget)
+        outputs += [EngineCoreOutput(r.request_id, [], finish_reason="abort", error=r.message,
+                                     error_kind="overloaded", retry_after_s=r.retry_after_s)
+                    for r in sched_out.rejected]
         if sched_out.is_empty:
             if lockstep:
                 self.runner.execute_dummy()
             return outputs
         _stamp_first_scheduled(sched_out)
+        started = time.monotonic()
         result = self.runner.execute(sched_out)
+        self.scheduler.admission.observe(sched_out.scheduled, time.monotonic() - started)
         if result.prompt_logprobs:  # kept on every TP rank alike: the next step's rows depend on them
             for s in sched_out.scheduled:
                 s.request.prompt_logprobs.extend(result.prompt_logprobs.get(s.request.request_id, ()))
@@ -211,7 +228,18 @@ class EngineCore:
                            spec_num_accepted_tokens=spec.num_accepted_tokens,
                            spec_accepted_per_position=list(spec.accepted_per_position),
                            spec_drafts_per_position=list(spec.drafts_per_position),
-                           prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
+                           prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+                           **self._slo_stats())
+
+
+    def _slo_stats(self) -> dict:
+        a = self.scheduler.admission
+        st = a.stats
+        return {"slo_requests": st.requests, "slo_met": st.met, "slo_rejected": st.rejected,
+                "slo_ttft_error_s": st.ttft_pred_error_s, "slo_ttft_measured_s": st.ttft_measured_s,
+                "slo_ttft_count": st.ttft_count, "slo_tpot_error_s": st.tpot_pred_error_s,
+                "slo_tpot_measured_s": st.tpot_measured_s, "slo_tpot_count": st.tpot_count,
+                "step_time_error": a.model.mean_step_error}
 
 
 def _stamp_first_scheduled(sched_out: SchedulerOutput) -> None:

@@ -48,6 +48,8 @@ class Request:
     prompt_logprobs: list = field(default_factory=list)
     first_scheduled_time: float | None = None  # time.monotonic() of its first step (queue-time metric)
     grammar: object = None  # structured output: a structured.grammar.GrammarMatcher, set by the engine core
+    slo_ttft_ms: float | None = None  # this request's targets (engine/slo.py); None: the engine's default
+    slo_tpot_ms: float | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

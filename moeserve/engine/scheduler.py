@@ -9,6 +9,8 @@ Policy per step, under max_num_batched_tokens and max_num_seqs:
   1. running requests, decodes before prefill chunks (decode latency first);
   2. waiting requests in arrival order, prefills chunked to the remaining token budget,
      unless someone was preempted this step (the pool is short; admitting more would thrash).
+     With an admission policy (engine/slo.py) a request is admitted only if the batch keeps its TPOT
+     targets, and waiting requests whose TTFT target is out of reach are turned away first.
      With prefix caching a request starts after its longest cached prefix (engine/kv_cache.py), and every
      step indexes the full blocks it completed.
 
@@ -51,6 +53,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    rejected: list = field(default_factory=list)  # engine/slo.py Rejection: TTFT target out of reach
 
     @property
     def total_tokens(self) -> int:
@@ -63,8 +66,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, admission=None) -> None:
         self.config = config
+        self.admission = admission  # engine/slo.py SLOAdmission, or None: plain FCFS
         self.kv = kv
         self.speculative = speculative
         self.spec_stats = SpecDecodingStats(speculative.num_speculative_tokens if speculative else 0)
@@ -120,6 +124,8 @@ class Scheduler:
             budget = min(budget, token_budget)
         out = SchedulerOutput()
         scheduled: set[str] = set()
+        if self.admission is not None and self.waiting:
+            self._reject_late(out)
         # Stable sort: decodes (one missing token) before prefill chunks.
         for req in sorted(self.running, key=lambda r: r.num_missing_tokens > 1):
             if req.status is not RequestStatus.RUNNING:
@@ -137,6 +143,15 @@ class Scheduler:
         if not out.preempted:
             self._admit_waiting(budget, out)
         return out
+
+    def _reject_late(self, out: SchedulerOutput) -> None:
+        """Turn away the waiting requests whose TTFT target the admission policy can no longer meet."""
+        for rej in self.admission.expire(self.running, self.waiting):
+            req = self.requests[rej.request_id]
+            self.waiting.remove(req)
+            self.admission.rejected(req.request_id)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            out.rejected.append(rej)
 
     def _make_room(self, req: Request, n: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         """Allocate n slots for req, preempting the newest unscheduled running requests if needed."""
@@ -156,6 +171,7 @@ class Scheduler:
         in_flight = {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
                      for h in self.kv.uncomputed_prefix(r)} if self.kv.enable_caching else set()
         deferred: list[Request] = []
+        view = self.admission.begin(self.running) if self.admission is not None else None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.popleft()
             looked_up = self.kv.looks_up(req)
@@ -165,6 +181,11 @@ class Scheduler:
                     self.kv.untake(req)
                 deferred.append(req)
                 continue
+            if view is not None and not self.admission.admits(req, view):  # it would break a TPOT target
+                if cached:
+                    self.kv.untake(req)
+                self.waiting.appendleft(req)
+                break
             n = min(req.num_missing_tokens, budget)
             s = self._scheduled(req, n, [])
             if ((n < req.num_missing_tokens and not self.config.enable_chunked_prefill)
@@ -226,11 +247,14 @@ class Scheduler:
         draft_tokens maps request id -> the drafts to verify next step.
         """
         finished = []
+        now = self.admission.clock() if self.admission is not None else 0.0
         for s in out.scheduled:
             req = s.request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             new = sampled.get(req.request_id, ())
+            if new and self.admission is not None and not req.num_output_tokens:
+                self.admission.first_token(req, now)
             self._advance(req, s, len(new), (draft_tokens or {}).get(req.request_id, []))
             status = None
             for token in new:
@@ -269,6 +293,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if self.admission is not None:
+            self.admission.finished(req, self.admission.clock(), aborted=status is RequestStatus.FINISHED_ABORTED)
         if req.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
             self.kv.hold(req)  # disagg/kv_transfer.py frees them once the decode instance pulled them
         else:

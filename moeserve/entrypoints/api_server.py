@@ -265,7 +265,7 @@ def _add_error_handlers(app: FastAPI, metrics) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return answer(e.status, e.body())
+        return answer(e.status, e.body(), e.headers)
 
     @app.exception_handler(BodyTooLarge)
     async def too_large(request, e: BodyTooLarge):

@@ -39,9 +39,10 @@ class EngineDeadError(RuntimeError):
 class EngineRequestError(RuntimeError):
     """The core refused or failed a request: kind "invalid" (a 400), "overloaded" (a 503), "internal" (a 500)."""
 
-    def __init__(self, message: str, kind: str) -> None:
+    def __init__(self, message: str, kind: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.retry_after_s = retry_after_s  # an "overloaded" refusal: when to retry (Retry-After)
 
 
 @dataclass
@@ -182,7 +183,8 @@ class EngineClient:
 
     # ---- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[Delta]:
+                       kv_transfer_params: dict | None = None,
+                       slo_ms: tuple[float | None, float | None] = (None, None)) -> AsyncIterator[Delta]:
         """Deltas of one engine request until it finishes; leaving early aborts it in the core."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
@@ -194,7 +196,7 @@ class EngineClient:
         outcome = "abort"
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
-                                    kv_transfer_params)
+                                    kv_transfer_params, *slo_ms)
             await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
             while True:
                 item = await st.queue.get()
@@ -237,7 +239,7 @@ class EngineClient:
                     continue  # finished or aborted here already
                 if out.error:
                     self.processor.states.pop(out.request_id, None)
-                    st.queue.put_nowait(EngineRequestError(out.error, out.error_kind or "invalid"))
+                    st.queue.put_nowait(EngineRequestError(out.error, out.error_kind or "invalid", out.retry_after_s))
                     continue
                 delta, hit_stop = self.processor.process(out)
                 if hit_stop:

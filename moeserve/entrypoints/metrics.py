@@ -20,6 +20,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
+from moeserve.entrypoints.slo_metrics import SLOMetrics
 from moeserve.protocol import EngineStats
 
 # vLLM's bucket families (vllm/v1/metrics/buckets.py), so histograms from both aggregate alike.
@@ -127,6 +128,7 @@ class ServerMetrics:
         self.http_errors = Counter("moeserve:http_errors", "HTTP requests answered with an error",
                                    ["model_name", "status"])
         self._preemptions_seen: int | None = None
+        self.slo = SLOMetrics(model_name)
         self._prefix_seen = dict.fromkeys(self.prefix_cache, 0)  # the engine counts from its start
         self.engine_alive.set(1)
 
@@ -150,6 +152,7 @@ class ServerMetrics:
                     c.inc(value - self._prefix_seen[f])
                     self._prefix_seen[f] = value
             self.spec.update(stats)
+            self.slo.update(stats)
 
     def observe_request(self, params) -> None:
         """A request's sampling parameters as it arrives."""

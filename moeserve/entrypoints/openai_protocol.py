@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from moeserve.engine.slo import MAX_SLO_MS
 from moeserve.sampling_params import SamplingParams, SamplingParamsError
 from moeserve.structured.params import StructuredOutputsParams, compile_params
 from moeserve.structured.regex import PatternError
@@ -24,9 +25,11 @@ class APIError(Exception):
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
              500: "InternalServerError", 503: "ServiceUnavailableError"}
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
+        self.headers = headers  # e.g. Retry-After on a 503 of SLO-aware admission
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "BadRequestError"),
@@ -100,6 +103,13 @@ class _SamplingFields(_Strict):
     tool_choice: str | dict | None = None
     user: str | None = None
     kv_transfer_params: dict | None = None  # PD disaggregation (vLLM's extension; disagg/params.py)
+    # SLO-aware admission targets (engine/slo.py; moeserve's extension): None = the server's --slo-*-ms
+    slo_ttft_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, allow_inf_nan=False)
+    slo_tpot_ms: float | None = Field(None, gt=0, le=MAX_SLO_MS, allow_inf_nan=False)
+
+    @property
+    def slo_ms(self) -> tuple[float | None, float | None]:
+        return self.slo_ttft_ms, self.slo_tpot_ms
 
     def _unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:

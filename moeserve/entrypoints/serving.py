@@ -54,6 +54,7 @@ class Child:
     stop_reason: int | str | None = None
     kv_transfer_params: dict | None = None  # PD: what the request brought (prefill role or KV location)
     kv_transfer_result: dict | None = None  # PD prefill: where its KV now waits, for the decode instance
+    slo_ms: tuple = (None, None)  # the request's (TTFT, TPOT) targets for SLO-aware admission
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list | None = None  # TokenLogprobsMsg per prompt token 1.. (prompt_logprobs requests)
 
@@ -79,7 +80,9 @@ def engine_error(e: Exception) -> APIError:
         if e.kind == "internal":  # the model's own output broke (non-finite logits): not the client's doing
             return APIError(str(e), 500, code="internal_error")
         param = param or ("kv_transfer_params" if str(e).startswith("kv_transfer_params") else None)
-        return APIError(str(e), 503 if e.kind == "overloaded" else 400, param=param, code=e.kind)
+        param = param or next((f for f in ("slo_ttft_ms", "slo_tpot_ms") if str(e).startswith(f)), None)
+        retry = {"Retry-After": str(int(e.retry_after_s))} if e.retry_after_s is not None else None
+        return APIError(str(e), 503 if e.kind == "overloaded" else 400, param=param, code=e.kind, headers=retry)
     if isinstance(e, APIError):
         return e
     return APIError(f"internal server error: {type(e).__name__}: {e}", 500, code="internal_error")
@@ -156,7 +159,8 @@ class Serving:
             raise APIError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
 
     def make_children(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                      kv_transfer_params: dict | None = None, stream: bool = False) -> list[Child]:
+                      kv_transfer_params: dict | None = None, stream: bool = False,
+                      slo_ms: tuple = (None, None)) -> list[Child]:
         if kv_transfer_params is not None:
             kvt = self.check_kv_transfer(kv_transfer_params, len(prompts), params.n, stream)
             if kvt.do_remote_decode:
@@ -175,7 +179,7 @@ class Serving:
             for i in range(params.n):
                 child = params.for_sample(i)
                 children.append(Child(p * params.n + i, f"{base}-{p}-{i}", ids, child,
-                                      kv_transfer_params=kv_transfer_params))
+                                      kv_transfer_params=kv_transfer_params, slo_ms=slo_ms))
         return children
 
     @staticmethod
@@ -207,7 +211,7 @@ class Serving:
     # ---- running ---------------------------------------------------------------------------------
     async def _run_child(self, child: Child, sink: asyncio.Queue | None) -> Child:
         async for delta in self.client.generate(child.request_id, child.prompt_ids, child.params,
-                                                child.kv_transfer_params):
+                                                child.kv_transfer_params, child.slo_ms):
             if delta.kv_transfer_params is not None:
                 child.kv_transfer_result = delta.kv_transfer_params
             child.num_cached_tokens = max(child.num_cached_tokens, delta.num_cached_tokens)

@@ -50,7 +50,7 @@ class ChatServing(Serving):
         params = await self.sampling_params(req, max_tokens, req.num_logprobs(), req.prompt_logprobs)
         if think and params.structured_outputs is not None:  # the pattern (or tool schema) starts after thinking
             params.structured_outputs.after = THINK_END
-        children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream)
+        children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream, req.slo_ms)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:
             def chunks(first, events, n):

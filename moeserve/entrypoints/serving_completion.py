@@ -42,7 +42,7 @@ class CompletionServing(Serving):
         params = await self.sampling_params(req, max_tokens if req.max_tokens is not None else None, req.logprobs,
                                            prompt_lps)
         children = self.make_children([ids for _, ids in prompts], params, "cmpl", req.kv_transfer_params,
-                                      req.stream)
+                                      req.stream, req.slo_ms)
         texts = [t for t, _ in prompts]
         num_prompt = sum(len(ids) for _, ids in prompts)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()

@@ -47,6 +47,7 @@ class Trace:
     output_len: int
     token_times: list[float] = field(default_factory=list)
     ready: float | None = None  # when it reaches the simulated instance (PD decode: after prefill + KV pull)
+    rejected: bool = False  # turned away by SLO-aware admission (its TTFT target was out of reach)
 
     @property
     def start(self) -> float:
@@ -113,7 +114,7 @@ def accepted(inst: Instance, rng: random.Random, drafts: int) -> int:
 
 def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: str = "unified",
                    free_prompts: bool = False, max_requests: int | None = None,
-                   prefix_caching: bool = False) -> Scheduler:
+                   prefix_caching: bool = False, admission=None) -> Scheduler:
     """KV blocks and the sequence cap from the memory model. A prefill instance sizes its workspace for a
     full token budget and its KV for prompts (it frees each one once the decode side has it).
 
@@ -123,7 +124,9 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: st
     max_requests: requests the run will send; the pool is capped at the blocks they can hold all at once
     (the scheduler never needs more; a 1e9 GiB --hardware-file device made a pool of 1e12 block ids).
 
-    prefix_caching: the engine's prefix cache (the prompts of _request share their cached part)."""
+    prefix_caching: the engine's prefix cache (the prompts of _request share their cached part).
+
+    admission: the engine's SLO-aware admission policy (engine/slo.py), or None for plain FCFS."""
     if role == "prefill":
         rep = memory_report(m, hw, inst, wl.input_len, max_batched,
                             logit_rows=max_batched / max(1, wl.input_len) * (1 + inst.mtp_drafts),
@@ -144,7 +147,17 @@ def make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len, role: st
                         f"takes at most {MAX_SPEC_TOKENS} speculative tokens")
     spec = SpeculativeConfig(num_speculative_tokens=inst.mtp_drafts) if inst.mtp_drafts else None
     kv = KVCacheManager(num_blocks, block, enable_caching=prefix_caching, hash_next_token=spec is not None)
-    return Scheduler(cfg, kv, spec)
+    if admission is not None:
+        admission.max_batch = seqs
+    return Scheduler(cfg, kv, spec, admission)
+
+
+def _admission(m: ModelSpec, hw: Hardware, inst: Instance, max_batched: int, slo, clock):
+    """The engine's admission policy with default targets slo = (ttft_ms, tpot_ms), its step-time model
+    starting from the planner's prior for this layout and calibrated by the simulated steps."""
+    from moeserve.engine.slo import SLOAdmission
+    from moeserve.engine.step_time import StepTimeModel, fit_prior
+    return SLOAdmission(StepTimeModel(fit_prior(m, hw, inst)), clock, max_batched, *slo)
 
 
 def _stream(m: ModelSpec, wl: Workload, num_requests: int, rate: float, arrival: str, length_dist: str,
@@ -185,7 +198,7 @@ class _Instance:
 
     def __init__(self, m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, role: str,
                  max_num_seqs: int | None, max_batched: int, rng: random.Random, groups: int, max_len: int,
-                 max_requests: int | None = None):
+                 max_requests: int | None = None, slo: tuple | None = None):
         self.m, self.hw, self.inst, self.wl, self.role, self.rng = m, hw, inst, wl, role, rng
         self.max_batched, self.groups = max_batched, groups
         self.prefill_free, self.pulled = role in ("decode", "pd-decode"), role == "pd-decode"
@@ -194,7 +207,9 @@ class _Instance:
         self.scheds = [make_scheduler(m, hw, inst, wl, max_num_seqs, max_batched, max_len,
                                       role="prefill" if role == "prefill" else "decode",
                                       free_prompts=self.prefill_free, max_requests=max_requests,
-                                      prefix_caching=caching)
+                                      prefix_caching=caching,
+                                      admission=None if slo is None else
+                                      _admission(m, hw, inst, max_batched, slo, lambda: self.clock))
                        for _ in range(groups)]
         self.router = LeastLoadedRouter(groups, BLOCK_SIZE if caching else None)  # the engine's, cache-aware
         self.traces: dict[str, Trace] = {}
@@ -228,6 +243,9 @@ class _Instance:
             decodes = sum(s.num_decodes() for s in scheds)
             outs = [s.schedule(prefill_balanced_budget(demands, decodes, self.max_batched, s.num_decode_tokens()))
                     for s in scheds]
+        for out in outs:
+            for rej in out.rejected:
+                self.traces[rej.request_id].rejected = True
         if all(o.is_empty for o in outs):
             return False
         batches = [_split(o, self.prefill_free, self.pulled) for o in outs]
@@ -238,6 +256,8 @@ class _Instance:
         self.busy += dt
         self.steps += 1
         for sched, out in zip(scheds, outs):
+            if sched.admission is not None and not out.is_empty:
+                sched.admission.observe(out.scheduled, dt)
             sampled, drafts = {}, {}
             for s in out.scheduled:
                 if s.samples:
@@ -295,10 +315,10 @@ def _max_len(inst: Instance, traces) -> int:
 
 def _run_group(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, traces: dict[str, Trace], role: str,
                max_num_seqs: int | None, max_batched: int, rng: random.Random, max_steps: int,
-               groups: int = 1) -> dict:
+               groups: int = 1, slo: tuple | None = None) -> dict:
     """`groups` DP groups of `inst` (an _Instance) serving `traces`; returns its result()."""
     sim = _Instance(m, hw, inst, wl, role, max_num_seqs, max_batched, rng, groups,
-                    _max_len(inst, traces.values()), max_requests=len(traces))
+                    _max_len(inst, traces.values()), max_requests=len(traces), slo=slo)
     for rid in sorted(traces, key=lambda r: traces[r].start):
         sim.advance_to(traces[rid].start, max_steps)
         sim.admit(rid, traces[rid])
@@ -349,9 +369,10 @@ def _pool_too_small(role: str, sched: Scheduler, req: Request, wl: Workload, max
 def run(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, rate: float, num_requests: int,
         arrival: str = "poisson", length_dist: str = "fixed", max_num_seqs: int | None = None,
         max_batched: int = 8192, seed: int = 0, max_steps: int = 2_000_000,
-        role: str = "unified", groups: int = 1) -> dict:
+        role: str = "unified", groups: int = 1, slo: tuple | None = None) -> dict:
     """`rate` requests/s into the whole instance, `groups` of its DP groups simulated, `num_requests` per
-    simulated group; returns raw traces.
+    simulated group; returns raw traces. slo = (ttft_ms, tpot_ms): the engine's SLO-aware admission with
+    these default targets (either may be None); rejected traces are marked.
 
     role 'unified': prefill and decode share the instance (chunked prefill); 'decode': a PD decode
     instance whose prompts arrive prefilled."""
@@ -360,7 +381,7 @@ def run(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, rate: float, n
     rng = random.Random(seed)
     traces = {str(i): t for i, t in enumerate(_stream(m, wl, num_requests * groups, rate * groups / inst.dp,
                                                        arrival, length_dist, rng))}
-    return _run_group(m, hw, inst, wl, traces, role, max_num_seqs, max_batched, rng, max_steps, groups)
+    return _run_group(m, hw, inst, wl, traces, role, max_num_seqs, max_batched, rng, max_steps, groups, slo)
 
 
 def _check_groups(groups: int, inst: Instance, which: str) -> None:
