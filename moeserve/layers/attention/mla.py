@@ -119,6 +119,9 @@ class MLAttention(nn.Module):
         """Absorbed attention: one query per sequence, reading only the latent cache."""
         b = q_nope.shape[0]
         kv = cache[d.block_table].view(b, -1, cache.shape[-1]).to(q_nope.dtype)  # [B, L, C + dr]
+        # Slots past a sequence's length hold whatever their block held before (a failed request's NaN
+        # included); a zero probability times NaN is NaN, so they are cleared, not only masked.
+        kv = kv.masked_fill(d.mask[..., None], 0)
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, C]
         q_full = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, C + dr]
         scores = torch.bmm(q_full, kv.transpose(1, 2)).float() * self.scale  # [B, H, L]
