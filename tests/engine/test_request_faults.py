@@ -128,3 +128,8 @@ def test_dp2_engine_fails_the_nan_request_alone(nan_path, reference):
             == reference
     finally:
         dp.shutdown()
+
+
+def test_out_of_vocabulary_stop_token_ids_are_refused(llm):
+    with pytest.raises(ValueError, match="stop_token_ids entry 512 is outside the vocabulary"):
+        llm.generate(prompt_token_ids=[GOOD[0]], sampling_params=SamplingParams(max_tokens=2, stop_token_ids=[3, 512]))
