@@ -96,10 +96,11 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.arch.vocab_size]
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
-        bias = [t for t in request.sampling_params.logit_bias if t >= self.arch.vocab_size]
-        if bias:
-            raise RequestRejected(f"logit_bias token id {bias[0]} is outside the vocabulary "
-                                  f"(0..{self.arch.vocab_size - 1})")
+        params, vocab = request.sampling_params, self.arch.vocab_size
+        for name, ids in (("logit_bias token id", params.logit_bias), ("stop_token_ids entry", params.stop_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestRejected(f"{name} {bad} is outside the vocabulary (0..{vocab - 1})")
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         for rid in request_ids:

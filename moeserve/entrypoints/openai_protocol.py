@@ -6,6 +6,7 @@ gives the same messages offline and online.
 """
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -16,6 +17,7 @@ from moeserve.structured.params import StructuredOutputsParams, compile_params
 from moeserve.structured.regex import PatternError
 
 MAX_N = 128  # choices per request; each one is a separate engine request
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,18}", re.ASCII)  # a logit_bias key: ASCII digits, no sign or leading 0
 MAX_LOGPROBS = 20
 
 
@@ -119,10 +121,12 @@ class _SamplingFields(_Strict):
         """OpenAI sends token ids as JSON object keys, i.e. strings."""
         if not self.logit_bias:
             return None
-        try:
-            return {int(k): v for k, v in self.logit_bias.items()}
-        except ValueError:
-            raise APIError("logit_bias keys must be token ids, e.g. {\"1234\": -100}", param="logit_bias") from None
+        # Plain ASCII decimals only: int() also reads "１２" (fullwidth), "1_000", " 12" and "+12".
+        bad = next((k for k in self.logit_bias if not _TOKEN_ID.fullmatch(k)), None)
+        if bad is not None:
+            raise APIError(f"logit_bias keys must be token ids written as plain decimal numbers, e.g. "
+                           f"{{\"1234\": -100}}; got {bad[:40]!r}", param="logit_bias")
+        return {int(k): v for k, v in self.logit_bias.items()}
 
     @property
     def has_structured_outputs(self) -> bool:

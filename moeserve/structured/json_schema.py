@@ -24,6 +24,7 @@ from moeserve.structured.regex import (DIGIT, NOTHING, Alt, Chars, OrderedSubset
 MAX_DEPTH = 4  # nesting of schemaless objects/arrays, and of recursive $ref expansions
 MAX_LENGTH = 2_000  # minLength / maxLength / minItems / maxItems above this are refused
 MAX_REF_EXPANSIONS = 2_000  # $ref expansions per schema (each is a copy of the definition)
+MAX_NESTING = 64  # subschemas nested deeper (properties, items, anyOf, ...) are refused: the compiler recurses
 
 _ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "readOnly",
                 "writeOnly", "deprecated", "$defs", "definitions", "strict", "discriminator", "nullable"}
@@ -137,8 +138,18 @@ class _Compiler:
         self.root = root
         self.expanding: dict[str, int] = {}  # $ref -> how many times it is being expanded now (recursion)
         self.expansions = 0
+        self.nesting = 0  # value() calls open now
 
     def value(self, schema, where: str, depth: int) -> object:
+        self.nesting += 1
+        try:
+            if self.nesting > MAX_NESTING:
+                raise SchemaError(f"{where}: subschemas are nested more than {MAX_NESTING} deep")
+            return self._value(schema, where, depth)
+        finally:
+            self.nesting -= 1
+
+    def _value(self, schema, where: str, depth: int) -> object:
         if schema is True or schema == {}:
             return json_value(MAX_DEPTH - depth)
         if schema is False:

@@ -33,7 +33,10 @@ class StructuredOutputsParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.json, (dict, bool)):
-            self.json = json.dumps(self.json)  # one canonical, serialisable form; key order kept
+            try:
+                self.json = json.dumps(self.json)  # one canonical, serialisable form; key order kept
+            except (RecursionError, ValueError, TypeError) as e:
+                raise PatternError(f"the JSON schema cannot be written as JSON: {type(e).__name__}: {e}") from None
         given = [k for k in ("json", "regex", "choice", "json_object", "grammar")
                  if getattr(self, k) not in (None, False)]
         if len(given) != 1:
@@ -79,15 +82,18 @@ def compile_params(p: StructuredOutputsParams) -> DFA:
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    if p.json is not None:
-        node = schema_to_pattern(p.json)
-    elif p.regex is not None:
-        node = parse(p.regex)
-    elif p.choice is not None:
-        node = Alt(tuple(literal(c) for c in p.choice))
-    else:
-        node = json_object()
-    dfa = compile_dfa(node)
+    try:
+        if p.json is not None:
+            node = schema_to_pattern(p.json)
+        elif p.regex is not None:
+            node = parse(p.regex)
+        elif p.choice is not None:
+            node = Alt(tuple(literal(c) for c in p.choice))
+        else:
+            node = json_object()
+        dfa = compile_dfa(node)
+    except RecursionError:  # the parsers bound nesting; this is the backstop (a deep const value, ...)
+        raise PatternError(f"the {p.describe()} is nested too deeply to compile; flatten it") from None
     with _lock:
         _cache[key] = dfa
         while len(_cache) > 1 and sum(d.num_states for d in _cache.values()) > COMPILE_CACHE_STATES:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 MAX_CODE_POINT = 0x10FFFF
 SURROGATES = (0xD800, 0xDFFF)  # not encodable in UTF-8, so never part of a character set
 MAX_REPEAT = 10_000  # {n,m} bounds above this are refused (each repetition is a copy in the automaton)
+MAX_NESTING = 50  # groups nested deeper are refused (the parser and the automaton builder recurse per level)
 
 
 class PatternError(ValueError):
@@ -109,6 +110,7 @@ def parse(pattern: str):
 class _Parser:
     def __init__(self, text: str) -> None:
         self.text, self.pos = text, 0
+        self.depth = 0  # groups open at pos
 
     def error(self, what: str) -> PatternError:
         return PatternError(f"{what} at position {self.pos} of pattern {self.text!r}")
@@ -214,10 +216,14 @@ class _Parser:
                     self.pos = close + 1
                 elif kind != ":":
                     raise self.error(f"'(?{kind}' (look-around, flags, references) is not supported")
+            self.depth += 1
+            if self.depth > MAX_NESTING:
+                raise self.error(f"groups are nested more than {MAX_NESTING} deep")
             node = self.alternation()
             if self.peek() != ")":
                 raise self.error("missing ')'")
             self.pos += 1
+            self.depth -= 1
             return node
         if ch == "[":
             return self.char_class()

@@ -137,3 +137,8 @@ def test_stale_nan_in_free_kv_slots_changes_no_output(ckpt_dir, reference):
     for cache in llm.engine.runner.kv_caches:
         cache.fill_(math.nan)
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=GOOD, sampling_params=GREEDY)] == reference
+
+
+def test_out_of_vocabulary_stop_token_ids_are_refused(llm):
+    with pytest.raises(ValueError, match="stop_token_ids entry 512 is outside the vocabulary"):
+        llm.generate(prompt_token_ids=[GOOD[0]], sampling_params=SamplingParams(max_tokens=2, stop_token_ids=[3, 512]))

@@ -92,3 +92,47 @@ def test_dp2_server_answers_bad_requests_alone_and_keeps_serving(nan_path, refer
         check_faults(server, reference)
     finally:
         server.stop()
+
+
+def _nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+BAD_BODIES = [
+    ({"guided_regex": "(" * 250 + "a" + ")" * 250}, "guided_regex", "nested more than"),
+    ({"structured_outputs": {"regex": "(?:" * 60 + "a" + ")" * 60}}, "structured_outputs", "nested more than"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested_schema(70)}}},
+     "response_format", "nested more than"),
+    ({"logit_bias": {"１２": 1}}, "logit_bias", "plain decimal"),
+    ({"logit_bias": {"1_000": 1}}, "logit_bias", "plain decimal"),
+    ({"logit_bias": {" 12": 1}}, "logit_bias", "plain decimal"),
+    ({"logit_bias": {"+12": 1}}, "logit_bias", "plain decimal"),
+    ({"logit_bias": {"012": 1}}, "logit_bias", "plain decimal"),
+    ({"stop_token_ids": [10 ** 6]}, "stop_token_ids", "outside the vocabulary"),
+    ({"stop_token_ids": [10 ** 6], "stream": True}, "stop_token_ids", "outside the vocabulary"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+    ({"repetition_penalty": 0.001}, "repetition_penalty", "must be in"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty", "must be in"),
+]
+
+
+@pytest.mark.parametrize("extra,param,words", BAD_BODIES)
+def test_bad_values_are_a_400_naming_the_field(openai_server, extra, param, words):
+    r = post(openai_server, "/completions", {"prompt": "x", "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_nan_and_infinity_are_a_400_and_the_server_serves_afterwards(openai_server):
+    for field in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "min_p"):
+        for value in ("NaN", "Infinity", "-Infinity"):
+            body = '{"prompt": "x", "max_tokens": 2, "%s": %s}' % (field, value)
+            r = httpx.post(openai_server.base_url + "/completions", content=body, timeout=60,
+                           headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
+    r = post(openai_server, "/completions", {"prompt": "x", "max_tokens": 2, "logit_bias": {"12": 5}})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
