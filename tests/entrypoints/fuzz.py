@@ -4,7 +4,7 @@ and the long release run (scripts/fuzz_server.py).
 
 from_schema covers the JSON-schema subset pydantic writes ($ref, anyOf, enum/const, typed scalars with
 bounds, arrays, objects with required and optional properties), with edge values (bounds, huge, tiny, -0.0)
-drawn often. hypothesis-jsonschema would do this, but its release for today's hypothesis is broken.)"""
+drawn often. (hypothesis-jsonschema would do this, but its release fails with the hypothesis installed here.)"""
 from __future__ import annotations
 
 import copy
