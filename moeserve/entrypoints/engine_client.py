@@ -197,7 +197,11 @@ class EngineClient:
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
                                     kv_transfer_params, *slo_ms)
-            await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
+            try:
+                await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
+            except zmq.ZMQError as e:  # the socket was replaced under us: the core died this instant
+                outcome = "error"
+                raise EngineDeadError(self.dead_reason or f"cannot reach the engine core ({e})") from None
             while True:
                 item = await st.queue.get()
                 if isinstance(item, Exception):

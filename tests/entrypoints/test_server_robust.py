@@ -183,7 +183,7 @@ def test_port_in_use_by_another_program_is_refused_by_the_cli(ckpt_dir):
         r = subprocess.run([sys.executable, "-m", "moeserve.cli", "serve", ckpt_dir("v3"), "--port", str(port)],
                            capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "address already in use" in r.stderr and "--port" in r.stderr
-    assert "ready" not in r.stderr
+    assert "ready on" not in r.stderr
 
 
 def _wait_health(s, status: int, timeout: float = 120.0) -> None:
@@ -213,3 +213,20 @@ def test_engine_core_deaths_past_max_engine_restarts_stop_the_deployment(ckpt_di
         assert any("--max-engine-restarts 1" in line for line in s.lines)
     finally:
         s.stop()
+
+
+def test_a_big_tokenization_does_not_queue_the_small_ones():
+    """Inputs over BIG_INPUT_CHARS tokenize on a thread of their own: a small one is done while it runs."""
+    import asyncio
+
+    from moeserve.entrypoints.serving import BIG_INPUT_CHARS, Serving
+
+    release = threading.Event()
+
+    async def go():
+        big = asyncio.ensure_future(Serving.off_loop(release.wait, 60, size=BIG_INPUT_CHARS + 1))
+        small = await asyncio.wait_for(Serving.off_loop(lambda: "small", size=10), 30)
+        assert small == "small" and not big.done()
+        release.set()
+        assert await big
+    asyncio.run(go())
