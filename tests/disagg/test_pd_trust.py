@@ -163,6 +163,15 @@ def test_pulls_waiting_on_a_killed_prefill_fail_together(ckpt_dir):
         prefill.stop()
 
 
+def test_the_proxy_refuses_to_start_without_the_secret():
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != trust.SECRET_ENV}
+    r = subprocess.run([sys.executable, "-m", "moeserve.cli", "proxy", "--prefill", "http://127.0.0.1:1",
+                        "--decode", "http://127.0.0.1:2"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and trust.SECRET_ENV in r.stderr, r.stderr
+
+
 KEY_PROXY, KEY_INSTANCES = "proxy-client-key", "deployment-instance-key"
 
 
