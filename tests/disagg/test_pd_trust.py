@@ -235,3 +235,39 @@ def test_the_proxy_routes_around_a_prefill_whose_engine_is_dead(keyed):
         assert r.status_code == 200, (i, r.text)
     r = httpx.get(proxy.url + "/health")
     assert r.status_code == 503 and r.json()["prefill"] == {pre_a.url: True, pre_b.url: False}, r.text
+
+
+def test_pulls_waiting_on_a_hung_prefill_fail_together(engines_pd, monkeypatch):
+    """A prefill that accepts connections but never answers (hung): pulls that arrived at different times
+    all fail when the first one's metadata wait runs out, in one step (they failed 10 s apart, one by one)."""
+    from moeserve.disagg import kv_transfer
+    monkeypatch.setattr(kv_transfer, "METADATA_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(metadata, "IO_TIMEOUT_S", 0.3)
+    prefill, decode = engines_pd
+    hung = socket.create_server(("127.0.0.1", 0))  # the kernel completes handshakes; nobody ever answers
+    prompts = [PROMPTS[0], PROMPTS[2], list(range(100, 130))]
+    params = []
+    for i, p in enumerate(prompts):
+        prefill.add_request(EngineCoreRequest(f"hung-p{i}", p, greedy(1), [], kv_transfer_params=hold()))
+        _, done = run(prefill)
+        params.append(resign(done[f"hung-p{i}"].kv_transfer_params, p, remote_engine_id="hung",
+                             remote_port=hung.getsockname()[1]))  # an insider's params: a real location
+    decode.add_request(EngineCoreRequest("hung-d0", prompts[0], greedy(2), [], kv_transfer_params=params[0]))
+    failed_at: dict[str, int] = {}
+    step = 0
+    t0 = time.monotonic()
+    while decode.has_unfinished():
+        step += 1
+        if step == 1:
+            time.sleep(0.5)  # the others come later
+        elif step == 2:
+            for i in (1, 2):
+                decode.add_request(EngineCoreRequest(f"hung-d{i}", prompts[i], greedy(2), [],
+                                                     kv_transfer_params=params[i]))
+        for out in decode.step():
+            if out.error:
+                failed_at[out.request_id] = step
+        assert time.monotonic() - t0 < 30
+    hung.close()
+    assert set(failed_at) == {"hung-d0", "hung-d1", "hung-d2"} and len(set(failed_at.values())) == 1, failed_at
+    assert decode.kv.pool.num_free == decode.kv.pool.num_blocks
