@@ -77,8 +77,9 @@ class MetadataRefused(ConnectionError):
     """Nothing listens at the peer's address: the prefill process is gone (or not up yet)."""
 
 
-def fetch(host: str, port: int, secret: str, timeout: float = IO_TIMEOUT_S) -> tuple[bytes, bytes]:
+def fetch(host: str, port: int, secret: str, timeout: float | None = None) -> tuple[bytes, bytes]:
     """(metadata, incarnation) of the engine at host:port; raises OSError / ValueError when it cannot be had."""
+    timeout = IO_TIMEOUT_S if timeout is None else timeout
     nonce, ms = os.urandom(16), int(time.time() * 1000)
     ask = _ASK.pack(MAGIC, nonce, ms, mac(secret, b"ask", nonce, ms.to_bytes(8, "big")))
     try:

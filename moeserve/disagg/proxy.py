@@ -204,10 +204,10 @@ class Proxy:
         client's departure itself (Starlette); a JSON one would otherwise be computed to the end for nobody,
         because nothing else watches the client while the instances work. Cancelling closes the upstream
         connections, and each instance aborts the request (its own disconnect check) and frees its blocks."""
-        data = await raw.body()  # read first: is_disconnected() would swallow body chunks still to come
-        denied = self.check_auth(raw)
+        denied = self.check_auth(raw)  # before reading a body nobody may send
         if denied is not None:
             return denied
+        data = await raw.body()  # read first: is_disconnected() would swallow body chunks still to come
         task = asyncio.ensure_future(self._handle(path, data))
         try:
             while True:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -89,14 +92,60 @@ def resolve_backend(parallel: ParallelConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+_STORE_SOCKETS: list[socket.socket] = []  # rank 0's rendezvous listener, open for the store's lifetime
+
+
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta):
+    """The TCPStore of a tcp://HOST:PORT init method; rank 0's listens on HOST only (torch's own binds every
+    interface whatever HOST says). None for other init methods."""
+    url = urlsplit(init_method)
+    if url.scheme != "tcp":
+        return None
+    host, port = url.hostname, url.port
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(max(128, world_size))
+    _STORE_SOCKETS.append(sock)
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.fileno())
+
+
+def _interface_toward(host: str | None) -> str | None:
+    """The interface this machine reaches `host` through (lo for a loopback address)."""
+    from moeserve import netif
+    if not host or netif.is_wildcard(host):
+        return None
+    try:
+        addr = netif.resolve(host)
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))  # no packet is sent: this only picks the route
+            return netif.interface_of(s.getsockname()[0])
+    except OSError:
+        return None
+
+
 def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
                      device: torch.device | None = None) -> RankInfo:
     """Join the process group of all D x T ranks and build the named sub-groups."""
     device = device or torch.device("cpu")
     info = RankInfo.of(rank, parallel)
     timeout = datetime.timedelta(seconds=parallel.distributed_timeout)
-    dist.init_process_group(resolve_backend(parallel, device), init_method=init_method, rank=rank,
-                            world_size=parallel.world_size, timeout=timeout)
+    backend = resolve_backend(parallel, device)
+    store = rendezvous_store(init_method, rank, parallel.world_size, timeout)
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and store is not None:
+        # gloo listens on the address the host name resolves to (often the external one): use the interface
+        # that reaches the master address instead (lo on one node)
+        iface = _interface_toward(urlsplit(init_method).hostname)
+        if iface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+    if store is None:  # env:// (torchrun): its agent's store
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=parallel.world_size,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=parallel.world_size, timeout=timeout)
     d, t = parallel.data_parallel_size, parallel.tensor_parallel_size
     world = list(range(d * t))
     # Every rank must create every group, in the same order (torch.distributed.new_group is collective).

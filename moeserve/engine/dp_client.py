@@ -19,6 +19,7 @@ import weakref
 import msgspec
 import zmq
 
+from moeserve import netif
 from moeserve.config import EngineConfig
 from moeserve.engine.dp_balance import LeastLoadedRouter
 from moeserve.engine.launch import LocalRanks, TorchrunEnv, resolve_endpoints
@@ -52,8 +53,9 @@ class DPEngineClient:
         self.timeout = parallel.distributed_timeout
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        port = zmq_addr.rsplit(":", 1)[1]
-        self.sock.bind(f"tcp://{'*' if parallel.nnodes > 1 or torchrun else '127.0.0.1'}:{port}")
+        host, port = zmq_addr.removeprefix("tcp://").rsplit(":", 1)
+        # the address the ranks were told (--master-addr; 127.0.0.1 by default), not every interface
+        self.sock.bind(f"tcp://{'*' if netif.is_wildcard(host) else netif.resolve(host)}:{port}")
         self.ranks = LocalRanks(self.config, init_method, zmq_addr, torchrun)
         self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.dp_size)
         self.decoder = msgspec.msgpack.Decoder(RankReport)

@@ -208,6 +208,19 @@ def test_kv_transfer_config_errors_name_the_flag():
         EngineArgs(model="m", tensor_parallel_size=2, kv_transfer_config=NIXL).create_config(256)
 
 
+
+def test_a_pd_engine_needs_the_deployment_secret(monkeypatch):
+    from moeserve.config import ConfigError, EngineArgs
+    monkeypatch.delenv(trust.SECRET_ENV, raising=False)
+    for kvt, words in [({"kv_connector": "nixl"}, "MOESERVE_KV_SECRET"), ({"kv_secret": "short"}, ">= 16")]:
+        with pytest.raises(ConfigError, match=words):
+            EngineArgs(model=None, kv_transfer_config=kvt).create_config(256)
+    monkeypatch.setenv(trust.SECRET_ENV, SECRET)
+    assert EngineArgs(model=None, kv_transfer_config={"kv_connector": "nixl"}).create_config(256).kv_transfer.kv_secret \
+        == SECRET
+    assert SECRET not in repr(EngineArgs(model=None, kv_transfer_config=NIXL).create_config(256))
+
+
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_pd_with_a_data_parallel_instance(ckpt_dir, engines, side):
     """A DP2 + EP instance on either side: each rank process pulls (or serves) KV with its own NIXL agent."""
@@ -303,3 +316,19 @@ def test_decode_pulls_only_what_its_prefix_cache_lacks(engines):
     assert decode.kv_transfer.blocks_cached_here - here == 5
     assert decode.kv_transfer.blocks_pulled - pulled == 4
     assert decode.kv.pool.num_free == decode.kv.pool.num_blocks
+
+
+def test_pd_equals_unified_in_float32_on_prompts_neither_side_has_seen(engines):
+    """Fresh random prompts (no prefix-cache hit on either side), all in flight at once on each side: the
+    decode engine computes the last prompt token in a one-token step, the unified engine inside the prefill;
+    in float32 the logits differ by ~1e-6, never enough to change a greedy token (BF16: docs/disaggregation.md,
+    benchmarks/pd_agreement.py)."""
+    import random
+    unified, prefill, decode = engines
+    rng = random.Random(1919)
+    prompts = [[rng.randrange(2, 500) for _ in range(rng.randint(3, 70))] for _ in range(16)]
+    for i, p in enumerate(prompts):
+        unified.add_request(EngineCoreRequest(f"fresh-u{i}", p, greedy(24), []))
+    want, _ = run(unified)
+    got, _ = pd(prefill, decode, prompts, 24, prefix="fresh")
+    assert got == [want[f"fresh-u{i}"] for i in range(len(prompts))]
