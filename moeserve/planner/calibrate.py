@@ -126,7 +126,7 @@ def _grid(hw_list, points: int) -> dict[str, list[float]]:
     return {k: sorted(v) for k, v in sorted(grid.items())}
 
 
-def feasibility(hardware_file: str | None = None, profile: str | None = None, points: int = 5,
+def feasibility(hardware_file: str | None = None, profile: str | None = None, points: int = 3,
                 cases: list | None = None, cases_file: str | None = None) -> dict:
     """The smallest worst-case |error| over the calibration cases that one set of efficiency factors,
     each inside its documented range, reaches on a grid (`points` values per factor, plus the value in

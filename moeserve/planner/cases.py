@@ -175,13 +175,16 @@ def _fields(cls, given, where: str) -> dict:
     for k, v in given.items():
         if k not in types:
             raise ValueError(f"{where}: unknown field {k!r}; known: {', '.join(types)}")
-        want = _TYPES.get(types[k])
-        ok = isinstance(v, want) and not (want is not bool and isinstance(v, bool))
-        if want is not None and not ok or (types[k] == "float" and not _number(v)):
-            raise ValueError(f"{where}.{k} must be a{'n' if types[k] == 'int' else ''} {types[k]}, got {v!r}")
+        kind = types[k].replace(" | None", "")  # an optional field (max_num_seqs) takes its type or null
+        if v is None and kind != types[k]:
+            continue
+        want = _TYPES.get(kind)
+        ok = want is None or isinstance(v, want) and not (want is not bool and isinstance(v, bool))
+        if want is not None and not ok or (kind == "float" and not _number(v)):
+            raise ValueError(f"{where}.{k} must be a{'n' if kind == 'int' else ''} {kind}, got {v!r}")
         # The limits the CLI flags enforce (--cards, integer flags, --imbalance): 10**30 cards or 10**400
         # anything overflowed a float or priced a nonsense row.
-        high = {"cards": MAX_CARDS, "imbalance": FIGURE_MAX}.get(k, MAX_INT if types[k] == "int" else None)
+        high = {"cards": MAX_CARDS, "imbalance": FIGURE_MAX}.get(k, MAX_INT if kind == "int" else None)
         if high is not None and v > high:
             raise ValueError(f"{where}.{k} must be <= {high:g}, got {_got(v)}")
     return dict(given)

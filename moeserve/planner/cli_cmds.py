@@ -255,7 +255,7 @@ def args_simulate(p):
                         "measured 20-90%% of the stream is past the warm-up)")
     p.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
     p.add_argument("--length-dist", choices=("fixed", "uniform", "exponential"), default="fixed")
-    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="per DP group (default: memory limit)")
+    # --max-num-seqs (per DP group, default: the memory limit) is a common instance flag (cli._add_common)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     p.add_argument("--tpot-ms", type=positive_float, default=None, help="goodput SLO on TPOT")
     p.add_argument("--ttft-ms", type=positive_float, default=None, help="goodput SLO on TTFT")

@@ -55,7 +55,7 @@ def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, is_moe: boo
     if b.decode_seqs:
         attn.append(cost.mla_decode(m, hw, inst, b.decode_seqs, b.decode_new, b.decode_ctx + b.decode_new))
     attn += [cost.attn_prefill(m, hw, inst, s, n, p) for s, n, p in b.prefill]
-    ops = attn + [cost.elementwise(m, hw, inst, q)] + cost.tp_allreduce(m, hw, inst, q)
+    ops = attn + [cost.elementwise(m, hw, inst, q)] + cost.attn_comm(m, hw, inst, q)
     if is_moe:
         n_tokens = b.n_tokens if b.n_tokens is not None else q * inst.dp
         compute = moe.moe_compute(m, hw, inst, q, n_tokens)
@@ -64,7 +64,8 @@ def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, is_moe: boo
         if overlap and inst.overlap_shared:
             ops.append(_shared_overlap(inst, compute, comm))
     else:
-        ops += [cost.dense_mlp(m, hw, inst, q)] + cost.tp_allreduce(m, hw, inst, q)
+        ops += [cost.dense_mlp(m, hw, inst, q)] + cost.tp_allreduce(m, hw, inst, q, inst.mlp_tp,
+                                                                    q * inst.mlp_tp / inst.tp)
     if overlap and inst.weight_prefetch:
         ops.append(_weight_prefetch(hw, proj, attn, ops))
     return ops
@@ -153,7 +154,7 @@ def run_step(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
         draft = _mtp_draft(m, hw, inst, b)
         step.ops += draft.ops
         total += sum(o.seconds for o in draft.ops)
-    step.overhead = hw.eff.step_overhead_ms * 1e-3
+    step.overhead = hw.eff.step_overhead_ms * 1e-3 if hw.eff.has("framework") else 0.0
     step.total = total + step.overhead
     return step
 
