@@ -157,6 +157,8 @@ def register(subparsers) -> None:
         ("search", "enumerate layouts and prefill:decode splits, rank by goodput per card", c.cmd_search),
         ("simulate", "request stream through the real engine Scheduler with cost-model step times",
          c.cmd_simulate),
+        ("layers", "one decoder layer's operators at a batch and KV length (vs published per-layer times)",
+         c.cmd_layers),
         ("validate", "predicted vs published results (+-15%%)", c.cmd_validate),
         ("hardware", "list the hardware database", c.cmd_hardware),
         ("profile-cpu", "measure this CPU and predict moeserve's own CPU decode step times", c.cmd_profile_cpu),

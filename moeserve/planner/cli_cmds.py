@@ -307,17 +307,37 @@ def args_validate(p):
     p.add_argument("--feasibility", action="store_true",
                    help="also search the documented efficiency ranges for the factor set with the smallest "
                         "worst-case error (an analysis: predictions keep the point values)")
+    p.add_argument("--leave-one-out", action="store_true",
+                   help="also predict each case alone and with the others' published values changed (nothing "
+                        "may move: no factor is fitted to the rows)")
     p.add_argument("--json", action="store_true")
 
 
 def cmd_validate(a):
-    from moeserve.planner.calibrate import feasibility, format_feasibility, format_table, validate
+    from moeserve.planner.calibrate import (feasibility, format_feasibility, format_leave_one_out, format_table,
+                                            leave_one_out, validate)
     res = validate(a.hardware_file, a.efficiency_profile, a.cases)
     text = format_table(res)
+    if a.leave_one_out:
+        res["leave_one_out"] = leave_one_out(a.hardware_file, a.efficiency_profile, a.cases)
+        text += "\n" + format_leave_one_out(res["leave_one_out"])
     if a.feasibility:
         res["feasibility"] = feasibility(a.hardware_file, a.efficiency_profile, cases_file=a.cases)
         text += "\n" + format_feasibility(res["feasibility"])
     return _emit(a, res, text)
+
+
+def args_layers(p):
+    _add_common(p)
+    p.add_argument("--batch", type=positive_int, required=True, help="sequences per DP group")
+    p.add_argument("--context", type=positive_int, default=None, help="KV length (default: --input-len)")
+
+
+def cmd_layers(a):
+    from moeserve.planner.layers import format_breakdown, layer_breakdown
+    m, hw, inst, wl = _ctx(a)
+    res = layer_breakdown(m, hw, inst, a.batch, a.context or wl.input_len)
+    return _emit(a, res, format_breakdown(res))
 
 
 def args_hardware(p):
