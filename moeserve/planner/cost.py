@@ -126,7 +126,7 @@ def attn_proj(m: ModelSpec, hw: Hardware, inst: Instance, q: float) -> Op:
 
 
 def _seq_parallel(inst: Instance) -> bool:
-    return inst.flashcomm != "off" and inst.tp > 1
+    return inst.seq_parallel
 
 
 def mla_decode(m: ModelSpec, hw: Hardware, inst: Instance, seqs: float, q_per_seq: float,

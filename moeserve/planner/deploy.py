@@ -90,6 +90,12 @@ class Instance:
         return self.cards // self.tp
 
     @property
+    def seq_parallel(self) -> bool:
+        """FlashComm with attention TP: the residual stream is sharded by token over the TP group, so
+        token-wise work outside attention's head-parallel core runs on each rank's 1/tp of the tokens."""
+        return self.flashcomm != "off" and self.tp > 1
+
+    @property
     def mlp_tp(self) -> int:
         """TP of the dense layers' MLP (the attention TP unless dense_tp says otherwise)."""
         return self.tp if self.dense_tp is None else self.dense_tp

@@ -46,7 +46,9 @@ def expert_gemm(m: ModelSpec, hw: Hardware, inst: Instance, name: str, copies: f
 
 def moe_compute(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: float) -> list[Op]:
     """Compute ops of one MoE layer on the busiest card (routed rank or dedicated shared rank)."""
-    ops = [gemm(hw, inst, "router", q, m.gate_params, m.hidden_size, m.n_routed_experts,
+    # With sequence parallelism each TP rank routes only its own token shard.
+    own = q / inst.tp if inst.seq_parallel else q
+    ops = [gemm(hw, inst, "router", own, m.gate_params, m.hidden_size, m.n_routed_experts,
                 dtype="bf16", wbytes=ACT)]
     copies, active = routed_load(m, inst, n_tokens, hw.eff.has("load_noise"))
     routed = expert_gemm(m, hw, inst, "routed_experts", copies, active)

@@ -136,7 +136,8 @@ def _mtp_draft(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
         q = b.decode_seqs * new + sum(s * n for s, n, _ in prefill)
         sub = Batch(b.decode_seqs, new, b.decode_ctx + b.decode_new + i, prefill,
                     None if b.n_tokens is None else b.n_tokens * q / b.q)
-        eh = cost.gemm(hw, inst, "eh_proj", q, 2 * m.hidden_size ** 2, 2 * m.hidden_size, m.hidden_size)
+        eh = cost.gemm(hw, inst, "eh_proj", q / inst.tp if inst.seq_parallel else q, 2 * m.hidden_size ** 2,
+                       2 * m.hidden_size, m.hidden_size)
         ops = [eh] + _layer_ops(m, hw, inst, sub, is_moe=bool(m.n_routed_experts))
         ops.append(cost.lm_head(m, hw, inst, seqs))
         for op in ops:

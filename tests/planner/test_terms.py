@@ -145,6 +145,8 @@ def test_sequence_parallel_attention_hand_case():
     sp = cost.attn_proj(V3, hw, inst, q).flops
     assert sp == pytest.approx(2 * q / 16 * (V3.q_a_params + V3.kv_a_params) + 2 * q * V3.attn_split_params / 16)
     assert cost.dense_mlp(V3, hw, inst, q).flops == pytest.approx(2 * q / 2 * V3.dense_mlp_params / 8)
+    router = moe.moe_compute(V3, hw, inst, q, q)[0]  # the gate routes the card's own 1/16 of the tokens
+    assert router.name == "router" and router.flops == pytest.approx(2 * q / 16 * V3.gate_params)
 
 
 def test_max_num_seqs_caps_the_batch():
