@@ -72,6 +72,9 @@ def cmd_estimate(a):
     m, hw, inst, wl = _ctx(a)
     with _which(f"decode instance ({inst.cards} cards)"):
         mem = require_fits(m, hw, inst, wl)
+        if a.batch is not None and inst.max_num_seqs is not None and a.batch > inst.max_num_seqs:
+            raise PlanError(f"--batch {a.batch} exceeds --max-num-seqs {inst.max_num_seqs}; raise --max-num-seqs "
+                            f"or use --batch <= {inst.max_num_seqs}")
         if a.batch is not None and a.batch > mem.max_batch:
             raise DoesNotFit(f"--batch {a.batch} does not fit: KV room for {mem.max_batch} sequences per DP "
                              f"group at mean context {wl.mean_decode_context:.0f}; use --batch <= {mem.max_batch}")

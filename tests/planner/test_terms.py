@@ -252,3 +252,39 @@ def test_decode_point_tpot_rises_with_framework_time():
     inst = Instance(cards=32, moe_comm="allgather", mtp_drafts=1, max_num_seqs=60)
     slow = replace(hw, eff=replace(hw.eff, step_overhead_ms=5.0))
     assert decode_point(V3, slow, inst, Workload(), 60).tpot_ms > decode_point(V3, hw, inst, Workload(), 60).tpot_ms
+
+
+def test_bad_new_inputs_are_refused_naming_the_field(tmp_path, capsys):
+    a2 = ["--hardware", "atlas-800i-a2", "--cards", "32", "--moe-comm", "allgather", "--mtp-drafts", "1"]
+    assert main(["plan", "estimate", *a2, "--max-num-seqs", "60", "--batch", "61"]) == 2
+    assert "--max-num-seqs 60" in capsys.readouterr().err
+    assert main(["plan", "decode", *a2, "--dense-tp", "5"]) == 2
+    assert "dense_tp 5" in capsys.readouterr().err
+    bad = {
+        "terms: [fast]": ("efficiency:\n  profiles:\n    end_to_end: {terms: [fast]}\n", "unknown term 'fast'"),
+        "missing table": ("devices:\n  x: {bf16_tflops: 1, int8_tops: 1, hbm_gib: 1, hbm_tbps: 1, scale_up_gbps: 1, "
+                          "scale_out_gbps: 1, collectives: nope}\n", "collectives 'nope' is not in"),
+        "bad points": ("collectives:\n  t: {tokens: 128, hidden: 7168, topk: 8, dispatch_bytes: 1, combine_bytes: 2, "
+                       "up_gbps: 100, out_gbps: 50, domain: 8, points: {8: [0, 10]}}\n"
+                       "devices:\n  x: {bf16_tflops: 1, int8_tops: 1, hbm_gib: 1, hbm_tbps: 1, scale_up_gbps: 1, "
+                       "scale_out_gbps: 1, collectives: t}\n", "points must be EP >= 2"),
+        "table field": ("collectives:\n  t: {tokenz: 128}\n", "unknown field 'tokenz'"),
+    }
+    for name, (text, needle) in bad.items():
+        path = tmp_path / f"{name.replace(' ', '_').replace(':', '')}.yaml"
+        path.write_text(text)
+        assert main(["plan", "hardware", "--hardware-file", str(path)]) == 2, name
+        assert needle in capsys.readouterr().err, name
+
+
+def test_a_users_collective_table_is_used(tmp_path):
+    """A file's own dispatch/combine table sets the floors of the device that names it."""
+    path = tmp_path / "hw.yaml"
+    path.write_text("collectives:\n  slow: {tokens: 128, hidden: 7168, topk: 8, dispatch_bytes: 1, combine_bytes: 2, "
+                    "up_gbps: 1000, out_gbps: 1000, domain: 8, points: {8: [500, 600]}}\n"
+                    "systems:\n  slow-h800: {device: h800, collectives: slow}\n")
+    from moeserve.planner.hardware import HardwareDB
+    hw = HardwareDB(str(path)).get("slow-h800")
+    floor_d = 500 - 1024 * 7168 * 7 / 8 / 1000e3
+    assert comm.floor_us(hw, 8, "dispatch") == pytest.approx(floor_d)
+    assert comm.floor_us(hw, 64, "dispatch") == pytest.approx(floor_d)  # beyond the table: its largest EP's
