@@ -2,9 +2,10 @@
 own file of cases, planner/cases.py).
 
 The cases only choose layouts; every efficiency factor is the shared one from hardware.yaml. `predicted`
-uses the default (end_to_end) profile; each row also carries `predicted_kernel`, the kernel-level-only
-model, so the effect of the serving factor stays visible, and `band`, the prediction with every factor at
-the low and at the high end of its documented range. `unlisted` holds sanity checks against other
+uses the default (end_to_end) profile, which pays every operator-level term; each row also carries
+`predicted_kernel` (kernels alone), `terms` (the gap between the two, term by term; explain.py), a
+prefill case's `handoff`, and `band`, the prediction with every factor at the low and at the high end of
+its documented range. `per_layer` holds published per-layer times against the model's. `unlisted` holds sanity checks against other
 published deployments (DeepSeek's own H800 figures); they are reported, not part of `all_within`.
 `feasibility` asks whether any single set of factors inside the documented ranges would put every case
 within the tolerance: an analysis of the facts, never used for a prediction.
@@ -115,6 +116,7 @@ def validate(hardware_file: str | None = None, profile: str | None = None, cases
     unlisted = _rows(table.get("unlisted") or [], db, kernel_db, tol)
     return {"tolerance_pct": 100 * tol, "efficiency_profile": db.profile,
             "serving_factor": db.get(table["cases"][0]["hardware"]).eff.serving,
+            "terms": list(db.get(table["cases"][0]["hardware"]).eff.terms),
             "all_within": all(r["within_tolerance"] for r in rows), "rows": rows,
             "unlisted": unlisted, "per_layer": explain.per_layer(table, db)}
 
@@ -218,7 +220,8 @@ def format_table(result: dict) -> str:
         return (f"{r['id']:<{w}} {r['unit']:<11} {r['published']:>10.1f} {r['predicted']:>10.1f} "
                 f"{r['error_pct']:>+7.1f}%  {ok:<4} {rng:>26} {r['predicted_kernel']:>11.1f} "
                 f"{r['error_kernel_pct']:>+7.1f}%" + (f"  ({r['note']})" if r.get("note") else ""))
-    lines = [f"efficiency profile: {result['efficiency_profile']} (serving factor {result['serving_factor']})",
+    terms = ", ".join(result.get("terms") or []) or "none"
+    lines = [f"efficiency profile: {result['efficiency_profile']} (terms: {terms})",
              head]
     lines += [line(r, "yes" if r["within_tolerance"] else "NO") for r in result["rows"]]
     lines.append(f"tolerance +-{result['tolerance_pct']:g}%; all within: {result['all_within']}; published "
