@@ -141,8 +141,9 @@ def mla_decode(m: ModelSpec, hw: Hardware, inst: Instance, seqs: float, q_per_se
     rows = mla_rows(hw, m.num_attention_heads / inst.tp * q_per_seq)
     flops = 2.0 * seqs * rows * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * ctx
     nbytes = seqs * ctx * m.kv_elems_per_token_layer * inst.kv_bytes
-    return roofline(hw, "mla_decode", flops, nbytes, "bf16", compute_eff=hw.eff.attention,
-                    mem_eff=hw.eff.attn_mem)
+    # A device may carry its decode-MLA kernel's measured rate (AMLA on the 910C die) instead of a fraction.
+    rate = hw.eff.attention if hw.eff.mla_tflops is None else hw.eff.mla_tflops * 1e12 / hw.peak_flops("bf16")
+    return roofline(hw, "mla_decode", flops, nbytes, "bf16", compute_eff=rate, mem_eff=hw.eff.attn_mem)
 
 
 def mla_rows(hw: Hardware, rows: float) -> float:

@@ -51,6 +51,7 @@ class Efficiency:
     link_out: float | None = None          # scale-out achieved / nominal [link]
     out_latency_us: float | None = None    # per scale-out hop [link_latency_us]
     mla_min_rows: float = 1.0              # query rows (heads x q_len) a decode-attention tile computes
+    mla_tflops: float | None = None        # measured decode-MLA kernel rate, TFLOPS [peak x attention]
     # End-to-end terms in force (TERMS); the kernel profile turns all off to show the gap term by term.
     terms: tuple[str, ...] = TERMS
     # (factor, low, high): the documented range of a factor whose point value is above (data/hardware.yaml
@@ -68,6 +69,8 @@ class Efficiency:
                 raise ValueError(f"{k} is a fraction of peak, in [{FIGURE_MIN:g}, 1]; got {v:g}")
         if self.out_latency_us is not None and not 0.0 <= self.out_latency_us <= FIGURE_MAX:
             raise ValueError(f"out_latency_us must be in [0, {FIGURE_MAX:g}], got {self.out_latency_us:g}")
+        if self.mla_tflops is not None and not FIGURE_MIN <= self.mla_tflops <= FIGURE_MAX:
+            raise ValueError(f"mla_tflops must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], got {self.mla_tflops:g}")
         if not 1.0 <= self.mla_min_rows <= 4096:
             raise ValueError(f"mla_min_rows must be in [1, 4096], got {self.mla_min_rows:g}")
         bad = set(self.terms) - set(TERMS)

@@ -288,3 +288,16 @@ def test_a_users_collective_table_is_used(tmp_path):
     floor_d = 500 - 1024 * 7168 * 7 / 8 / 1000e3
     assert comm.floor_us(hw, 8, "dispatch") == pytest.approx(floor_d)
     assert comm.floor_us(hw, 64, "dispatch") == pytest.approx(floor_d)  # beyond the table: its largest EP's
+
+
+def test_amla_rate_on_the_910c_die():
+    """kernels.md AMLA: up to 614 TFLOPS on a 910C die, the decode-MLA kernel of the published system: at
+    batch 96 / 4K KV the die is memory-bound without MTP (KV at CANN's 84.1% of 1.6 TB/s) and compute-bound
+    with MTP's 256 query rows."""
+    hw = load_hardware("cloudmatrix-384-die")
+    assert hw.eff.mla_tflops == 614 and load_hardware("cloudmatrix-384").eff.mla_tflops == 1228
+    mem = 96 * 4096 * 1152 / (1.6e12 * 0.841)
+    assert cost.mla_decode(V3, hw, Instance(cards=1), 96, 1, 4096).seconds == pytest.approx(mem)
+    comp = 2 * 96 * 256 * 1088 * 4096 / 614e12
+    assert cost.mla_decode(V3, hw, Instance(cards=1), 96, 2, 4096).seconds == pytest.approx(comp)
+    assert load_hardware("atlas-800i-a2").eff.mla_tflops is None  # no 910B measurement: CANN's 65.4%
