@@ -19,7 +19,8 @@ TERMS = ("small_m_gemm",        # expert/dense GEMMs at small M stream weights a
          "mla_tile",            # decode attention computes at least mla_min_rows query rows per tile
          "collective_floor",    # dispatch/combine latency floor by EP size (measured tables), hop latency
          "load_noise",          # busiest expert rank's sampling noise x residual imbalance
-         "framework")           # per-step framework time (step_overhead_ms)
+         "framework",           # per-step framework time (step_overhead_ms)
+         "overlap_bound")       # two-batch overlap saves no more than its measured gain (tbo_max_gain)
 # Range of every physical figure (TFLOPS, GiB, TB/s, GB/s, in the unit of its field), of the positive
 # --scale-*-gbps overrides and of the other positive float flags (cli_args). "> 0 and finite" is not
 # enough: 1e-320 GB/s makes a transfer time overflow to inf (then 0 tok/s and a division by zero), 1e300
@@ -52,6 +53,7 @@ class Efficiency:
     out_latency_us: float | None = None    # per scale-out hop [link_latency_us]
     mla_min_rows: float = 1.0              # query rows (heads x q_len) a decode-attention tile computes
     mla_tflops: float | None = None        # measured decode-MLA kernel rate, TFLOPS [peak x attention]
+    tbo_max_gain: float = 0.35             # two-batch overlap's largest measured speed-up (hw.md +25-35%)
     # End-to-end terms in force (TERMS); the kernel profile turns all off to show the gap term by term.
     terms: tuple[str, ...] = TERMS
     # (factor, low, high): the documented range of a factor whose point value is above (data/hardware.yaml
@@ -71,6 +73,8 @@ class Efficiency:
             raise ValueError(f"out_latency_us must be in [0, {FIGURE_MAX:g}], got {self.out_latency_us:g}")
         if self.mla_tflops is not None and not FIGURE_MIN <= self.mla_tflops <= FIGURE_MAX:
             raise ValueError(f"mla_tflops must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], got {self.mla_tflops:g}")
+        if not 0.0 <= self.tbo_max_gain <= 10.0:
+            raise ValueError(f"tbo_max_gain must be in [0, 10], got {self.tbo_max_gain:g}")
         if not 1.0 <= self.mla_min_rows <= 4096:
             raise ValueError(f"mla_min_rows must be in [1, 4096], got {self.mla_min_rows:g}")
         bad = set(self.terms) - set(TERMS)

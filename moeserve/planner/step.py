@@ -148,6 +148,9 @@ def _mtp_draft(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
 def run_step(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
     if inst.micro_batch_overlap and b.decode_seqs + sum(s for s, _, _ in b.prefill) >= 2:
         step, total = _overlapped(m, hw, inst, b)
+        if hw.eff.has("overlap_bound"):  # no more than the technique's measured gain (hardware.md +25-35%)
+            serial = sum(o.seconds for o in _main_model(m, hw, inst, b).ops)
+            total = max(total, serial / (1.0 + hw.eff.tbo_max_gain))
     else:
         step = _main_model(m, hw, inst, b)
         total = sum(o.seconds for o in step.ops)  # compute + comm - overlapped (negative) seconds

@@ -301,3 +301,19 @@ def test_amla_rate_on_the_910c_die():
     comp = 2 * 96 * 256 * 1088 * 4096 / 614e12
     assert cost.mla_decode(V3, hw, Instance(cards=1), 96, 2, 4096).seconds == pytest.approx(comp)
     assert load_hardware("atlas-800i-a2").eff.mla_tflops is None  # no 910B measurement: CANN's 65.4%
+
+
+def test_overlap_bound_caps_two_batch_overlap_at_its_measured_gain():
+    """hardware.md: two-batch overlap helps +25-35% at large per-device batch. The unbounded model hides
+    more (H800 EP144 at 184 sequences: +41%); the overlap_bound term holds the step to serial / 1.35."""
+    hw = load_hardware("hgx-h800")
+    inst = Instance(cards=144, redundant_experts=32, quantization="fp8", micro_batch_overlap=True)
+    fw = 1e-3
+    serial = decode_step(V3, hw, replace(inst, micro_batch_overlap=False), 184, 3072).total - fw
+    tbo = decode_step(V3, hw, inst, 184, 3072).total - fw
+    free = decode_step(V3, with_terms(hw, [t for t in TERMS if t != "overlap_bound"]), inst, 184, 3072).total - fw
+    assert free < serial / 1.35 and tbo == pytest.approx(serial / 1.35)
+    # where overlap saves less than 35% the bound does not bind
+    small = decode_step(V3, hw, inst, 8, 3072).total
+    assert small == pytest.approx(decode_step(V3, with_terms(hw, [t for t in TERMS if t != "overlap_bound"]),
+                                              inst, 8, 3072).total)
