@@ -66,6 +66,8 @@ def decode_memory(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload) -> M
 
     rep = report(1)
     lo, hi = (1, rep.max_batch) if rep.max_batch >= 1 else (0, 0)  # room(b) <= room(1): b <= room(1)
+    if inst.max_num_seqs is not None:  # the engine runs no more sequences per rank than it is allowed
+        hi = min(hi, inst.max_num_seqs)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if report(mid).max_batch >= mid:

@@ -2,9 +2,10 @@
 own file of cases, planner/cases.py).
 
 The cases only choose layouts; every efficiency factor is the shared one from hardware.yaml. `predicted`
-uses the default (end_to_end) profile; each row also carries `predicted_kernel`, the kernel-level-only
-model, so the effect of the serving factor stays visible, and `band`, the prediction with every factor at
-the low and at the high end of its documented range. `unlisted` holds sanity checks against other
+uses the default (end_to_end) profile, which pays every operator-level term; each row also carries
+`predicted_kernel` (kernels alone), `terms` (the gap between the two, term by term; explain.py), a
+prefill case's `handoff`, and `band`, the prediction with every factor at the low and at the high end of
+its documented range. `per_layer` holds published per-layer times against the model's. `unlisted` holds sanity checks against other
 published deployments (DeepSeek's own H800 figures); they are reported, not part of `all_within`.
 `feasibility` asks whether any single set of factors inside the documented ranges would put every case
 within the tolerance: an analysis of the facts, never used for a prediction.
@@ -16,6 +17,7 @@ import math
 from contextlib import contextmanager
 
 from moeserve.planner import cases as case_files
+from moeserve.planner import explain
 from moeserve.planner.analysis import band, best_under_slo, decode_point, prefill_point
 from moeserve.planner.deploy import Instance, PlanError, Workload, fewest_redundant_slots
 from moeserve.planner.hardware import HardwareDB
@@ -85,6 +87,10 @@ def _rows(cases: list, db: HardwareDB, kernel_db: HardwareDB, tol: float) -> lis
     rows = []
     for case in cases:
         pred = predict(case, db)
+        with _about(case):
+            hw = _case_hardware(case, db)
+            terms = explain.term_steps(lambda h: _value(case, h)[0], hw)
+            handoff = explain.handoff(case, hw)
         pub = float(case["published"]["value"])
         err = (pred["value"] - pub) / pub
         kern = predict(case, kernel_db)["value"]
@@ -96,7 +102,7 @@ def _rows(cases: list, db: HardwareDB, kernel_db: HardwareDB, tol: float) -> lis
                      "published_in_band": rng is not None and rng[0] <= pub <= rng[1],
                      "predicted_kernel": round(kern, 1),
                      "error_kernel_pct": round(100 * (kern - pub) / pub, 1),
-                     "note": detail.pop("note", None), "detail": detail})
+                     "note": detail.pop("note", None), "terms": terms, "handoff": handoff, "detail": detail})
     return rows
 
 
@@ -110,8 +116,37 @@ def validate(hardware_file: str | None = None, profile: str | None = None, cases
     unlisted = _rows(table.get("unlisted") or [], db, kernel_db, tol)
     return {"tolerance_pct": 100 * tol, "efficiency_profile": db.profile,
             "serving_factor": db.get(table["cases"][0]["hardware"]).eff.serving,
+            "terms": list(db.get(table["cases"][0]["hardware"]).eff.terms),
             "all_within": all(r["within_tolerance"] for r in rows), "rows": rows,
-            "unlisted": unlisted}
+            "unlisted": unlisted, "per_layer": explain.per_layer(table, db)}
+
+
+def leave_one_out(hardware_file: str | None = None, profile: str | None = None,
+                  cases_file: str | None = None) -> dict:
+    """Every case predicted with the whole table, alone, and with the other cases' published values doubled
+    and halved, each table read and checked as a cases file is (explain.leave_one_out)."""
+    table = load_cases(cases_file)
+    db = HardwareDB(hardware_file, profile)
+
+    def value(case: dict, cases: list) -> float:
+        checked = case_files.check({"tolerance": table["tolerance"], "cases": cases}, "leave-one-out table")
+        mine = next(c for c in checked["cases"] if c["id"] == case["id"])
+        with _about(mine):
+            return _value(mine, _case_hardware(mine, db))[0]
+
+    rows = explain.leave_one_out(table, value)
+    return {"efficiency_profile": db.profile, "rows": rows,
+            "max_changed_pct": max(r["changed_pct"] for r in rows) if rows else 0.0}
+
+
+def format_leave_one_out(res: dict) -> str:
+    lines = [f"leave-one-out ({res['efficiency_profile']}): each case alone and with the others' published "
+             "values doubled / halved",
+             f"{'case':<24} {'with all':>10} {'alone':>10} {'others x2':>10} {'others /2':>10} {'error':>8}"]
+    lines += [f"{r['id']:<24} {r['predicted']:>10.1f} {r['alone']:>10.1f} {r['others_doubled']:>10.1f} "
+              f"{r['others_halved']:>10.1f} {r['error_pct']:>+7.1f}%" for r in res["rows"]]
+    lines.append(f"largest change: {res['max_changed_pct']:g}% (nothing is fitted to the rows)")
+    return "\n".join(lines)
 
 
 def _grid(hw_list, points: int) -> dict[str, list[float]]:
@@ -126,7 +161,7 @@ def _grid(hw_list, points: int) -> dict[str, list[float]]:
     return {k: sorted(v) for k, v in sorted(grid.items())}
 
 
-def feasibility(hardware_file: str | None = None, profile: str | None = None, points: int = 5,
+def feasibility(hardware_file: str | None = None, profile: str | None = None, points: int = 3,
                 cases: list | None = None, cases_file: str | None = None) -> dict:
     """The smallest worst-case |error| over the calibration cases that one set of efficiency factors,
     each inside its documented range, reaches on a grid (`points` values per factor, plus the value in
@@ -185,7 +220,8 @@ def format_table(result: dict) -> str:
         return (f"{r['id']:<{w}} {r['unit']:<11} {r['published']:>10.1f} {r['predicted']:>10.1f} "
                 f"{r['error_pct']:>+7.1f}%  {ok:<4} {rng:>26} {r['predicted_kernel']:>11.1f} "
                 f"{r['error_kernel_pct']:>+7.1f}%" + (f"  ({r['note']})" if r.get("note") else ""))
-    lines = [f"efficiency profile: {result['efficiency_profile']} (serving factor {result['serving_factor']})",
+    terms = ", ".join(result.get("terms") or []) or "none"
+    lines = [f"efficiency profile: {result['efficiency_profile']} (terms: {terms})",
              head]
     lines += [line(r, "yes" if r["within_tolerance"] else "NO") for r in result["rows"]]
     lines.append(f"tolerance +-{result['tolerance_pct']:g}%; all within: {result['all_within']}; published "
@@ -193,4 +229,21 @@ def format_table(result: dict) -> str:
     if result.get("unlisted"):
         lines.append("unlisted sanity checks (reference figures are approximate, not part of the tolerance):")
         lines += [line(r, "-") for r in result["unlisted"]]
+    lines.append("kernel-only -> end-to-end, term by term (each term's change of the row's metric):")
+    for r in result["rows"] + (result.get("unlisted") or []):
+        if r.get("terms"):
+            steps = "  ".join(f"{t['term']} {t['change_pct']:+.1f}%" for t in r["terms"][1:] if t["change_pct"])
+            lines.append(f"  {r['id']:<{w}} kernels {r['terms'][0]['value']:.1f} -> {r['terms'][-1]['value']:.1f}: "
+                         f"{steps or 'no term changes it'}")
+    for r in result["rows"]:
+        h = r.get("handoff")
+        if h:
+            lines.append(f"  {r['id']}: taken as the {h['taken_as']}: {h['forward_ms']:.1f} ms; with the hand-off "
+                         f"(KV pull {h['kv_pull_ms']:.2f} ms + first decode step {h['first_decode_step_ms']:.2f} ms) "
+                         f"{h['with_handoff_ms']:.1f} ms = {h['with_handoff_tok_s_card']:.1f} tok/s/card")
+    if result.get("per_layer"):
+        lines.append("per-layer decode time (published vs the model's step / layers, and its MoE layer alone):")
+        lines += [f"  {p['id']:<{w}} published {p['published_us']:.0f} us, model {p['per_layer_us']:.0f} us "
+                  f"({p['error_pct']:+.1f}%), MoE layer {p['moe_layer_us']:.0f} us ({p['moe_layer_error_pct']:+.1f}%)"
+                  for p in result["per_layer"]]
     return "\n".join(lines)

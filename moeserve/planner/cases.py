@@ -34,7 +34,7 @@ from moeserve.planner.deploy import MAX_CARDS, Instance, PlanError, Workload
 from moeserve.planner.hardware import FIGURE_MAX, FIGURE_MIN
 
 CASE_FIELDS = {"id", "what", "model", "hardware", "kind", "tpot_ms", "workload", "requests", "input_len",
-               "instance", "published"}
+               "instance", "published", "handoff"}
 KIND_FIELDS = {"decode": ("tpot_ms", "workload"), "prefill": ("requests", "input_len")}
 METRICS = {"decode": ("tok_s_card",), "prefill": ("ttft_ms", "tok_s_card")}
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
@@ -73,9 +73,10 @@ def check(data, src: str) -> dict:
     """The table with defaults filled in (tolerance, what, model, unlisted), or ValueError naming the field."""
     if not isinstance(data, dict):
         raise ValueError(f"{src}: expected a mapping with cases (and optional tolerance, unlisted)")
-    unknown = set(data) - {"tolerance", "cases", "unlisted"}
+    unknown = set(data) - {"tolerance", "cases", "unlisted", "per_layer"}
     if unknown:
-        raise ValueError(f"{src}: unknown top-level field {sorted(unknown)[0]!r}; known: tolerance, cases, unlisted")
+        raise ValueError(f"{src}: unknown top-level field {sorted(unknown)[0]!r}; known: tolerance, cases, "
+                         "unlisted, per_layer")
     tol = data.get("tolerance", 0.15)
     if not _number(tol) or not 0 < tol < 10:
         raise ValueError(f"{src}: tolerance is a share (0.15 = +-15%), got {_got(tol)}")
@@ -87,7 +88,25 @@ def check(data, src: str) -> dict:
     out = {"tolerance": float(tol)}
     for part in ("cases", "unlisted"):
         out[part] = [_case(c, f"{src}: {part}[{i}]", ids) for i, c in enumerate(data.get(part) or [])]
+    out["per_layer"] = [_layer_check(c, f"{src}: per_layer[{i}]", out) for i, c in enumerate(data.get("per_layer") or [])]
     return out
+
+
+LAYER_FIELDS = {"id", "case", "batch", "context", "mtp_drafts", "published_us"}
+
+
+def _layer_check(c, where: str, table: dict) -> dict:
+    """A published per-layer decode time: a decode case's hardware and layout at a given batch and KV length."""
+    if not isinstance(c, dict) or set(c) != LAYER_FIELDS:
+        raise ValueError(f"{where}: a per-layer check has exactly {', '.join(sorted(LAYER_FIELDS))}")
+    named = {x["id"]: x for x in table["cases"] + table["unlisted"]}
+    if named.get(c["case"], {}).get("kind") != "decode":
+        raise ValueError(f"{where}: case {c['case']!r} is not a decode case of this file")
+    for k in ("batch", "context", "mtp_drafts"):
+        if not isinstance(c[k], int) or isinstance(c[k], bool) or not (0 if k == "mtp_drafts" else 1) <= c[k] <= MAX_INT:
+            raise ValueError(f"{where}: {k} must be an integer, got {_got(c[k])}")
+    _figure(c["published_us"], where, "published_us")
+    return dict(c)
 
 
 def _number(v) -> bool:
@@ -106,6 +125,21 @@ def _figure(v, where: str, what: str) -> None:
     --json printed as Infinity, not JSON; 10**400 overflowed a float)."""
     if not _number(v) or not FIGURE_MIN <= v <= FIGURE_MAX:
         raise ValueError(f"{where}: {what} must be a number in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], got {_got(v)}")
+
+
+def _handoff(h, kind: str, where: str) -> dict:
+    """A prefill case's PD hand-off: the decode instance that pulls the KV and runs the first step, and the
+    deployment's cards (which decide whether the pull crosses scale-out)."""
+    if kind != "prefill":
+        raise ValueError(f"{where}: handoff is for prefill cases")
+    if not isinstance(h, dict) or set(h) != {"instance", "deployment_cards"}:
+        raise ValueError(f"{where}: handoff is {{instance, deployment_cards}}, got {h!r}")
+    d = h["deployment_cards"]
+    if not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= MAX_CARDS:
+        raise ValueError(f"{where}: handoff.deployment_cards must be an integer in [1, {MAX_CARDS}], got {_got(d)}")
+    inst = _fields(Instance, h["instance"], f"{where}: handoff.instance")
+    Instance(**inst)
+    return {"instance": inst, "deployment_cards": d}
 
 
 def _case(c, where: str, ids: set) -> dict:
@@ -154,6 +188,8 @@ def _case(c, where: str, ids: set) -> dict:
                 if not isinstance(c[k], int) or isinstance(c[k], bool) or not 1 <= c[k] <= MAX_INT:
                     raise ValueError(f"{where}: {k} must be an integer in [1, {MAX_INT:.0e}], got {_got(c[k])}")
         Instance(**out["instance"])  # its own checks (divisibility, choices, ranges)
+        if "handoff" in c:
+            out["handoff"] = _handoff(c["handoff"], kind, where)
     except PlanError as err:
         raise ValueError(f"{where}: {as_fields(str(err))}") from None
     pub = c["published"]
@@ -175,13 +211,16 @@ def _fields(cls, given, where: str) -> dict:
     for k, v in given.items():
         if k not in types:
             raise ValueError(f"{where}: unknown field {k!r}; known: {', '.join(types)}")
-        want = _TYPES.get(types[k])
-        ok = isinstance(v, want) and not (want is not bool and isinstance(v, bool))
-        if want is not None and not ok or (types[k] == "float" and not _number(v)):
-            raise ValueError(f"{where}.{k} must be a{'n' if types[k] == 'int' else ''} {types[k]}, got {v!r}")
+        kind = types[k].replace(" | None", "")  # an optional field (max_num_seqs) takes its type or null
+        if v is None and kind != types[k]:
+            continue
+        want = _TYPES.get(kind)
+        ok = want is None or isinstance(v, want) and not (want is not bool and isinstance(v, bool))
+        if want is not None and not ok or (kind == "float" and not _number(v)):
+            raise ValueError(f"{where}.{k} must be a{'n' if kind == 'int' else ''} {kind}, got {v!r}")
         # The limits the CLI flags enforce (--cards, integer flags, --imbalance): 10**30 cards or 10**400
         # anything overflowed a float or priced a nonsense row.
-        high = {"cards": MAX_CARDS, "imbalance": FIGURE_MAX}.get(k, MAX_INT if types[k] == "int" else None)
+        high = {"cards": MAX_CARDS, "imbalance": FIGURE_MAX}.get(k, MAX_INT if kind == "int" else None)
         if high is not None and v > high:
             raise ValueError(f"{where}.{k} must be <= {high:g}, got {_got(v)}")
     return dict(given)

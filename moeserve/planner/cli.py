@@ -43,6 +43,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="with attention TP: ReduceScatter + BF16 ('on') or INT8 AllGather instead of AllReduce")
     d.add_argument("--weight-prefetch", action=argparse.BooleanOptionalAction, default=False,
                    help="prefetch attention weights while collectives run (capped at the published +10%%)")
+    d.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="sequences a DP rank may run at once (the engine's --max-num-seqs; caps the decode batch)")
+    d.add_argument("--dense-tp", type=positive_int, default=None,
+                   help="TP of the dense layers' MLP when it differs from attention TP (A2 prefill: 8)")
     skew = d.add_mutually_exclusive_group()
     skew.add_argument("--imbalance", type=imbalance, default=None, help="residual expert-load max/mean (>=1)")
     skew.add_argument("--eplb-stats", nargs="+", metavar="FILE",
@@ -84,7 +88,8 @@ def _ctx(args):
                     micro_batch_overlap=args.micro_batch_overlap,
                     imbalance=1.0 if args.imbalance is None else args.imbalance,
                     overlap_shared=args.overlap_shared, flashcomm=args.flashcomm,
-                    weight_prefetch=args.weight_prefetch)
+                    weight_prefetch=args.weight_prefetch, max_num_seqs=args.max_num_seqs,
+                    dense_tp=args.dense_tp)
     args.load_skew = None
     if args.eplb_stats and m.n_routed_experts:
         args.load_skew = LoadSkew.from_files(args.eplb_stats, m.n_routed_experts,
@@ -152,6 +157,8 @@ def register(subparsers) -> None:
         ("search", "enumerate layouts and prefill:decode splits, rank by goodput per card", c.cmd_search),
         ("simulate", "request stream through the real engine Scheduler with cost-model step times",
          c.cmd_simulate),
+        ("layers", "one decoder layer's operators at a batch and KV length (vs published per-layer times)",
+         c.cmd_layers),
         ("validate", "predicted vs published results (+-15%%)", c.cmd_validate),
         ("hardware", "list the hardware database", c.cmd_hardware),
         ("profile-cpu", "measure this CPU and predict moeserve's own CPU decode step times", c.cmd_profile_cpu),

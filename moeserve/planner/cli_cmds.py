@@ -72,6 +72,9 @@ def cmd_estimate(a):
     m, hw, inst, wl = _ctx(a)
     with _which(f"decode instance ({inst.cards} cards)"):
         mem = require_fits(m, hw, inst, wl)
+        if a.batch is not None and inst.max_num_seqs is not None and a.batch > inst.max_num_seqs:
+            raise PlanError(f"--batch {a.batch} exceeds --max-num-seqs {inst.max_num_seqs}; raise --max-num-seqs "
+                            f"or use --batch <= {inst.max_num_seqs}")
         if a.batch is not None and a.batch > mem.max_batch:
             raise DoesNotFit(f"--batch {a.batch} does not fit: KV room for {mem.max_batch} sequences per DP "
                              f"group at mean context {wl.mean_decode_context:.0f}; use --batch <= {mem.max_batch}")
@@ -255,7 +258,7 @@ def args_simulate(p):
                         "measured 20-90%% of the stream is past the warm-up)")
     p.add_argument("--arrival", choices=("poisson", "constant"), default="poisson")
     p.add_argument("--length-dist", choices=("fixed", "uniform", "exponential"), default="fixed")
-    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="per DP group (default: memory limit)")
+    # --max-num-seqs (per DP group, default: the memory limit) is a common instance flag (cli._add_common)
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     p.add_argument("--tpot-ms", type=positive_float, default=None, help="goodput SLO on TPOT")
     p.add_argument("--ttft-ms", type=positive_float, default=None, help="goodput SLO on TTFT")
@@ -307,17 +310,37 @@ def args_validate(p):
     p.add_argument("--feasibility", action="store_true",
                    help="also search the documented efficiency ranges for the factor set with the smallest "
                         "worst-case error (an analysis: predictions keep the point values)")
+    p.add_argument("--leave-one-out", action="store_true",
+                   help="also predict each case alone and with the others' published values changed (nothing "
+                        "may move: no factor is fitted to the rows)")
     p.add_argument("--json", action="store_true")
 
 
 def cmd_validate(a):
-    from moeserve.planner.calibrate import feasibility, format_feasibility, format_table, validate
+    from moeserve.planner.calibrate import (feasibility, format_feasibility, format_leave_one_out, format_table,
+                                            leave_one_out, validate)
     res = validate(a.hardware_file, a.efficiency_profile, a.cases)
     text = format_table(res)
+    if a.leave_one_out:
+        res["leave_one_out"] = leave_one_out(a.hardware_file, a.efficiency_profile, a.cases)
+        text += "\n" + format_leave_one_out(res["leave_one_out"])
     if a.feasibility:
         res["feasibility"] = feasibility(a.hardware_file, a.efficiency_profile, cases_file=a.cases)
         text += "\n" + format_feasibility(res["feasibility"])
     return _emit(a, res, text)
+
+
+def args_layers(p):
+    _add_common(p)
+    p.add_argument("--batch", type=positive_int, required=True, help="sequences per DP group")
+    p.add_argument("--context", type=positive_int, default=None, help="KV length (default: --input-len)")
+
+
+def cmd_layers(a):
+    from moeserve.planner.layers import format_breakdown, layer_breakdown
+    m, hw, inst, wl = _ctx(a)
+    res = layer_breakdown(m, hw, inst, a.batch, a.context or wl.input_len)
+    return _emit(a, res, format_breakdown(res))
 
 
 def args_hardware(p):

@@ -60,6 +60,8 @@ class Instance:
                                      # MoE collective is in flight (moeserve's engine; system-brief item 8)
     flashcomm: str = "off"           # TP AllReduce -> ReduceScatter + AllGather (BF16 'on' or 'int8')
     weight_prefetch: bool = False    # next layer's attention weights stream in while the network is busy
+    max_num_seqs: int | None = None  # sequences a DP rank may run at once (the engine's --max-num-seqs)
+    dense_tp: int | None = None      # TP of the dense-layer MLP when it differs from attention TP
 
     def __post_init__(self):
         _require(self.cards >= 1, f"--cards must be >= 1, got {self.cards}")
@@ -77,11 +79,26 @@ class Instance:
         _require(0.0 <= self.mtp_acceptance <= 1.0,
                  f"--mtp-acceptance is a probability in [0, 1], got {self.mtp_acceptance}")
         _require(self.imbalance >= 1.0, f"--imbalance is max/mean expert load, >= 1; got {self.imbalance}")
+        _require(self.max_num_seqs is None or self.max_num_seqs >= 1,
+                 f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.dense_tp is None or (self.dense_tp >= 1 and self.cards % self.dense_tp == 0),
+                 f"dense_tp {self.dense_tp} must be >= 1 and divide --cards {self.cards}")
         _require(self.redundant_experts >= 0, f"--redundant-experts must be >= 0, got {self.redundant_experts}")
 
     @property
     def dp(self) -> int:
         return self.cards // self.tp
+
+    @property
+    def seq_parallel(self) -> bool:
+        """FlashComm with attention TP: the residual stream is sharded by token over the TP group, so
+        token-wise work outside attention's head-parallel core runs on each rank's 1/tp of the tokens."""
+        return self.flashcomm != "off" and self.tp > 1
+
+    @property
+    def mlp_tp(self) -> int:
+        """TP of the dense layers' MLP (the attention TP unless dense_tp says otherwise)."""
+        return self.tp if self.dense_tp is None else self.dense_tp
 
     @property
     def ep(self) -> int:

@@ -8,11 +8,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moeserve.planner.hardware_file import EFF_FIELDS, merge, number, read
+from moeserve.planner.hardware_file import EFF_FIELDS, EFF_OPTIONAL, merge, number, read
 
 GIB = 2 ** 30
-_EFF_KEYS = EFF_FIELDS  # the Efficiency fields, also what a --hardware-file may set
+_EFF_KEYS = EFF_FIELDS + EFF_OPTIONAL  # the Efficiency fields, also what a --hardware-file may set
 PROFILES = ("end_to_end", "kernel")
+# End-to-end terms a serving step pays beyond its kernels at their large-shape efficiencies; each has an
+# operator-level source (data/hardware.yaml, docs/planner.md "Calibration"). The kernel profile has none.
+TERMS = ("small_m_gemm",        # expert/dense GEMMs at small M stream weights at gemm_memory, not memory
+         "mla_tile",            # decode attention computes at least mla_min_rows query rows per tile
+         "collective_floor",    # dispatch/combine latency floor by EP size (measured tables), hop latency
+         "load_noise",          # busiest expert rank's sampling noise x residual imbalance
+         "framework",           # per-step framework time (step_overhead_ms)
+         "overlap_bound")       # two-batch overlap saves no more than its measured gain (tbo_max_gain)
 # Range of every physical figure (TFLOPS, GiB, TB/s, GB/s, in the unit of its field), of the positive
 # --scale-*-gbps overrides and of the other positive float flags (cli_args). "> 0 and finite" is not
 # enough: 1e-320 GB/s makes a transfer time overflow to inf (then 0 tok/s and a division by zero), 1e300
@@ -37,6 +45,17 @@ class Efficiency:
     # Measured speed-up of the attention block from prefetching its weights during communication
     # (Instance.weight_prefetch); an upper bound on what step.py lets the technique hide.
     prefetch_attention_gain: float = 0.10
+    # Operator-level terms (docs/planner.md "Calibration"); None falls back to the older single factor
+    # named in brackets, so a file written for the older model keeps its meaning.
+    gemm_memory: float | None = None       # weight streaming of small-M GEMMs, of HBM peak [memory]
+    attention_memory: float | None = None  # MLA decode KV streaming, of HBM peak [attention]
+    link_out: float | None = None          # scale-out achieved / nominal [link]
+    out_latency_us: float | None = None    # per scale-out hop [link_latency_us]
+    mla_min_rows: float = 1.0              # query rows (heads x q_len) a decode-attention tile computes
+    mla_tflops: float | None = None        # measured decode-MLA kernel rate, TFLOPS [peak x attention]
+    tbo_max_gain: float = 0.35             # two-batch overlap's largest measured speed-up (hw.md +25-35%)
+    # End-to-end terms in force (TERMS); the kernel profile turns all off to show the gap term by term.
+    terms: tuple[str, ...] = TERMS
     # (factor, low, high): the documented range of a factor whose point value is above (data/hardware.yaml
     # `ranges`); at(end) moves every ranged factor to that end, which bounds every prediction (`band`).
     ranges: tuple[tuple[str, float, float], ...] = ()
@@ -46,6 +65,21 @@ class Efficiency:
             v = getattr(self, k)
             if not FIGURE_MIN <= v <= 1.0:  # a fraction of peak: 0 divides by zero, > 1 beats the hardware
                 raise ValueError(f"{k} is a fraction of peak, in [{FIGURE_MIN:g}, 1]; got {v:g}")
+        for k in ("gemm_memory", "attention_memory", "link_out"):
+            v = getattr(self, k)
+            if v is not None and not FIGURE_MIN <= v <= 1.0:
+                raise ValueError(f"{k} is a fraction of peak, in [{FIGURE_MIN:g}, 1]; got {v:g}")
+        if self.out_latency_us is not None and not 0.0 <= self.out_latency_us <= FIGURE_MAX:
+            raise ValueError(f"out_latency_us must be in [0, {FIGURE_MAX:g}], got {self.out_latency_us:g}")
+        if self.mla_tflops is not None and not FIGURE_MIN <= self.mla_tflops <= FIGURE_MAX:
+            raise ValueError(f"mla_tflops must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], got {self.mla_tflops:g}")
+        if not 0.0 <= self.tbo_max_gain <= 10.0:
+            raise ValueError(f"tbo_max_gain must be in [0, 10], got {self.tbo_max_gain:g}")
+        if not 1.0 <= self.mla_min_rows <= 4096:
+            raise ValueError(f"mla_min_rows must be in [1, 4096], got {self.mla_min_rows:g}")
+        bad = set(self.terms) - set(TERMS)
+        if bad:
+            raise ValueError(f"unknown term {sorted(bad)[0]!r}; known: {', '.join(TERMS)}")
         for k in ("link_latency_us", "step_overhead_ms"):
             if not 0.0 <= getattr(self, k) <= FIGURE_MAX:
                 raise ValueError(f"{k} must be in [0, {FIGURE_MAX:g}], got {getattr(self, k):g}")
@@ -57,12 +91,60 @@ class Efficiency:
                 raise ValueError(f"{k} {getattr(self, k):g} lies outside its range [{lo:g}, {hi:g}]; "
                                  f"set the factor inside its range or change the range")
 
+    def has(self, term: str) -> bool:
+        return term in self.terms
+
+    @property
+    def gemm_mem(self) -> float:
+        return self.memory if self.gemm_memory is None else self.gemm_memory
+
+    @property
+    def attn_mem(self) -> float:
+        return self.attention if self.attention_memory is None else self.attention_memory
+
+    @property
+    def link_up(self) -> float:
+        return self.link
+
+    @property
+    def link_scale_out(self) -> float:
+        return self.link if self.link_out is None else self.link_out
+
+    @property
+    def latency_out_us(self) -> float:
+        return self.link_latency_us if self.out_latency_us is None else self.out_latency_us
+
     def at(self, end: str) -> "Efficiency":
         """Every ranged factor at its 'low' or 'high' end (no ranges left: a point set of factors)."""
         if end not in ("low", "high"):
             raise ValueError(f"end must be 'low' or 'high', got {end!r}")
         vals = {k: (lo if end == "low" else hi) for k, lo, hi in self.ranges}
         return replace(self, **vals, ranges=())
+
+
+@dataclass(frozen=True)
+class CollectiveTable:
+    """Measured expert-parallel dispatch / combine times (data/hardware.yaml `collectives`), with the shape
+    and the links they were measured on, so comm.py can take the payload out and keep the latency floor."""
+    name: str
+    tokens: float                 # tokens per rank in the measurement
+    hidden: float
+    topk: float
+    dispatch_bytes: float         # bytes per element of a dispatched copy, scales included
+    combine_bytes: float
+    up_gbps: float                # the measuring system's achieved links
+    out_gbps: float
+    domain: int
+    points: tuple[tuple[int, float, float], ...]   # (EP, dispatch us, combine us), EP ascending
+
+    def __post_init__(self):
+        if not self.points or any(p[0] < 2 or p[1] <= 0 or p[2] <= 0 for p in self.points):
+            raise ValueError(f"collectives {self.name!r}: points must be EP >= 2 -> [dispatch_us, combine_us] > 0")
+        for k in ("tokens", "hidden", "topk", "dispatch_bytes", "combine_bytes", "up_gbps", "out_gbps"):
+            if not FIGURE_MIN <= getattr(self, k) <= FIGURE_MAX:
+                raise ValueError(f"collectives {self.name!r}: {k} must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}]")
+        if self.domain < 1:
+            raise ValueError(f"collectives {self.name!r}: domain must be >= 1")
 
 
 _POSITIVE = ("bf16_tflops", "int8_tops", "hbm_gib", "hbm_tbps", "scale_up_gbps", "scale_out_gbps")
@@ -81,6 +163,7 @@ class Hardware:
     scale_out_gbps: float
     scale_up_domain: int
     eff: Efficiency
+    collective: CollectiveTable | None = None   # measured dispatch/combine floors of this fabric
 
     def __post_init__(self):
         # Physical figures: a zero divides by zero in the roofline, a negative one gives negative times.
@@ -183,7 +266,13 @@ class HardwareDB:
         device = (self.raw["efficiency"].get("devices") or {}).get(device_key) or {}
         eff = {**self.raw["efficiency"]["default"], **profile, **device}
         what = f"efficiency of {device_key!r} (profile {self.profile})"
-        vals = {k: number(eff, k, what) for k in _EFF_KEYS}
+        vals = {k: number(eff, k, what) for k in EFF_FIELDS}
+        vals.update({k: number(eff, k, what) for k in EFF_OPTIONAL if eff.get(k) is not None})
+        if "terms" in eff:
+            terms = eff["terms"]
+            if not isinstance(terms, list) or not all(isinstance(t, str) for t in terms):
+                raise ValueError(f"{what}: terms must be a list of names, got {terms!r}")
+            vals["terms"] = tuple(terms)
         # A factor set for this device alone is pinned: the shared range does not describe it.
         vals["ranges"] = tuple((k, float(lo), float(hi)) for k, (lo, hi) in sorted(ranges.items())
                                if k not in device)
@@ -198,6 +287,22 @@ class HardwareDB:
             return Efficiency(**vals)
         except ValueError as err:
             raise ValueError(f"{what}: {err}") from None
+
+    def _collective(self, name, what: str) -> CollectiveTable | None:
+        if name is None:
+            return None
+        table = (self.raw.get("collectives") or {}).get(name) if isinstance(name, str) else None
+        if table is None:
+            raise ValueError(f"{what}: collectives {name!r} is not in the collectives section; known: "
+                             f"{', '.join(sorted(self.raw.get('collectives') or {}))}")
+        where = f"collectives {name!r}"
+        pts = table.get("points")
+        if not isinstance(pts, dict) or not all(isinstance(v, list) and len(v) == 2 for v in pts.values()):
+            raise ValueError(f"{where}: points must map EP -> [dispatch_us, combine_us]")
+        points = tuple(sorted((int(ep), float(d), float(c)) for ep, (d, c) in pts.items()))
+        return CollectiveTable(name=name, points=points, domain=number(table, "domain", where, int),
+                               **{k: number(table, k, where) for k in ("tokens", "hidden", "topk", "dispatch_bytes",
+                                                                      "combine_bytes", "up_gbps", "out_gbps")})
 
     def get(self, name: str) -> Hardware:
         key = name.lower()
@@ -215,11 +320,12 @@ class HardwareDB:
         dev = {**devices[dev_key], **sys_entry}
         what = f"{'system' if sys_entry else 'device'} {key!r}"
         try:
+            coll = self._collective(dev.pop("collectives", None), what)
             return Hardware(key=key, name=str(dev.get("name", key)),
                             **{k: number(dev, k, what) for k in _POSITIVE},
                             fp8_tflops=number(dev, "fp8_tflops", what) if dev.get("fp8_tflops") is not None else None,
                             scale_up_domain=number({"scale_up_domain": 8, **dev}, "scale_up_domain", what, int),
-                            eff=self._eff(dev_key))
+                            eff=self._eff(dev_key), collective=coll)
         except ValueError as err:
             raise ValueError(f"{self.source}{err}") from None
 

@@ -37,12 +37,20 @@ def read(path: Path | None) -> dict:
 # Fields a file may set (hardware.py reads these and nothing else): an unknown one is a typo that would
 # silently leave the built-in value in place.
 DEVICE_FIELDS = ("name", "bf16_tflops", "int8_tops", "fp8_tflops", "hbm_gib", "hbm_tbps", "scale_up_gbps",
-                 "scale_out_gbps", "scale_up_domain")
+                 "scale_out_gbps", "scale_up_domain", "collectives")
 EFF_FIELDS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_overhead_ms",
               "memory_utilization", "serving", "prefetch_attention_gain")
+# Operator-level factors a file may set or leave out (hardware.py Efficiency: None falls back to the older
+# factor), and the end-to-end terms a profile keeps (a list of hardware.TERMS names).
+EFF_OPTIONAL = ("gemm_memory", "attention_memory", "link_out", "out_latency_us", "mla_min_rows", "mla_tflops",
+                "tbo_max_gain")
+EFF_ALL = EFF_FIELDS + EFF_OPTIONAL + ("terms",)
+COLLECTIVE_FIELDS = ("tokens", "hidden", "topk", "dispatch_bytes", "combine_bytes", "up_gbps", "out_gbps",
+                     "domain", "points", "source")
 EFF_PARTS = ("default", "devices", "profiles", "default_profile", "ranges")
 # Factors that may carry a documented range ([low, high] fractions of peak; hardware.py Efficiency.ranges).
-RANGED_FIELDS = ("gemm", "attention", "memory", "link", "serving")
+RANGED_FIELDS = ("gemm", "attention", "memory", "link", "serving", "gemm_memory", "attention_memory",
+                 "link_out")
 
 
 def _known(src: str, where: str, keys, allowed) -> None:
@@ -58,7 +66,7 @@ def check_shape(data, src: str) -> None:
     if not isinstance(data, dict):
         raise ValueError(f"{src}: expected a mapping with devices / systems / efficiency, got a "
                          f"{type(data).__name__}")
-    for section in ("devices", "systems", "efficiency"):
+    for section in ("devices", "systems", "efficiency", "collectives"):
         sec = data.get(section)
         if sec is not None and not isinstance(sec, dict):
             raise ValueError(f"{src}: {section} must be a mapping, got a {type(sec).__name__}")
@@ -67,13 +75,14 @@ def check_shape(data, src: str) -> None:
                 raise ValueError(f"{src}: {section[:-1]} {name!r} must be a mapping of fields, got "
                                  f"{type(entry).__name__}")
             _known(src, f"{section[:-1]} {name!r}", entry,
+                   COLLECTIVE_FIELDS if section == "collectives" else
                    DEVICE_FIELDS + (("device",) if section == "systems" else ()))
-    _known(src, "the top level", data, ("devices", "systems", "efficiency"))
+    _known(src, "the top level", data, ("devices", "systems", "efficiency", "collectives"))
     eff = data.get("efficiency") or {}
     _known(src, "efficiency", eff, EFF_PARTS)
     if eff.get("default") is not None and isinstance(eff["default"], dict):
         _no_ranges(src, "efficiency.default", eff["default"])
-        _known(src, "efficiency.default", eff["default"], EFF_FIELDS)
+        _known(src, "efficiency.default", eff["default"], EFF_ALL)
     for part in ("default", "devices", "profiles"):
         if eff.get(part) is not None and not isinstance(eff[part], dict):
             raise ValueError(f"{src}: efficiency.{part} must be a mapping, got a {type(eff[part]).__name__}")
@@ -85,7 +94,7 @@ def check_shape(data, src: str) -> None:
             if part == "devices":
                 _no_ranges(src, f"efficiency.devices.{name}", vals or {})
             _known(src, f"efficiency.{part}.{name}", vals or {},
-                   EFF_FIELDS + (("ranges",) if part == "profiles" else ()))
+                   EFF_ALL + (("ranges",) if part == "profiles" else ()))
             if part == "profiles":
                 _check_ranges(src, f"efficiency.profiles.{name}.ranges", (vals or {}).get("ranges"))
     _check_ranges(src, "efficiency.ranges", eff.get("ranges"))
@@ -135,7 +144,7 @@ def _merge_ranges(base: dict | None, values: dict | None, ranges: dict | None) -
 def merge(base: dict, extra: dict) -> dict:
     """base with the user file's devices/systems added and its efficiency factors overriding."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
-    for section in ("devices", "systems"):
+    for section in ("devices", "systems", "collectives"):
         out.setdefault(section, {}).update(extra.get(section) or {})
     eff = extra.get("efficiency") or {}
     out["efficiency"]["default"] = {**out["efficiency"]["default"], **(eff.get("default") or {})}

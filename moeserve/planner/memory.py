@@ -51,7 +51,7 @@ def weights_per_card(m: ModelSpec, inst: Instance) -> dict[str, float]:
     moe_layers = m.num_moe_layers + (m.num_nextn_predict_layers if m.n_routed_experts else 0)
     out = {
         "attention": layers * (m.q_a_params + m.kv_a_params + m.attn_split_params / tp) * w,
-        "dense_mlp": m.num_dense_layers * m.dense_mlp_params / tp * w,
+        "dense_mlp": m.num_dense_layers * m.dense_mlp_params / inst.mlp_tp * w,
         "embed_head": 2 * m.embed_params / tp * ACT,
         "router": moe_layers * m.gate_params * ACT,
         "mtp_eh_proj": m.num_nextn_predict_layers * 2 * m.hidden_size ** 2 * w,

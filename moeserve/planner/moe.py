@@ -8,22 +8,26 @@ from __future__ import annotations
 import math
 
 from moeserve.planner import comm
-from moeserve.planner.cost import ACT, Op, gemm, roofline
+from moeserve.planner.cost import ACT, Op, gemm, gemm_roofline, roofline
 from moeserve.planner.deploy import Instance
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.models import ModelSpec
 
 
-def _scale_bytes(inst: Instance) -> float:
-    """Per-token INT8 scale (fp32) or FP8 128-block scales riding with a quantised dispatch."""
-    return 0.0 if inst.dispatch_bytes >= 2 else 4.0
+def _scale_bytes(inst: Instance, hidden: int) -> float:
+    """Scales riding with a quantised dispatch: one fp32 per token (INT8, per-token dynamic) or one fp32
+    per 128-element block (FP8, DeepSeek-V3's 1x128 activation blocks; DeepEP's FP8 dispatch)."""
+    if inst.dispatch_bytes >= 2:
+        return 0.0
+    return 4.0 * math.ceil(hidden / 128) if inst.compute_dtype == "fp8" else 4.0
 
 
-def routed_load(m: ModelSpec, inst: Instance, n_tokens: float) -> tuple[float, float]:
-    """(token copies on the busiest routed rank, expert slots with >=1 token on it)."""
+def routed_load(m: ModelSpec, inst: Instance, n_tokens: float, noise: bool = True) -> tuple[float, float]:
+    """(token copies on the busiest routed rank, expert slots with >=1 token on it); `noise` False (the
+    kernel profile, no load_noise term): every rank gets the mean."""
     k, experts = m.num_experts_per_tok, m.n_routed_experts
     mean = n_tokens * k / inst.ep
-    busiest = mean * comm.max_load_factor(mean, inst.ep) * inst.imbalance
+    busiest = mean * comm.max_load_factor(mean, inst.ep) * inst.imbalance if noise else mean
     slots = inst.expert_slots(experts)
     per_slot = n_tokens * k / (experts + inst.redundant_experts)
     active = slots * (1.0 - math.exp(-per_slot))  # P(a slot gets no token) ~ exp(-mean per slot)
@@ -37,14 +41,16 @@ def expert_gemm(m: ModelSpec, hw: Hardware, inst: Instance, name: str, copies: f
     a_in = 1.0 if inst.compute_dtype != "bf16" else ACT
     act = copies * (h * a_in + 2 * i * ACT + 2 * i * ACT + i * (ACT + a_in) + h * ACT)
     nbytes = weights_read * m.expert_params * inst.weight_bytes + act
-    return roofline(hw, name, 2.0 * copies * m.expert_params, nbytes, inst.compute_dtype)
+    return gemm_roofline(hw, name, 2.0 * copies * m.expert_params, nbytes, inst.compute_dtype)
 
 
 def moe_compute(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: float) -> list[Op]:
     """Compute ops of one MoE layer on the busiest card (routed rank or dedicated shared rank)."""
-    ops = [gemm(hw, inst, "router", q, m.gate_params, m.hidden_size, m.n_routed_experts,
+    # With sequence parallelism each TP rank routes only its own token shard.
+    own = q / inst.tp if inst.seq_parallel else q
+    ops = [gemm(hw, inst, "router", own, m.gate_params, m.hidden_size, m.n_routed_experts,
                 dtype="bf16", wbytes=ACT)]
-    copies, active = routed_load(m, inst, n_tokens)
+    copies, active = routed_load(m, inst, n_tokens, hw.eff.has("load_noise"))
     routed = expert_gemm(m, hw, inst, "routed_experts", copies, active)
     ns = m.n_shared_experts
     if ns and inst.shared_expert_ranks:
@@ -67,7 +73,7 @@ def moe_permute(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: 
     """
     h = m.hidden_size
     if inst.moe_comm == "allgather":
-        copies, _ = routed_load(m, inst, n_tokens)
+        copies, _ = routed_load(m, inst, n_tokens, hw.eff.has("load_noise"))
         nbytes = (copies + n_tokens) * h * ACT
     else:
         tokens = q / inst.tp
@@ -78,14 +84,14 @@ def moe_permute(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: 
 def moe_comm(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: float) -> list[Op]:
     """Dispatch + combine (all-to-all) or allgather + reduce-scatter, per MoE layer."""
     h, cards = m.hidden_size, inst.cards
-    d_bytes = h * inst.dispatch_bytes + _scale_bytes(inst)
+    d_bytes = h * inst.dispatch_bytes + _scale_bytes(inst, h)
     if inst.moe_comm == "allgather":
-        return [Op("allgather", comm.allgather(hw, cards, n_tokens * d_bytes), "comm"),
-                Op("reduce_scatter", comm.reduce_scatter(hw, cards, n_tokens * h * ACT), "comm")]
+        return [Op("allgather", comm.moe_gather(hw, cards, n_tokens * d_bytes, "dispatch"), "comm"),
+                Op("reduce_scatter", comm.moe_gather(hw, cards, n_tokens * h * ACT, "combine"), "comm")]
     send = q / inst.tp * (m.num_experts_per_tok + (1 if inst.shared_expert_ranks else 0))
-    recv, _ = routed_load(m, inst, n_tokens)
+    recv, _ = routed_load(m, inst, n_tokens, hw.eff.has("load_noise"))
     if inst.shared_expert_ranks:
         recv = max(recv, n_tokens / inst.shared_expert_ranks)
     copies = max(send, recv)  # the busiest card's link decides
-    return [Op("dispatch", comm.alltoall(hw, cards, copies, d_bytes), "comm"),
-            Op("combine", comm.alltoall(hw, cards, copies, h * ACT), "comm")]
+    return [Op("dispatch", comm.alltoall(hw, cards, copies, d_bytes, "dispatch"), "comm"),
+            Op("combine", comm.alltoall(hw, cards, copies, h * ACT, "combine"), "comm")]

@@ -55,7 +55,7 @@ def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, is_moe: boo
     if b.decode_seqs:
         attn.append(cost.mla_decode(m, hw, inst, b.decode_seqs, b.decode_new, b.decode_ctx + b.decode_new))
     attn += [cost.attn_prefill(m, hw, inst, s, n, p) for s, n, p in b.prefill]
-    ops = attn + [cost.elementwise(m, hw, inst, q)] + cost.tp_allreduce(m, hw, inst, q)
+    ops = attn + [cost.elementwise(m, hw, inst, q)] + cost.attn_comm(m, hw, inst, q)
     if is_moe:
         n_tokens = b.n_tokens if b.n_tokens is not None else q * inst.dp
         compute = moe.moe_compute(m, hw, inst, q, n_tokens)
@@ -64,7 +64,8 @@ def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, is_moe: boo
         if overlap and inst.overlap_shared:
             ops.append(_shared_overlap(inst, compute, comm))
     else:
-        ops += [cost.dense_mlp(m, hw, inst, q)] + cost.tp_allreduce(m, hw, inst, q)
+        ops += [cost.dense_mlp(m, hw, inst, q)] + cost.tp_allreduce(m, hw, inst, q, inst.mlp_tp,
+                                                                    q * inst.mlp_tp / inst.tp)
     if overlap and inst.weight_prefetch:
         ops.append(_weight_prefetch(hw, proj, attn, ops))
     return ops
@@ -135,7 +136,8 @@ def _mtp_draft(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
         q = b.decode_seqs * new + sum(s * n for s, n, _ in prefill)
         sub = Batch(b.decode_seqs, new, b.decode_ctx + b.decode_new + i, prefill,
                     None if b.n_tokens is None else b.n_tokens * q / b.q)
-        eh = cost.gemm(hw, inst, "eh_proj", q, 2 * m.hidden_size ** 2, 2 * m.hidden_size, m.hidden_size)
+        eh = cost.gemm(hw, inst, "eh_proj", q / inst.tp if inst.seq_parallel else q, 2 * m.hidden_size ** 2,
+                       2 * m.hidden_size, m.hidden_size)
         ops = [eh] + _layer_ops(m, hw, inst, sub, is_moe=bool(m.n_routed_experts))
         ops.append(cost.lm_head(m, hw, inst, seqs))
         for op in ops:
@@ -146,6 +148,9 @@ def _mtp_draft(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
 def run_step(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
     if inst.micro_batch_overlap and b.decode_seqs + sum(s for s, _, _ in b.prefill) >= 2:
         step, total = _overlapped(m, hw, inst, b)
+        if hw.eff.has("overlap_bound"):  # no more than the technique's measured gain (hardware.md +25-35%)
+            serial = sum(o.seconds for o in _main_model(m, hw, inst, b).ops)
+            total = max(total, serial / (1.0 + hw.eff.tbo_max_gain))
     else:
         step = _main_model(m, hw, inst, b)
         total = sum(o.seconds for o in step.ops)  # compute + comm - overlapped (negative) seconds
@@ -153,7 +158,7 @@ def run_step(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
         draft = _mtp_draft(m, hw, inst, b)
         step.ops += draft.ops
         total += sum(o.seconds for o in draft.ops)
-    step.overhead = hw.eff.step_overhead_ms * 1e-3
+    step.overhead = hw.eff.step_overhead_ms * 1e-3 if hw.eff.has("framework") else 0.0
     step.total = total + step.overhead
     return step
 

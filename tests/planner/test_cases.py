@@ -9,9 +9,10 @@ from moeserve.planner.cli import main
 
 A2 = {"id": "mine", "hardware": "atlas-800i-a2", "kind": "decode", "tpot_ms": 100,
       "workload": {"input_len": 2048, "output_len": 2048},
-      "instance": {"cards": 32, "moe_comm": "allgather", "mtp_drafts": 1, "weight_prefetch": True},
+      "instance": {"cards": 32, "moe_comm": "allgather", "mtp_drafts": 1, "weight_prefetch": True,
+                   "max_num_seqs": 60},
       "published": {"metric": "tok_s_card", "value": 808}}
-PREFILL = {"id": "lite", "model": "deepseek-v2-lite", "hardware": "h100", "kind": "prefill", "requests": 4,
+PREFILL = {"id": "lite", "model": "deepseek-v2-lite", "hardware": "910b", "kind": "prefill", "requests": 4,
            "input_len": 1024, "instance": {"cards": 1, "quantization": "bf16"},
            "published": {"metric": "ttft_ms", "value": 60}}
 
@@ -154,7 +155,8 @@ def test_redundant_experts_default_as_on_the_command_line(tmp_path, capsys):
     case = {**A2, "instance": {**A2["instance"], "cards": 48}}
     res = validate(cases_file=_file(tmp_path, {"cases": [case]}))
     assert main(["plan", "decode", "--json", "--hardware", "atlas-800i-a2", "--cards", "48", "--moe-comm",
-                 "allgather", "--mtp-drafts", "1", "--weight-prefetch", "--tpot-ms", "100"]) == 0
+                 "allgather", "--mtp-drafts", "1", "--weight-prefetch", "--tpot-ms", "100",
+                 "--max-num-seqs", "60"]) == 0
     cli = json.loads(capsys.readouterr().out)
     assert cli["layout"]["redundant_experts"] == 32
     assert res["rows"][0]["predicted"] == cli["best_under_slo"]["tok_s_card"]

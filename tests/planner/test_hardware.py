@@ -41,7 +41,8 @@ def test_user_file_adds_and_overrides(tmp_path):
         "efficiency": {"devices": {"mychip": {"gemm": 0.5}}}}))
     db = HardwareDB(f)
     hw = db.get("mychip")
-    assert hw.eff.gemm == 0.5 and hw.eff.attention == db.get("h100").eff.attention
+    # a new device takes the default factors (the CANN ones) except what it sets
+    assert hw.eff.gemm == 0.5 and hw.eff.attention == db.get("910b").eff.attention
     y = tmp_path / "hw.yaml"
     y.write_text("systems:\n  big-h100:\n    device: h100\n    scale_up_domain: 72\n")
     assert HardwareDB(y).get("big-h100").scale_up_domain == 72
