@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "moeserve:spec_decode_"
 CACHE_PREFIX = "moeserve:prefix_cache_"
+SLO_PREFIX = "moeserve:slo_"
 
 
 def scrape(base_url: str, headers: dict) -> dict[str, float]:
@@ -31,8 +32,8 @@ def scrape(base_url: str, headers: dict) -> dict[str, float]:
                     key = s.name[len(PREFIX):-len("_total")] + (f"@{s.labels['position']}"
                                                                 if "position" in s.labels else "")
                     out[key] = out.get(key, 0.0) + s.value
-                elif s.name.startswith(CACHE_PREFIX) and s.name.endswith("_total"):
-                    key = s.name[len("moeserve:"):-len("_total")]  # prefix_cache_queries / _hits
+                elif s.name.startswith((CACHE_PREFIX, SLO_PREFIX)) and s.name.endswith("_total"):
+                    key = s.name[len("moeserve:"):-len("_total")]  # prefix_cache_queries, slo_met_requests...
                     out[key] = out.get(key, 0.0) + s.value
     except ValueError:  # not Prometheus text
         return {}
@@ -62,3 +63,21 @@ def cache_figures(before: dict[str, float], after: dict[str, float]) -> dict:
         return {}
     hits = after.get("prefix_cache_hits", 0.0) - before.get("prefix_cache_hits", 0.0)
     return {"prefix_cache_queries": int(queries), "prefix_cache_hits": int(hits), "prefix_cache_hit_rate": hits / queries}
+
+
+def slo_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The server's SLO-aware admission figures over the run (entrypoints/slo_metrics.py): requests with
+    targets, met, turned away, and the relative error of the TTFT / TPOT it predicted at admission; {} when
+    no request of the run had a target."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.startswith("slo_")}
+    n = d.get("slo_requests", 0.0)
+    if n <= 0:
+        return {}
+    out = {"server_slo_requests": int(n), "server_slo_met": int(d.get("slo_met_requests", 0.0)),
+           "server_slo_rejected": int(d.get("slo_rejected_requests", 0.0)),
+           "server_slo_attainment": d.get("slo_met_requests", 0.0) / n}
+    for k in ("ttft", "tpot"):
+        measured = d.get(f"slo_{k}_measured_seconds", 0.0)
+        if measured > 0:
+            out[f"{k}_prediction_error"] = d.get(f"slo_{k}_prediction_error_seconds", 0.0) / measured
+    return out

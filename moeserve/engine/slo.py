@@ -202,6 +202,24 @@ class SLOAdmission:
             position += 1
         return out
 
+    def ttft_estimate(self, running: list, waiting) -> tuple[float, float]:
+        """(predicted TTFT, predicted own prefill seconds) of a request of mean prompt length arriving now
+        behind the waiting queue: what the DP router and the PD proxy compare between places."""
+        view = self.begin(running)
+        releases = self._release_times(running, view)
+        free = max(0, self._batch_cap(view) - view.size)
+        queued = [r for r in waiting if not r.num_preemptions]
+        position, ahead = len(queued), view.prefill_tokens + sum(r.num_missing_tokens for r in queued)
+        if free > position or not releases:
+            wait = 0.0
+        else:
+            j = position - free
+            cycle = (self.mean_output or 1.0) * self.tpot(view.size, view.context)
+            wait = releases[j % len(releases)] + (j // len(releases)) * cycle
+        own = self.mean_prompt or 1.0
+        prefill = self.prefill_time(view, 0.0, own)
+        return wait + self.prefill_time(view, ahead, own), prefill
+
     def _batch_cap(self, view: BatchView) -> int:
         """The largest batch whose predicted TPOT meets the running requests' tightest target."""
         if math.isinf(view.tightest_tpot_s):
