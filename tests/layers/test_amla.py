@@ -114,3 +114,27 @@ def test_triton_kernel_under_the_interpreter_equals_standard():
     out = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+ENGINE_CHECK = """
+import sys
+from moeserve import LLM, SamplingParams
+prompts = [[5, 17, 99, 200, 3, 45, 67], list(range(20, 90))]
+params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+outs = [[o.outputs[0].token_ids for o in LLM(sys.argv[1], dtype="float32", mla_decode=impl).generate(
+    prompt_token_ids=prompts, sampling_params=params)] for impl in ("standard", "amla-triton")]
+assert outs[0] == outs[1], outs
+print("ok")
+"""
+
+
+def test_engine_with_the_triton_kernel_under_the_interpreter_matches_standard(ckpt_dir):
+    pytest.importorskip("triton", reason="triton is not installed (pip install triton)")
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    out = subprocess.run([sys.executable, "-c", ENGINE_CHECK, ckpt_dir("v3")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
