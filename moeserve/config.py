@@ -161,9 +161,12 @@ class ModelConfig:
     dtype: str = "auto"
     tokenizer: str | None = None
     seed: int = 0
+    mla_decode: str = "standard"  # layers/attention/amla.py IMPLS
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        from moeserve.layers.attention.amla import IMPLS
+        _require(self.mla_decode in IMPLS, f"--mla-decode must be one of {', '.join(IMPLS)}, got {self.mla_decode!r}")
 
 
 SPEC_METHODS = {"mtp": "mtp", "deepseek_mtp": "mtp"}  # vLLM's names -> ours
@@ -352,6 +355,8 @@ ENGINE_HELP = {
                    "it (requests may set slo_ttft_ms themselves)",
     "slo_tpot_ms": "default time-per-output-token target: requests are admitted only while the running batch "
                    "keeps it (requests may set slo_tpot_ms themselves)",
+    "mla_decode": "standard|amla|amla-triton: MLA decode attention; amla rescales the online softmax by an integer "
+                  "add on the output's exponent bits (layers/attention/amla.py)",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV pool size in blocks (None: every sequence at full length, at most 2 GiB)",
     "kv_cache_memory": "KV pool size in bytes, e.g. 512M or 2G (instead of --num-kv-blocks)",
@@ -398,6 +403,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    mla_decode: str = "standard"
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
@@ -468,7 +474,7 @@ class EngineArgs:
                  f"--max-model-len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype,
-                              tokenizer=self.tokenizer, seed=self.seed),
+                              tokenizer=self.tokenizer, seed=self.seed, mla_decode=self.mla_decode),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
                               kv_cache_memory=self.kv_cache_memory,
                               enable_prefix_caching=self.enable_prefix_caching),

@@ -79,6 +79,10 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_tpot_measured_s: float = 0.0
     slo_tpot_count: int = 0
     step_time_error: float = 0.0  # mean relative error of the step-time model's per-step prediction
+    # The admission policy's prediction for a mean request arriving now (the DP router compares ranks by it):
+    # its TTFT behind the queue, and the prefill seconds it adds for the next one.
+    slo_ttft_estimate_s: float = 0.0
+    slo_prefill_estimate_s: float = 0.0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from moeserve.bench import datasets
 from moeserve.bench.metrics import LATENCIES, compute, latency_series
-from moeserve.bench.spec_metrics import cache_figures, scrape, spec_figures
+from moeserve.bench.spec_metrics import cache_figures, scrape, slo_figures, spec_figures
 from moeserve.bench.request import RequestResult, send
 
 STATS_SETTLE_S = 0.6  # a little over two engine stats heartbeats (entrypoints/engine_core_proc.py HEARTBEAT_S)
@@ -115,6 +115,7 @@ def run(args) -> int:
     after = scrape(args.base_url, _headers(args))
     m.update(spec_figures(spec_before, after))
     m.update(cache_figures(spec_before, after))
+    m.update(slo_figures(spec_before, after))
     print_report(m, percentiles)
     if args.result_json:
         write_json(args, m, results)
@@ -151,6 +152,11 @@ def print_report(m: dict, percentiles: list[float]) -> None:
                   " ".join(f"{a:.2f}" for a in m["spec_decode_per_position_acceptance"]))]
     if "prefix_cache_hit_rate" in m:
         rows.append(("Prefix cache hit rate", m["prefix_cache_hit_rate"]))
+    if "server_slo_requests" in m:  # SLO-aware admission on the server
+        rows += [("Server: turned away (503)", m["server_slo_rejected"]),
+                 ("Server: SLO attainment", m["server_slo_attainment"])]
+        rows += [(f"Server: {k.upper()} prediction error", m[f"{k}_prediction_error"])
+                 for k in ("ttft", "tpot") if f"{k}_prediction_error" in m]
     for k, v in rows:
         print(f"{k:<36}{v:>14.2f}" if isinstance(v, float) else f"{k:<36}{v:>14}")
     print(line)

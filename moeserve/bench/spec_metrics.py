@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 PREFIX = "vllm:spec_decode_"
 OWN_PREFIX = "moeserve:spec_decode_"  # moeserve's drafts-per-position counter, beside vLLM's
 CACHE_PREFIX = "vllm:prefix_cache_"
+SLO_PREFIX = "moeserve:slo_"
 
 
 def scrape(base_url: str, headers: dict) -> dict[str, float]:
@@ -36,6 +37,9 @@ def scrape(base_url: str, headers: dict) -> dict[str, float]:
                     out[key] = out.get(key, 0.0) + s.value
                 elif s.name.startswith(CACHE_PREFIX) and s.name.endswith("_total"):
                     key = s.name[len("vllm:"):-len("_total")]  # prefix_cache_queries / _hits
+                    out[key] = out.get(key, 0.0) + s.value
+                elif s.name.startswith(SLO_PREFIX) and s.name.endswith("_total"):
+                    key = s.name[len("moeserve:"):-len("_total")]  # slo_met_requests, ...
                     out[key] = out.get(key, 0.0) + s.value
     except ValueError:  # not Prometheus text
         return {}
@@ -65,3 +69,21 @@ def cache_figures(before: dict[str, float], after: dict[str, float]) -> dict:
         return {}
     hits = after.get("prefix_cache_hits", 0.0) - before.get("prefix_cache_hits", 0.0)
     return {"prefix_cache_queries": int(queries), "prefix_cache_hits": int(hits), "prefix_cache_hit_rate": hits / queries}
+
+
+def slo_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """The server's SLO-aware admission figures over the run (entrypoints/slo_metrics.py): requests with
+    targets, met, turned away, and the relative error of the TTFT / TPOT it predicted at admission; {} when
+    no request of the run had a target."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after if k.startswith("slo_")}
+    n = d.get("slo_requests", 0.0)
+    if n <= 0:
+        return {}
+    out = {"server_slo_requests": int(n), "server_slo_met": int(d.get("slo_met_requests", 0.0)),
+           "server_slo_rejected": int(d.get("slo_rejected_requests", 0.0)),
+           "server_slo_attainment": d.get("slo_met_requests", 0.0) / n}
+    for k in ("ttft", "tpot"):
+        measured = d.get(f"slo_{k}_measured_seconds", 0.0)
+        if measured > 0:
+            out[f"{k}_prediction_error"] = d.get(f"slo_{k}_prediction_error_seconds", 0.0) / measured
+    return out

@@ -20,6 +20,10 @@ instances with the deployment's key (--instance-api-key), never the client's, an
 each prefill request with the deployment secret. Health: every HEALTH_INTERVAL_S the proxy asks each
 instance's /health (which answers 503 when its engine is dead); an instance that fails it, or answers a request
 with engine_dead, takes requests only when no healthy one of its role is left.
+
+SLO-aware admission: a prefill instance that turns the request away (503 with Retry-After: its admission
+predicts the request's TTFT target cannot be met there) passes it to the next instance in preference order;
+when every one does, the client gets the last 503 with its Retry-After.
 """
 from __future__ import annotations
 
@@ -87,6 +91,12 @@ def by_preference(pool: list[Upstream], hashes: list[bytes] = ()) -> list[Upstre
     unreachable instance must not take every request while it is the least loaded."""
     now = time.monotonic()
     return sorted(pool, key=lambda u: (not u.healthy or u.down_until > now, u.load - u.matched_chars(hashes)))
+
+
+def _turned_away(answer) -> bool:
+    """A 503 with Retry-After: the instance's SLO-aware admission (engine/slo.py) turned the request away
+    because it predicts the request's TTFT target would be missed there; another instance may meet it."""
+    return isinstance(answer, Response) and answer.status_code == 503 and "retry-after" in answer.headers
 
 
 def _prefill_body(body: dict, secret: str) -> dict:
@@ -242,20 +252,23 @@ class Proxy:
         headers = self.headers  # the deployment's credentials, never the client's
         text = _prompt_text(body)
         size, hashes = len(text), prefix_hashes(text)
-        unreachable = []
+        unreachable, turned_away = [], None
         for pre in by_preference(self.prefill, hashes):
             pre.load += size
             try:
                 answer = await self._post(pre, path, _prefill_body(body, self.secret), headers)
             finally:
                 pre.load -= size
+            if _turned_away(answer):  # its SLO admission predicts a missed TTFT target: try the next one
+                turned_away = answer
+                continue
             if answer is not None:
                 if isinstance(answer, dict):  # it computed the prompt (an error answer computed nothing)
                     pre.remember(hashes)
                 break
             unreachable.append(pre.url)  # it did no work (unreachable, engine dead): the next one may serve it
         else:
-            return _unreachable("prefill", unreachable)
+            return turned_away or _unreachable("prefill", unreachable)
         if not isinstance(answer, dict):
             return answer  # the prefill instance's error, relayed
         params = answer.get("kv_transfer_params")
@@ -315,7 +328,8 @@ class Proxy:
             up.healthy = False
             return None
         if r.status_code != 200:
-            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+            retry = {"Retry-After": r.headers["retry-after"]} if "retry-after" in r.headers else None
+            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"), headers=retry)
         try:
             return r.json()
         except ValueError:

@@ -9,6 +9,9 @@ simulated deployment and the served one follow one policy.
   chat goes back to the rank holding its history unless another rank is less loaded by more than the
   history's length (the cached tokens are work that rank does not do). The memory is a bounded LRU per
   rank, an estimate of the rank's own cache, which may have evicted since.
+- SLO-aware routing: when the request has a TTFT target, the rank whose admission policy (engine/slo.py)
+  predicts the shortest TTFT wins: its last report's prediction plus the prefill seconds of each request
+  sent to it since (slo_ranked_ttft).
 - Prefill budget: the ranks step in lockstep (every MoE layer is a collective), so a step lasts as long as
   its busiest rank. While any rank decodes, each rank's token budget is its own decodes plus an even share
   of the prefill demand of the ranks that have some, so a long prompt next to short ones is chunked to
@@ -40,6 +43,12 @@ def prefill_balanced_budget(prefill_demands: list[int], total_decodes: int, max_
     return min(max_tokens, decodes + share)
 
 
+def slo_ranked_ttft(estimates: list[float], prefill_s: list[float], sent_since: list[int]) -> list[float]:
+    """Each rank's predicted TTFT for a new request: its report's estimate plus the prefill of the requests
+    routed to it after that report."""
+    return [e + p * n for e, p, n in zip(estimates, prefill_s, sent_since)]
+
+
 class LeastLoadedRouter:
     """Lifecycle: assign() when a request arrives -> progress() as its tokens come out -> forget() when it
     finishes or is aborted (what it still counted leaves its rank's load).
@@ -55,10 +64,12 @@ class LeastLoadedRouter:
         self.prefixes = [PrefixMemory(max_prefix_blocks) for _ in range(dp_size)]
 
     def assign(self, request_id: str, prompt_tokens: int, max_new_tokens: int,
-               token_ids: list[int] | None = None) -> int:
+               token_ids: list[int] | None = None, ttft: list[float] | None = None) -> int:
+        """ttft: each rank's predicted TTFT for this request (SLO-aware admission, slo_ranked_ttft); the
+        least predicted wins, the load breaks ties."""
         hashes = self._hashes(token_ids) if token_ids is not None and self.block_size else []
         cached = [m.matched(hashes) * (self.block_size or 0) for m in self.prefixes]
-        dp = min(range(len(self.load)), key=lambda d: (self.load[d] - cached[d], d))
+        dp = min(range(len(self.load)), key=lambda d: (ttft[d] if ttft else 0.0, self.load[d] - cached[d], d))
         cost = prompt_tokens - cached[dp] + max_new_tokens
         self.owner[request_id], self.cost[request_id] = dp, cost
         self.load[dp] += cost

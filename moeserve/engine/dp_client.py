@@ -21,7 +21,7 @@ import zmq
 
 from moeserve import netif
 from moeserve.config import EngineConfig
-from moeserve.engine.dp_balance import LeastLoadedRouter
+from moeserve.engine.dp_balance import LeastLoadedRouter, slo_ranked_ttft
 from moeserve.engine.launch import LocalRanks, TorchrunEnv, resolve_endpoints
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import (EngineCoreOutput, EngineCoreRequest, EngineStats, RankCommand, RankReport,
@@ -62,6 +62,7 @@ class DPEngineClient:
         cache = config.cache  # with prefix caching the router prefers the rank that has the prompt's prefix
         self.router = LeastLoadedRouter(self.dp_size, cache.block_size if cache.enable_prefix_caching else None)
         self.rank_stats: list[EngineStats] = [EngineStats() for _ in range(self.dp_size)]
+        self.sent_since_report = [0] * self.dp_size  # requests routed to a rank after its last report
         self.dead: str | None = None
         self.num_kv_blocks = 0
         self._last_progress = time.monotonic()
@@ -75,7 +76,13 @@ class DPEngineClient:
         max_new = req.sampling_params.max_tokens or self.config.scheduler.max_model_len
         if not self.router:
             self._busy_since = time.monotonic()
-        dp = self.router.assign(req.request_id, len(req.prompt_token_ids), max_new, req.prompt_token_ids)
+        ttft = None
+        if req.slo_ttft_ms is not None or self.config.scheduler.slo_ttft_ms is not None:
+            st = self.rank_stats
+            ttft = slo_ranked_ttft([s.slo_ttft_estimate_s for s in st], [s.slo_prefill_estimate_s for s in st],
+                                   self.sent_since_report)
+        dp = self.router.assign(req.request_id, len(req.prompt_token_ids), max_new, req.prompt_token_ids, ttft)
+        self.sent_since_report[dp] += 1
         self._send(dp, RankCommand(requests=[req]))
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -115,6 +122,8 @@ class DPEngineClient:
             report = self._recv()
             self._last_report[report.dp_rank] = time.monotonic()
             self.rank_stats[report.dp_rank] = report.stats or self.rank_stats[report.dp_rank]
+            if report.stats:
+                self.sent_since_report[report.dp_rank] = 0
             for out in report.outputs:
                 if out.request_id not in self.router:
                     continue  # aborted here already

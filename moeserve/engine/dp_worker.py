@@ -109,7 +109,7 @@ class RankWorker:
         eplb = self.core.runner.eplb
         if eplb is not None:
             st.eplb_rebalances, st.eplb_experts_moved = eplb.num_rebalances, eplb.experts_moved
-        for f in SPEC_FIELDS + SLO_FIELDS + ("step_time_error",):
+        for f in SPEC_FIELDS + SLO_FIELDS + ("step_time_error", "slo_ttft_estimate_s", "slo_prefill_estimate_s"):
             setattr(st, f, getattr(s, f))
         self.report(RankReport(self.info.dp_rank, outputs, st))
 

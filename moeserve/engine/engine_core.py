@@ -24,6 +24,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, arch: DeepseekArch | None = None) -> None:
         self.config = config
         self.arch = arch or DeepseekArch.from_pretrained(config.model.model)
+        from moeserve.layers.attention import amla
+        amla.set_decode_impl(config.model.mla_decode)  # the MLA decode path of this process (mla.py's hook)
         self.runner = ModelRunner(config, self.arch)
         # With MTP a block's cached KV also depends on the token after it (the MTP layer's input).
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
@@ -236,11 +238,13 @@ class EngineCore:
     def _slo_stats(self) -> dict:
         a = self.scheduler.admission
         st = a.stats
+        ttft, prefill = a.ttft_estimate(self.scheduler.running, self.scheduler.waiting)
         return {"slo_requests": st.requests, "slo_met": st.met, "slo_rejected": st.rejected,
                 "slo_ttft_error_s": st.ttft_pred_error_s, "slo_ttft_measured_s": st.ttft_measured_s,
                 "slo_ttft_count": st.ttft_count, "slo_tpot_error_s": st.tpot_pred_error_s,
                 "slo_tpot_measured_s": st.tpot_measured_s, "slo_tpot_count": st.tpot_count,
-                "step_time_error": a.model.mean_step_error}
+                "step_time_error": a.model.mean_step_error, "slo_ttft_estimate_s": ttft,
+                "slo_prefill_estimate_s": prefill}
 
 
 def _stamp_first_scheduled(sched_out: SchedulerOutput) -> None:

@@ -183,24 +183,41 @@ class SLOAdmission:
             if req.num_preemptions or req.num_output_tokens:
                 continue
             t = self.track(req)
-            if free > position:
-                wait = 0.0
-            else:
-                j = position - free
-                cycle = (self._output_len(req) * self.tpot(view.size, view.context)) if releases else 0.0
-                wait = releases[j % len(releases)] + (j // len(releases)) * cycle if releases else 0.0
-            eta = now - req.arrival_time + wait + self.prefill_time(view, ahead, req.num_missing_tokens)
-            if t.ttft_s is not None and eta > t.ttft_s:
-                retry = releases[0] if releases else 1.0
-                out.append(Rejection(req.request_id,
-                                     f"the server cannot meet this request's TTFT target of {t.ttft_s * 1e3:.0f} ms "
-                                     f"(predicted {eta * 1e3:.0f} ms: {len(running)} running, "
-                                     f"{position} waiting ahead); retry later or raise slo_ttft_ms",
-                                     max(1.0, math.ceil(retry))))
-                continue
+            if t.ttft_s is not None:
+                eta = now - req.arrival_time + self._slot_wait(position - free, releases, view) \
+                    + self.prefill_time(view, ahead, req.num_missing_tokens)
+                if eta > t.ttft_s:
+                    retry = releases[0] if releases else 1.0
+                    out.append(Rejection(
+                        req.request_id,
+                        f"the server cannot meet this request's TTFT target of {t.ttft_s * 1e3:.0f} ms "
+                        f"(predicted {eta * 1e3:.0f} ms: {len(running)} running, {position} waiting ahead); "
+                        "retry later or raise slo_ttft_ms", max(1.0, math.ceil(retry))))
+                    continue
             ahead += req.num_missing_tokens
             position += 1
         return out
+
+    def _slot_wait(self, j: int, releases: list[float], view: BatchView) -> float:
+        """Seconds until the j-th request past the free slots gets one (j < 0: a slot is free now): running
+        requests finish at `releases`, then their successors after a mean output each."""
+        if j < 0 or not releases:
+            return 0.0
+        cycle = (self.mean_output or 1.0) * self.tpot(view.size, view.context)
+        return releases[j % len(releases)] + (j // len(releases)) * cycle
+
+    def ttft_estimate(self, running: list, waiting) -> tuple[float, float]:
+        """(predicted TTFT, predicted own prefill seconds) of a request of mean prompt length arriving now
+        behind the waiting queue: what the DP router compares between ranks."""
+        view = self.begin(running)
+        releases = self._release_times(running, view)
+        free = max(0, self._batch_cap(view) - view.size)
+        queued = [r for r in waiting if not r.num_preemptions]
+        position, ahead = len(queued), view.prefill_tokens + sum(r.num_missing_tokens for r in queued)
+        wait = self._slot_wait(position - free, releases, view)
+        own = self.mean_prompt or 1.0
+        prefill = self.prefill_time(view, 0.0, own)
+        return wait + self.prefill_time(view, ahead, own), prefill
 
     def _batch_cap(self, view: BatchView) -> int:
         """The largest batch whose predicted TPOT meets the running requests' tightest target."""

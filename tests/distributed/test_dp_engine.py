@@ -266,3 +266,17 @@ def test_online_eplb_flags_are_checked(path):
         LLM(path, enable_eplb=True)  # one rank: nothing to move
     with pytest.raises(ConfigError, match="--eplb-step-interval"):
         LLM(path, data_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, eplb_step_interval=0)
+
+
+def test_dp2_slo_admission_routes_by_predicted_ttft_and_counts_every_request(path, reference):
+    # loose targets: nothing is turned away, so the tokens are the single process's; every rank's
+    # admission counts its requests and reports a TTFT prediction the router compares
+    llm = LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
+              slo_ttft_ms=600000, slo_tpot_ms=600000, distributed_timeout=30)
+    try:
+        assert tokens(llm) == reference
+        st = llm.engine.stats()
+        assert st.slo_requests == st.slo_met == len(PROMPTS) and st.slo_rejected == 0
+        assert all(s.slo_ttft_estimate_s > 0 for s in llm.engine.rank_stats)
+    finally:
+        llm.shutdown()

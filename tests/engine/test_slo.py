@@ -156,3 +156,21 @@ def test_scheduler_with_policy_reports_rejections_and_counts_outcomes():
     assert rejected and st.rejected == len(rejected) and st.requests == 40
     assert 0 < st.met <= 40 - len(rejected)
     assert st.ttft_count == 40 - len(rejected)
+
+
+def test_ttft_estimate_grows_with_the_queue_and_routing_prefers_the_shorter_prediction():
+    from moeserve.engine.dp_balance import LeastLoadedRouter, slo_ranked_ttft
+    clock = Clock()
+    pol = _policy(clock, ttft_ms=1000.0, tpot_ms=40.0)
+    running = _running(pol, 20)
+    short, prefill = pol.ttft_estimate(running, [])
+    long, _ = pol.ttft_estimate(running, [_req(i) for i in range(10)])
+    assert 0 < prefill <= short < long
+    router = LeastLoadedRouter(2)
+    # rank 0 is less loaded by tokens, but rank 1's admission predicts the shorter TTFT
+    router.load = [0, 1000]
+    assert router.assign("a", 10, 10, ttft=slo_ranked_ttft([long, short], [prefill] * 2, [0, 0])) == 1
+    # requests sent to rank 1 since its report add their prefill: enough of them tip the choice
+    many = int((long - short) / prefill) + 1
+    assert router.assign("b", 10, 10, ttft=slo_ranked_ttft([long, short], [prefill] * 2, [0, many])) == 0
+    assert router.assign("c", 10, 10) == 0  # without targets: least loaded

@@ -59,7 +59,7 @@ def test_burst_past_the_ttft_target_is_partly_turned_away(server):
     met = after["met_requests"] - before["met_requests"]
     print(f"admitted {len(ok)}, turned away {len(refused)}, met {met:.0f}")
     assert met >= 0.75 * len(ok), f"{met} of {len(ok)} admitted requests met the targets"
-    assert 0 <= server.metric("moeserve:slo_ttft_prediction_error") < 10
+    assert server.metric("moeserve:slo_ttft_measured_seconds_total") > 0
 
 
 def test_a_request_with_its_own_loose_target_is_never_turned_away(server):

@@ -18,6 +18,7 @@ from torch import nn
 from moeserve.distributed.comm import timed
 from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_tp_group
+from moeserve.layers.attention import amla
 from moeserve.layers.attention.metadata import get_attention_metadata
 from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
@@ -117,6 +118,8 @@ class MLAttention(nn.Module):
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 d) -> torch.Tensor:
         """Absorbed attention: one query per sequence, reading only the latent cache."""
+        if amla.decode_impl() != "standard":  # --mla-decode amla: exponent-add rescaling (amla.py)
+            return amla.decode(self, q_nope, q_pe, cache, d)
         b = q_nope.shape[0]
         kv = cache[d.block_table].view(b, -1, cache.shape[-1]).to(q_nope.dtype)  # [B, L, C + dr]
         # Slots past a sequence's length hold whatever their block held before (a failed request's NaN
