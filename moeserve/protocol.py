@@ -91,6 +91,8 @@ MSG_HELLO = b"H"  # client -> core: EngineCoreHello;  core -> client: EngineCore
 MSG_ADD = b"A"  # client -> core: EngineCoreRequest
 MSG_ABORT = b"X"  # client -> core: EngineCoreAbort
 MSG_OUTPUTS = b"O"  # core -> client: EngineCoreOutputs
+MSG_UTILITY = b"U"  # client -> core: EngineCoreUtility;  core -> client: EngineCoreUtilityResult
+UTILITY_CALLS = ("reset_prefix_cache",)  # what EngineCoreUtility may call on the engine
 
 
 class EngineCoreHello(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -101,6 +103,17 @@ class EngineCoreReady(msgspec.Struct, array_like=True, omit_defaults=True):
     engine_index: int = 0
     pid: int = 0
     num_kv_blocks: int = 0
+
+
+class EngineCoreUtility(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    method: str  # one of UTILITY_CALLS
+
+
+class EngineCoreUtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: bool | int | str | None = None
+    error: str | None = None
 
 
 class EngineCoreAbort(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -125,6 +138,7 @@ class RankCommand(msgspec.Struct, array_like=True, omit_defaults=True):
     aborts: list[str] = []
     abort_status: str = "abort"  # RequestStatus value the aborted requests finish with
     shutdown: bool = False
+    reset_prefix_cache: bool = False
 
 
 class RankReport(msgspec.Struct, array_like=True, omit_defaults=True):

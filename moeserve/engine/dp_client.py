@@ -148,6 +148,12 @@ class DPEngineClient:
         total.outstanding_tokens = sum(self.router.load)
         return total
 
+    def reset_prefix_cache(self) -> bool:
+        """Every DP rank forgets its cached prefixes (with its next commands, before its next step)."""
+        for dp in range(self.dp_size):
+            self._send(dp, RankCommand(reset_prefix_cache=True))
+        return True
+
     def flush_stats(self) -> None:
         """--expert-load-stats: each rank process writes its own file (periodically and when it stops)."""
 

@@ -46,6 +46,7 @@ class EngineCore:
             request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
                               eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids))
             self._check_vocab(request)
+            self._check_logprobs(req.sampling_params)
             if req.sampling_params.structured_outputs is not None:
                 request.grammar = self._structured().matcher(req.sampling_params.structured_outputs)
             if req.kv_transfer_params is not None and self._add_disaggregated(request, req.kv_transfer_params):
@@ -88,6 +89,13 @@ class EngineCore:
         if bias:
             raise RequestRejected(f"logit_bias token id {bias[0]} is outside the vocabulary "
                                   f"(0..{self.arch.vocab_size - 1})")
+
+    def _check_logprobs(self, p: SamplingParams) -> None:
+        most = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(p, name)
+            if n is not None and n > most:
+                raise RequestRejected(f"{name} {n} is more than this server returns (--max-logprobs {most})")
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         for rid in request_ids:
@@ -172,6 +180,11 @@ class EngineCore:
             if fin:
                 self.runner.release(req.request_id)
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); blocks in use keep their KV."""
+        self.kv.pool.reset_cache()
+        return True
 
     def flush_stats(self) -> None:
         """Write --expert-load-stats now (LLM.generate calls it when a batch is done)."""

@@ -80,6 +80,9 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
 
     app = FastAPI(title="moeserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app, metrics)
+    completions.model_aliases = chat.model_aliases = cfg.served_model_aliases
+    from moeserve.entrypoints.vllm_routes import add_vllm_routes
+    add_vllm_routes(app, spec, client)
 
     def check_auth(request: Request) -> None:
         if cfg.api_key is None:
@@ -110,9 +113,9 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
 
     @app.get("/v1/models", dependencies=[Depends(check_auth)])
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": int(time.time()),
                                             "owned_by": "moeserve", "root": spec.model_path,
-                                            "max_model_len": spec.max_model_len}]}
+                                            "max_model_len": spec.max_model_len} for n in cfg.served_model_names]}
 
     @app.post("/kv_transfer/release", dependencies=[Depends(check_auth)])
     async def release_kv(raw: Request):
@@ -230,8 +233,10 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
     client = EngineClient(spec.engine_address, tokenizer, spec.eos_token_ids, spec.index, metrics)
     sock = listen_socket(cfg.host, cfg.port)
     app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-                            timeout_keep_alive=30, lifespan="on")
+    config = uvicorn.Config(app, log_level=cfg.uvicorn_log_level, access_log=cfg.uvicorn_log_level in ("info", "debug",
+                            "trace"), timeout_graceful_shutdown=2, timeout_keep_alive=30, lifespan="on",
+                            root_path=cfg.root_path or "", ssl_keyfile=cfg.ssl_keyfile, ssl_certfile=cfg.ssl_certfile,
+                            ssl_ca_certs=cfg.ssl_ca_certs, ssl_cert_reqs=cfg.ssl_cert_reqs)
     server = uvicorn.Server(config)
 
     async def main():

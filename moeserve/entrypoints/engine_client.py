@@ -21,8 +21,9 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from moeserve.engine.output_processor import Delta, OutputProcessor
-from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, EngineCoreAbort, EngineCoreHello,
-                               EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, EngineStats)
+from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, EngineCoreAbort,
+                               EngineCoreHello, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                               EngineCoreUtility, EngineCoreUtilityResult, EngineStats)
 from moeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("moeserve.api")
@@ -76,6 +77,8 @@ class EngineClient:
         self.stats = EngineStats()
         self.dead_reason: str | None = None
         self._tasks: list[asyncio.Task] = []
+        self._calls: dict[int, asyncio.Future] = {}  # utility calls waiting for the core's answer
+        self._call_ids = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, timeout: float = 60.0) -> None:
@@ -166,9 +169,31 @@ class EngineClient:
         if self.dead_reason is None and request_ids:
             self.sock.send_multipart([MSG_ABORT, self.encoder.encode(EngineCoreAbort(request_ids))])
 
+    async def call_utility(self, method: str, timeout: float = 30.0):
+        """Run a management call (protocol.UTILITY_CALLS) in the engine core and return its result."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self._call_ids += 1
+        call_id = self._call_ids
+        fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self.sock.send_multipart([MSG_UTILITY, self.encoder.encode(EngineCoreUtility(call_id, method))])
+            answer = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if answer.error:
+            raise EngineRequestError(answer.error, "invalid")
+        return answer.result
+
     async def _output_loop(self) -> None:
         while True:
             kind, payload = await self.sock.recv_multipart()
+            if kind == MSG_UTILITY:
+                answer = msgspec.msgpack.decode(payload, type=EngineCoreUtilityResult)
+                fut = self._calls.get(answer.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(answer)
+                continue
             if kind != MSG_OUTPUTS:
                 continue
             batch = self.dec_outputs.decode(payload)

@@ -81,6 +81,7 @@ class Serving:
                  max_waiting_requests: int | None = None, default_sampling: dict | None = None) -> None:
         self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.model_aliases: tuple[str, ...] = ()  # --served-model-name's further names
         self.max_waiting = max_waiting_requests
         self.default_sampling = default_sampling or {}  # --generation-config (generation_defaults.py)
 
@@ -99,7 +100,7 @@ class Serving:
 
     # ---- validation ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.model_aliases:
             raise APIError(f"the model '{model}' does not exist; this server serves '{self.model_name}' "
                            "(see /v1/models)", 400, param="model", code="model_not_found")
 
