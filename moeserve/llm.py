@@ -74,7 +74,7 @@ class LLM:
             ro = RequestOutput(rid, text, ids, [None] * p.n)
             results.append(ro)
             for i in range(p.n):
-                child = p.for_sample(i)
+                child = p.for_sample(i).with_tokenizer(self.tokenizer)
                 cid = f"{rid}-{i}" if p.n > 1 else rid
                 children[cid] = (ro, i)
                 processor.add(cid, child, len(ids))

@@ -15,6 +15,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Prefill/decode disaggregation (disagg/params.py): {"do_remote_decode": true} on a prefill instance,
     # the prefill's answer (block ids, agent, ...) with "do_remote_prefill" on a decode instance.
     kv_transfer_params: dict | None = None
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's)
+    cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):

@@ -44,7 +44,11 @@ class EngineCore:
         """Queue a request; a request that can never run is answered with an error output instead."""
         try:
             request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
-                              eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids))
+                              eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids),
+                              priority=req.priority, cache_salt=req.cache_salt)
+            if req.priority and self.config.scheduler.policy != "priority":
+                raise RequestRejected(f"priority {req.priority} needs a server started with --scheduling-policy "
+                                      "priority")
             self._check_vocab(request)
             self._check_logprobs(req.sampling_params)
             if req.sampling_params.structured_outputs is not None:
@@ -91,6 +95,11 @@ class EngineCore:
                                   f"(0..{self.arch.vocab_size - 1})")
 
     def _check_logprobs(self, p: SamplingParams) -> None:
+        """--max-logprobs, and allowed_token_ids inside the vocabulary (else every token would be masked)."""
+        bad = [t for t in p.allowed_token_ids or () if t >= self.arch.vocab_size]
+        if bad:
+            raise RequestRejected(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary "
+                                  f"(0..{self.arch.vocab_size - 1})")
         most = self.config.model.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(p, name)

@@ -165,7 +165,7 @@ class ModelRunner:
         reqs = [s.request for _, s in sample_rows]
         params = [r.sampling_params for r in reqs]
         raw = logits
-        if any(p.logit_bias or p.min_tokens or p.has_penalties for p in params):
+        if any(p.logit_bias or p.min_tokens or p.has_penalties or p.has_token_masks for p in params):
             if any(p.logprobs is not None for p in params):
                 raw = logits.clone()  # logprobs report the model's own distribution
             apply_logits_processors(logits, [LogitsRows(s.request.sampling_params, s.request.stop_ids,

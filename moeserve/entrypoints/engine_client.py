@@ -134,10 +134,12 @@ class EngineClient:
 
     # ---- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       kv_transfer_params: dict | None = None) -> AsyncIterator[Delta]:
+                       kv_transfer_params: dict | None = None, priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[Delta]:
         """Deltas of one engine request until it finishes; leaving early aborts it in the core."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        params = params.with_tokenizer(self.processor.tokenizer)  # bad_words -> token ids
         st = _Stream(asyncio.Queue(), len(prompt_token_ids))
         self.streams[request_id] = st
         self.processor.add(request_id, params, len(prompt_token_ids))
@@ -146,7 +148,7 @@ class EngineClient:
         outcome = "abort"
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
-                                    kv_transfer_params)
+                                    kv_transfer_params, priority=priority, cache_salt=cache_salt)
             await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
             while True:
                 item = await st.queue.get()
