@@ -32,7 +32,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)
+    _defaults_in_help(parser)
     return parser
+
+
+def _defaults_in_help(parser: argparse.ArgumentParser) -> None:
+    """Every flag's --help entry states its default, also flags registered without a help text."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                fc = sub.formatter_class
+                if not issubclass(fc, argparse.ArgumentDefaultsHelpFormatter):  # e.g. RawDescriptionHelpFormatter
+                    sub.formatter_class = HelpFormatter if fc is argparse.HelpFormatter else \
+                        type(f"{fc.__name__}WithDefaults", (fc, HelpFormatter), {})
+                _defaults_in_help(sub)
+        elif action.option_strings and action.default is not argparse.SUPPRESS and not (action.help or "").strip():
+            action.help = "(default: %(default)s)"
 
 
 def _version() -> str:
@@ -40,16 +55,55 @@ def _version() -> str:
     return __version__
 
 
+def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (nested) subcommand parser the words of argv select, e.g. `bench serve`."""
+    for word in argv:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or word not in subs[0].choices:
+            if word.startswith("-") or subs:
+                continue
+            break
+        parser = subs[0].choices[word]
+    return parser
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, argv: list[str], extras: list[str]) -> None:
+    """Exit 2 naming each unknown flag's closest known spelling (argparse alone says only 'unrecognized')."""
+    import difflib
+
+    sub = _subparser(parser, argv)
+    known = [o for a in sub._actions for o in a.option_strings]
+    lines = []
+    for flag in (e.split("=", 1)[0] for e in extras if e.startswith("-")):
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        lines.append(f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else ""))
+    if not lines:
+        lines = [f"unexpected argument(s): {' '.join(extras)}"]
+    sub.print_usage(sys.stderr)
+    print("\n".join(f"{sub.prog}: error: {line}" for line in lines), file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from moeserve.config_file import expand_config_file
+
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config_file(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"moeserve: error: {e}", file=sys.stderr)
+        return 2
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unknown_flags(parser, argv, extras)
     try:
         return args.func(args) or 0
     except BrokenPipeError:
         # Output piped into `head` and friends: the reader left; exit quietly like other Unix tools.
         sys.stderr.close()
         return 0
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, FileNotFoundError, TypeError, MemoryError) as e:
         # Bad input (a flag, a path, a prompt): one clear line, not a traceback.
         print(f"moeserve {args.command}: error: {e}", file=sys.stderr)
         return 2

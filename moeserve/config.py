@@ -10,10 +10,22 @@ import argparse
 import dataclasses
 import json
 import numbers
+import re
 from dataclasses import dataclass, field
 import typing
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MLA_DECODE_IMPLS = ("standard", "amla", "amla-triton")  # --mla-decode: absorbed decode attention
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # the KV cache is held in the model dtype
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOGPROBS_MODES = ("raw_logprobs",)  # log-softmax of the model's logits before any processor (vLLM's default)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's --all2all-backend -> moeserve's --moe-comm
+ALL2ALL_BACKENDS = {"allgather_reducescatter": "allgather", "naive": "allgather", "pplx": "alltoall",
+                    "deepep_high_throughput": "alltoall", "deepep_low_latency": "alltoall", "deepep_v2": "alltoall",
+                    "mori_high_throughput": "alltoall", "mori_low_latency": "alltoall", "nixl_ep": "alltoall",
+                    "flashinfer_all2allv": "alltoall", "flashinfer_nvlink_two_sided": "alltoall",
+                    "flashinfer_nvlink_one_sided": "alltoall"}
 QUANTIZATION_METHODS = ("a8w8",)
 
 
@@ -32,8 +44,16 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None = default (see kv_cache.py)
     enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (vLLM's default too)
+    cache_dtype: str = "auto"  # --kv-cache-dtype: the model dtype (auto) or that dtype named
+    gpu_memory_utilization: float | None = None  # share of device memory for weights + KV (engine/kv_memory.py)
 
     def __post_init__(self) -> None:
+        _require(self.cache_dtype in KV_CACHE_DTYPES,
+                 f"--kv-cache-dtype {self.cache_dtype}: " + ("FP8 KV-cache storage is not supported yet; use "
+                 "auto or bfloat16" if self.cache_dtype.startswith("fp8") else
+                 f"must be one of {', '.join(KV_CACHE_DTYPES)}"))
+        _require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+                 f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.block_size >= 1, f"--block-size must be >= 1, got {self.block_size}")
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
                  f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
@@ -49,6 +69,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     slo_ttft_ms: float | None = None  # default targets of SLO-aware admission (engine/slo.py)
     slo_tpot_ms: float | None = None
+    policy: str = "fcfs"  # --scheduling-policy: fcfs, or priority (lower request priority value first)
 
     def __post_init__(self) -> None:
         from moeserve.engine.slo import check_slo_ms
@@ -57,6 +78,8 @@ class SchedulerConfig:
                 check_slo_ms(getattr(self, name), "--" + name.replace("_", "-"))
             except ValueError as err:
                 raise ConfigError(str(err)) from None
+        _require(self.policy in SCHEDULING_POLICIES,
+                 f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         _require(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         _require(self.max_num_batched_tokens >= 1,
                  f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
@@ -161,12 +184,25 @@ class ModelConfig:
     dtype: str = "auto"
     tokenizer: str | None = None
     seed: int = 0
-    mla_decode: str = "standard"  # layers/attention/amla.py IMPLS
+    mla_decode: str = "standard"  # MLA_DECODE_IMPLS (layers/attention/amla.py)
+    load_format: str = "auto"  # dummy: random weights of the checkpoint's shapes, nothing read
+    enforce_eager: bool = False  # run the forward eagerly (no compiled / captured decode graphs)
+    skip_tokenizer_init: bool = False  # token ids in and out; no tokenizer is loaded
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        from moeserve.layers.attention.amla import IMPLS
-        _require(self.mla_decode in IMPLS, f"--mla-decode must be one of {', '.join(IMPLS)}, got {self.mla_decode!r}")
+        _require(self.mla_decode in MLA_DECODE_IMPLS,
+                 f"--mla-decode must be one of {', '.join(MLA_DECODE_IMPLS)}, got {self.mla_decode!r}")
+        _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.load_format in LOAD_FORMATS,
+                 f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        _require(0 <= self.max_logprobs <= 20, f"--max-logprobs must be in 0..20 (moeserve returns at most 20 "
+                 f"alternatives per token), got {self.max_logprobs}")
+        _require(self.logprobs_mode in LOGPROBS_MODES,
+                 f"--logprobs-mode {self.logprobs_mode!r} is not supported: moeserve returns raw_logprobs "
+                 "(log-softmax of the model's logits before penalties, temperature and top-k/p)")
 
 
 SPEC_METHODS = {"mtp": "mtp", "deepseek_mtp": "mtp"}  # vLLM's names -> ours
@@ -341,6 +377,33 @@ def _parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M or 2G, got {text!r}") from None
 
 
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "enable_expert_parallel": ("-ep",),
+               "quantization": ("-q",), "speculative_config": ("-sc",)}  # vLLM's
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's integer syntax: 1000, 1k / 2m (powers of 10, decimals allowed: 25.6k) or 1K / 2M (powers of 2)."""
+    t = text.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", t)
+    if m is None:
+        try:
+            return int(t)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 32k or 32K, got {text!r}") from None
+    number, suffix = m.groups()
+    if suffix.islower():
+        return int(float(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: no decimals with a binary suffix; did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) << (10 * ("KMGT".index(suffix) + 1))
+
+
+def _parse_len(text: str) -> int | None:
+    """--max-model-len: an integer as above, or auto / -1 for the model's own maximum."""
+    return None if text.strip().lower() in ("auto", "-1") else human_readable_int(text)
+
+
 # One line per engine flag for --help (the formatter appends each default).
 ENGINE_HELP = {
     "tokenizer": "tokenizer folder, if not the model's",
@@ -382,6 +445,21 @@ ENGINE_HELP = {
     "master_port": "rendezvous port (None: a free port on one node)",
     "distributed_backend": "auto|gloo|nccl (auto: NCCL for CUDA, gloo otherwise)",
     "distributed_timeout": "seconds a collective may wait before the engine reports a dead rank",
+    "kv_cache_dtype": "auto|bfloat16|float16|float32: KV-cache storage, the model dtype (fp8: not yet)",
+    "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",
+    "gpu_memory_utilization": "share of the device's memory (host RAM on CPU) for weights + KV cache; the KV "
+                              "pool gets what the weights leave (None: --kv-cache-memory's default sizing)",
+    "load_format": "auto|safetensors|dummy (dummy: random weights of the checkpoint's shapes, for benchmarks)",
+    "enforce_eager": "run the model eagerly: no compiled or captured decode graphs",
+    "skip_tokenizer_init": "load no tokenizer: prompts are token ids and outputs carry token ids, no text",
+    "max_logprobs": "the most logprobs / prompt_logprobs one request may ask for (0..20)",
+    "logprobs_mode": "raw_logprobs: log-softmax of the model's logits before any processor",
+    "scheduling_policy": "fcfs|priority (priority: lower request `priority` first, ties by arrival)",
+    "eplb_config": 'EPLB as JSON (vLLM\'s), e.g. \'{"step_interval": 3000, "num_redundant_experts": 0}\'',
+    "all2all_backend": "vLLM's MoE all2all backend: allgather_reducescatter/naive -> --moe-comm allgather, "
+                       "deepep_*/pplx/... -> --moe-comm alltoall",
+    "override_generation_config": 'JSON of sampling defaults over generation_config, e.g. \'{"temperature": 0.5}\'',
+    "disable_log_stats": "no periodic stats line in the log",
     "generation_config": "auto|vllm|FOLDER: sampling defaults (temperature, top_p, top_k, min_p, "
                          "repetition_penalty, max_new_tokens) from the model's (or FOLDER's) generation_config.json "
                          "for requests that leave them unset; vllm: none",
@@ -429,6 +507,20 @@ class EngineArgs:
     distributed_backend: str = "auto"
     distributed_timeout: float = 60.0
     generation_config: str = "auto"  # request defaults: "auto" (the model's generation_config.json), "vllm", a folder
+    # vLLM's spellings (docs/from-vllm.md); the translations happen in create_config
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None  # vLLM's name for --kv-cache-memory
+    gpu_memory_utilization: float | None = None
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    skip_tokenizer_init: bool = False
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    scheduling_policy: str = "fcfs"
+    eplb_config: dict | str | None = None  # JSON: step_interval, num_redundant_experts (vLLM's EPLBConfig)
+    all2all_backend: str | None = None  # vLLM's MoE backends -> --moe-comm
+    override_generation_config: dict | str | None = None  # JSON merged over the generation_config defaults
+    disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -439,23 +531,24 @@ class EngineArgs:
 
     @classmethod
     def add_cli_args(cls, parser, skip: tuple[str, ...] = ("model",)) -> None:
-        """One flag per field: `max_num_seqs` -> `--max-num-seqs` (vLLM's names)."""
+        """One flag per field: `max_num_seqs` -> `--max-num-seqs` (vLLM's names, with vLLM's short forms)."""
         hints = typing.get_type_hints(cls)
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(cls):
             if f.name in skip or f.name.startswith("_"):
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *SHORT_FLAGS.get(f.name, ())]
             kind = hints[f.name]
             text = ENGINE_HELP.get(f.name, " ")
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=text)
             elif dict in typing.get_args(kind):
-                group.add_argument(flag, type=str, default=f.default, help=text)
+                group.add_argument(*flags, type=str, default=f.default, help=text)
             else:
                 base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-                group.add_argument(flag, type=_parse_size if f.name.endswith("_memory") else base,
-                                   default=f.default, help=text)
+                parse = _parse_size if f.name.endswith(("_memory", "_memory_bytes")) else \
+                    _parse_len if f.name == "max_model_len" else human_readable_int if base is int else base
+                group.add_argument(*flags, type=parse, default=f.default, help=text)
 
     @classmethod
     def from_cli(cls, ns, model: str | None) -> "EngineArgs":
@@ -466,6 +559,7 @@ class EngineArgs:
         folder, its context length, the quantization it implies) are resolved by the caller, see
         engine/resolve.py; without `quant` only --quantization counts."""
         _check_field_types(self)  # fields may have been set after construction
+        parallel = self._parallel_fields()
         _require(self.model is not None, "EngineArgs.model must be a checkpoint folder here "
                  "(engine/resolve.py resolve_engine_config resolves None to the bundled model)")
         # `is None`, not `or`: an explicit 0 is an error (SchedulerConfig), not the model's maximum.
@@ -473,22 +567,56 @@ class EngineArgs:
         _require(max_len <= model_max_len,
                  f"--max-model-len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
         return EngineConfig(
-            model=ModelConfig(model=self.model, dtype=self.dtype,
-                              tokenizer=self.tokenizer, seed=self.seed, mla_decode=self.mla_decode),
+            model=ModelConfig(model=self.model, dtype=self.dtype, tokenizer=self.tokenizer, seed=self.seed,
+                              load_format=self.load_format, enforce_eager=self.enforce_eager,
+                              skip_tokenizer_init=self.skip_tokenizer_init, max_logprobs=self.max_logprobs,
+                              logprobs_mode=self.logprobs_mode, mla_decode=self.mla_decode),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-                              kv_cache_memory=self.kv_cache_memory,
-                              enable_prefix_caching=self.enable_prefix_caching),
+                              kv_cache_memory=self._kv_cache_memory(),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              cache_dtype=self._cache_dtype(),
+                              gpu_memory_utilization=self.gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                       max_num_batched_tokens=self.max_num_batched_tokens,
                                       max_model_len=max_len,
                                       enable_chunked_prefill=self.enable_chunked_prefill,
-                                      slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms),
-            parallel=ParallelConfig(**{f.name: getattr(self, f.name)
-                                       for f in dataclasses.fields(ParallelConfig)}),
+                                      slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms,
+                                      policy=self.scheduling_policy),
+            parallel=ParallelConfig(**parallel),
             quant=quant if quant is not None else QuantConfig(method=self.quantization),
             speculative=SpeculativeConfig.from_value(self.speculative_config),
             kv_transfer=self._kv_transfer(),
         )
+
+    def _kv_cache_memory(self) -> int | None:
+        _require(self.kv_cache_memory is None or self.kv_cache_memory_bytes is None
+                 or self.kv_cache_memory == self.kv_cache_memory_bytes,
+                 "--kv-cache-memory and --kv-cache-memory-bytes are the same option; pass one")
+        return self.kv_cache_memory if self.kv_cache_memory is not None else self.kv_cache_memory_bytes
+
+    def _cache_dtype(self) -> str:
+        """--kv-cache-dtype names the model dtype (the KV cache is stored in it) or auto."""
+        want = self.kv_cache_dtype
+        _require(want in ("auto", self.dtype) or self.dtype == "auto" or want.startswith("fp8"),
+                 f"--kv-cache-dtype {want} differs from --dtype {self.dtype}: the KV cache is kept in the model "
+                 "dtype; drop --kv-cache-dtype or pass the same dtype to both")
+        return want
+
+    def _parallel_fields(self) -> dict:
+        """ParallelConfig's fields, with vLLM's --all2all-backend and --eplb-config translated."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)}
+        if self.all2all_backend is not None:
+            b = self.all2all_backend
+            _require(b in ALL2ALL_BACKENDS, f"--all2all-backend must be one of {', '.join(ALL2ALL_BACKENDS)}, "
+                                            f"got {b!r}")
+            mapped = ALL2ALL_BACKENDS[b]
+            _require(self.moe_comm in ("auto", mapped),
+                     f"--all2all-backend {b} means --moe-comm {mapped}, but --moe-comm {self.moe_comm} is given")
+            if self.enable_expert_parallel or mapped == "allgather":
+                fields["moe_comm"] = mapped  # without EP, experts are TP-sharded: allgather is the one way
+        if self.eplb_config is not None:
+            fields.update(_eplb_fields(self.eplb_config, self))
+        return fields
 
     def _kv_transfer(self) -> "KVTransferConfig | None":
         kvt = KVTransferConfig.from_value(self.kv_transfer_config)
@@ -511,6 +639,36 @@ class EngineArgs:
 DEFAULT_MAX_REQUEST_BODY = 32 * 1024 * 1024
 
 
+EPLB_KEYS = ("window_size", "step_interval", "num_redundant_experts", "log_balancedness", "use_async", "policy")
+
+
+def _eplb_fields(value: "dict | str", args: "EngineArgs") -> dict:
+    """vLLM's --eplb-config -> --eplb-step-interval / --num-redundant-experts (explicit flags must agree)."""
+    if isinstance(value, str):
+        value = _parse_json_dict(value, "--eplb-config", '{"step_interval": 3000, "num_redundant_experts": 32}')
+    _require(isinstance(value, dict), f"--eplb-config must be a JSON object / dict, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(EPLB_KEYS))
+    _require(not unknown, f"--eplb-config has unknown key(s) {', '.join(unknown)}; known: {', '.join(EPLB_KEYS)}")
+    interval = value.get("step_interval", args.eplb_step_interval)
+    _require("window_size" not in value or value["window_size"] == interval,
+             "--eplb-config window_size: moeserve balances on the loads since the last rebalance, so the window is "
+             f"step_interval ({interval}); drop window_size or set it equal")
+    _require(not value.get("log_balancedness"), "--eplb-config log_balancedness is not supported; "
+             "--expert-load-stats records per-expert loads instead")
+    _require(value.get("policy", "default") == "default", "--eplb-config policy: only \"default\" is supported")
+    out = {}
+    for key, field_name, default in (("step_interval", "eplb_step_interval", 3000),
+                                     ("num_redundant_experts", "num_redundant_experts", 0)):
+        if key in value:
+            given = getattr(args, field_name)
+            _require(given in (default, value[key]), f"--eplb-config {key} {value[key]} disagrees with "
+                     f"--{field_name.replace('_', '-')} {given}; pass one")
+            _require(isinstance(value[key], int) and not isinstance(value[key], bool),
+                     f"--eplb-config {key} must be an integer, got {value[key]!r}")
+            out[field_name] = value[key]
+    return out
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Options of `moeserve serve` that are not engine options (so they are not LLM keywords)."""
@@ -531,6 +689,23 @@ class ServerConfig:
     max_engine_restarts: int = 3  # engine-core deaths in a row that are restarted; then the deployment stops
     engine_restart_backoff: float = 1.0  # seconds before the first restart, doubled for each next one
     engine_stall_timeout: float = 5.0  # /health is 503 when the engine made no progress for this long
+    served_model_aliases: tuple[str, ...] = ()  # --served-model-name's further names, also accepted
+    max_num_queued_reqs: int | None = None  # in-flight (waiting + running) requests before a 503 (vLLM's)
+    enable_log_requests: bool = False
+    uvicorn_log_level: str = "warning"
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 = CERT_REQUIRED (clients must present a certificate)
+    root_path: str | None = None  # the path prefix a proxy serves this under (ASGI root_path)
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: no CORS headers
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        return (self.served_model_name, *self.served_model_aliases)
 
     def __post_init__(self) -> None:
         _require(self.max_request_body_size >= 1024,
@@ -542,6 +717,15 @@ class ServerConfig:
                  f"--engine-restart-backoff must be >= 0 seconds, got {self.engine_restart_backoff}")
         _require(self.engine_stall_timeout > 0,
                  f"--engine-stall-timeout must be > 0 seconds, got {self.engine_stall_timeout}")
+        _require(self.max_num_queued_reqs is None or self.max_num_queued_reqs >= 1,
+                 f"--max-num-queued-reqs must be >= 1, got {self.max_num_queued_reqs}")
+        _require(self.uvicorn_log_level in ("critical", "error", "warning", "info", "debug", "trace"),
+                 f"--uvicorn-log-level must be critical, error, warning, info, debug or trace, "
+                 f"got {self.uvicorn_log_level!r}")
+        _require((self.ssl_keyfile is None) == (self.ssl_certfile is None),
+                 "--ssl-keyfile and --ssl-certfile go together: pass both for HTTPS")
+        _require(self.ssl_cert_reqs in (0, 1, 2), f"--ssl-cert-reqs must be 0, 1 or 2 (ssl.CERT_NONE/OPTIONAL/"
+                 f"REQUIRED), got {self.ssl_cert_reqs}")
         _require(0 <= self.port <= 65535, f"--port must be in 0..65535, got {self.port}")
         _require(self.api_server_count >= 1, f"--api-server-count must be >= 1, got {self.api_server_count}")
         _require(self.max_waiting_requests is None or self.max_waiting_requests >= 1,

@@ -30,17 +30,37 @@ def read_generation_config(folder: str) -> dict | None:
     return data
 
 
-def default_sampling(generation_config: str, model_path: str) -> dict:
-    """The SamplingParams fields the checkpoint recommends ({} with "vllm" or no file), checked."""
+def parse_override(value: "dict | str | None") -> dict:
+    """--override-generation-config: a JSON object of generation_config keys (vLLM's), checked."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--override-generation-config must be a JSON object such as "
+                             f"'{{\"temperature\": 0.5}}': {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--override-generation-config must be a JSON object / dict")
+    unknown = sorted(set(value) - set(KEYS))
+    if unknown:
+        raise ValueError(f"--override-generation-config: unknown key(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(KEYS)}")
+    return value
+
+
+def default_sampling(generation_config: str, model_path: str, override: "dict | str | None" = None) -> dict:
+    """The SamplingParams fields the checkpoint recommends ({} with "vllm" or no file), with
+    --override-generation-config's keys over them (as vLLM: also with "vllm"), checked."""
     from moeserve.sampling_params import SamplingParams, SamplingParamsError
 
-    if generation_config == "vllm":
-        return {}
+    data = parse_override(override)
     folder = model_path if generation_config == "auto" else generation_config
-    if generation_config != "auto" and not os.path.isdir(folder):
+    if generation_config not in ("auto", "vllm") and not os.path.isdir(folder):
         raise ValueError(f"--generation-config must be auto, vllm or a folder with generation_config.json; "
                          f"{generation_config!r} is none of these")
-    data = read_generation_config(folder) or {}
+    if generation_config != "vllm":
+        data = {**(read_generation_config(folder) or {}), **data}
     out = {field: data[key] for key, field in KEYS.items() if data.get(key) is not None}
     try:
         SamplingParams(**out)

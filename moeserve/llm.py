@@ -28,9 +28,12 @@ class LLM:
         path = resolve_model_path(model)
         self.arch = DeepseekArch.from_pretrained(path)
         self.config = resolve_engine_config(self.args, self.arch.max_position_embeddings)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer or path)
+        # skip_tokenizer_init: token ids in and out, no text (vLLM's); chat() and text prompts need a tokenizer
+        self.tokenizer = None if self.config.model.skip_tokenizer_init else \
+            load_tokenizer(self.config.model.tokenizer or path)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.arch.eos_token_ids, read_generation_config(path))
-        self.default_sampling = default_sampling(self.args.generation_config, path)
+        self.default_sampling = default_sampling(self.args.generation_config, path,
+                                                self.args.override_generation_config)
         self.engine = self._make_engine()
         self._ids = itertools.count()
 
@@ -71,7 +74,7 @@ class LLM:
             ro = RequestOutput(rid, text, ids, [None] * p.n)
             results.append(ro)
             for i in range(p.n):
-                child = p.for_sample(i)
+                child = p.for_sample(i).with_tokenizer(self.tokenizer)
                 cid = f"{rid}-{i}" if p.n > 1 else rid
                 children[cid] = (ro, i)
                 processor.add(cid, child, len(ids))
@@ -98,6 +101,8 @@ class LLM:
         /v1/chat/completions does, then generated. RequestOutput.prompt is the rendered text. `tools`
         (OpenAI function definitions) go to the template; parsing calls is the server's job."""
         from moeserve.chat_template import render, resolve_template
+        if self.tokenizer is None:
+            raise ValueError("LLM(skip_tokenizer_init=True) has no tokenizer to render a chat template with")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not convs:
             raise ValueError("chat() needs at least one conversation (a list of messages)")
@@ -156,6 +161,8 @@ class LLM:
             raise ValueError("generate() needs prompts or prompt_token_ids")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if self.tokenizer is None and any(not isinstance(p, dict) or "prompt_token_ids" not in p for p in prompts):
+            raise ValueError("LLM(skip_tokenizer_init=True) has no tokenizer: pass prompt_token_ids")
         texts, ids = [], []
         for p in prompts:
             if isinstance(p, dict):

@@ -17,6 +17,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict | None = None
     slo_ttft_ms: float | None = None  # SLO-aware admission targets (engine/slo.py); None: the engine's default
     slo_tpot_ms: float | None = None
+    priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's)
+    cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):
@@ -124,6 +126,8 @@ MSG_HELLO = b"H"  # client -> core: EngineCoreHello;  core -> client: EngineCore
 MSG_ADD = b"A"  # client -> core: EngineCoreRequest
 MSG_ABORT = b"X"  # client -> core: EngineCoreAbort
 MSG_OUTPUTS = b"O"  # core -> client: EngineCoreOutputs
+MSG_UTILITY = b"U"  # client -> core: EngineCoreUtility;  core -> client: EngineCoreUtilityResult
+UTILITY_CALLS = ("reset_prefix_cache",)  # what EngineCoreUtility may call on the engine
 
 
 class EngineCoreHello(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -134,6 +138,17 @@ class EngineCoreReady(msgspec.Struct, array_like=True, omit_defaults=True):
     engine_index: int = 0
     pid: int = 0
     num_kv_blocks: int = 0
+
+
+class EngineCoreUtility(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    method: str  # one of UTILITY_CALLS
+
+
+class EngineCoreUtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: bool | int | str | None = None
+    error: str | None = None
 
 
 class EngineCoreAbort(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -158,6 +173,7 @@ class RankCommand(msgspec.Struct, array_like=True, omit_defaults=True):
     aborts: list[str] = []
     abort_status: str = "abort"  # RequestStatus value the aborted requests finish with
     shutdown: bool = False
+    reset_prefix_cache: bool = False
 
 
 class RankReport(msgspec.Struct, array_like=True, omit_defaults=True):

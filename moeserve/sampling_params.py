@@ -58,6 +58,13 @@ class SamplingParams:
     # Guided decoding (vLLM's): the output must match a JSON schema, a regex, a choice or any JSON object.
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name; moved to structured_outputs
+    # vLLM's: sample only among these token ids; never complete one of these words (token sequences)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized (with_tokenizer fills it)
+    detokenize: bool = True  # False: outputs carry token ids, no text (stop strings need text)
+    output_kind: int = 0  # vLLM's RequestOutputKind: 0 CUMULATIVE (offline generate returns final outputs)
+    extra_args: dict | None = None  # free-form data for custom processors; moeserve has none, so it must be empty
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -124,6 +131,52 @@ class SamplingParams:
             if not ok:
                 raise SamplingParamsError(message, param)
         self._validate_structured_outputs()
+        self._validate_vllm_extras()
+
+    def _validate_vllm_extras(self) -> None:
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids):
+                raise SamplingParamsError("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise SamplingParamsError("bad_words must be non-empty strings", "bad_words")
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
+            if not all(w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_token_ids):
+                raise SamplingParamsError("bad_words_token_ids must be non-empty lists of token ids", "bad_words")
+        if not isinstance(self.detokenize, bool):
+            raise SamplingParamsError("detokenize must be True or False", "detokenize")
+        if not self.detokenize and self.stop:
+            raise SamplingParamsError("stop strings need detokenize=True (use stop_token_ids)", "stop")
+        if self.output_kind not in (0, 2):
+            raise SamplingParamsError("output_kind: LLM.generate returns finished outputs, so only CUMULATIVE (0) "
+                                      "and FINAL_ONLY (2) are meaningful here; DELTA (1) is not supported",
+                                      "output_kind")
+        if self.extra_args:
+            raise SamplingParamsError(f"extra_args {sorted(self.extra_args)}: moeserve has no custom logits "
+                                      "processors to read them", "extra_args")
+
+    def with_tokenizer(self, tokenizer) -> "SamplingParams":
+        """Fill bad_words_token_ids from bad_words as vLLM does: each word as written and with a leading
+        space (the form it takes mid-sentence), once each."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return self
+        if tokenizer is None:
+            raise SamplingParamsError("bad_words need a tokenizer (not skip_tokenizer_init)", "bad_words")
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        self.bad_words_token_ids = seqs
+        return self
+
+    @property
+    def has_token_masks(self) -> bool:
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     def _validate_structured_outputs(self) -> None:
         from moeserve.structured.params import compile_params

@@ -100,7 +100,29 @@ def test_help_states_each_default_once(command, capsys):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "(default:" in text and not re.search(r"\(default: [^)]*\) \(default:", text)  # no "... (default: None)"
     if command == ["generate"]:
-        assert "checkpoint folder (default: the bundled model) --prompt" in text
+        assert "checkpoint folder (default: the bundled model) --config" in text
+
+
+def test_every_help_entry_states_its_default():
+    """vLLM users read defaults off --help: no flag of any subcommand is listed without one."""
+    import argparse
+
+    from moeserve.cli import build_parser
+
+    def walk(parser, name):
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for n, sp in a.choices.items():
+                    yield from walk(sp, f"{name} {n}")
+            elif a.option_strings and a.default is not argparse.SUPPRESS:
+                text = sp_format(parser, a)
+                if "default" not in text:
+                    yield f"{name} {a.option_strings[0]}"
+
+    def sp_format(parser, action):
+        return parser._get_formatter()._get_help_string(action) if action.help else ""
+
+    assert list(walk(build_parser(), "moeserve")) == []
 
 
 @pytest.mark.parametrize("size", ["0", "-1"])

@@ -174,6 +174,12 @@ class DPEngineClient:
             return 0.0
         return max(0.0, time.monotonic() - max(self._busy_since, min(self._last_report)))
 
+    def reset_prefix_cache(self) -> bool:
+        """Every DP rank forgets its cached prefixes (with its next commands, before its next step)."""
+        for dp in range(self.dp_size):
+            self._send(dp, RankCommand(reset_prefix_cache=True))
+        return True
+
     def flush_stats(self) -> None:
         """--expert-load-stats: each rank process writes its own file (periodically and when it stops)."""
 

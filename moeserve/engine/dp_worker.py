@@ -135,6 +135,8 @@ class RankWorker:
                 self.core.add_request(req)
             if cmd.aborts:
                 self.core.abort_requests(cmd.aborts, RequestStatus(cmd.abort_status))
+            if cmd.reset_prefix_cache:
+                self.core.reset_prefix_cache()
         return any(c.shutdown for c in cmds)
 
 

@@ -55,11 +55,16 @@ class EngineCore:
         """Queue a request; a request that can never run is answered with an error output instead."""
         try:
             request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
-                              eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids))
+                              eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids),
+                              priority=req.priority, cache_salt=req.cache_salt)
+            if req.priority and self.config.scheduler.policy != "priority":
+                raise RequestRejected(f"priority {req.priority} needs a server started with --scheduling-policy "
+                                      "priority")
             self._check_vocab(request)
             from moeserve.engine.slo import check_slo_ms
             request.slo_ttft_ms = check_slo_ms(req.slo_ttft_ms, "slo_ttft_ms")
             request.slo_tpot_ms = check_slo_ms(req.slo_tpot_ms, "slo_tpot_ms")
+            self._check_logprobs(req.sampling_params)
             if req.sampling_params.structured_outputs is not None:
                 request.grammar = self._structured().matcher(req.sampling_params.structured_outputs)
             if req.kv_transfer_params is not None and self._add_disaggregated(request, req.kv_transfer_params):
@@ -103,6 +108,18 @@ class EngineCore:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestRejected(f"{name} {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def _check_logprobs(self, p: SamplingParams) -> None:
+        """--max-logprobs, and allowed_token_ids inside the vocabulary (else every token would be masked)."""
+        bad = [t for t in p.allowed_token_ids or () if t >= self.arch.vocab_size]
+        if bad:
+            raise RequestRejected(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary "
+                                  f"(0..{self.arch.vocab_size - 1})")
+        most = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(p, name)
+            if n is not None and n > most:
+                raise RequestRejected(f"{name} {n} is more than this server returns (--max-logprobs {most})")
 
     def abort_requests(self, request_ids: list[str], reason: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         for rid in request_ids:
@@ -205,6 +222,11 @@ class EngineCore:
         self.runner.release(request_id)
         return EngineCoreOutput(request_id, [], finish_reason="abort", error=f"the request failed: {message}",
                                 error_kind=kind)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); blocks in use keep their KV."""
+        self.kv.pool.reset_cache()
+        return True
 
     def flush_stats(self) -> None:
         """Write --expert-load-stats now (LLM.generate calls it when a batch is done)."""

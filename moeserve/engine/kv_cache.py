@@ -10,7 +10,8 @@ reference counted; a block nobody uses is free but keeps its cached prefix until
 (plain free blocks go first, then cached ones least recently freed first). A new request starts from the
 longest run of cached blocks its tokens hash to and computes the rest. Shared blocks are never written:
 a request writes KV only at positions >= its num_computed_tokens, and only full blocks below that are
-shared. With MTP the hash also covers the token after the block, because the MTP layer's KV at a block's
+shared. A request's cache_salt (vLLM's) seeds its chain, so only requests with the same salt share blocks.
+With MTP the hash also covers the token after the block, because the MTP layer's KV at a block's
 last position is computed from that token.
 """
 from __future__ import annotations
@@ -26,6 +27,14 @@ def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
     """Chained digest of one block's tokens (and, with MTP, the token after it). A cryptographic hash,
     so a prompt cannot be crafted to collide with another user's prefix."""
     return hashlib.blake2b(parent + array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def salt_root(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: its cache_salt's digest, so requests with different salts
+    (tenants) never share cached blocks; no salt is the shared root b""."""
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest()
 
 
 class BlockPool:
@@ -128,7 +137,8 @@ class KVCacheManager:
         bs, extra = self.block_size, 1 if self.hash_next_token else 0
         while len(chain) < n:
             start = len(chain) * bs
-            chain.append(block_hash(chain[-1] if chain else b"", request.token_ids_slice(start, start + bs + extra)))
+            root = chain[-1] if chain else salt_root(request.cache_salt)
+            chain.append(block_hash(root, request.token_ids_slice(start, start + bs + extra)))
         return chain[:n]
 
     def looks_up(self, request: Request) -> bool:

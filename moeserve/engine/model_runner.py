@@ -25,7 +25,17 @@ from moeserve.models.config import DeepseekArch
 from moeserve.models.registry import build_model
 from moeserve.structured.grammar import apply_grammar_masks
 
+from moeserve.engine.kv_memory import blocks_for_utilization, check_fits, module_bytes
+
 logger = logging.getLogger(__name__)
+
+def check_kv_pool(num_blocks: int, block_size: int, arch: DeepseekArch, dtype: torch.dtype, mtp: bool) -> None:
+    layers = arch.num_hidden_layers + mtp
+    check_fits(num_blocks * block_size * layers * arch.kv_cache_dim * dtype.itemsize, torch.device("cpu"),
+               f"the KV cache ({num_blocks} blocks of {block_size} tokens, {layers} layers)",
+               "lower --kv-cache-memory, --num-kv-blocks or --gpu-memory-utilization (or --max-num-seqs / "
+               "--max-model-len, which size the default pool)")
+
 
 DEFAULT_KV_CACHE_BYTES = 2 << 30  # cap of the default pool; --kv-cache-memory / --num-kv-blocks override
 
@@ -48,12 +58,16 @@ def resolve_dtype(name: str, arch: DeepseekArch) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def num_kv_blocks(config: EngineConfig, arch: DeepseekArch, dtype: torch.dtype) -> int:
+def num_kv_blocks(config: EngineConfig, arch: DeepseekArch, dtype: torch.dtype, weights: int = 0,
+                  device: torch.device = torch.device("cpu")) -> int:
     cache, sched = config.cache, config.scheduler
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     layers = arch.num_hidden_layers + (config.speculative is not None)  # the MTP layer has its own cache
     bytes_per_block = cache.block_size * layers * arch.kv_cache_dim * dtype.itemsize
+    if cache.gpu_memory_utilization is not None and cache.kv_cache_memory is None:
+        return blocks_for_utilization(cache.gpu_memory_utilization, weights, bytes_per_block, device,
+                                      config.parallel.ranks_per_node)
     if cache.kv_cache_memory is not None:
         blocks = cache.kv_cache_memory // bytes_per_block
         if blocks < 1:
@@ -76,8 +90,10 @@ class ModelRunner:
             # The MTP layer's weights are read only when speculative decoding will use them.
             self.model, self.checkpoint = build_model(config.model.model, arch, self.dtype,
                                                       config.scheduler.max_model_len, config.quant,
-                                                      keep_mtp=config.speculative is not None)
-        self.num_blocks = num_kv_blocks(config, arch, self.dtype)
+                                                      keep_mtp=config.speculative is not None,
+                                                      load_format=config.model.load_format)
+        self.num_blocks = num_kv_blocks(config, arch, self.dtype, module_bytes(self.model))
+        check_kv_pool(self.num_blocks, self.block_size, arch, self.dtype, config.speculative is not None)
         self.kv_caches = [torch.zeros(self.num_blocks, self.block_size, arch.kv_cache_dim, dtype=self.dtype)
                           for _ in range(arch.num_hidden_layers)]
         self.sampler = Sampler(config.model.seed)
@@ -163,7 +179,7 @@ class ModelRunner:
         for i in _requests_with(non_finite_rows(logits), spans):
             failed[i] = ("internal", "the model's logits for this request are not finite (NaN or inf)")
         raw = logits
-        if any(p.logit_bias or p.min_tokens or p.has_penalties for p in params):
+        if any(p.logit_bias or p.min_tokens or p.has_penalties or p.has_token_masks for p in params):
             if any(p.logprobs is not None for p in params):
                 raw = logits.clone()  # logprobs report the model's own distribution
             logits = self._logits_processors(logits, hidden[row_ids], sample_rows, spans, failed)

@@ -113,6 +113,8 @@ class OutputProcessor:
         return out if cut is None else [min(o, cut) for o in out]
 
     def _decode(self, st: DetokState, ids: list[int]) -> str:
+        if self.tokenizer is None or not getattr(st.params, "detokenize", True):  # token ids only
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=st.params.skip_special_tokens)
 
     @staticmethod

@@ -46,6 +46,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     # prompt_logprobs: entries for prompt tokens 1.. computed so far (kept over preemption; sent with token 1)
     prompt_logprobs: list = field(default_factory=list)
+    priority: int = 0  # --scheduling-policy priority: lower values are admitted first
+    cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
     first_scheduled_time: float | None = None  # time.monotonic() of its first step (queue-time metric)
     grammar: object = None  # structured output: a structured.grammar.GrammarMatcher, set by the engine core
     slo_ttft_ms: float | None = None  # this request's targets (engine/slo.py); None: the engine's default

@@ -85,7 +85,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.config.policy == "priority":  # before the first waiting request of a larger priority value
+            at = next((i for i, r in enumerate(self.waiting) if r.priority > request.priority), len(self.waiting))
+            self.waiting.insert(at, request)
+        else:
+            self.waiting.append(request)
 
     def check_request(self, request: Request) -> None:
         max_len = self.config.max_model_len

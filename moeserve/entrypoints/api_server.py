@@ -127,6 +127,9 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
     _add_schemas(app)
     defs = app.state.body_schemas
     expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key is not None else None
+    completions.model_aliases = chat.model_aliases = cfg.served_model_aliases
+    from moeserve.entrypoints.vllm_routes import add_vllm_routes
+    add_vllm_routes(app, spec, client)
 
     def check_auth(request: Request) -> None:
         if expected_auth is None:
@@ -165,9 +168,9 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
 
     @app.get("/v1/models", dependencies=[Depends(check_auth)])
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": int(time.time()),
                                             "owned_by": "moeserve", "root": spec.model_path,
-                                            "max_model_len": spec.max_model_len}]}
+                                            "max_model_len": spec.max_model_len} for n in cfg.served_model_names]}
 
     @app.post("/kv_transfer/release", dependencies=[Depends(check_auth)],
               openapi_extra={"requestBody": {"required": True,
@@ -319,8 +322,10 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
     app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)
     # SIGTERM: uvicorn stops accepting, waits up to --shutdown-timeout for the requests in flight (streams
     # too), then cancels what is left
-    config = uvicorn.Config(app, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=cfg.shutdown_timeout, timeout_keep_alive=30, lifespan="on")
+    config = uvicorn.Config(app, log_level=cfg.uvicorn_log_level, access_log=cfg.uvicorn_log_level in ("info", "debug",
+                            "trace"), timeout_graceful_shutdown=cfg.shutdown_timeout, timeout_keep_alive=30,
+                            lifespan="on", root_path=cfg.root_path or "", ssl_keyfile=cfg.ssl_keyfile,
+                            ssl_certfile=cfg.ssl_certfile, ssl_ca_certs=cfg.ssl_ca_certs, ssl_cert_reqs=cfg.ssl_cert_reqs)
     server = uvicorn.Server(config)
 
     async def main():

@@ -23,8 +23,9 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from moeserve.engine.output_processor import Delta, OutputProcessor
-from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, EngineCoreAbort, EngineCoreHello,
-                               EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, EngineStats)
+from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, EngineCoreAbort,
+                               EngineCoreHello, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
+                               EngineCoreUtility, EngineCoreUtilityResult, EngineStats)
 from moeserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("moeserve.api")
@@ -78,6 +79,8 @@ class EngineClient:
         self.last_heard = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self._reconnecting: asyncio.Task | None = None
+        self._calls: dict[int, asyncio.Future] = {}  # utility calls waiting for the core's answer
+        self._call_ids = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -184,10 +187,12 @@ class EngineClient:
     # ---- requests --------------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        kv_transfer_params: dict | None = None,
-                       slo_ms: tuple[float | None, float | None] = (None, None)) -> AsyncIterator[Delta]:
+                       slo_ms: tuple[float | None, float | None] = (None, None), priority: int = 0,
+                       cache_salt: str | None = None) -> AsyncIterator[Delta]:
         """Deltas of one engine request until it finishes; leaving early aborts it in the core."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        params = params.with_tokenizer(self.processor.tokenizer)  # bad_words -> token ids
         st = _Stream(asyncio.Queue(), len(prompt_token_ids))
         self.streams[request_id] = st
         self.processor.add(request_id, params, len(prompt_token_ids))
@@ -196,7 +201,7 @@ class EngineClient:
         outcome = "abort"
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
-                                    kv_transfer_params, *slo_ms)
+                                    kv_transfer_params, *slo_ms, priority=priority, cache_salt=cache_salt)
             try:
                 await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
             except zmq.ZMQError as e:  # the socket was replaced under us: the core died this instant
@@ -223,10 +228,32 @@ class EngineClient:
         if self.dead_reason is None and request_ids:
             self.sock.send_multipart([MSG_ABORT, self.encoder.encode(EngineCoreAbort(request_ids))])
 
+    async def call_utility(self, method: str, timeout: float = 30.0):
+        """Run a management call (protocol.UTILITY_CALLS) in the engine core and return its result."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self._call_ids += 1
+        call_id = self._call_ids
+        fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self.sock.send_multipart([MSG_UTILITY, self.encoder.encode(EngineCoreUtility(call_id, method))])
+            answer = await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+        if answer.error:
+            raise EngineRequestError(answer.error, "invalid")
+        return answer.result
+
     async def _output_loop(self) -> None:
         while True:
             kind, payload = await self.sock.recv_multipart()
             self.last_heard = time.monotonic()
+            if kind == MSG_UTILITY:
+                answer = msgspec.msgpack.decode(payload, type=EngineCoreUtilityResult)
+                fut = self._calls.get(answer.call_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(answer)
+                continue
             if kind != MSG_OUTPUTS:
                 continue
             batch = self.dec_outputs.decode(payload)

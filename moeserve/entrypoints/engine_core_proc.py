@@ -20,8 +20,9 @@ import time
 import msgspec
 import zmq
 
-from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, EngineCoreAbort, EngineCoreHello,
-                               EngineCoreOutput, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest)
+from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, UTILITY_CALLS, EngineCoreAbort,
+                               EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
+                               EngineCoreRequest, EngineCoreUtility, EngineCoreUtilityResult)
 
 logger = logging.getLogger("moeserve.engine_core")
 
@@ -31,10 +32,12 @@ EXIT_RANK_DIED = 3  # the exit code when a DP/TP rank process died or stopped an
 
 
 class EngineCoreProc:
-    def __init__(self, core, address: str, engine_index: int = 0, max_waiting_requests: int | None = None):
+    def __init__(self, core, address: str, engine_index: int = 0, max_waiting_requests: int | None = None,
+                 max_num_queued_reqs: int | None = None):
         self.core = core
         self.engine_index = engine_index
         self.max_waiting = max_waiting_requests
+        self.max_in_flight = max_num_queued_reqs  # vLLM's bound: waiting + running requests
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -93,10 +96,28 @@ class EngineCoreProc:
             self.clients.add(ident)
             ready = EngineCoreReady(self.engine_index, os.getpid(), self.core.num_kv_blocks)
             self._send(ident, MSG_HELLO, ready)
+        elif kind == MSG_UTILITY:
+            self._utility(ident, msgspec.msgpack.decode(payload, type=EngineCoreUtility))
         else:
             logger.error("unknown message kind %r from %r", kind, ident)
 
+    def _utility(self, ident: bytes, call: EngineCoreUtility) -> None:
+        """A management call from an API server (/reset_prefix_cache, ...): run it, answer its result."""
+        if call.method not in UTILITY_CALLS:
+            answer = EngineCoreUtilityResult(call.call_id, error=f"unknown engine call {call.method!r}")
+        else:
+            answer = EngineCoreUtilityResult(call.call_id, result=getattr(self.core, call.method)())
+        self._send(ident, MSG_UTILITY, answer)
+
+    def _refuse(self, ident: bytes, req: EngineCoreRequest, message: str) -> None:
+        err = EngineCoreOutput(req.request_id, [], finish_reason="abort", error_kind="overloaded", error=message)
+        self._send(ident, MSG_OUTPUTS, EngineCoreOutputs([err], self.core.stats(), self.engine_index))
+
     def _add(self, ident: bytes, req: EngineCoreRequest) -> None:
+        if self.max_in_flight is not None and len(self.owner) >= self.max_in_flight:
+            self._refuse(ident, req, f"the server is overloaded: {self.max_in_flight} requests are already in "
+                                     "flight (--max-num-queued-reqs); retry later")
+            return
         if self.max_waiting is not None and self.core.num_waiting >= self.max_waiting:
             err = EngineCoreOutput(req.request_id, [], finish_reason="abort", error_kind="overloaded",
                                    error=f"the server is overloaded: {self.max_waiting} requests are already "
@@ -151,13 +172,13 @@ class EngineCoreProc:
 
 
 def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_requests: int | None = None,
-                    log_level: str = "INFO", ready_event=None) -> None:
+                    log_level: str = "INFO", ready_event=None, max_num_queued_reqs: int | None = None) -> None:
     """Process entry point (spawned by the launcher)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(message)s")
     from moeserve.engine.launch import make_engine_core
 
     core = make_engine_core(config)  # EngineCore, or the front end of D x T rank processes
-    proc = EngineCoreProc(core, address, engine_index, max_waiting_requests)
+    proc = EngineCoreProc(core, address, engine_index, max_waiting_requests, max_num_queued_reqs)
 
     def stop(signum, frame):
         proc.running = False

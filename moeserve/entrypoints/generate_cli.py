@@ -5,6 +5,7 @@ import sys
 import time
 
 from moeserve.cli import HelpFormatter
+from moeserve.config_file import CONFIG_HELP
 from moeserve.config import EngineArgs
 
 
@@ -12,6 +13,7 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text offline (default: the bundled model)",
                        formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
+    p.add_argument("--config", default=None, help=CONFIG_HELP)
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for a batch (default: a short Python prompt)")
     p.add_argument("--max-tokens", type=int, default=64)

@@ -57,6 +57,9 @@ class Deployment:
         path = engine_args.model
         arch = DeepseekArch.from_pretrained(path)
         self.config = resolve_engine_config(engine_args, arch.max_position_embeddings)
+        if self.config.model.skip_tokenizer_init:
+            raise ValueError("--skip-tokenizer-init is not supported by `moeserve serve` yet (its API servers "
+                             "detokenize); use it with LLM(skip_tokenizer_init=True)")
         if needs_ranks(self.config.parallel, TorchrunEnv.detect()):
             check_parallel_layout(self.config, arch)  # here, not as a failure in the engine-core process
         tokenizer_path = self.config.model.tokenizer or path
@@ -70,7 +73,8 @@ class Deployment:
                          max_model_len=self.config.scheduler.max_model_len,
                          kv_role=self.config.kv_transfer.kv_role if self.config.kv_transfer else None,
                          kv_secret=self.config.kv_transfer.kv_secret if self.config.kv_transfer else None,
-                         default_sampling=default_sampling(engine_args.generation_config, path),
+                         default_sampling=default_sampling(engine_args.generation_config, path,
+                                                          engine_args.override_generation_config),
                          cache_info=cache_config_info(self.config))
         self.ctx = multiprocessing.get_context("spawn")
         self.engine = None
@@ -99,7 +103,8 @@ class Deployment:
         self.engine = self.ctx.Process(
             target=run_engine_core, name="moeserve-engine-core-0", daemon=False,
             args=(self.config, self.engine_address, 0, self.server.max_waiting_requests,
-                  self.server.log_level.upper(), ready))
+                  self.server.log_level.upper(), ready),
+            kwargs={"max_num_queued_reqs": self.server.max_num_queued_reqs})
         self.engine.start()
         logger.info("engine core process pid=%d starting (model %s)", self.engine.pid, self.config.model.model)
         self._wait_ready(ready, self.engine, "the engine core")
@@ -210,7 +215,7 @@ def serve(engine_args: EngineArgs, server: ServerConfig) -> int:
     try:
         dep.start()
         host = f"[{server.host}]" if ":" in server.host else server.host
-        print(f"moeserve serve: ready on http://{host}:{dep.port} (model '{server.served_model_name}', "
+        print(f"moeserve serve: ready on {'https' if server.ssl_certfile else 'http'}://{host}:{dep.port} (model '{server.served_model_name}', "
               f"engine core pid {dep.engine.pid}, API server pids "
               f"{','.join(str(p.pid) for p, _ in dep.api_servers)})", file=sys.stderr, flush=True)
         return dep.supervise()

@@ -113,6 +113,27 @@ class _SamplingFields(_Strict):
     def slo_ms(self) -> tuple[float | None, float | None]:
         return self.slo_ttft_ms, self.slo_tpot_ms
 
+    # vLLM's extras (docs/from-vllm.md); entrypoints/vllm_fields.py refuses the ones not served
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    return_token_ids: bool = False  # the answer carries prompt_token_ids and each choice's token_ids
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep this many prompt tokens (-1: the context)
+    truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)  # --scheduling-policy priority: lower runs first
+    cache_salt: str | None = Field(None, min_length=1)  # prefix-cache sharing only among requests with this salt
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unserved(cls, data):
+        from moeserve.entrypoints.vllm_fields import refuse_unserved
+        refuse_unserved(data, cls.__name__)
+        return data
+
+    def check_vllm_extras(self) -> None:
+        if self.return_token_ids and self.stream:
+            raise APIError("'return_token_ids' is served without streaming; set 'stream' to false",
+                           param="return_token_ids")
+
     def _unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
@@ -202,7 +223,7 @@ class _SamplingFields(_Strict):
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
                 skip_special_tokens=self.skip_special_tokens and not self._keeps_special_tokens(),
-                structured_outputs=structured,
+                structured_outputs=structured, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                 **{**{k: v for k, v in (defaults or {}).items() if k in kwargs},
                    **{k: v for k, v in kwargs.items() if v is not None}})
         except SamplingParamsError as e:
@@ -221,6 +242,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra: choices[].prompt_logprobs
+    add_special_tokens: bool = True  # text prompts: the tokenizer's BOS (vLLM's)
 
     def check(self) -> None:
         if self.tools or self.tool_choice not in (None, "none"):
@@ -236,6 +258,10 @@ class CompletionRequest(_SamplingFields):
                            param="prompt_logprobs" if self.prompt_logprobs is not None else "echo")
         if isinstance(self.prompt, list) and not self.prompt:
             raise APIError("'prompt' must not be an empty list", param="prompt")
+        if self.max_tokens == 0 and not (self.echo and not self.stream):
+            raise APIError("'max_tokens' 0 scores the prompt: it needs 'echo': true (and no streaming)",
+                           param="max_tokens")
+        self.check_vllm_extras()
 
 
 class TextPart(_Strict):
@@ -318,6 +344,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's extra: more variables for the chat template
+    continue_final_message: bool = False  # the last (assistant) message is left open for the model to continue
+    echo: bool = False  # vLLM's: with continue_final_message, the answer starts with that message's text
+    add_special_tokens: bool = False  # the chat template writes BOS itself (vLLM's default)
 
     def template_kwargs(self) -> dict | None:
         taken = [k for k in self.chat_template_kwargs or {} if k in _RESERVED_TEMPLATE_KWARGS]
@@ -380,6 +409,19 @@ class ChatCompletionRequest(_SamplingFields):
         if self.prompt_logprobs is not None and self.kv_transfer_params:
             raise APIError("'prompt_logprobs' are not available with kv_transfer_params: a decode instance never "
                            "computes the prompt", param="prompt_logprobs")
+        if self.add_special_tokens:
+            raise APIError("'add_special_tokens' is not supported on /v1/chat/completions: the chat template "
+                           "writes the special tokens", param="add_special_tokens")
+        if self.echo:
+            raise APIError("'echo' is not supported on /v1/chat/completions; use continue_final_message and "
+                           "prepend the message yourself", param="echo")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError("'continue_final_message' continues the last message: set 'add_generation_prompt' "
+                           "to false", param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError("'continue_final_message' needs the last message to be the assistant's",
+                           param="continue_final_message")
+        self.check_vllm_extras()
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -1,9 +1,11 @@
 """`moeserve serve [MODEL]`: the OpenAI-compatible HTTP server (engine flags as for `generate`)."""
 from __future__ import annotations
 
+import json
 import os
 
 from moeserve.cli import HelpFormatter
+from moeserve.config_file import CONFIG_HELP
 from moeserve.config import DEFAULT_MAX_REQUEST_BODY, EngineArgs, ServerConfig
 
 
@@ -13,6 +15,7 @@ def register(sub) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint folder (default: the bundled model)")
     p.add_argument("--model", default=None, help="same as the positional MODEL")
+    p.add_argument("--config", default=None, help=CONFIG_HELP)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
@@ -22,15 +25,35 @@ def register(sub) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY)")
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="answer 503 when this many requests already wait in the engine (default: no bound)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the checkpoint folder's name)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients send; the first is the one reported (default: the checkpoint "
+                        "folder's name)")
+    g.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="answer 503 when this many requests are in flight, waiting or running (default: no bound)")
+    g.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request's id, prompt length and sampling parameters as it arrives, and its end")
+    g.add_argument("--uvicorn-log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of the HTTP server (uvicorn); info logs every request line")
+    g.add_argument("--ssl-keyfile", default=None, help="private key file for HTTPS")
+    g.add_argument("--ssl-certfile", default=None, help="certificate file for HTTPS")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0,
+                   help="client certificates: 0 none, 1 optional, 2 required (Python's ssl.CERT_*)")
+    g.add_argument("--root-path", default=None,
+                   help="path prefix when a proxy serves this under a sub-path (FastAPI root_path)")
+    g.add_argument("--allowed-origins", type=json.loads, default=None,
+                   help='CORS: JSON list of allowed origins, e.g. \'["https://ui.example"]\' (default: no CORS)')
+    g.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: JSON list of methods")
+    g.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: JSON list of headers")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (default: the tokenizer's, else a plain role: content one)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice \"auto\": the model decides, --tool-call-parser reads its calls")
     g.add_argument("--tool-call-parser", default=None,
-                   help="how the model writes tool calls: deepseek_v3 (DeepSeek V3 / R1 / V3.1 markers)")
+                   help="how the model writes tool calls: deepseek_v3, deepseek_v31 or deepseek_v32 (one parser reads DeepSeek V3 / R1, V3.1 and V3.2 DSML calls)")
     g.add_argument("--reasoning-parser", default=None,
                    help="split thinking into reasoning_content: deepseek_r1 (always thinks), deepseek_v3 "
                         "(V3.1: when chat_template_kwargs has thinking: true)")
@@ -48,8 +71,29 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _vllm_server_options(args) -> dict:
+    """Server flags spelled as vLLM spells them (docs/from-vllm.md)."""
+    lists = {k: tuple(getattr(args, k) or ()) for k in ("allowed_origins", "allowed_methods", "allowed_headers")}
+    for k, v in lists.items():
+        if not all(isinstance(x, str) for x in v):
+            raise ValueError(f"--{k.replace('_', '-')} must be a JSON list of strings, got {list(v)!r}")
+    for k in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        if getattr(args, k) and not os.path.isfile(getattr(args, k)):
+            raise FileNotFoundError(f"--{k.replace('_', '-')} {getattr(args, k)!r} is not a file")
+    return dict(max_num_queued_reqs=args.max_num_queued_reqs, enable_log_requests=args.enable_log_requests,
+                uvicorn_log_level=args.uvicorn_log_level, ssl_keyfile=args.ssl_keyfile,
+                ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                root_path=args.root_path, allow_credentials=args.allow_credentials, **lists)
+
+
 def run(args) -> int:
     from moeserve.entrypoints.launcher import serve
+
+    return serve(*build_configs(args))
+
+
+def build_configs(args) -> tuple[EngineArgs, ServerConfig]:
+    """The parsed flags -> (engine options, server options), checked."""
     from moeserve.models.registry import resolve_model_path
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -62,9 +106,10 @@ def run(args) -> int:
             raise FileNotFoundError(f"--chat-template {args.chat_template!r} is not a file")
         with open(args.chat_template) as f:
             template = f.read()
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_tag or args.model
-                                                                       or engine_args.model))
-    server = ServerConfig(served_model_name=name, host=args.host, port=args.port,
+    names = args.served_model_name or [os.path.basename(os.path.normpath(args.model_tag or args.model
+                                                                         or engine_args.model))]
+    server = ServerConfig(served_model_name=names[0], served_model_aliases=tuple(names[1:]),
+                          host=args.host, port=args.port,
                           api_server_count=args.api_server_count, api_key=args.api_key,
                           max_waiting_requests=args.max_waiting_requests, chat_template=template,
                           log_level=args.log_level, enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -72,5 +117,6 @@ def run(args) -> int:
                           max_request_body_size=args.max_request_body_size, shutdown_timeout=args.shutdown_timeout,
                           max_engine_restarts=args.max_engine_restarts,
                           engine_restart_backoff=args.engine_restart_backoff,
-                          engine_stall_timeout=args.engine_stall_timeout)
-    return serve(engine_args, server)
+                          engine_stall_timeout=args.engine_stall_timeout,
+                          **_vllm_server_options(args))
+    return engine_args, server

@@ -57,6 +57,8 @@ class Child:
     slo_ms: tuple = (None, None)  # the request's (TTFT, TPOT) targets for SLO-aware admission
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list | None = None  # TokenLogprobsMsg per prompt token 1.. (prompt_logprobs requests)
+    priority: int = 0  # --scheduling-policy priority: lower runs first
+    cache_salt: str | None = None  # prefix-cache sharing only among requests with the same salt
 
 
 def chars_per_token_bound(tokenizer) -> int:
@@ -99,6 +101,7 @@ class Serving:
                  max_waiting_requests: int | None = None, default_sampling: dict | None = None) -> None:
         self.client, self.tokenizer = client, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.model_aliases: tuple[str, ...] = ()  # --served-model-name's further names
         self.max_waiting = max_waiting_requests
         self.default_sampling = default_sampling or {}  # --generation-config (generation_defaults.py)
         self.token_chars = chars_per_token_bound(tokenizer)
@@ -128,7 +131,7 @@ class Serving:
 
     # ---- validation ------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.model_aliases:
             raise APIError(f"the model '{model}' does not exist; this server serves '{self.model_name}' "
                            "(see /v1/models)", 400, param="model", code="model_not_found")
 
@@ -158,9 +161,20 @@ class Serving:
         if bad is not None:
             raise APIError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
 
+    def truncate(self, ids: list[int], req) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (truncation_side "right": the first)."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.max_model_len if k == -1 else k
+        if k == 0:
+            raise APIError("'truncate_prompt_tokens' must keep at least one token", param="truncate_prompt_tokens")
+        if len(ids) <= k:
+            return ids
+        return ids[-k:] if req.truncation_side == "left" else ids[:k]
+
     def make_children(self, prompts: list[list[int]], params: SamplingParams, prefix: str,
-                      kv_transfer_params: dict | None = None, stream: bool = False,
-                      slo_ms: tuple = (None, None)) -> list[Child]:
+                      kv_transfer_params: dict | None = None, stream: bool = False, req=None) -> list[Child]:
         if kv_transfer_params is not None:
             kvt = self.check_kv_transfer(kv_transfer_params, len(prompts), params.n, stream)
             if kvt.do_remote_decode:
@@ -179,7 +193,8 @@ class Serving:
             for i in range(params.n):
                 child = params.for_sample(i)
                 children.append(Child(p * params.n + i, f"{base}-{p}-{i}", ids, child,
-                                      kv_transfer_params=kv_transfer_params, slo_ms=slo_ms))
+                                      kv_transfer_params=kv_transfer_params, slo_ms=getattr(req, "slo_ms", (None, None)),
+                                      priority=getattr(req, "priority", 0), cache_salt=getattr(req, "cache_salt", None)))
         return children
 
     @staticmethod
@@ -211,7 +226,8 @@ class Serving:
     # ---- running ---------------------------------------------------------------------------------
     async def _run_child(self, child: Child, sink: asyncio.Queue | None) -> Child:
         async for delta in self.client.generate(child.request_id, child.prompt_ids, child.params,
-                                                child.kv_transfer_params, child.slo_ms):
+                                                child.kv_transfer_params, child.slo_ms, priority=child.priority,
+                                                cache_salt=child.cache_salt):
             if delta.kv_transfer_params is not None:
                 child.kv_transfer_result = delta.kv_transfer_params
             child.num_cached_tokens = max(child.num_cached_tokens, delta.num_cached_tokens)

@@ -20,8 +20,11 @@ class ChatServing(Serving):
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (entrypoints/reasoning.py)
 
     def render(self, req: ChatCompletionRequest) -> list[int]:
-        return self.render_messages(req.messages, req.add_generation_prompt, req.tool_dicts(),
-                                    req.template_kwargs())
+        kwargs = req.template_kwargs()
+        if req.continue_final_message:
+            kwargs = {**(kwargs or {}), "continue_final_message": True}
+        return self.truncate(self.render_messages(req.messages, req.add_generation_prompt, req.tool_dicts(),
+                                                  kwargs), req)
 
     def render_messages(self, messages: list, add_generation_prompt: bool, tools: list[dict] | None = None,
                         template_kwargs: dict | None = None) -> list[int]:
@@ -50,7 +53,7 @@ class ChatServing(Serving):
         params = await self.sampling_params(req, max_tokens, req.num_logprobs(), req.prompt_logprobs)
         if think and params.structured_outputs is not None:  # the pattern (or tool schema) starts after thinking
             params.structured_outputs.after = THINK_END
-        children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream, req.slo_ms)
+        children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream, req)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:
             def chunks(first, events, n):
@@ -67,10 +70,12 @@ class ChatServing(Serving):
                     message["content"] = None
             choices.append({"index": c.index, "message": message,
                             "logprobs": self._logprobs(c.logprobs) if req.logprobs else None,
-                            "finish_reason": finish, "stop_reason": c.stop_reason})
+                            "finish_reason": finish, "stop_reason": c.stop_reason,
+                            **({"token_ids": c.token_ids} if req.return_token_ids else {})})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self.usage(len(ids), children),
-                             **self._prompt_field(req, children[0]), **self.kv_transfer_field(children)})
+                             **self._prompt_field(req, children[0]), **self.kv_transfer_field(children),
+                             **({"prompt_token_ids": ids} if req.return_token_ids else {})})
 
     def _prompt_field(self, req: ChatCompletionRequest, c) -> dict:
         """vLLM's chat answer carries prompt_logprobs at the top level: every choice has the same prompt."""

@@ -31,8 +31,10 @@ class CompletionServing(Serving):
         texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
         for t in texts:
             self.check_text_size(len(t))
-        prompts = await self.off_loop(self._prompts, req.prompt, size=sum(map(len, texts)))
-        asked = req.max_tokens
+        prompts = await self.off_loop(self._prompts, req.prompt, req.add_special_tokens, size=sum(map(len, texts)))
+        prompts = [(t, self.truncate(ids, req)) for t, ids in prompts]
+        scoring = req.max_tokens == 0  # echo with max_tokens 0: the prompt's logprobs, nothing generated
+        asked = 1 if scoring else req.max_tokens
         if "max_tokens" not in req.model_fields_set and asked is not None:  # the default 16: the file's
             asked = min(asked, self.default_sampling.get("max_tokens", asked))  # max_new_tokens caps it (vLLM)
         max_tokens = min(self.check_length(len(ids), asked) for _, ids in prompts)
@@ -42,7 +44,7 @@ class CompletionServing(Serving):
         params = await self.sampling_params(req, max_tokens if req.max_tokens is not None else None, req.logprobs,
                                            prompt_lps)
         children = self.make_children([ids for _, ids in prompts], params, "cmpl", req.kv_transfer_params,
-                                      req.stream, req.slo_ms)
+                                      req.stream, req)
         texts = [t for t, _ in prompts]
         num_prompt = sum(len(ids) for _, ids in prompts)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
@@ -51,12 +53,15 @@ class CompletionServing(Serving):
                 return self._chunks(req, rid, created, texts, first, events, n, num_prompt, children)
             return await self.stream(children, raw, chunks)
         await self.collect(children, raw)
+        if scoring:  # the one token that computed the prompt's logits is not part of the answer
+            for c in children:
+                c.text, c.token_ids, c.logprobs, c.text_offsets, c.finish_reason = "", [], [], [], "length"
         choices = [self._choice(req, c, texts[c.index // req.n]) for c in children]
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": self.usage(num_prompt, children),
                              **self.kv_transfer_field(children)})
 
-    def _prompts(self, prompt) -> list[tuple[str, list[int]]]:
+    def _prompts(self, prompt, add_special_tokens: bool = True) -> list[tuple[str, list[int]]]:
         """[(prompt text, token ids)] for each prompt of the request."""
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -65,7 +70,7 @@ class CompletionServing(Serving):
         out = []
         for p in prompt:
             if isinstance(p, str):
-                out.append((p, self.tokenizer.encode(p)))
+                out.append((p, self.tokenizer.encode(p, add_special_tokens=add_special_tokens)))
             else:
                 if not p:
                     raise APIError("a token-id prompt must not be empty", param="prompt")
@@ -85,6 +90,8 @@ class CompletionServing(Serving):
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs_field(c, req.prompt_logprobs)
+        if req.return_token_ids:
+            choice["prompt_token_ids"], choice["token_ids"] = c.prompt_ids, c.token_ids
         return choice
 
     def _echoed(self, req: CompletionRequest, c: Child, prompt_text: str) -> tuple[list[int], list, list] | None:

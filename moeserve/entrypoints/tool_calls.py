@@ -4,9 +4,10 @@
   the call's arguments.
 - `tool_choice: "required"`: the output is guided to a JSON array of {"name", "parameters"} objects, one of
   the tools each (one item when `parallel_tool_calls` is false), parsed into calls.
-- `tool_choice: "auto"` (needs `--enable-auto-tool-choice --tool-call-parser deepseek_v3`): the model
-  decides; DeepSeek-V3's tool-call markers in its output are parsed into calls, text before them stays
-  content. Special tokens are kept in the text for this (the markers are special tokens).
+- `tool_choice: "auto"` (needs `--enable-auto-tool-choice --tool-call-parser deepseek_v3`; vLLM's
+  deepseek_v31 and deepseek_v32 name the same parser): the model decides; DeepSeek's tool-call markers in
+  its output (V3/R1, V3.1, or V3.2's DSML `function_calls` block) are parsed into calls, text before them
+  stays content. Special tokens are kept in the text for this (the markers are special tokens).
 - `"none"` (the default without tools): plain text. Tools are passed to the chat template in every mode.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from moeserve.markers import partial_marker_len
 
-TOOL_CALL_PARSERS = ("deepseek_v3",)
+TOOL_CALL_PARSERS = ("deepseek_v3", "deepseek_v31", "deepseek_v32")  # one parser reads all three formats
 
 # DeepSeek-V3's markers (U+FF5C fullwidth bar, U+2581 lower block), as its tokenizer and template write them.
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -26,6 +27,13 @@ CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁en
 # V3 / R1: <call begin>function<sep>NAME\n```json\nARGS\n```<call end>; V3.1: <call begin>NAME<sep>ARGS<call end>
 _V3_CALL = re.compile(r"function" + re.escape(SEP) + r"(?P<name>[^\n]*)\n```json\n(?P<args>.*)\n```\s*$", re.S)
 _V31_CALL = re.compile(r"(?P<name>[^\n]*?)" + re.escape(SEP) + r"(?P<args>.*)$", re.S)
+# V3.2 (DSML): <|DSML|function_calls><|DSML|invoke name="f"><|DSML|parameter name="p" string="true">v
+# </|DSML|parameter>...</|DSML|invoke></|DSML|function_calls>; string="false" values are JSON.
+_DSML = "｜DSML｜"
+DSML_BEGIN, DSML_END = f"<{_DSML}function_calls>", f"</{_DSML}function_calls>"
+_DSML_INVOKE = re.compile(rf'<{_DSML}invoke name="(?P<name>[^"]*)">(?P<body>.*?)</{_DSML}invoke>', re.S)
+_DSML_PARAM = re.compile(rf'<{_DSML}parameter name="(?P<name>[^"]*)" string="(?P<string>true|false)">'
+                         rf'(?P<value>.*?)</{_DSML}parameter>', re.S)
 
 
 @dataclass
@@ -83,11 +91,35 @@ def parse_required(text: str) -> list[ToolCall] | None:
     return [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
 
 
+def _parse_dsml(text: str, start: int) -> tuple[str | None, list[ToolCall]]:
+    calls = []
+    for m in _DSML_INVOKE.finditer(text.split(DSML_END, 1)[0], start):
+        args = {}
+        for p in _DSML_PARAM.finditer(m.group("body")):
+            value = p.group("value")
+            if p.group("string") == "false":
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError:
+                    pass  # the model wrote a bare word: keep it as text
+            args[p.group("name")] = value
+        calls.append(ToolCall(m.group("name"), json.dumps(args, ensure_ascii=False)))
+    return text[:start] or None, calls
+
+
+def first_marker(text: str) -> int:
+    """Where the first tool-call block (any DeepSeek format) starts; -1 when there is none."""
+    found = [i for i in (text.find(CALLS_BEGIN), text.find(DSML_BEGIN)) if i >= 0]
+    return min(found) if found else -1
+
+
 def parse_deepseek_v3(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content before the calls or None, calls) from DeepSeek-V3's output; no markers: (text, [])."""
-    start = text.find(CALLS_BEGIN)
+    """(content before the calls or None, calls) from DeepSeek's output; no markers: (text, [])."""
+    start = first_marker(text)
     if start < 0:
         return text, []
+    if text.startswith(DSML_BEGIN, start):
+        return _parse_dsml(text, start)
     content = text[:start] or None
     body = text[start + len(CALLS_BEGIN):]
     body = body.split(CALLS_END, 1)[0]
@@ -111,9 +143,10 @@ class StreamedContent:
 
     def push(self, delta: str) -> str:
         self.text += delta
-        cut = self.text.find(CALLS_BEGIN)
-        if cut < 0:  # hold back a tail that could be the marker's beginning
-            cut = len(self.text) - partial_marker_len(self.text, CALLS_BEGIN)
+        cut = first_marker(self.text)
+        if cut < 0:  # hold back a tail that could be a marker's beginning
+            cut = len(self.text) - max(partial_marker_len(self.text, CALLS_BEGIN),
+                                       partial_marker_len(self.text, DSML_BEGIN))
         out = self.text[self.sent:max(cut, self.sent)]
         self.sent = max(cut, self.sent)
         return out

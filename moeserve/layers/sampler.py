@@ -70,11 +70,29 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> Non
             ids = torch.tensor(sorted(t for t in req.stop_ids if t < logits.shape[-1]), dtype=torch.long,
                                device=logits.device)
             logits[r:r + short, ids] = float("-inf")
+        if p.has_token_masks:
+            _apply_token_masks(logits, r, req)
         if p.has_penalties:
             penalised.append((r, req))
         r += n_rows
     if penalised:  # rows are disjoint: penalising after every request's bias and mask is the same order
         _apply_penalties(logits, penalised)
+
+
+def _apply_token_masks(logits: torch.Tensor, r: int, req: LogitsRows) -> None:
+    """vLLM's allowed_token_ids (every other token masked) and bad_words (a word's last token masked where
+    the tokens before it end the output so far: row j sees the outputs plus drafts 0..j-1)."""
+    p, V = req.params, logits.shape[-1]
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(V, dtype=torch.bool, device=logits.device)
+        keep[torch.tensor([t for t in p.allowed_token_ids if t < V], dtype=torch.long)] = True
+        logits[r:r + req.num_rows].masked_fill_(~keep, float("-inf"))
+    for j in range(req.num_rows):
+        seen = req.output_ids + req.draft_ids[:j]
+        for word in p.bad_words_token_ids or ():
+            head = word[:-1]
+            if word[-1] < V and (not head or seen[len(seen) - len(head):] == head):
+                logits[r + j, word[-1]] = float("-inf")
 
 
 def _ids(lists: list[list[int]], n: int) -> torch.Tensor:

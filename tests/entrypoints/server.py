@@ -12,7 +12,7 @@ import time
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-READY = re.compile(r"ready on (http://\S+) .*engine core pid (\d+), API server pids ([\d,]+)")
+READY = re.compile(r"ready on (https?://\S+) .*engine core pid (\d+), API server pids ([\d,]+)")
 
 
 class ServerProcess:

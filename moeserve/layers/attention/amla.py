@@ -27,7 +27,9 @@ import math
 
 import torch
 
-IMPLS = ("standard", "amla", "amla-triton")
+from moeserve.config import MLA_DECODE_IMPLS
+
+IMPLS = MLA_DECODE_IMPLS
 LOG2E = 1.0 / math.log(2.0)
 MANTISSA_BITS = 23  # float32
 BLOCK = 64  # KV tokens per online-softmax step

@@ -1,0 +1,68 @@
+"""The endpoints vLLM's server has beside the OpenAI ones, and its CORS options (docs/from-vllm.md).
+
+/ping (SageMaker's health check: GET or POST, as /health), /load (requests in flight in this API server),
+/server_info (what this deployment runs), /reset_prefix_cache (the engine forgets its cached prefixes; a
+benchmark's cold start), /docs (Swagger UI over /openapi.json). CORS headers only when --allowed-origins
+names origins (vLLM sends `*` by default; moeserve sends none unless asked).
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from moeserve.entrypoints.openai_protocol import APIError
+
+
+def add_vllm_routes(app: FastAPI, spec, client) -> None:
+    cfg = spec.server
+    if cfg.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                           allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
+                           allow_credentials=cfg.allow_credentials)
+
+    def check_auth(request: Request) -> None:
+        if cfg.api_key is not None and request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+            raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401,
+                           code="invalid_api_key")
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        if not client.healthy:
+            raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/load")
+    async def load():
+        return {"server_load": len(client.streams)}
+
+    @app.get("/server_info")
+    async def server_info(request: Request):
+        check_auth(request)
+        from moeserve import __version__
+        ready = client.ready
+        return {"version": __version__, "served_model_names": list(cfg.served_model_names),
+                "model": spec.model_path, "max_model_len": spec.max_model_len, "kv_role": spec.kv_role,
+                "num_kv_blocks": ready.num_kv_blocks if ready else None,
+                "cache_config": spec.cache_info or {}, "api_server_index": spec.index,
+                "engine": {"num_running": client.stats.num_running, "num_waiting": client.stats.num_waiting,
+                           "kv_cache_usage": client.stats.kv_cache_usage}}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        check_auth(request)
+        if not client.healthy:
+            raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
+        await client.call_utility("reset_prefix_cache")
+        return Response(status_code=200)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        from fastapi.openapi.docs import get_swagger_ui_html
+        return get_swagger_ui_html(openapi_url=(cfg.root_path or "") + "/openapi.json",
+                                   title="moeserve - Swagger UI")
+
+    if not any(getattr(r, "path", None) == "/openapi.json" for r in app.routes):
+        @app.get("/openapi.json", include_in_schema=False)
+        async def openapi():
+            return JSONResponse(app.openapi())

@@ -1,0 +1,148 @@
+"""vLLM's flag spellings and value syntax, one generated test per row of VLLM_FLAGS (docs/from-vllm.md)."""
+from __future__ import annotations
+
+import pytest
+
+from moeserve.cli import build_parser, main
+from moeserve.config import ConfigError, EngineArgs
+from moeserve.entrypoints.serve_cli import build_configs
+
+# (flags as a vLLM user types them, {"engine."/"server."/"config." attribute path: expected value})
+VLLM_FLAGS = [
+    (["-tp", "2"], {"engine.tensor_parallel_size": 2}),
+    (["-dp", "4"], {"engine.data_parallel_size": 4}),
+    (["-ep"], {"engine.enable_expert_parallel": True}),
+    (["-q", "a8w8"], {"engine.quantization": "a8w8"}),
+    (["-sc", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'], {"config.speculative.method": "mtp"}),
+    (["--max-model-len", "32k"], {"engine.max_model_len": 32000}),
+    (["--max-model-len", "32K"], {"engine.max_model_len": 32768}),
+    (["--max-model-len", "auto"], {"engine.max_model_len": None}),
+    (["--max-model-len", "-1"], {"engine.max_model_len": None}),
+    (["--max-num-batched-tokens", "8k"], {"engine.max_num_batched_tokens": 8000}),
+    (["--kv-cache-dtype", "auto"], {"config.cache.cache_dtype": "auto"}),
+    (["--kv-cache-dtype", "bfloat16", "--dtype", "bfloat16"], {"config.cache.cache_dtype": "bfloat16"}),
+    (["--gpu-memory-utilization", "0.9"], {"config.cache.gpu_memory_utilization": 0.9}),
+    (["--kv-cache-memory-bytes", "2G"], {"config.cache.kv_cache_memory": 2 << 30}),
+    (["--load-format", "dummy"], {"config.model.load_format": "dummy"}),
+    (["--enforce-eager"], {"engine.enforce_eager": True, "config.model.enforce_eager": True}),
+    (["--skip-tokenizer-init"], {"config.model.skip_tokenizer_init": True}),
+    (["--max-logprobs", "5"], {"config.model.max_logprobs": 5}),
+    (["--logprobs-mode", "raw_logprobs"], {"config.model.logprobs_mode": "raw_logprobs"}),
+    (["--scheduling-policy", "priority"], {"config.scheduler.policy": "priority"}),
+    (["--eplb-config", '{"step_interval": 500, "num_redundant_experts": 2}', "-ep", "-dp", "2"],
+     {"config.parallel.eplb_step_interval": 500, "config.parallel.num_redundant_experts": 2}),
+    (["--all2all-backend", "allgather_reducescatter"], {"config.parallel.moe_comm": "allgather"}),
+    (["--all2all-backend", "deepep_low_latency", "-ep", "-dp", "2"], {"config.parallel.moe_comm": "alltoall"}),
+    (["--override-generation-config", '{"temperature": 0.5}'],
+     {"engine.override_generation_config": '{"temperature": 0.5}'}),
+    (["--disable-log-stats"], {"engine.disable_log_stats": True}),
+    (["--max-num-queued-reqs", "100"], {"server.max_num_queued_reqs": 100}),
+    (["--served-model-name", "a", "b"], {"server.served_model_name": "a", "server.served_model_aliases": ("b",)}),
+    (["--enable-log-requests"], {"server.enable_log_requests": True}),
+    (["--uvicorn-log-level", "info"], {"server.uvicorn_log_level": "info"}),
+    (["--root-path", "/llm"], {"server.root_path": "/llm"}),
+    (["--allowed-origins", '["https://ui.example"]'], {"server.allowed_origins": ("https://ui.example",)}),
+    (["--ssl-cert-reqs", "0"], {"server.ssl_cert_reqs": 0}),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v31"], {"server.tool_call_parser": "deepseek_v31"}),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v32"], {"server.tool_call_parser": "deepseek_v32"}),
+]
+
+# (flags, words the error must contain)
+REFUSED = [
+    (["--kv-cache-dtype", "fp8"], "FP8 KV-cache storage is not supported yet"),
+    (["--kv-cache-dtype", "bfloat16", "--dtype", "float32"], "differs from --dtype float32"),
+    (["--logprobs-mode", "processed_logits"], "moeserve returns raw_logprobs"),
+    (["--max-logprobs", "50"], "--max-logprobs must be in 0..20"),
+    (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+    (["--all2all-backend", "magic"], "--all2all-backend must be one of"),
+    (["--all2all-backend", "allgather_reducescatter", "--moe-comm", "alltoall", "-ep", "-dp", "2"],
+     "means --moe-comm allgather"),
+    (["--eplb-config", '{"window_size": 10}'], "window_size"),
+    (["--eplb-config", '{"colour": 1}'], "unknown key"),
+    (["--scheduling-policy", "lifo"], "--scheduling-policy must be one of"),
+    (["--load-format", "pt"], "--load-format must be one of"),
+]
+
+
+def _configs(flags: list[str]):
+    args = build_parser().parse_args(["serve", *flags])
+    engine, server = build_configs(args)
+    config = engine.create_config(65536)
+    return {"engine": engine, "server": server, "config": config}
+
+
+def _get(objs: dict, path: str):
+    head, *rest = path.split(".")
+    value = objs[head]
+    for part in rest:
+        value = getattr(value, part)
+    return value
+
+
+@pytest.mark.parametrize("flags,expected", VLLM_FLAGS, ids=[" ".join(f) for f, _ in VLLM_FLAGS])
+def test_vllm_spelling_is_understood(flags, expected):
+    objs = _configs(flags)
+    for path, want in expected.items():
+        assert _get(objs, path) == want, path
+
+
+@pytest.mark.parametrize("flags,words", REFUSED, ids=[" ".join(f) for f, _ in REFUSED])
+def test_unsupported_value_is_refused_clearly(flags, words):
+    with pytest.raises((ConfigError, ValueError)) as e:
+        _configs(flags)
+    assert words in str(e.value)
+
+
+@pytest.mark.parametrize("typo,suggestion", [("--tensor-paralel-size", "--tensor-parallel-size"),
+                                             ("--gpu-memory-utilisation", "--gpu-memory-utilization"),
+                                             ("--enable-expert-paralel", "--enable-expert-parallel")])
+def test_unknown_flag_names_the_closest(typo, suggestion, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", typo, "1"])
+    assert e.value.code == 2
+    assert f"did you mean {suggestion}?" in capsys.readouterr().err
+
+
+def test_config_yaml_flags_and_command_line_wins(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max_model_len: 32k\ntensor-parallel-size: 2\nenable_prefix_caching: false\n"
+                   "served_model_name: [x, y]\nspeculative_config: {method: mtp, num_speculative_tokens: 1}\n"
+                   "max_num_seqs: 8\n")
+    from moeserve.config_file import expand_config_file
+    argv = expand_config_file(["serve", "--config", str(cfg), "--max-num-seqs", "4"])
+    engine, server = build_configs(build_parser().parse_args(argv))
+    assert (engine.max_model_len, engine.tensor_parallel_size, engine.enable_prefix_caching) == (32000, 2, False)
+    assert engine.max_num_seqs == 4  # the command line wins over the file
+    assert server.served_model_names == ("x", "y")
+    assert '"num_speculative_tokens": 1' in engine.speculative_config
+
+
+def test_config_file_errors_are_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    assert main(["serve", "--config", str(bad)]) == 2
+    assert "mapping of flag names" in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2
+
+
+def test_engine_args_keywords_match_flags():
+    """Every new vLLM flag is also an LLM() keyword (EngineArgs field), as in vLLM."""
+    for name in ("kv_cache_dtype", "gpu_memory_utilization", "load_format", "enforce_eager", "skip_tokenizer_init",
+                 "max_logprobs", "logprobs_mode", "scheduling_policy", "eplb_config", "all2all_backend",
+                 "override_generation_config", "kv_cache_memory_bytes", "disable_log_stats"):
+        assert name in EngineArgs.field_names()
+
+
+def test_dsml_tool_calls_parse():
+    """deepseek_v32's DSML block: string parameters as text, the others as JSON."""
+    from moeserve.entrypoints.tool_calls import StreamedContent, parse_deepseek_v3
+    text = ('Let me check.<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+            '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+            '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+            '</｜DSML｜invoke>\n</｜DSML｜function_calls>')
+    content, calls = parse_deepseek_v3(text)
+    assert content == "Let me check." and [(c.name, c.arguments) for c in calls] == \
+        [("get_weather", '{"city": "Paris", "days": 3}')]
+    streamed = StreamedContent()
+    sent = "".join(streamed.push(ch) for ch in text)
+    assert sent == "Let me check." and streamed.finish()[1] == calls
