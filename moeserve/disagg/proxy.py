@@ -128,8 +128,8 @@ def _error(message: str, status: int, param: str | None = None, code: str | None
 
 def _unreachable(role: str, urls: list[str]) -> JSONResponse:
     return _error(f"the {role} instance{'s' if len(urls) > 1 else ''} {', '.join(urls)} "
-                  f"{'are' if len(urls) > 1 else 'is'} unreachable (connection refused or failed, or the engine is down); "
-                  f"check that "
+                  f"{'are' if len(urls) > 1 else 'is'} unreachable (connection refused or failed, or the engine "
+                  f"is down); check that "
                   f"{'they run' if len(urls) > 1 else 'it runs'} and that the proxy's --{role} URL is right", 503,
                   code="upstream_unavailable")
 

@@ -216,8 +216,8 @@ def test_a_pd_engine_needs_the_deployment_secret(monkeypatch):
         with pytest.raises(ConfigError, match=words):
             EngineArgs(model=None, kv_transfer_config=kvt).create_config(256)
     monkeypatch.setenv(trust.SECRET_ENV, SECRET)
-    assert EngineArgs(model=None, kv_transfer_config={"kv_connector": "nixl"}).create_config(256).kv_transfer.kv_secret \
-        == SECRET
+    config = EngineArgs(model=None, kv_transfer_config={"kv_connector": "nixl"}).create_config(256)
+    assert config.kv_transfer.kv_secret == SECRET
     assert SECRET not in repr(EngineArgs(model=None, kv_transfer_config=NIXL).create_config(256))
 
 
