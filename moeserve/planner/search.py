@@ -82,18 +82,29 @@ def best_prefill(m, hw, cards, base, wl, ttft_ms=None, top=5, kv_pull=0.0, skew=
     decode_layouts; tally: as in best_decode (fit, memory, layout, ttft)."""
     out, tally = [], Counter() if tally is None else tally
     for size in (s for s in SIZES if s <= cards):
-        for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
+        for tp, fcs, dense in _prefill_tps(m, hw, size):
             red = fewest_redundant_slots(m.n_routed_experts, size)
             for comm in ("alltoall", "allgather"):
-                for fc in _flashcomm_options(tp):
+                for fc in fcs:
                     inst = replace(base, cards=size, tp=tp, redundant_experts=red, moe_comm=comm,
                                    shared_expert_ranks=0, micro_batch_overlap=False,  # MTP kept: step.py
-                                   flashcomm=fc)
+                                   flashcomm=fc, dense_tp=dense)
                     inst = skew.apply(inst) if skew else inst
                     cand = _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull, tally)
                     if cand:
                         out.append(cand)
     return sorted(out, key=lambda c: -c.tok_s_card)[:top]
+
+
+def _prefill_tps(m, hw, size: int):
+    """(attention TP, FlashComm options, dense TP) a prefill instance of `size` cards may run: TP inside one
+    scale-up domain, and TP over two domains with sequence parallelism (FlashComm INT8) and the dense MLP
+    inside a domain, the published Atlas 800I A2 prefill's layout (hardware.md: TP16, dense TP8)."""
+    for tp in (t for t in TPS if size % t == 0 and t <= hw.scale_up_domain):
+        yield tp, _flashcomm_options(tp), None
+    wide = 2 * hw.scale_up_domain
+    if wide not in TPS and size % wide == 0 and m.num_attention_heads % wide == 0:
+        yield wide, ("int8",), hw.scale_up_domain
 
 
 def _prefill_candidate(m, hw, inst, wl, ttft_ms, kv_pull=0.0, tally: Counter | None = None, max_per_dp: int = 64):

@@ -317,3 +317,15 @@ def test_overlap_bound_caps_two_batch_overlap_at_its_measured_gain():
     small = decode_step(V3, hw, inst, 8, 3072).total
     assert small == pytest.approx(decode_step(V3, with_terms(hw, [t for t in TERMS if t != "overlap_bound"]),
                                               inst, 8, 3072).total)
+
+
+def test_search_tries_the_published_a2_prefill_layout():
+    """TP over two nodes with sequence parallelism and the dense MLP inside a node (hardware.md's A2 prefill)."""
+    from moeserve.planner import search as srch
+    from moeserve.planner.analysis import prefill_point
+    hw, wl = load_hardware("atlas-800i-a2"), Workload(2048, 2048)
+    pres = srch.best_prefill(V3, hw, 16, Instance(cards=16, mtp_drafts=1), wl, top=None)
+    wide = [c for c in pres if c.inst.tp == 16]
+    assert wide and all(c.inst.flashcomm == "int8" and c.inst.dense_tp == 8 for c in wide)
+    c = wide[0]
+    assert c.tok_s_card == pytest.approx(prefill_point(V3, hw, c.inst, c.batch * c.inst.dp, 2048).tok_s_card)
