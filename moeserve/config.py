@@ -469,6 +469,7 @@ class EngineArgs:
         _require(max_len <= model_max_len,
                  f"--max-model-len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
         path = resolve_model_path(self.model)
+        self._check_slo_layout()
         return EngineConfig(
             model=ModelConfig(model=path, dtype=self.dtype,
                               tokenizer=self.tokenizer, seed=self.seed, mla_decode=self.mla_decode),
@@ -486,6 +487,13 @@ class EngineArgs:
             speculative=SpeculativeConfig.from_value(self.speculative_config),
             kv_transfer=self._kv_transfer(),
         )
+
+    def _check_slo_layout(self) -> None:
+        # Every TP rank runs its own scheduler and they must agree on each batch; admission decides from
+        # each rank's own clock and measured steps, so it would split them.
+        _require(self.tensor_parallel_size == 1 or (self.slo_ttft_ms is None and self.slo_tpot_ms is None),
+                 "--slo-ttft-ms / --slo-tpot-ms work with --tensor-parallel-size 1 (and any "
+                 "--data-parallel-size); drop them or use data parallelism")
 
     def _kv_transfer(self) -> "KVTransferConfig | None":
         kvt = KVTransferConfig.from_value(self.kv_transfer_config)
