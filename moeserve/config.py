@@ -566,6 +566,7 @@ class EngineArgs:
         max_len = model_max_len if self.max_model_len is None else self.max_model_len
         _require(max_len <= model_max_len,
                  f"--max-model-len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
+        self._check_slo_layout()
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, tokenizer=self.tokenizer, seed=self.seed,
                               load_format=self.load_format, enforce_eager=self.enforce_eager,
@@ -617,6 +618,13 @@ class EngineArgs:
         if self.eplb_config is not None:
             fields.update(_eplb_fields(self.eplb_config, self))
         return fields
+
+    def _check_slo_layout(self) -> None:
+        # Every TP rank runs its own scheduler and they must agree on each batch; admission decides from
+        # each rank's own clock and measured steps, so it would split them.
+        _require(self.tensor_parallel_size == 1 or (self.slo_ttft_ms is None and self.slo_tpot_ms is None),
+                 "--slo-ttft-ms / --slo-tpot-ms work with --tensor-parallel-size 1 (and any "
+                 "--data-parallel-size); drop them or use data parallelism")
 
     def _kv_transfer(self) -> "KVTransferConfig | None":
         kvt = KVTransferConfig.from_value(self.kv_transfer_config)

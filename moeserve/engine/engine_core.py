@@ -44,7 +44,11 @@ class EngineCore:
 
     @staticmethod
     def _admission(config: EngineConfig):
-        """SLO-aware admission (engine/slo.py): inert for requests without targets, so always on."""
+        """SLO-aware admission (engine/slo.py): inert for requests without targets, so on whenever it can
+        be. Not with TP > 1: each TP rank schedules for itself, and decisions from each rank's own clock
+        would split their batches."""
+        if config.parallel.tensor_parallel_size > 1:
+            return None
         from moeserve.engine.slo import SLOAdmission
         from moeserve.engine.step_time import StepTimeModel, planner_prior
         sc = config.scheduler
@@ -65,6 +69,9 @@ class EngineCore:
             request.slo_ttft_ms = check_slo_ms(req.slo_ttft_ms, "slo_ttft_ms")
             request.slo_tpot_ms = check_slo_ms(req.slo_tpot_ms, "slo_tpot_ms")
             self._check_logprobs(req.sampling_params)
+            if self.scheduler.admission is None and (request.slo_ttft_ms or request.slo_tpot_ms):
+                raise RequestRejected("slo_ttft_ms / slo_tpot_ms need an engine with --tensor-parallel-size 1 "
+                                      "(SLO-aware admission); omit them on this server")
             if req.sampling_params.structured_outputs is not None:
                 request.grammar = self._structured().matcher(req.sampling_params.structured_outputs)
             if req.kv_transfer_params is not None and self._add_disaggregated(request, req.kv_transfer_params):
@@ -178,7 +185,8 @@ class EngineCore:
         _stamp_first_scheduled(sched_out)
         started = time.monotonic()
         result = self.runner.execute(sched_out)
-        self.scheduler.admission.observe(sched_out.scheduled, time.monotonic() - started)
+        if self.scheduler.admission is not None:
+            self.scheduler.admission.observe(sched_out.scheduled, time.monotonic() - started)
         if result.prompt_logprobs:  # kept on every TP rank alike: the next step's rows depend on them
             for s in sched_out.scheduled:
                 s.request.prompt_logprobs.extend(result.prompt_logprobs.get(s.request.request_id, ()))
@@ -259,6 +267,8 @@ class EngineCore:
 
     def _slo_stats(self) -> dict:
         a = self.scheduler.admission
+        if a is None:
+            return {}
         st = a.stats
         ttft, prefill = a.ttft_estimate(self.scheduler.running, self.scheduler.waiting)
         return {"slo_requests": st.requests, "slo_met": st.met, "slo_rejected": st.rejected,

@@ -148,10 +148,11 @@ class SLOAdmission:
         start-up would otherwise rest on the nominal prior alone)."""
         if req.num_preemptions:
             return True
-        if not self.model.calibrated and len(view.admitted) >= max(1, view.size - len(view.admitted)):
-            return False
         t = self.track(req)
         tight = min(view.tightest_tpot_s, t.tpot_s if t.tpot_s is not None else math.inf)
+        slow_start = not self.model.calibrated and not math.isinf(tight)  # nobody's target: plain FCFS
+        if slow_start and len(view.admitted) >= max(1, view.size - len(view.admitted)):
+            return False
         size, ctx = view.size + 1, view.context + self._mid_context(req)
         pred_tpot = self.tpot(size, ctx)
         if pred_tpot > tight and view.size > 0:  # a lone request runs whatever its target: nothing helps it

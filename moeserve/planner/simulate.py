@@ -226,8 +226,11 @@ class _Instance:
 
     def admit(self, rid: str, trace: Trace) -> None:
         req = _request(rid, trace, self.role, self.wl, len(self.traces))
+        # with SLO-aware admission the engine's DP router compares the groups' predicted TTFT
+        ttft = ([s.admission.ttft_estimate(s.running, s.waiting)[0] for s in self.scheds]
+                if self.groups > 1 and self.scheds[0].admission is not None else None)
         sched = self.scheds[self.router.assign(rid, req.num_prompt_tokens, req.sampling_params.max_tokens,
-                                               req.prompt_token_ids)]
+                                               req.prompt_token_ids, ttft)]
         try:
             sched.add_request(req)
         except RequestRejected:  # the engine's message names engine flags (--num-kv-blocks)

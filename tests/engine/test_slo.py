@@ -174,3 +174,18 @@ def test_ttft_estimate_grows_with_the_queue_and_routing_prefers_the_shorter_pred
     many = int((long - short) / prefill) + 1
     assert router.assign("b", 10, 10, ttft=slo_ranked_ttft([long, short], [prefill] * 2, [0, many])) == 0
     assert router.assign("c", 10, 10) == 0  # without targets: least loaded
+
+
+def test_without_targets_admission_is_plain_fcfs_even_before_calibration():
+    pol = SLOAdmission(StepTimeModel(TRUE), Clock(), 512)  # uncalibrated, no default targets
+    view = pol.begin([])
+    assert all(pol.admits(_req(i), view) for i in range(20))  # no slow start: nobody has a target
+    slow = SLOAdmission(StepTimeModel(TRUE), Clock(), 512, default_tpot_ms=1000.0)
+    view = slow.begin([])
+    assert [slow.admits(_req(i), view) for i in range(3)] == [True, False, False]  # doubles from one
+
+
+def test_targets_with_tensor_parallelism_are_refused():
+    from moeserve.config import EngineArgs
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
+        EngineArgs(tensor_parallel_size=2, slo_ttft_ms=100.0).create_config(4096)
