@@ -9,8 +9,7 @@ from moeserve.disagg import proxy as P
 
 
 def _run(proxy, body):
-    raw = type("Raw", (), {"headers": {}})()
-    return asyncio.run(proxy._handle("/v1/completions", raw, json.dumps(body).encode()))
+    return asyncio.run(proxy._handle("/v1/completions", json.dumps(body).encode()))
 
 
 def _proxy(replies):
@@ -19,7 +18,7 @@ def _proxy(replies):
     def handler(request):
         tried.append(str(request.url.host))
         return replies[request.url.host]()
-    proxy = P.Proxy(["http://a", "http://b"], ["http://dec"])
+    proxy = P.Proxy(["http://a", "http://b"], ["http://dec"], secret="slo-test-deployment-secret")
     proxy.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     return proxy, tried
 
