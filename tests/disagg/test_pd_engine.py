@@ -214,11 +214,11 @@ def test_a_pd_engine_needs_the_deployment_secret(monkeypatch):
     monkeypatch.delenv(trust.SECRET_ENV, raising=False)
     for kvt, words in [({"kv_connector": "nixl"}, "MOESERVE_KV_SECRET"), ({"kv_secret": "short"}, ">= 16")]:
         with pytest.raises(ConfigError, match=words):
-            EngineArgs(model=None, kv_transfer_config=kvt).create_config(256)
+            EngineArgs(model="m", kv_transfer_config=kvt).create_config(256)
     monkeypatch.setenv(trust.SECRET_ENV, SECRET)
-    config = EngineArgs(model=None, kv_transfer_config={"kv_connector": "nixl"}).create_config(256)
+    config = EngineArgs(model="m", kv_transfer_config={"kv_connector": "nixl"}).create_config(256)
     assert config.kv_transfer.kv_secret == SECRET
-    assert SECRET not in repr(EngineArgs(model=None, kv_transfer_config=NIXL).create_config(256))
+    assert SECRET not in repr(EngineArgs(model="m", kv_transfer_config=NIXL).create_config(256))
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])

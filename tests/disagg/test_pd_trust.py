@@ -157,7 +157,7 @@ def test_pulls_waiting_on_a_killed_prefill_fail_together(ckpt_dir):
             err = r.json()["error"]
             assert r.status_code == 503 and err["code"] == "kv_transfer", r.text
             assert "the prefill process is gone" in err["message"], r.text  # not "did not answer within 10 s"
-        assert decode.wait_metric("moeserve:kv_cache_usage_perc", lambda v: v == 0) == 0
+        assert decode.wait_metric("vllm:kv_cache_usage_perc", lambda v: v == 0) == 0
     finally:
         decode.stop()
         prefill.stop()
