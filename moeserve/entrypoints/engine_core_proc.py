@@ -177,6 +177,9 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(message)s")
     from moeserve.engine.launch import make_engine_core
 
+    # Ctrl-C in a terminal signals every process of the group: the launcher alone decides, and stops this
+    # one (SIGTERM) after the API servers drained. Set before the ranks start, so they inherit it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     core = make_engine_core(config)  # EngineCore, or the front end of D x T rank processes
     proc = EngineCoreProc(core, address, engine_index, max_waiting_requests, max_num_queued_reqs)
 
@@ -184,7 +187,6 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
         proc.running = False
 
     signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     logger.info("engine core %d ready (pid %d, %d KV blocks) on %s", engine_index, os.getpid(),
                 core.num_kv_blocks, address)
     if ready_event is not None:

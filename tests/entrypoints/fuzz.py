@@ -40,8 +40,9 @@ def _local_refs(node):
     return node
 
 
-def capped(schema: dict, caps: dict[str, int]) -> dict:
-    """The schema with an upper bound on the work-scaling integer fields (see CHEAP)."""
+def capped(schema: dict, caps: dict[str, int], model: str | None = None) -> dict:
+    """The schema with an upper bound on the work-scaling integer fields (see CHEAP), and `model` mostly the
+    served one (else nearly every body would stop at model_not_found)."""
     schema = copy.deepcopy(schema)
 
     def walk(node):
@@ -50,6 +51,8 @@ def capped(schema: dict, caps: dict[str, int]) -> dict:
             for name, cap in caps.items():
                 if name in props:
                     props[name] = {"anyOf": [{"type": "integer", "minimum": -2, "maximum": cap}, {"type": "null"}]}
+            if model is not None and "model" in props:
+                props["model"] = {"enum": [model, None, model + "x"]}
             for v in node.values():
                 walk(v)
         elif isinstance(node, list):
