@@ -82,7 +82,7 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
     _add_error_handlers(app, metrics)
     completions.model_aliases = chat.model_aliases = cfg.served_model_aliases
     from moeserve.entrypoints.vllm_routes import add_vllm_routes
-    add_vllm_routes(app, spec, client)
+    add_vllm_routes(app, spec, client, chat)
 
     def check_auth(request: Request) -> None:
         if cfg.api_key is None:
