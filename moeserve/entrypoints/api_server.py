@@ -231,6 +231,7 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
     tokenizer = load_tokenizer(spec.tokenizer_path)
     metrics = ServerMetrics(cfg.served_model_name, spec.index, spec.max_model_len, spec.cache_info)
     client = EngineClient(spec.engine_address, tokenizer, spec.eos_token_ids, spec.index, metrics)
+    client.log_requests = cfg.enable_log_requests
     sock = listen_socket(cfg.host, cfg.port)
     app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)
     config = uvicorn.Config(app, log_level=cfg.uvicorn_log_level, access_log=cfg.uvicorn_log_level in ("info", "debug",

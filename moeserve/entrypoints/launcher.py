@@ -75,7 +75,8 @@ class Deployment:
             target=run_engine_core, name="moeserve-engine-core-0", daemon=False,
             args=(self.config, self.engine_address, 0, self.server.max_waiting_requests,
                   self.server.log_level.upper(), ready),
-            kwargs={"max_num_queued_reqs": self.server.max_num_queued_reqs})
+            kwargs={"max_num_queued_reqs": self.server.max_num_queued_reqs,
+                    "log_stats": not self.engine_args.disable_log_stats})
         self.engine.start()
         logger.info("engine core process pid=%d starting (model %s)", self.engine.pid, self.config.model.model)
         self._wait_ready(ready, self.engine, "the engine core")
@@ -117,7 +118,8 @@ class Deployment:
                 return 1
 
     def shutdown(self) -> None:
-        procs = [p for p, _ in self.api_servers] + ([self.engine] if self.engine else [])
+        # The engine core first: it says goodbye to the API servers, which then log a stop, not a crash.
+        procs = ([self.engine] if self.engine else []) + [p for p, _ in self.api_servers]
         for p in procs:
             if p.is_alive():
                 p.terminate()
