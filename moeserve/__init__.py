@@ -3,7 +3,7 @@ from moeserve.sampling_params import GuidedDecodingParams, SamplingParams, Struc
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
-           "CompletionOutput", "__version__"]
+           "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):
@@ -11,7 +11,7 @@ def __getattr__(name: str):
     if name == "LLM":
         from moeserve.llm import LLM
         return LLM
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from moeserve import outputs
         return getattr(outputs, name)
     raise AttributeError(f"module 'moeserve' has no attribute {name!r}")

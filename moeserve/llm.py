@@ -12,7 +12,7 @@ from moeserve.engine.request import RequestStatus
 from moeserve.engine.resolve import resolve_engine_config
 from moeserve.models.registry import resolve_model_path
 from moeserve.models.config import DeepseekArch
-from moeserve.outputs import CompletionOutput, RequestOutput
+from moeserve.outputs import CompletionOutput, Metric, RequestOutput, logprob_dict
 from moeserve.protocol import EngineCoreRequest
 from moeserve.sampling_params import SamplingParams
 from moeserve.generation_defaults import default_sampling, read_generation_config
@@ -36,6 +36,7 @@ class LLM:
                                                 self.args.override_generation_config)
         self.engine = self._make_engine()
         self._ids = itertools.count()
+        self._tokens = {"prompt": 0, "generation": 0}  # for get_metrics
 
     def _make_engine(self):
         """EngineCore in this process, or the front end of D x T rank processes (same interface).
@@ -51,6 +52,49 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    # ---- vLLM's engine controls ---------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (the next requests compute their prompts from scratch)."""
+        return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges under vLLM's metric names (a snapshot)."""
+        s = self.engine.stats()
+        values = {"vllm:num_requests_running": s.num_running, "vllm:num_requests_waiting": s.num_waiting,
+                  "vllm:kv_cache_usage_perc": s.kv_cache_usage, "vllm:num_preemptions": s.num_preemptions,
+                  "vllm:prefix_cache_queries": s.prefix_cache_queries, "vllm:prefix_cache_hits": s.prefix_cache_hits,
+                  "vllm:spec_decode_num_drafts": s.spec_num_drafts,
+                  "vllm:spec_decode_num_draft_tokens": s.spec_num_draft_tokens,
+                  "vllm:spec_decode_num_accepted_tokens": s.spec_num_accepted_tokens,
+                  "vllm:prompt_tokens": self._tokens["prompt"], "vllm:generation_tokens": self._tokens["generation"]}
+        return [Metric(name, float(v), {"engine": "0"}) for name, v in values.items()]
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, level 1: the KV cache's memory is given back (prefix cache forgotten) until
+        wake_up(); the weights stay (on CPU they are already in host memory, where level 1 would put them)."""
+        if level != 1:
+            raise ValueError("sleep(level=2) (discarding the weights) is not supported; use level 1")
+        self._runner("sleep").sleep()
+        self.engine.reset_prefix_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if tags not in (None, ["kv_cache"], ["weights"], ["weights", "kv_cache"], ["kv_cache", "weights"]):
+            raise ValueError(f"wake_up tags must be weights and/or kv_cache, got {tags!r}")
+        self._runner("wake_up").wake_up()
+
+    def is_sleeping(self) -> bool:
+        runner = getattr(self.engine, "runner", None)
+        return bool(runner is not None and getattr(runner, "sleeping", False))
+
+    def _runner(self, what: str):
+        runner = getattr(self.engine, "runner", None)
+        if runner is None:
+            raise ValueError(f"{what}() works with a single-rank engine (no --data-parallel-size/"
+                             "--tensor-parallel-size > 1) for now")
+        if self.engine.has_unfinished():
+            raise ValueError(f"{what}() needs an idle engine: requests are still running")
+        return runner
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the checkpoint's recommended fields (--generation-config); what
         generate() and chat() use when given no sampling_params."""
@@ -58,6 +102,8 @@ class LLM:
 
     def generate(self, prompts=None, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        if self.is_sleeping():
+            raise ValueError("the engine is asleep (LLM.sleep()): call wake_up() before generate()")
         texts, token_lists = self._normalise_prompts(prompts, prompt_token_ids)
         params = self.get_default_sampling_params() if sampling_params is None else sampling_params
         params = [params] * len(token_lists) if isinstance(params, SamplingParams) else list(params)
@@ -129,23 +175,27 @@ class LLM:
                 delta, hit_stop = processor.process(out)
                 if hit_stop:
                     self.engine.abort_requests([out.request_id], RequestStatus.FINISHED_STOPPED)
+                self._tokens["generation"] += len(out.new_token_ids)
                 if delta.finished:
                     ro, i = children[out.request_id]
+                    self._tokens["prompt"] += len(ro.prompt_token_ids)
                     ro.outputs[i] = self._completion(i, delta)
                     ro.num_cached_tokens = max(ro.num_cached_tokens, delta.num_cached_tokens)
                     if delta.final.prompt_logprobs is not None and ro.prompt_logprobs is None:
-                        ro.prompt_logprobs = [None] + [{**dict(m.top), m.token_id: m.logprob}
+                        ro.prompt_logprobs = [None] + [logprob_dict(m.token_id, m.logprob, m.top, self._decode_one)
                                                        for m in delta.final.prompt_logprobs]
                     bar.update(1)
         bar.close()
 
-    @staticmethod
-    def _completion(index: int, delta) -> CompletionOutput:
+    def _decode_one(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _completion(self, index: int, delta) -> CompletionOutput:
         st = delta.final
         logprobs = None
         cumulative = None
         if st.params.logprobs is not None:
-            logprobs = [{**{t: lp for t, lp in m.top}, m.token_id: m.logprob} for m in st.logprobs]
+            logprobs = [logprob_dict(m.token_id, m.logprob, m.top, self._decode_one) for m in st.logprobs]
             cumulative = sum(m.logprob for m in st.logprobs)
         return CompletionOutput(index, st.text, st.token_ids, cumulative, logprobs, delta.finish_reason,
                                 delta.stop_reason)

@@ -126,6 +126,7 @@ MSG_HELLO = b"H"  # client -> core: EngineCoreHello;  core -> client: EngineCore
 MSG_ADD = b"A"  # client -> core: EngineCoreRequest
 MSG_ABORT = b"X"  # client -> core: EngineCoreAbort
 MSG_OUTPUTS = b"O"  # core -> client: EngineCoreOutputs
+MSG_GOODBYE = b"G"  # core -> client, empty: the core stops cleanly (a shutdown, not a crash)
 MSG_UTILITY = b"U"  # client -> core: EngineCoreUtility;  core -> client: EngineCoreUtilityResult
 UTILITY_CALLS = ("reset_prefix_cache",)  # what EngineCoreUtility may call on the engine
 

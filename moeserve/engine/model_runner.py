@@ -124,6 +124,24 @@ class ModelRunner:
                                    self.load_recorder)
             self.load_recorder = self.eplb.recorder  # one recorder: the stats file's, or the in-memory one
 
+    sleeping = False
+
+    def sleep(self) -> None:
+        """Give the KV cache's memory back (LLM.sleep): the tensors keep their identity, their storage
+        shrinks to nothing, so every layer's reference stays valid for wake_up()."""
+        if not self.sleeping:
+            self._kv_bytes = [t.untyped_storage().nbytes() for t in self.kv_tensors()]
+            for t in self.kv_tensors():
+                t.untyped_storage().resize_(0)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            for t, n in zip(self.kv_tensors(), self._kv_bytes):
+                t.untyped_storage().resize_(n)
+                t.zero_()
+            self.sleeping = False
+
     def kv_tensors(self) -> list[torch.Tensor]:
         """Every KV-cache tensor, [num_blocks, block_size, kv_cache_dim] each: the layers', then the MTP
         layer's (what a PD decode instance pulls)."""

@@ -129,7 +129,7 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
     expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key is not None else None
     completions.model_aliases = chat.model_aliases = cfg.served_model_aliases
     from moeserve.entrypoints.vllm_routes import add_vllm_routes
-    add_vllm_routes(app, spec, client)
+    add_vllm_routes(app, spec, client, chat)
 
     def check_auth(request: Request) -> None:
         if expected_auth is None:
@@ -319,6 +319,7 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
                           stall_timeout=cfg.engine_stall_timeout)
     sock = spec.sock if spec.sock is not None else listen_socket(cfg.host, cfg.port)
     sock.setblocking(False)
+    client.log_requests = cfg.enable_log_requests
     app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)
     # SIGTERM: uvicorn stops accepting, waits up to --shutdown-timeout for the requests in flight (streams
     # too), then cancels what is left

@@ -23,7 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from moeserve.engine.output_processor import Delta, OutputProcessor
-from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, EngineCoreAbort,
+from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_GOODBYE, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, EngineCoreAbort,
                                EngineCoreHello, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                EngineCoreUtility, EngineCoreUtilityResult, EngineStats)
 from moeserve.sampling_params import SamplingParams
@@ -58,6 +58,12 @@ class _Stream:
     queue_time: float = 0.0  # seconds in the engine's queue before the first step (from the first output)
 
 
+def _params_text(params: SamplingParams) -> str:
+    """The request's non-default sampling parameters, for --enable-log-requests."""
+    default = SamplingParams()
+    return ", ".join(f"{k}={v!r}" for k, v in vars(params).items() if v != getattr(default, k, None))
+
+
 class EngineClient:
     def __init__(self, address: str, tokenizer, eos_token_ids: list[int], client_index: int = 0,
                  metrics=None, stall_timeout: float = 5.0) -> None:
@@ -79,6 +85,8 @@ class EngineClient:
         self.last_heard = time.monotonic()
         self._tasks: list[asyncio.Task] = []
         self._reconnecting: asyncio.Task | None = None
+        self.log_requests = False  # --enable-log-requests
+        self._core_stopping = False  # the core said goodbye: its disconnect is a shutdown, not a crash
         self._calls: dict[int, asyncio.Future] = {}  # utility calls waiting for the core's answer
         self._call_ids = 0
 
@@ -94,6 +102,7 @@ class EngineClient:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(self.address)
+        self._core_stopping = False  # a new core: its disconnect is a crash again until it says goodbye
 
     async def start(self, timeout: float = 60.0) -> None:
         if not await self._handshake(timeout):
@@ -145,7 +154,10 @@ class EngineClient:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
-        logger.error("engine core is gone: %s; answering 503 until it is back", reason)
+        if self._core_stopping:
+            logger.info("engine core stopped; answering 503 until it is back or this server stops")
+        else:
+            logger.error("engine core is gone: %s; answering 503 until it is back", reason)
         for rid, st in list(self.streams.items()):
             st.queue.put_nowait(EngineDeadError(reason))
             self.processor.states.pop(rid, None)
@@ -175,6 +187,7 @@ class EngineClient:
             try:
                 if await self.monitor.poll(LIVENESS_CHECK_S * 1000):
                     await recv_monitor_message(self.monitor)
+                    await asyncio.sleep(0.2)  # a goodbye sent just before the disconnect is read first
                     self._mark_dead("the engine core closed its connection")
                     break
                 if pid:
@@ -198,6 +211,9 @@ class EngineClient:
         self.processor.add(request_id, params, len(prompt_token_ids))
         if self.metrics:
             self.metrics.observe_request(params)
+        if self.log_requests:
+            logger.info("Received request %s: prompt tokens: %d, params: %s", request_id, len(prompt_token_ids),
+                        _params_text(params))
         outcome = "abort"
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
@@ -222,6 +238,9 @@ class EngineClient:
                 self.abort_nowait([request_id])  # no await: this may run while the generator is closed
             if self.metrics:
                 self.metrics.observe_finished(st, outcome)
+            if self.log_requests:
+                logger.info("Finished request %s: %s, prompt tokens: %d, output tokens: %d, e2e %.3f s", request_id,
+                            outcome, st.prompt_len, st.num_tokens, time.perf_counter() - st.arrival)
 
     def abort_nowait(self, request_ids: list[str]) -> None:
         """Queue an abort (SNDHWM 0: the send never blocks, so no await is needed)."""
@@ -248,6 +267,9 @@ class EngineClient:
         while True:
             kind, payload = await self.sock.recv_multipart()
             self.last_heard = time.monotonic()
+            if kind == MSG_GOODBYE:
+                self._core_stopping = True
+                continue
             if kind == MSG_UTILITY:
                 answer = msgspec.msgpack.decode(payload, type=EngineCoreUtilityResult)
                 fut = self._calls.get(answer.call_id)

@@ -12,6 +12,7 @@ has_unfinished, step, stats) can sit behind it, e.g. one data-parallel rank.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -20,7 +21,8 @@ import time
 import msgspec
 import zmq
 
-from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, UTILITY_CALLS, EngineCoreAbort,
+from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_GOODBYE, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, UTILITY_CALLS,
+                               EngineCoreAbort,
                                EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                EngineCoreRequest, EngineCoreUtility, EngineCoreUtilityResult)
 
@@ -33,7 +35,7 @@ EXIT_RANK_DIED = 3  # the exit code when a DP/TP rank process died or stopped an
 
 class EngineCoreProc:
     def __init__(self, core, address: str, engine_index: int = 0, max_waiting_requests: int | None = None,
-                 max_num_queued_reqs: int | None = None):
+                 max_num_queued_reqs: int | None = None, log_stats: bool = True):
         self.core = core
         self.engine_index = engine_index
         self.max_waiting = max_waiting_requests
@@ -53,6 +55,9 @@ class EngineCoreProc:
         self.parent = os.getppid()
         self.running = True
         self._last_beat = 0.0
+        from moeserve.engine.stats_log import StatsLogger
+        self.stats_logger = StatsLogger(engine_index) if log_stats else None
+        self._started: set[str] = set()  # requests that have had their first tokens (prompt tokens counted)
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -69,6 +74,7 @@ class EngineCoreProc:
             now = time.monotonic()
             if now - self._last_beat >= HEARTBEAT_S:
                 self._heartbeat(now)
+        self._say_goodbye()
         self.sock.close(0)
         self.ctx.term()
 
@@ -142,12 +148,34 @@ class EngineCoreProc:
                 out.error_kind = "invalid"
             by_client.setdefault(ident, []).append(out)
         stats = self.core.stats()
+        if self.stats_logger is not None:
+            self._count(outputs)
+            self.stats_logger.maybe_log(stats)
         now = time.time()
         for ident, outs in by_client.items():
             self._send(ident, MSG_OUTPUTS, EngineCoreOutputs(outs, stats, self.engine_index, now))
 
+    def _count(self, outputs: list[EngineCoreOutput]) -> None:
+        prompt = generated = 0
+        for out in outputs:
+            if out.new_token_ids and out.request_id not in self._started:
+                self._started.add(out.request_id)
+                prompt += out.num_prompt_tokens - out.num_cached_tokens
+            generated += len(out.new_token_ids)
+            if out.finish_reason is not None:
+                self._started.discard(out.request_id)
+        self.stats_logger.count(prompt, generated)
+
+    def _say_goodbye(self) -> None:
+        """A clean stop: tell the API servers first, so they log it as such and not as a crash."""
+        for ident in list(self.clients):
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.send_multipart([ident, MSG_GOODBYE, b""], zmq.NOBLOCK)
+
     def _heartbeat(self, now: float) -> None:
         self._last_beat = now
+        if self.stats_logger is not None:
+            self.stats_logger.maybe_log(self.core.stats())
         if os.getppid() != self.parent:
             logger.error("the launcher process died; the engine core exits")
             self.running = False
@@ -160,7 +188,9 @@ class EngineCoreProc:
         try:
             self.sock.send_multipart([ident, kind, self.encoder.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the client went away (EHOSTUNREACH) or is not reading (EAGAIN)
-            logger.warning("client %r unreachable (%s); dropping it and its requests", ident, e)
+            # while the deployment stops, API servers leave first: that is expected, not worth a warning
+            (logger.warning if self.running else logger.debug)(
+                "client %r unreachable (%s); dropping it and its requests", ident, e)
             self._drop_client(ident)
 
     def _drop_client(self, ident: bytes) -> None:
@@ -172,7 +202,8 @@ class EngineCoreProc:
 
 
 def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_requests: int | None = None,
-                    log_level: str = "INFO", ready_event=None, max_num_queued_reqs: int | None = None) -> None:
+                    log_level: str = "INFO", ready_event=None, max_num_queued_reqs: int | None = None,
+                    log_stats: bool = True) -> None:
     """Process entry point (spawned by the launcher)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(message)s")
     from moeserve.engine.launch import make_engine_core
@@ -181,7 +212,7 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
     # one (SIGTERM) after the API servers drained. Set before the ranks start, so they inherit it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     core = make_engine_core(config)  # EngineCore, or the front end of D x T rank processes
-    proc = EngineCoreProc(core, address, engine_index, max_waiting_requests, max_num_queued_reqs)
+    proc = EngineCoreProc(core, address, engine_index, max_waiting_requests, max_num_queued_reqs, log_stats)
 
     def stop(signum, frame):
         proc.running = False

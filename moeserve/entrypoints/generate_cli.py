@@ -17,14 +17,15 @@ def register(sub) -> None:
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for a batch (default: a short Python prompt)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
+    gen = "(default: the model's generation_config.json, else %s)"
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy " + gen % "0")
+    p.add_argument("--top-p", type=float, default=None, help=gen % "1")
+    p.add_argument("--top-k", type=int, default=None, help="-1 = off " + gen % "-1")
+    p.add_argument("--min-p", type=float, default=None, help=gen % "0")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], over generated tokens")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], per occurrence")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 0, over prompt and generated tokens (1 = off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="> 0, over prompt and generated tokens (1 = off) " + gen % "1")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
@@ -35,12 +36,15 @@ def register(sub) -> None:
 def run(args) -> int:
     from moeserve import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop,
-                            ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     engine_args = EngineArgs.from_cli(args, args.model)
     llm = LLM(**vars(engine_args))
+    # Flags given win; then the checkpoint's generation_config (--generation-config); then greedy.
+    given = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+             if getattr(args, k) is not None}
+    fields = {"temperature": 0.0, **{k: v for k, v in llm.default_sampling.items() if k != "max_tokens"}, **given}
+    params = SamplingParams(max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop,
+                            ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, **fields)
     prompts = args.prompt or ["def fibonacci(n):"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)

@@ -104,7 +104,8 @@ class Deployment:
             target=run_engine_core, name="moeserve-engine-core-0", daemon=False,
             args=(self.config, self.engine_address, 0, self.server.max_waiting_requests,
                   self.server.log_level.upper(), ready),
-            kwargs={"max_num_queued_reqs": self.server.max_num_queued_reqs})
+            kwargs={"max_num_queued_reqs": self.server.max_num_queued_reqs,
+                    "log_stats": not self.engine_args.disable_log_stats})
         self.engine.start()
         logger.info("engine core process pid=%d starting (model %s)", self.engine.pid, self.config.model.model)
         self._wait_ready(ready, self.engine, "the engine core")

@@ -1,6 +1,7 @@
 """The endpoints vLLM's server has beside the OpenAI ones, and its CORS options (docs/from-vllm.md).
 
-/ping (SageMaker's health check: GET or POST, as /health), /load (requests in flight in this API server),
+/v1/responses (OpenAI's Responses API, serving_responses.py), /v1/messages (Anthropic's Messages API,
+serving_messages.py), /ping (SageMaker's health check: GET or POST, as /health), /load (requests in flight in this API server),
 /server_info (what this deployment runs), /reset_prefix_cache (the engine forgets its cached prefixes; a
 benchmark's cold start), /docs (Swagger UI over /openapi.json). CORS headers only when --allowed-origins
 names origins (vLLM sends `*` by default; moeserve sends none unless asked).
@@ -13,7 +14,19 @@ from fastapi.responses import JSONResponse, Response
 from moeserve.entrypoints.openai_protocol import APIError
 
 
-def add_vllm_routes(app: FastAPI, spec, client) -> None:
+def _json_body(text: bytes) -> dict:
+    import json
+    try:
+        body = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    return body
+
+
+def add_vllm_routes(app: FastAPI, spec, client, chat=None) -> None:
+    """chat: the server's ChatServing, which /v1/responses and /v1/messages run on."""
     cfg = spec.server
     if cfg.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -55,6 +68,28 @@ def add_vllm_routes(app: FastAPI, spec, client) -> None:
             raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
         await client.call_utility("reset_prefix_cache")
         return Response(status_code=200)
+
+    if chat is not None:
+        from moeserve.entrypoints.serving_responses import ResponsesServing
+        responses_serving = ResponsesServing(chat)
+
+        @app.post("/v1/responses")
+        async def responses(raw: Request):
+            check_auth(raw)
+            if not client.healthy:
+                raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
+            return await responses_serving.create(_json_body(await raw.body()), raw)
+
+        from moeserve.entrypoints.serving_messages import MessagesServing
+        messages_serving = MessagesServing(chat)
+
+        @app.post("/v1/messages")
+        async def messages(raw: Request):
+            if cfg.api_key is not None and raw.headers.get("x-api-key") != cfg.api_key:
+                check_auth(raw)  # Anthropic clients send x-api-key; a Bearer token works too
+            if not client.healthy:
+                raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
+            return await messages_serving.create(_json_body(await raw.body()), raw)
 
     @app.get("/docs", include_in_schema=False)
     async def docs():

@@ -65,3 +65,22 @@ def test_server_fills_unset_fields(gen_ckpt):
         assert done.json()["usage"]["completion_tokens"] == 16  # an explicit 16 wins
     finally:
         server.stop()
+
+
+def test_generate_command_uses_the_file_and_flags_win(gen_ckpt, monkeypatch, capsys):
+    """`moeserve generate` samples with generation_config's fields unless a flag sets them."""
+    from moeserve.cli import main
+    seen = []
+    real = LLM.generate
+    monkeypatch.setattr(LLM, "generate", lambda self, prompts, params: seen.append(params) or real(self, prompts, params))
+    assert main(["generate", "--model", gen_ckpt, "--max-tokens", "2", "--dtype", "float32"]) == 0
+    assert main(["generate", "--model", gen_ckpt, "--max-tokens", "2", "--dtype", "float32", "--top-p", "0.5"]) == 0
+    assert (seen[0].top_p, seen[0].temperature) == (0.9, 0.0) and seen[1].top_p == 0.5
+
+
+def test_override_generation_config(gen_ckpt):
+    assert default_sampling("auto", gen_ckpt, '{"top_p": 0.5, "max_new_tokens": 7}') == \
+        {"temperature": 0.0, "top_p": 0.5, "max_tokens": 7}
+    assert default_sampling("vllm", gen_ckpt, {"temperature": 0.3}) == {"temperature": 0.3}
+    with pytest.raises(ValueError, match="unknown key"):
+        default_sampling("auto", gen_ckpt, '{"colour": 1}')

@@ -1,0 +1,183 @@
+"""/v1/messages: Anthropic's Messages API (as vLLM serves it), on top of the chat handler.
+
+system -> a system message; text / tool_use / tool_result blocks -> chat messages, tool calls and tool
+results; tools (input_schema) -> function tools; tool_choice auto / any / tool / none -> auto / required /
+a named function / none; stop_sequences -> stop. The chat answer becomes a message with text and tool_use
+content blocks and Anthropic's stop_reason; streaming sends message_start, content_block_start /
+_delta / _stop, message_delta and message_stop events.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, validation_error
+
+SERVED = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
+          "tools", "tool_choice", "metadata"}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _blocks_text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(b, dict) and b.get("type") == "text" for b in content):
+        return "".join(b.get("text", "") for b in content)
+    raise APIError(f"{where}: content must be a string or text blocks", param="messages")
+
+
+def _messages(body: dict) -> list[dict]:
+    out: list[dict] = []
+    if body.get("system"):
+        out.append({"role": "system", "content": _blocks_text(body["system"], "system")})
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise APIError("'messages' must be a non-empty list", param="messages")
+    for m in msgs:
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise APIError("each message needs 'role' user or assistant", param="messages")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise APIError("a message's content must be a string or a list of blocks", param="messages")
+        text, calls = "", []
+        for b in content:
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text":
+                text += b.get("text", "")
+            elif kind == "tool_use":
+                calls.append({"id": b.get("id"), "type": "function",
+                              "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
+            elif kind == "tool_result":
+                result = b.get("content", "")
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"),
+                            "content": result if isinstance(result, str) else _blocks_text(result, "tool_result")})
+            else:
+                raise APIError(f"content block type {kind!r} is not supported (text, tool_use, tool_result)",
+                               param="messages")
+        if text or calls:
+            out.append({"role": m["role"], "content": text or None, **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def _tools(body: dict) -> dict:
+    out: dict = {}
+    if body.get("tools"):
+        out["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                                          "parameters": t.get("input_schema")}}
+                        for t in body["tools"]]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        mapped = {"auto": "auto", "any": "required", "none": "none"}.get(kind)
+        if kind == "tool":
+            mapped = {"type": "function", "function": {"name": choice.get("name")}}
+        if mapped is None:
+            raise APIError("tool_choice type must be auto, any, tool or none", param="tool_choice")
+        if isinstance(choice, dict) and choice.get("disable_parallel_tool_use"):
+            out["parallel_tool_calls"] = False
+        out["tool_choice"] = mapped
+    return out
+
+
+def to_chat_request(body: dict) -> ChatCompletionRequest:
+    unknown = sorted(set(body) - SERVED)
+    if unknown:
+        raise APIError(f"'{unknown[0]}' is not supported by /v1/messages", param=unknown[0])
+    if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
+        raise APIError("'max_tokens' is required (an integer)", param="max_tokens")
+    chat = {"model": body.get("model"), "messages": _messages(body), "max_tokens": body["max_tokens"],
+            "stream": bool(body.get("stream")), **_tools(body)}
+    if body.get("stream"):
+        chat["stream_options"] = {"include_usage": True}
+    if body.get("stop_sequences"):
+        chat["stop"] = body["stop_sequences"]
+    for k in ("temperature", "top_p", "top_k"):
+        if body.get(k) is not None:
+            chat[k] = body[k]
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def _stop(choice: dict) -> tuple[str, str | None]:
+    if isinstance(choice.get("stop_reason"), str):
+        return "stop_sequence", choice["stop_reason"]
+    return STOP_REASONS.get(choice.get("finish_reason"), "end_turn"), None
+
+
+class MessagesServing:
+    def __init__(self, chat) -> None:
+        self.chat = chat
+
+    async def create(self, body: dict, raw: Request):
+        req = to_chat_request(body)
+        mid = f"msg_{uuid.uuid4().hex}"
+        answer = await self.chat.create(req, raw)
+        if not req.stream:
+            return JSONResponse(self._message(mid, json.loads(answer.body)))
+        if not isinstance(answer, StreamingResponse):
+            return answer
+        return StreamingResponse(self._events(mid, answer.body_iterator), media_type="text/event-stream")
+
+    def _message(self, mid: str, chat: dict) -> dict:
+        choice = chat["choices"][0]
+        msg = choice["message"]
+        content = [{"type": "text", "text": msg["content"]}] if msg.get("content") else []
+        content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                     "input": json.loads(c["function"]["arguments"] or "{}")} for c in msg.get("tool_calls") or []]
+        reason, seq = _stop(choice)
+        u = chat["usage"]
+        return {"id": mid, "type": "message", "role": "assistant", "model": self.chat.model_name, "content": content,
+                "stop_reason": reason, "stop_sequence": seq,
+                "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"]}}
+
+    async def _events(self, mid: str, chunks):
+        def event(kind: str, **data) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+
+        yield event("message_start", message={"id": mid, "type": "message", "role": "assistant", "content": [],
+                                              "model": self.chat.model_name, "stop_reason": None,
+                                              "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}})
+        index, text_open, reason, seq, usage = -1, False, "end_turn", None, {"output_tokens": 0}
+        async for raw in chunks:
+            line = raw.strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                yield event("error", error={"type": "api_error", "message": chunk["error"].get("message", "")})
+                return
+            if chunk.get("usage"):
+                usage = {"input_tokens": chunk["usage"]["prompt_tokens"],
+                         "output_tokens": chunk["usage"]["completion_tokens"]}
+            for choice in chunk.get("choices", []):
+                delta = choice.get("delta") or {}
+                if delta.get("content"):
+                    if not text_open:
+                        index, text_open = index + 1, True
+                        yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                    yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": delta["content"]})
+                for call in delta.get("tool_calls") or []:
+                    if text_open:
+                        yield event("content_block_stop", index=index)
+                        text_open = False
+                    index += 1
+                    yield event("content_block_start", index=index, content_block={
+                        "type": "tool_use", "id": call.get("id"), "name": call["function"]["name"], "input": {}})
+                    yield event("content_block_delta", index=index, delta={
+                        "type": "input_json_delta", "partial_json": call["function"]["arguments"]})
+                    yield event("content_block_stop", index=index)
+                if choice.get("finish_reason"):
+                    reason, seq = _stop(choice)
+        if text_open:
+            yield event("content_block_stop", index=index)
+        yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq}, usage=usage)
+        yield event("message_stop")
