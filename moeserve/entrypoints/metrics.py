@@ -64,6 +64,7 @@ class ServerMetrics:
         self._model = model_name
         self._labels = {"model_name": model_name, "engine": "0"}  # one engine front (DP ranks summed)
         self._cache_info = {k: str(v) for k, v in (cache_info or {}).items()}
+        self._cache_config_gauge: Gauge | None = None
         names = list(self._labels)
         gauge = {"multiprocess_mode": "mostrecent", "labelnames": names}
         tokens = build_1_2_5_buckets(max_model_len)
@@ -135,8 +136,10 @@ class ServerMetrics:
     def engine_ready(self, num_kv_blocks: int) -> None:
         """vllm:cache_config_info: a gauge at 1 whose labels are the cache configuration (as vLLM's)."""
         info = {**self._cache_info, "num_gpu_blocks": str(num_kv_blocks), "engine": "0"}
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-              list(info), multiprocess_mode="mostrecent").labels(**info).set(1)
+        if self._cache_config_gauge is None:  # once per process: a restarted engine core is ready again
+            self._cache_config_gauge = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                             list(info), multiprocess_mode="mostrecent")
+        self._cache_config_gauge.labels(**info).set(1)
 
     def set_engine_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
