@@ -95,7 +95,8 @@ def from_schema(schema: dict, defs: dict | None = None) -> st.SearchStrategy:
 def _integers(s: dict) -> st.SearchStrategy:
     lo = s.get("minimum", s["exclusiveMinimum"] + 1 if "exclusiveMinimum" in s else None)
     hi = s.get("maximum", s["exclusiveMaximum"] - 1 if "exclusiveMaximum" in s else None)
-    edges = [v for v in (lo, hi, 0, 1, -1, 2**31, 2**63, -2**63) if (lo is None or v >= lo) and (hi is None or v <= hi)]
+    edges = [v for v in (lo, hi, 0, 1, -1, 2**31, 2**63, -2**63)
+             if v is not None and (lo is None or v >= lo) and (hi is None or v <= hi)]
     return st.one_of(st.sampled_from(edges), st.integers(lo, hi)) if edges else st.integers(lo, hi)
 
 
