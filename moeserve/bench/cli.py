@@ -20,7 +20,8 @@ def register(sub) -> None:
     p = bsub.add_parser("serve", help="serving benchmark: TTFT, TPOT, ITL, E2EL, throughput, goodput",
                         formatter_class=HelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                   action=_Given)
     p.add_argument("--model", required=True, help="model name the server serves (see /v1/models)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model if a folder, else "
                    "the server's model root from /v1/models)")
@@ -46,12 +47,16 @@ def register(sub) -> None:
     p.add_argument("--result-json", default=None, help="write every figure and per-request data here")
     p.add_argument("--plot", default=None, help="write latency distributions to this PNG")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_run, output_len_given=False)
+    from moeserve.bench.vllm_compat import add_vllm_flags
+    add_vllm_flags(p, _Given)
+    p.set_defaults(func=_run, output_len_given=False, endpoint_given=False)
 
 
 def _run(args) -> int:
     from moeserve.bench.serve import run
+    from moeserve.bench.vllm_compat import normalise
 
+    normalise(args)
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     for flag, v in (("--input-len", args.input_len), ("--output-len", args.output_len)):

@@ -24,16 +24,19 @@ from moeserve.bench.request import RequestResult, send
 STATS_SETTLE_S = 0.6  # a little over two engine stats heartbeats (entrypoints/engine_core_proc.py HEARTBEAT_S)
 
 
-async def _arrivals(n: int, rate: float, rng: random.Random):
-    """Yield request indices at Poisson arrival times (exponential gaps of mean 1/rate)."""
+async def _arrivals(n: int, rate: float, rng: random.Random, burstiness: float = 1.0):
+    """Yield request indices at Poisson arrival times (exponential gaps of mean 1/rate); with burstiness b
+    (vLLM's) the gaps are gamma(b, 1 / (rate b)): same mean rate, burstier below 1, steadier above."""
     for i in range(n):
         yield i
         if rate != float("inf") and i < n - 1:
-            await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.sleep(rng.expovariate(rate) if burstiness == 1.0 else
+                                rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
 
 
 async def run_requests(url: str, model: str, samples, rate: float, max_concurrency: int | None, seed: int,
-                       extra: dict, headers: dict, progress: bool = True) -> tuple[list[RequestResult], float]:
+                       extra: dict, headers: dict, progress: bool = True,
+                       burstiness: float = 1.0) -> tuple[list[RequestResult], float]:
     limits = httpx.Limits(max_connections=max_concurrency or len(samples), max_keepalive_connections=None)
     sem = asyncio.Semaphore(max_concurrency or len(samples))
     bar = tqdm(total=len(samples), desc="bench serve", disable=not progress)
@@ -48,7 +51,7 @@ async def run_requests(url: str, model: str, samples, rate: float, max_concurren
 
         start = time.perf_counter()
         tasks = []
-        async for i in _arrivals(len(samples), rate, rng):
+        async for i in _arrivals(len(samples), rate, rng, burstiness):
             tasks.append(asyncio.create_task(one(samples[i])))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
@@ -75,7 +78,7 @@ def _tokenizer(args):
 
 def _headers(args) -> dict:
     key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    return {**({"Authorization": f"Bearer {key}"} if key else {}), **getattr(args, "headers", {})}
 
 
 def _samples(args, tokenizer):
@@ -93,17 +96,24 @@ def run(args) -> int:
         raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
     if args.num_devices < 1:
         raise ValueError(f"--num-devices must be >= 1, got {args.num_devices}")
+    from moeserve.bench import vllm_compat
+    _wait_ready(args)
+    started_at = datetime.now()
     tokenizer = _tokenizer(args)
     samples = _samples(args, tokenizer)
     url = args.base_url.rstrip("/") + args.endpoint
-    extra = {"ignore_eos": True} if args.ignore_eos else {}
+    extra = {**({"ignore_eos": True} if args.ignore_eos else {}), **vllm_compat.request_extra(args)}
+    model = args.served_model_name or args.model
+    if args.num_warmups:  # not measured: first-request costs (compilation, allocation) stay out of the figures
+        asyncio.run(run_requests(url, model, samples[:args.num_warmups], float("inf"), args.max_concurrency,
+                                 args.seed, extra, _headers(args), progress=False))
     # The engine's cumulative counters reach /metrics with its stats heartbeat (every 0.25 s): wait a couple
     # of beats before each scrape so that neither misses counts (a busy machine made the run's delta 0).
     time.sleep(STATS_SETTLE_S)
     spec_before = scrape(args.base_url, _headers(args))
-    results, duration = asyncio.run(run_requests(url, args.model, samples, args.request_rate,
+    results, duration = asyncio.run(run_requests(url, model, samples, args.request_rate,
                                                  args.max_concurrency, args.seed, extra, _headers(args),
-                                                 progress=not args.no_progress))
+                                                 progress=not args.no_progress, burstiness=args.burstiness))
     for r in results:
         if r.success and not r.output_tokens:  # the server sent no usage: count with the tokenizer
             r.output_tokens = len(tokenizer.encode(r.text, add_special_tokens=False))
@@ -116,9 +126,13 @@ def run(args) -> int:
     m.update(spec_figures(spec_before, after))
     m.update(cache_figures(spec_before, after))
     m.update(slo_figures(spec_before, after))
-    print_report(m, percentiles)
+    print_report(m, percentiles, args.selected_metrics)
     if args.result_json:
         write_json(args, m, results)
+    path = vllm_compat.result_path(args, started_at)
+    if path:
+        vllm_compat.save(args, vllm_compat.result_doc(args, m, results, started_at), path)
+        print(f"result: {path}", file=sys.stderr)
     if args.plot:
         from moeserve.bench.plot import plot_latencies
         plot_latencies(latency_series([r for r in results if r.success]), args.plot, percentiles)
@@ -129,7 +143,21 @@ def run(args) -> int:
     return 0
 
 
-def print_report(m: dict, percentiles: list[float]) -> None:
+def _wait_ready(args) -> None:
+    """--ready-check-timeout-sec (vLLM's): poll /v1/models until the server answers."""
+    deadline = time.monotonic() + args.ready_check_timeout_sec
+    while args.ready_check_timeout_sec > 0:
+        try:
+            if httpx.get(args.base_url.rstrip("/") + "/v1/models", headers=_headers(args), timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise ValueError(f"the server at {args.base_url} did not answer within {args.ready_check_timeout_sec} s")
+        time.sleep(1.0)
+
+
+def print_report(m: dict, percentiles: list[float], metrics=LATENCIES) -> None:
     line = "=" * 50
     print(f"{line}\n{'Serving Benchmark Result':^50}\n{line}")
     rows = [("Successful requests", m["completed"]), ("Failed requests", m["failed"]),
@@ -141,7 +169,7 @@ def print_report(m: dict, percentiles: list[float]) -> None:
             (f"Output tok/s per device ({m['num_devices']})", m["output_throughput_per_device"])]
     if m["request_goodput"] is not None:
         rows.append(("Request goodput (req/s)", m["request_goodput"]))
-    for name in LATENCIES:
+    for name in (n for n in LATENCIES if n in metrics):
         rows += [(f"Mean {name.upper()} (ms)", m[f"mean_{name}_ms"]),
                  (f"Median {name.upper()} (ms)", m[f"median_{name}_ms"])]
         rows += [(f"P{p:g} {name.upper()} (ms)", m[f"p{p:g}_{name}_ms"]) for p in percentiles]

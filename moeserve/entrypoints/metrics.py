@@ -53,6 +53,7 @@ def cache_config_info(config) -> dict[str, str]:
     c = config.cache
     return {"block_size": str(c.block_size), "cache_dtype": getattr(c, "cache_dtype", "auto"),
             "enable_prefix_caching": str(c.enable_prefix_caching),
+            "gpu_memory_utilization": str(c.gpu_memory_utilization),
             "kv_cache_memory_bytes": str(c.kv_cache_memory),
             "num_gpu_blocks_override": str(c.num_kv_blocks)}
 
