@@ -15,6 +15,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # Prefill/decode disaggregation (disagg/params.py): {"do_remote_decode": true} on a prefill instance,
     # the prefill's answer (block ids, agent, ...) with "do_remote_prefill" on a decode instance.
     kv_transfer_params: dict | None = None
+    # sampling_params.structured_outputs compiled (structured/automaton.py DFA.to_bytes): the builder (API
+    # server, LLM) compiles, so the engine's loop never does
+    structured_dfa: bytes | None = None
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):

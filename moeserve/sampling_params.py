@@ -126,13 +126,15 @@ class SamplingParams:
         self._validate_structured_outputs()
 
     def _validate_structured_outputs(self) -> None:
-        from moeserve.structured.params import compile_params
+        from moeserve.structured.params import compile_params, compiling_allowed
         from moeserve.structured.regex import PatternError
         so = self.structured_outputs
         if so is None:
             return
         if not isinstance(so, StructuredOutputsParams):
             raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+        if not compiling_allowed():  # decoded in an engine process: its builder compiled it (and sent it)
+            return
         try:
             compile_params(so)  # a bad pattern is the caller's error, before the engine sees it
         except PatternError as e:

@@ -46,12 +46,17 @@ class EngineCore:
                               eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids))
             self._check_vocab(request)
             if req.sampling_params.structured_outputs is not None:
-                request.grammar = self._structured().matcher(req.sampling_params.structured_outputs)
+                request.grammar = self._structured().matcher(req.sampling_params.structured_outputs,
+                                                             req.structured_dfa)
             if req.kv_transfer_params is not None and self._add_disaggregated(request, req.kv_transfer_params):
                 return
             self.scheduler.add_request(request)
         except (RequestRejected, ValueError) as e:
             self._pending.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", error=str(e)))
+        except Exception as e:  # noqa: BLE001 - whatever one request carries, it must not end the engine core
+            logger.exception("request %s could not be added", req.request_id)
+            self._pending.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", error_kind="internal",
+                                                  error=f"the request could not be added: {type(e).__name__}: {e}"))
 
     def _add_disaggregated(self, request: Request, raw: dict) -> bool:
         """A PD request: True if it now waits for its KV pull (the scheduler gets it when the KV is here)."""

@@ -24,6 +24,7 @@ from moeserve.engine.output_processor import Delta, OutputProcessor
 from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_HELLO, MSG_OUTPUTS, EngineCoreAbort, EngineCoreHello,
                                EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, EngineStats)
 from moeserve.sampling_params import SamplingParams
+from moeserve.structured.params import structured_dfa
 
 logger = logging.getLogger("moeserve.api")
 
@@ -137,7 +138,7 @@ class EngineClient:
         outcome = "abort"
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
-                                    kv_transfer_params)
+                                    kv_transfer_params, structured_dfa(params))
             await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
             while True:
                 item = await st.queue.get()
