@@ -3,7 +3,7 @@
 Exactly one of: `json` (a JSON Schema, dict or JSON text), `regex`, `choice` (a list of exact strings),
 `json_object` (any JSON object, OpenAI's response_format json_object). `grammar` (EBNF / Lark) is refused.
 Compilation to a byte DFA needs no tokenizer, so the API server compiles to validate (a bad pattern is a
-400 there) and the engine compiles again from its cache.
+400 there) and sends the automaton with the request (structured_dfa); engine processes never compile.
 """
 from __future__ import annotations
 
