@@ -50,6 +50,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI)
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these tokens may be sampled
     # vLLM's penalties: presence / frequency (OpenAI's) over the generated tokens, repetition (CTRL's:
     # positive logits divided by it, negative ones multiplied) over prompt and generated tokens.
     presence_penalty: float = 0.0
@@ -69,6 +70,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
@@ -108,6 +111,9 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                self.allowed_token_ids and all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of token ids (non-negative integers)"),
             ("logit_bias", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.logit_bias),
              "logit_bias keys must be token ids (non-negative integers)"),
             ("logit_bias", all(_is_real(b) and math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),

@@ -89,7 +89,8 @@ class EngineCore:
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
         params, vocab = request.sampling_params, self.arch.vocab_size
-        for name, ids in (("logit_bias token id", params.logit_bias), ("stop_token_ids entry", params.stop_token_ids)):
+        for name, ids in (("logit_bias token id", params.logit_bias), ("stop_token_ids entry", params.stop_token_ids),
+                          ("allowed_token_ids entry", params.allowed_token_ids or ())):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestRejected(f"{name} {bad} is outside the vocabulary (0..{vocab - 1})")

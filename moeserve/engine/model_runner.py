@@ -163,7 +163,7 @@ class ModelRunner:
         for i in _requests_with(non_finite_rows(logits), spans):
             failed[i] = ("internal", "the model's logits for this request are not finite (NaN or inf)")
         raw = logits
-        if any(p.logit_bias or p.min_tokens or p.has_penalties for p in params):
+        if any(p.logit_bias or p.min_tokens or p.has_penalties or p.allowed_token_ids for p in params):
             if any(p.logprobs is not None for p in params):
                 raw = logits.clone()  # logprobs report the model's own distribution
             logits = self._logits_processors(logits, hidden[row_ids], sample_rows, spans, failed)

@@ -89,6 +89,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's extra
     response_format: dict | None = None
     # Guided decoding, vLLM's extras: structured_outputs {"json" | "regex" | "choice" | "json_object": ...},
     # and the older guided_* fields (guided_decoding_backend is accepted and ignored: there is one backend).
@@ -191,6 +192,7 @@ class _SamplingFields(_Strict):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids,
                 skip_special_tokens=self.skip_special_tokens and not self._keeps_special_tokens(),
                 structured_outputs=structured,
                 **{**{k: v for k, v in (defaults or {}).items() if k in kwargs},

@@ -53,7 +53,7 @@ class LogitsRows:
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> None:
-    """In place, before sampling: OpenAI's logit_bias; min_tokens (vLLM): the stop tokens (EOS unless
+    """In place, before sampling: vLLM's allowed_token_ids; OpenAI's logit_bias; min_tokens (vLLM): the stop tokens (EOS unless
     ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens; then vLLM's
     repetition, frequency and presence penalties, for all the step's penalised rows at once. Logprobs stay
     those of the raw model output (the caller keeps a copy), as vLLM reports them."""
@@ -61,6 +61,12 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> Non
     penalised: list[tuple[int, LogitsRows]] = []  # (first row, request)
     for req in rows:
         p, n_rows, n_out = req.params, req.num_rows, len(req.output_ids)
+        if p.allowed_token_ids:  # vLLM's: every other token is masked
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+            block = logits[r:r + n_rows]
+            allowed = block.index_select(1, keep)
+            block.fill_(float("-inf"))
+            block.index_copy_(1, keep, allowed)
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)

@@ -170,3 +170,13 @@ def test_a_request_the_engine_process_cannot_decode_is_answered(llm, tmp_path):
     finally:
         client.close(0)
         proc.sock.close(0)
+
+
+def test_allowed_token_ids_constrain_and_are_checked(llm):
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True, allowed_token_ids=[10, 11, 12])
+    out = llm.generate(prompt_token_ids=GOOD[:2], sampling_params=params)
+    assert all(set(o.outputs[0].token_ids) <= {10, 11, 12} and len(o.outputs[0].token_ids) == 12 for o in out)
+    with pytest.raises(ValueError, match="allowed_token_ids entry 512 is outside the vocabulary"):
+        llm.generate(prompt_token_ids=[GOOD[0]], sampling_params=SamplingParams(allowed_token_ids=[3, 512]))
+    with pytest.raises(SamplingParamsError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])
