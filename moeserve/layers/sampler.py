@@ -53,10 +53,10 @@ class LogitsRows:
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> None:
-    """In place, before sampling: vLLM's allowed_token_ids; OpenAI's logit_bias; min_tokens (vLLM): the stop tokens (EOS unless
-    ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens; then vLLM's
-    repetition, frequency and presence penalties, for all the step's penalised rows at once. Logprobs stay
-    those of the raw model output (the caller keeps a copy), as vLLM reports them."""
+    """In place, before sampling: vLLM's allowed_token_ids; OpenAI's logit_bias; min_tokens (vLLM): the stop
+    tokens (EOS unless ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens;
+    then vLLM's repetition, frequency and presence penalties, for all the step's penalised rows at once.
+    Logprobs stay those of the raw model output (the caller keeps a copy), as vLLM reports them."""
     r = 0
     penalised: list[tuple[int, LogitsRows]] = []  # (first row, request)
     for req in rows:
