@@ -15,6 +15,7 @@ from moeserve.models.config import DeepseekArch
 from moeserve.outputs import CompletionOutput, Metric, RequestOutput, logprob_dict
 from moeserve.protocol import EngineCoreRequest
 from moeserve.sampling_params import SamplingParams
+from moeserve.structured.params import structured_dfa
 from moeserve.generation_defaults import default_sampling, read_generation_config
 from moeserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -124,7 +125,8 @@ class LLM:
                 cid = f"{rid}-{i}" if p.n > 1 else rid
                 children[cid] = (ro, i)
                 processor.add(cid, child, len(ids))
-                pending.append(EngineCoreRequest(cid, ids, child, self.eos_token_ids))
+                pending.append(EngineCoreRequest(cid, ids, child, self.eos_token_ids,
+                                                 structured_dfa=structured_dfa(child)))
         try:
             for req in pending:
                 self.engine.add_request(req)

@@ -19,6 +19,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_tpot_ms: float | None = None
     priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's)
     cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
+    # sampling_params.structured_outputs compiled (structured/automaton.py DFA.to_bytes): the builder (API
+    # server, LLM) compiles, so the engine's loop never does
+    structured_dfa: bytes | None = None
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):

@@ -76,6 +76,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
@@ -115,6 +117,9 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings"),
             ("stop_token_ids", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
+            ("allowed_token_ids", self.allowed_token_ids is None or (
+                self.allowed_token_ids and all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids)),
+             "allowed_token_ids must be a non-empty list of token ids (non-negative integers)"),
             ("logit_bias", all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.logit_bias),
              "logit_bias keys must be token ids (non-negative integers)"),
             ("logit_bias", all(_is_real(b) and math.isfinite(b) and -100 <= b <= 100 for b in self.logit_bias.values()),
@@ -134,10 +139,6 @@ class SamplingParams:
         self._validate_vllm_extras()
 
     def _validate_vllm_extras(self) -> None:
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-            if not self.allowed_token_ids or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids):
-                raise SamplingParamsError("allowed_token_ids must be a non-empty list of token ids", "allowed_token_ids")
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
@@ -179,13 +180,15 @@ class SamplingParams:
         return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     def _validate_structured_outputs(self) -> None:
-        from moeserve.structured.params import compile_params
+        from moeserve.structured.params import compile_params, compiling_allowed
         from moeserve.structured.regex import PatternError
         so = self.structured_outputs
         if so is None:
             return
         if not isinstance(so, StructuredOutputsParams):
             raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams", "structured_outputs")
+        if not compiling_allowed():  # decoded in an engine process: its builder compiled it (and sent it)
+            return
         try:
             compile_params(so)  # a bad pattern is the caller's error, before the engine sees it
         except PatternError as e:

@@ -144,6 +144,9 @@ def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, p
               num_threads: int, own_process: bool = False) -> None:
     """Entry point of a rank process (spawned by launch.py, or called per process under torchrun)."""
     torch.set_num_threads(num_threads)
+    if own_process:  # requests bring their compiled automata (structured/params.py): none compiles here
+        from moeserve.structured.params import compile_in_this_process
+        compile_in_this_process(False)
     config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
     info = RankInfo.of(rank, config.parallel)
     worker = None

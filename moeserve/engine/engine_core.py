@@ -73,12 +73,17 @@ class EngineCore:
                 raise RequestRejected("slo_ttft_ms / slo_tpot_ms need an engine with --tensor-parallel-size 1 "
                                       "(SLO-aware admission); omit them on this server")
             if req.sampling_params.structured_outputs is not None:
-                request.grammar = self._structured().matcher(req.sampling_params.structured_outputs)
+                request.grammar = self._structured().matcher(req.sampling_params.structured_outputs,
+                                                             req.structured_dfa)
             if req.kv_transfer_params is not None and self._add_disaggregated(request, req.kv_transfer_params):
                 return
             self.scheduler.add_request(request)
         except (RequestRejected, ValueError) as e:
             self._pending.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", error=str(e)))
+        except Exception as e:  # noqa: BLE001 - whatever one request carries, it must not end the engine core
+            logger.exception("request %s could not be added", req.request_id)
+            self._pending.append(EngineCoreOutput(req.request_id, [], finish_reason="abort", error_kind="internal",
+                                                  error=f"the request could not be added: {type(e).__name__}: {e}"))
 
     def _add_disaggregated(self, request: Request, raw: dict) -> bool:
         """A PD request: True if it now waits for its KV pull (the scheduler gets it when the KV is here)."""
@@ -111,17 +116,14 @@ class EngineCore:
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.arch.vocab_size - 1})")
         params, vocab = request.sampling_params, self.arch.vocab_size
-        for name, ids in (("logit_bias token id", params.logit_bias), ("stop_token_ids entry", params.stop_token_ids)):
+        for name, ids in (("logit_bias token id", params.logit_bias), ("stop_token_ids entry", params.stop_token_ids),
+                          ("allowed_token_ids entry", params.allowed_token_ids or ())):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestRejected(f"{name} {bad} is outside the vocabulary (0..{vocab - 1})")
 
     def _check_logprobs(self, p: SamplingParams) -> None:
-        """--max-logprobs, and allowed_token_ids inside the vocabulary (else every token would be masked)."""
-        bad = [t for t in p.allowed_token_ids or () if t >= self.arch.vocab_size]
-        if bad:
-            raise RequestRejected(f"allowed_token_ids: token id {bad[0]} is outside the vocabulary "
-                                  f"(0..{self.arch.vocab_size - 1})")
+        """--max-logprobs (allowed_token_ids are checked against the vocabulary in _check_vocab)."""
         most = self.config.model.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(p, name)

@@ -27,6 +27,7 @@ from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_GOODBYE, MSG_HELLO, MSG_O
                                EngineCoreHello, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                EngineCoreUtility, EngineCoreUtilityResult, EngineStats)
 from moeserve.sampling_params import SamplingParams
+from moeserve.structured.params import structured_dfa
 
 logger = logging.getLogger("moeserve.api")
 
@@ -217,7 +218,8 @@ class EngineClient:
         outcome = "abort"
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
-                                    kv_transfer_params, *slo_ms, priority=priority, cache_salt=cache_salt)
+                                    kv_transfer_params, *slo_ms, priority=priority, cache_salt=cache_salt,
+                                    structured_dfa=structured_dfa(params))
             try:
                 await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
             except zmq.ZMQError as e:  # the socket was replaced under us: the core died this instant

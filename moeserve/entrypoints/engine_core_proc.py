@@ -88,6 +88,20 @@ class EngineCoreProc:
                 self._handle(ident, kind, payload)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 logger.error("dropping a malformed %r message from %r: %s", kind, ident, e)
+                if kind == MSG_ADD:
+                    self._refuse(ident, payload, e)
+
+    def _refuse(self, ident: bytes, payload: bytes, e: Exception) -> None:
+        """A request that does not decode (its params fail validation here) still gets an answer, so its
+        client does not wait for it forever: the id is the first field of the array-like struct."""
+        try:
+            rid = msgspec.msgpack.decode(payload)[0]
+        except Exception:  # noqa: BLE001 - not even an id: nobody can be answered
+            return
+        if isinstance(rid, str):
+            err = EngineCoreOutput(rid, [], finish_reason="abort", error_kind="invalid",
+                                   error=f"the engine core could not read the request: {e}")
+            self._send(ident, MSG_OUTPUTS, EngineCoreOutputs([err], self.core.stats(), self.engine_index))
 
     def _handle(self, ident: bytes, kind: bytes, payload: bytes) -> None:
         if kind == MSG_ADD:
@@ -207,10 +221,12 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
     """Process entry point (spawned by the launcher)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(message)s")
     from moeserve.engine.launch import make_engine_core
+    from moeserve.structured.params import compile_in_this_process
 
     # Ctrl-C in a terminal signals every process of the group: the launcher alone decides, and stops this
     # one (SIGTERM) after the API servers drained. Set before the ranks start, so they inherit it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    compile_in_this_process(False)  # requests bring their compiled automata: nothing compiles on this loop
     core = make_engine_core(config)  # EngineCore, or the front end of D x T rank processes
     proc = EngineCoreProc(core, address, engine_index, max_waiting_requests, max_num_queued_reqs, log_stats)
 

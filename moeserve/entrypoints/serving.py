@@ -76,7 +76,8 @@ def engine_error(e: Exception) -> APIError:
         return APIError(f"the engine is not available ({e}); the server cannot serve requests", 503,
                         code="engine_dead")
     if isinstance(e, EngineRequestError):
-        param = next((f for f in ("logit_bias", "stop_token_ids", "prompt") if str(e).startswith(f)), None)
+        param = next((f for f in ("logit_bias", "stop_token_ids", "allowed_token_ids", "prompt")
+                      if str(e).startswith(f)), None)
         if e.kind == "kv_transfer":  # the prefill instance holding the KV failed us, not the client
             return APIError(str(e), 503, param="kv_transfer_params", code=e.kind)
         if e.kind == "internal":  # the model's own output broke (non-finite logits): not the client's doing

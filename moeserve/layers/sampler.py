@@ -53,10 +53,10 @@ class LogitsRows:
 
 
 def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> None:
-    """In place, before sampling: OpenAI's logit_bias; min_tokens (vLLM): the stop tokens (EOS unless
-    ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens; then vLLM's
-    repetition, frequency and presence penalties, for all the step's penalised rows at once. Logprobs stay
-    those of the raw model output (the caller keeps a copy), as vLLM reports them."""
+    """In place, before sampling: OpenAI's logit_bias; min_tokens (vLLM): the stop
+    tokens (EOS unless ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens;
+    then vLLM's repetition, frequency and presence penalties, for all the step's penalised rows at once.
+    Logprobs stay those of the raw model output (the caller keeps a copy), as vLLM reports them."""
     r = 0
     penalised: list[tuple[int, LogitsRows]] = []  # (first row, request)
     for req in rows:
@@ -70,7 +70,7 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> Non
             ids = torch.tensor(sorted(t for t in req.stop_ids if t < logits.shape[-1]), dtype=torch.long,
                                device=logits.device)
             logits[r:r + short, ids] = float("-inf")
-        if p.has_token_masks:
+        if p.has_token_masks:  # vLLM's allowed_token_ids and bad_words
             _apply_token_masks(logits, r, req)
         if p.has_penalties:
             penalised.append((r, req))

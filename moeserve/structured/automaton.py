@@ -7,8 +7,13 @@ never tells apart share one class). State 0 is the dead state, state 1 the start
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import itertools
+import struct
+import sys
+from array import array
 
+import numpy as np
 import torch
 
 from moeserve.structured.regex import Alt, Chars, OrderedSubset, PatternError, Repeat, Seq, char_set
@@ -18,6 +23,9 @@ MAX_DFA_STATES = 50_000
 # Subset construction's inner-loop steps (moves and closures): a pattern whose DFA states are huge NFA sets ((\w+\s?){1,500})
 # would otherwise take minutes before it reached MAX_DFA_STATES; this bounds a compile to a few seconds.
 MAX_WORK = 10_000_000
+# States x byte classes of the table (int32 entries): 4M entries is 16 MB per automaton, on the wire to the
+# engine with every request that uses it and in the engine's cache.
+MAX_TABLE_ENTRIES = 4_000_000
 _UTF8_LENGTH_LIMITS = (0x7F, 0x7FF, 0xFFFF, 0x10FFFF)
 
 
@@ -138,22 +146,37 @@ class _NFA:
         return first, end
 
 
-@dataclass
 class DFA:
-    """transitions[s][c]: next state from s on byte class c; byte_class[b]: b's class. 0 dead, 1 start."""
+    """A byte DFA: next state = flat[state * num_classes + byte_class[b]]; state 0 dead, 1 start.
 
-    transitions: list[list[int]]
-    byte_class: list[int]
-    accepting: list[bool]
+    The table is one flat int32 array, so it crosses processes as bytes (to_bytes / from_bytes: the API
+    server compiles, the engine core only loads) and becomes the engine's torch table without a copy."""
+
+    MAGIC = b"MSDFA1"
+
+    def __init__(self, flat: array, num_classes: int, byte_class: bytes, accepting: list[bool]) -> None:
+        self.flat, self.num_classes, self.byte_class, self.accepting = flat, num_classes, byte_class, accepting
+        self.wire: bytes | None = None  # to_bytes(), kept once a request sent it (structured/params.py)
+
+    @classmethod
+    def from_rows(cls, transitions: list[list[int]], byte_class: list[int], accepting: list[bool]) -> "DFA":
+        return cls(array("i", itertools.chain.from_iterable(transitions)), len(transitions[0]), bytes(byte_class),
+                   list(accepting))
 
     @property
     def num_states(self) -> int:
-        return len(self.transitions)
+        return len(self.accepting)
+
+    @functools.cached_property
+    def transitions(self) -> list[list[int]]:
+        """transitions[s][c] (built once, on demand: tests and inspection)."""
+        c = self.num_classes
+        return [list(self.flat[s * c:(s + 1) * c]) for s in range(self.num_states)]
 
     def step(self, state: int, data: bytes) -> int:
-        tr, cls = self.transitions, self.byte_class
+        flat, c, cls = self.flat, self.num_classes, self.byte_class
         for b in data:
-            state = tr[state][cls[b]]
+            state = flat[state * c + cls[b]]
             if not state:
                 return 0
         return state
@@ -162,13 +185,42 @@ class DFA:
         return self.accepting[self.step(1, data)]
 
     def can_continue(self, state: int) -> bool:
-        return any(self.transitions[state])
+        c = self.num_classes
+        return any(self.flat[state * c:(state + 1) * c])
 
     def byte_table(self) -> torch.Tensor:
         """[num_states, 257] int32: next state on each byte; column 256 (padding) keeps the state."""
-        tr = torch.tensor(self.transitions, dtype=torch.int32)
-        table = tr[:, torch.tensor(self.byte_class, dtype=torch.int64)]
+        tr = torch.frombuffer(self.flat, dtype=torch.int32).view(self.num_states, self.num_classes)
+        table = tr[:, torch.frombuffer(bytearray(self.byte_class), dtype=torch.uint8).long()]
         return torch.cat([table, torch.arange(self.num_states, dtype=torch.int32)[:, None]], dim=1)
+
+    def to_bytes(self) -> bytes:
+        """MAGIC, num_states and num_classes (uint32 LE), byte_class [256], accepting [S], table int32 LE."""
+        flat = self.flat
+        if sys.byteorder == "big":
+            flat = array("i", flat)
+            flat.byteswap()
+        return b"".join((self.MAGIC, struct.pack("<II", self.num_states, self.num_classes), self.byte_class,
+                         bytes(self.accepting), flat.tobytes()))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "DFA":
+        """The inverse of to_bytes, checked (every entry a state, every class in range): ValueError if not."""
+        head = len(cls.MAGIC) + 8
+        if len(data) < head + 256 or not data.startswith(cls.MAGIC):
+            raise ValueError("not a compiled structured-output automaton")
+        states, classes = struct.unpack_from("<II", data, len(cls.MAGIC))
+        if not (2 <= states and 1 <= classes <= 256 and states * classes <= MAX_TABLE_ENTRIES
+                and len(data) == head + 256 + states + 4 * states * classes):
+            raise ValueError("a compiled structured-output automaton of the wrong size")
+        byte_class = data[head:head + 256]
+        accepting = data[head + 256:head + 256 + states]
+        table = np.frombuffer(data, dtype="<i4", offset=head + 256 + states)
+        if max(byte_class) >= classes or max(accepting) > 1 or table.min() < 0 or table.max() >= states:
+            raise ValueError("a compiled structured-output automaton with entries out of range")
+        flat = array("i")
+        flat.frombytes(table.astype("=i4", copy=False).tobytes())
+        return cls(flat, classes, bytes(byte_class), [bool(a) for a in accepting])
 
 
 def compile_dfa(node) -> DFA:
@@ -242,18 +294,21 @@ def compile_dfa(node) -> DFA:
             row.append(ids[nxt])
         transitions[sid] = row
     accepting = [accept in s for s in sets]
-    return _prune(DFA(transitions, byte_class, accepting))
+    if len(sets) * num_classes > MAX_TABLE_ENTRIES:
+        raise PatternError(f"the pattern's automaton is too large ({len(sets)} states x {num_classes} byte "
+                           f"classes, more than {MAX_TABLE_ENTRIES} entries); simplify it")
+    return _prune(transitions, byte_class, accepting)
 
 
-def _prune(dfa: DFA) -> DFA:
+def _prune(transitions: list[list[int]], byte_class: list[int], accepting: list[bool]) -> DFA:
     """Send transitions into states that cannot reach acceptance to the dead state."""
-    n = dfa.num_states
+    n = len(transitions)
     back: list[list[int]] = [[] for _ in range(n)]
-    for s, row in enumerate(dfa.transitions):
+    for s, row in enumerate(transitions):
         for t in set(row):
             back[t].append(s)
     live = [False] * n
-    stack = [s for s in range(n) if dfa.accepting[s]]
+    stack = [s for s in range(n) if accepting[s]]
     for s in stack:
         live[s] = True
     while stack:
@@ -264,5 +319,4 @@ def _prune(dfa: DFA) -> DFA:
     if not live[1]:
         raise PatternError("the pattern matches no string")
     live[0] = False
-    dfa.transitions = [[t if live[t] else 0 for t in row] for row in dfa.transitions]
-    return dfa
+    return DFA.from_rows([[t if live[t] else 0 for t in row] for row in transitions], byte_class, accepting)

@@ -268,11 +268,14 @@ class StructuredOutputManager:
             self._masks = MaskCache(self._table.vocab_size)
         return self._table
 
-    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+    def matcher(self, params: StructuredOutputsParams, compiled: bytes | None = None) -> GrammarMatcher:
+        """The request's matcher; compiled: its automaton as sent (DFA.to_bytes), loaded when this spec is not
+        cached here (without it the spec is compiled, which only processes that may compile do)."""
         key = params.key
         grammar = self._grammars.get(key)
         if grammar is None:
-            grammar = TokenGrammar(compile_params(params), self.table(), self._masks)
+            dfa = DFA.from_bytes(compiled) if compiled is not None else compile_params(params)
+            grammar = TokenGrammar(dfa, self.table(), self._masks)
             self._grammars[key] = grammar
             if len(self._grammars) > 16:  # each holds its mask cache
                 self._grammars.popitem(last=False)

@@ -3,7 +3,7 @@
 Exactly one of: `json` (a JSON Schema, dict or JSON text), `regex`, `choice` (a list of exact strings),
 `json_object` (any JSON object, OpenAI's response_format json_object). `grammar` (EBNF / Lark) is refused.
 Compilation to a byte DFA needs no tokenizer, so the API server compiles to validate (a bad pattern is a
-400 there) and the engine compiles again from its cache.
+400 there) and sends the automaton with the request (structured_dfa); engine processes never compile.
 """
 from __future__ import annotations
 
@@ -73,11 +73,49 @@ GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 _cache: OrderedDict[tuple, DFA] = OrderedDict()
 _lock = Lock()  # the API server compiles from several request handlers
+_compile_here = True  # False in engine processes: automata arrive compiled (EngineCoreRequest.structured_dfa)
+
+
+def compile_in_this_process(allowed: bool) -> None:
+    """Engine-core and rank processes call this with False at start: compiling takes up to seconds and would
+    stall every stream of the engine's loop, so there SamplingParams skip it when decoded (the API server or
+    LLM that built the request compiled it) and compile_params refuses."""
+    global _compile_here
+    _compile_here = allowed
+
+
+def compiling_allowed() -> bool:
+    return _compile_here
 
 
 def compile_params(p: StructuredOutputsParams) -> DFA:
-    """The byte DFA the output must match as a whole (LRU-cached by the spec). Raises PatternError."""
+    """The byte DFA the output must match as a whole (kept on p, and LRU-cached by the spec). Raises
+    PatternError."""
     key = p.key
+    held = p.__dict__.get("_compiled")
+    if held is not None and held[0] == key:
+        return held[1]
+    if not _compile_here:
+        raise PatternError("structured outputs are not compiled in an engine process; the request must carry "
+                           "its compiled automaton (EngineCoreRequest.structured_dfa)")
+    dfa = _compile_cached(p, key)
+    p.__dict__["_compiled"] = (key, dfa)  # not a field: never encoded, compared or copied by replace()
+    return dfa
+
+
+def structured_dfa(sampling_params) -> bytes | None:
+    """EngineCoreRequest.structured_dfa of a SamplingParams: its structured output's automaton as bytes
+    (compiled when the params were built; serialised once per automaton), None without one."""
+    so = sampling_params.structured_outputs
+    if so is None:
+        return None
+    dfa = compile_params(so)
+    if dfa.wire is None:
+        dfa.wire = dfa.to_bytes()
+    return dfa.wire
+
+
+def _compile_cached(p: StructuredOutputsParams, key: tuple) -> DFA:
     with _lock:
         if key in _cache:
             _cache.move_to_end(key)

@@ -142,3 +142,50 @@ def test_stale_nan_in_free_kv_slots_changes_no_output(ckpt_dir, reference):
 def test_out_of_vocabulary_stop_token_ids_are_refused(llm):
     with pytest.raises(ValueError, match="stop_token_ids entry 512 is outside the vocabulary"):
         llm.generate(prompt_token_ids=[GOOD[0]], sampling_params=SamplingParams(max_tokens=2, stop_token_ids=[3, 512]))
+
+
+def test_a_request_the_engine_process_cannot_decode_is_answered(llm, tmp_path):
+    """Params that fail validation only where the engine decodes them (an API server of another version)
+    get an error output back instead of silence, and the next request is served."""
+    import msgspec
+    import zmq
+
+    from moeserve.entrypoints.engine_core_proc import EngineCoreProc
+    from moeserve.protocol import MSG_ADD, MSG_OUTPUTS, EngineCoreOutputs
+
+    address = f"ipc://{tmp_path}/core"
+    proc = EngineCoreProc(llm.engine, address)
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    client.connect(address)
+    try:
+        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        client.send_multipart([MSG_ADD, msgspec.msgpack.encode(
+            EngineCoreRequest("bad", GOOD[0], slipped(repetition_penalty=1e-300), [1]))])
+        client.send_multipart([MSG_ADD, msgspec.msgpack.encode(EngineCoreRequest("good", GOOD[0], GREEDY, [1]))])
+        outs: dict[str, list] = {}
+        while "good" not in outs or outs["good"][-1].finish_reason is None:
+            proc.sock.poll(1000)
+            proc._drain()
+            if llm.engine.has_unfinished():
+                proc._send_outputs(llm.engine.step())
+            while client.poll(0):
+                kind, payload = client.recv_multipart()
+                assert kind == MSG_OUTPUTS
+                for out in decoder.decode(payload).outputs:
+                    outs.setdefault(out.request_id, []).append(out)
+        assert "repetition_penalty" in outs["bad"][0].error and outs["bad"][0].error_kind == "invalid"
+        assert sum((list(o.new_token_ids) for o in outs["good"]), []) == \
+            llm.generate(prompt_token_ids=[GOOD[0]], sampling_params=GREEDY)[0].outputs[0].token_ids
+    finally:
+        client.close(0)
+        proc.sock.close(0)
+
+
+def test_allowed_token_ids_constrain_and_are_checked(llm):
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True, allowed_token_ids=[10, 11, 12])
+    out = llm.generate(prompt_token_ids=GOOD[:2], sampling_params=params)
+    assert all(set(o.outputs[0].token_ids) <= {10, 11, 12} and len(o.outputs[0].token_ids) == 12 for o in out)
+    with pytest.raises(ValueError, match="allowed_token_ids entry 512 is outside the vocabulary"):
+        llm.generate(prompt_token_ids=[GOOD[0]], sampling_params=SamplingParams(allowed_token_ids=[3, 512]))
+    with pytest.raises(SamplingParamsError, match="allowed_token_ids must be a non-empty list"):
+        SamplingParams(allowed_token_ids=[])

@@ -114,6 +114,8 @@ BAD_BODIES = [
     ({"stop_token_ids": [10 ** 6]}, "stop_token_ids", "outside the vocabulary"),
     ({"stop_token_ids": [10 ** 6], "stream": True}, "stop_token_ids", "outside the vocabulary"),
     ({"stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+    ({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids", "outside the vocabulary"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "non-empty"),
     ({"repetition_penalty": 0.001}, "repetition_penalty", "must be in"),
     ({"repetition_penalty": 1e300}, "repetition_penalty", "must be in"),
 ]
@@ -136,3 +138,34 @@ def test_nan_and_infinity_are_a_400_and_the_server_serves_afterwards(openai_serv
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, value, r.text)
     r = post(openai_server, "/completions", {"prompt": "x", "max_tokens": 2, "logit_bias": {"12": 5}})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    r = post(openai_server, "/completions", {"prompt": "x", "max_tokens": 4, "allowed_token_ids": [50],
+                                             "logprobs": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    assert len(set(r.json()["choices"][0]["logprobs"]["tokens"])) == 1  # one token, four times
+
+
+def test_big_enums_compile_outside_the_engine_while_a_stream_runs(openai_server):
+    """The engine-core process refuses to compile (structured/params.py): big enums that are answered prove
+    their automata were compiled in the API server and sent, while another stream kept going."""
+    enum = {"type": "object", "properties": {"k": {"enum": [f"v{j}-0" for j in range(1500)]}}, "required": ["k"]}
+    results: dict[int, httpx.Response] = {}
+
+    def guided(i):
+        schema = json.loads(json.dumps(enum).replace("-0", f"-{i}"))
+        results[i] = post(openai_server, "/completions", {"prompt": "x", "max_tokens": 30, "temperature": 0,
+                                                         "response_format": {"type": "json_schema", "json_schema":
+                                                                             {"name": "e", "schema": schema}}})
+    with httpx.stream("POST", openai_server.base_url + "/completions", timeout=120,
+                      json={"prompt": "y", "max_tokens": 60, "ignore_eos": True, "stream": True}) as s:
+        lines = s.iter_lines()
+        next(lines)
+        threads = [threading.Thread(target=guided, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        streamed = sum(1 for line in lines if line.startswith("data: {"))
+    for t in threads:
+        t.join(120)
+    assert streamed >= 59
+    for r in results.values():
+        assert r.status_code == 200, r.text
+        assert json.loads(r.json()["choices"][0]["text"])["k"].startswith("v")
