@@ -89,9 +89,9 @@ class EngineCoreProc:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 logger.error("dropping a malformed %r message from %r: %s", kind, ident, e)
                 if kind == MSG_ADD:
-                    self._refuse(ident, payload, e)
+                    self._refuse_unreadable(ident, payload, e)
 
-    def _refuse(self, ident: bytes, payload: bytes, e: Exception) -> None:
+    def _refuse_unreadable(self, ident: bytes, payload: bytes, e: Exception) -> None:
         """A request that does not decode (its params fail validation here) still gets an answer, so its
         client does not wait for it forever: the id is the first field of the array-like struct."""
         try:

@@ -188,4 +188,4 @@ def test_without_targets_admission_is_plain_fcfs_even_before_calibration():
 def test_targets_with_tensor_parallelism_are_refused():
     from moeserve.config import EngineArgs
     with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
-        EngineArgs(tensor_parallel_size=2, slo_ttft_ms=100.0).create_config(4096)
+        EngineArgs(model="m", tensor_parallel_size=2, slo_ttft_ms=100.0).create_config(4096)
