@@ -26,7 +26,7 @@ ALL2ALL_BACKENDS = {"allgather_reducescatter": "allgather", "naive": "allgather"
                     "mori_high_throughput": "alltoall", "mori_low_latency": "alltoall", "nixl_ep": "alltoall",
                     "flashinfer_all2allv": "alltoall", "flashinfer_nvlink_two_sided": "alltoall",
                     "flashinfer_nvlink_one_sided": "alltoall"}
-QUANTIZATION_METHODS = ("a8w8",)
+QUANTIZATION_METHODS = ("a8w8", "fp8")
 
 
 class ConfigError(ValueError):
@@ -262,8 +262,10 @@ class QuantConfig:
 
     method None = the model dtype everywhere. "a8w8": INT8 weights (per output channel) and activations (per
     token) in attention projections, dense MLPs and experts; embeddings, lm_head, router and norms stay in
-    the model dtype, the KV cache too. checkpoint_format says what the weights on disk are: "float" (BF16/FP32,
-    or DeepSeek FP8 dequantized by the loader; quantized at load) or "compressed-tensors" (INT8 + scales).
+    the model dtype, the KV cache too. "fp8": the same layers in block FP8 (e4m3 weights, a scale per 128x128
+    block, layers/fp8.py). checkpoint_format says what the weights on disk are: "float" (BF16/FP32; quantized
+    at load), "fp8" (DeepSeek block FP8: kept as is with --quantization fp8, dequantized for a8w8 or none) or
+    "compressed-tensors" (INT8 + scales).
     """
 
     method: str | None = None
@@ -273,10 +275,12 @@ class QuantConfig:
     def __post_init__(self) -> None:
         _require(self.method is None or self.method in QUANTIZATION_METHODS,
                  f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.method!r}")
-        _require(self.checkpoint_format in ("float", "compressed-tensors"),
+        _require(self.checkpoint_format in ("float", "fp8", "compressed-tensors"),
                  f"unknown checkpoint format {self.checkpoint_format!r}")
         _require(self.checkpoint_format == "float" or self.method is not None,
                  "an INT8 compressed-tensors checkpoint needs --quantization a8w8")
+        _require(self.checkpoint_format != "compressed-tensors" or self.method == "a8w8",
+                 f"an INT8 compressed-tensors checkpoint runs as --quantization a8w8, not {self.method}")
 
 
 KV_CONNECTORS = ("nixl",)
@@ -426,7 +430,7 @@ ENGINE_HELP = {
     "data_parallel_size": "attention data-parallel ranks (processes)",
     "tensor_parallel_size": "attention tensor-parallel ranks inside each DP rank",
     "enable_expert_parallel": "spread routed experts over all ranks instead of TP-sharding each one",
-    "quantization": "a8w8: INT8 weights and activations, BF16 KV (None: the checkpoint's own)",
+    "quantization": "a8w8: INT8 weights and activations; fp8: block-FP8 weights (None: the checkpoint's own)",
     "speculative_config": 'MTP drafts as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'',
     "kv_transfer_config": 'prefill/decode disaggregation over NIXL as JSON, e.g. \'{"kv_connector": "nixl"}\'',
     "moe_comm": "auto|alltoall|allgather: how MoE layers move tokens between EP ranks",
@@ -488,7 +492,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    quantization: str | None = None  # "a8w8"; None = the checkpoint's own (compressed-tensors INT8) or none
+    quantization: str | None = None  # "a8w8" | "fp8"; None = the checkpoint's own (compressed-tensors INT8) or none
     speculative_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
     kv_transfer_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
     moe_comm: str = "auto"
