@@ -16,7 +16,8 @@ import typing
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MLA_DECODE_IMPLS = ("standard", "amla", "amla-triton")  # --mla-decode: absorbed decode attention
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # the KV cache is held in the model dtype
+# the KV cache is held in the model dtype, or in FP8 e4m3 (vLLM's "fp8" / "fp8_e4m3"; layers/attention/mla.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 LOGPROBS_MODES = ("raw_logprobs",)  # log-softmax of the model's logits before any processor (vLLM's default)
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -44,13 +45,17 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None = default (see kv_cache.py)
     enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (vLLM's default too)
-    cache_dtype: str = "auto"  # --kv-cache-dtype: the model dtype (auto) or that dtype named
+    cache_dtype: str = "auto"  # --kv-cache-dtype: the model dtype (auto) or that dtype named, or fp8
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.cache_dtype in ("fp8", "fp8_e4m3")
     gpu_memory_utilization: float | None = None  # share of device memory for weights + KV (engine/kv_memory.py)
 
     def __post_init__(self) -> None:
         _require(self.cache_dtype in KV_CACHE_DTYPES,
-                 f"--kv-cache-dtype {self.cache_dtype}: " + ("FP8 KV-cache storage is not supported yet; use "
-                 "auto or bfloat16" if self.cache_dtype.startswith("fp8") else
+                 f"--kv-cache-dtype {self.cache_dtype}: " + ("FP8 KV-cache storage is e4m3 only; use fp8 (or "
+                 "fp8_e4m3)" if self.cache_dtype.startswith("fp8") else
                  f"must be one of {', '.join(KV_CACHE_DTYPES)}"))
         _require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                  f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -449,7 +454,8 @@ ENGINE_HELP = {
     "master_port": "rendezvous port (None: a free port on one node)",
     "distributed_backend": "auto|gloo|nccl (auto: NCCL for CUDA, gloo otherwise)",
     "distributed_timeout": "seconds a collective may wait before the engine reports a dead rank",
-    "kv_cache_dtype": "auto|bfloat16|float16|float32: KV-cache storage, the model dtype (fp8: not yet)",
+    "kv_cache_dtype": "auto|bfloat16|float16|float32|fp8: KV-cache storage, the model dtype or FP8 e4m3 "
+                      "(half the bytes of BF16; attention upcasts what it reads)",
     "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",
     "gpu_memory_utilization": "share of the device's memory (host RAM on CPU) for weights + KV cache; the KV "
                               "pool gets what the weights leave (None: --kv-cache-memory's default sizing)",

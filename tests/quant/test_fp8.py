@@ -225,3 +225,34 @@ def test_fp8_agrees_with_bf16(ckpt_dir):
     assert acc.top1_agreement >= TOP1_MIN, acc
     assert abs(acc.ppl_quantized / acc.ppl_reference - 1) < 0.05, acc
     print(acc)
+
+
+def test_fp8_kv_cache_halves_the_bytes_and_tracks_bf16_kv():
+    """--kv-cache-dtype fp8 on the bundled trained model: e4m3 cache tensors, twice the blocks in the same
+    --kv-cache-memory, and greedy output close to the BF16 cache's (measured 232 / 256 same tokens)."""
+    prompts = ["def main():\n    ", "import os\nimport sys\n", "class Point:\n    def __init__(self", "for i in range("]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    runs = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=8 << 20)
+        runs[kv] = llm
+    bf16, fp8 = runs["auto"].engine.runner, runs["fp8"].engine.runner
+    assert bf16.kv_caches[0].dtype == torch.bfloat16 and fp8.kv_caches[0].dtype == torch.float8_e4m3fn
+    assert fp8.num_blocks // 2 == bf16.num_blocks  # floor(M / (b / 2)) vs floor(M / b)
+    want, got = ([o.outputs[0].token_ids for o in runs[kv].generate(prompts, sampling_params=params)]
+                 for kv in ("auto", "fp8"))
+    same = sum(a == b for x, y in zip(want, got) for a, b in zip(x, y))
+    assert same >= 0.75 * 4 * 64, (same, want, got)
+
+
+def test_fp8_kv_writes_clamp_and_keep_nan():
+    from moeserve.layers.attention.kv_dtype import gather_cache, write_cache
+
+    cache = torch.zeros(4, 3, dtype=torch.float8_e4m3fn)
+    rows = torch.tensor([[1e6, -1e6, 0.3], [float("nan"), 2.0, -0.01]])
+    write_cache(cache, torch.tensor([2, 0]), rows)
+    back = gather_cache(cache, torch.tensor([0, 2]), torch.float32)
+    assert back[1, 0] == 448 and back[1, 1] == -448  # saturated, not NaN
+    assert abs(back[1, 2] - 0.3) < 0.02 and back[0, 1] == 2.0
+    assert torch.isnan(back[0, 0])  # a NaN row stays visible to attention's masking
+    assert torch.equal(gather_cache(cache, torch.tensor([1, 3]), torch.float32), torch.zeros(2, 3))
