@@ -97,12 +97,18 @@ def _tiled_dequant_mm(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor)
     n, k = q.shape
     rows = max(BLOCK, (_TILE_BYTES // max(1, k * x.element_size())) // BLOCK * BLOCK)
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    col_scale = scale_inv.float().repeat_interleave(BLOCK, 1)[:, :k]  # [rb, K]: expanded along K once per call
+    scale = scale_inv.float()
+    col_scale = None if k % BLOCK == 0 else scale.repeat_interleave(BLOCK, 1)[:, :k]  # [rb, K], partial blocks
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
-        s = col_scale[r0 // BLOCK: blocks(r1)].repeat_interleave(BLOCK, 0)[: r1 - r0]
-        tile = (q[r0:r1].to(torch.float32) * s).to(x.dtype)  # [rows, K] scratch
-        torch.matmul(x, tile.t(), out=out[:, r0:r1])
+        b0, b1 = r0 // BLOCK, blocks(r1)
+        if col_scale is None and (r1 - r0) % BLOCK == 0:  # whole blocks: broadcast the scales, no expansion
+            tile = q[r0:r1].to(torch.float32).view(b1 - b0, BLOCK, k // BLOCK, BLOCK)
+            tile = tile.mul_(scale[b0:b1, None, :, None]).view(r1 - r0, k)
+        else:
+            full = col_scale if col_scale is not None else scale.repeat_interleave(BLOCK, 1)
+            tile = q[r0:r1].to(torch.float32).mul_(full[b0:b1].repeat_interleave(BLOCK, 0)[: r1 - r0])
+        torch.matmul(x, tile.to(x.dtype).t(), out=out[:, r0:r1])  # tile: [rows, K] scratch
     return out
 
 
