@@ -16,7 +16,8 @@ import typing
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MLA_DECODE_IMPLS = ("standard", "amla", "amla-triton")  # --mla-decode: absorbed decode attention
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")  # the KV cache is held in the model dtype
+# the KV cache is held in the model dtype, or in FP8 e4m3 (vLLM's "fp8" / "fp8_e4m3"; layers/attention/mla.py)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 LOGPROBS_MODES = ("raw_logprobs",)  # log-softmax of the model's logits before any processor (vLLM's default)
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -26,7 +27,7 @@ ALL2ALL_BACKENDS = {"allgather_reducescatter": "allgather", "naive": "allgather"
                     "mori_high_throughput": "alltoall", "mori_low_latency": "alltoall", "nixl_ep": "alltoall",
                     "flashinfer_all2allv": "alltoall", "flashinfer_nvlink_two_sided": "alltoall",
                     "flashinfer_nvlink_one_sided": "alltoall"}
-QUANTIZATION_METHODS = ("a8w8",)
+QUANTIZATION_METHODS = ("a8w8", "fp8")
 
 
 class ConfigError(ValueError):
@@ -44,13 +45,17 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # explicit pool size; overrides kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for the KV pool; None = default (see kv_cache.py)
     enable_prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (vLLM's default too)
-    cache_dtype: str = "auto"  # --kv-cache-dtype: the model dtype (auto) or that dtype named
+    cache_dtype: str = "auto"  # --kv-cache-dtype: the model dtype (auto) or that dtype named, or fp8
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.cache_dtype in ("fp8", "fp8_e4m3")
     gpu_memory_utilization: float | None = None  # share of device memory for weights + KV (engine/kv_memory.py)
 
     def __post_init__(self) -> None:
         _require(self.cache_dtype in KV_CACHE_DTYPES,
-                 f"--kv-cache-dtype {self.cache_dtype}: " + ("FP8 KV-cache storage is not supported yet; use "
-                 "auto or bfloat16" if self.cache_dtype.startswith("fp8") else
+                 f"--kv-cache-dtype {self.cache_dtype}: " + ("FP8 KV-cache storage is e4m3 only; use fp8 (or "
+                 "fp8_e4m3)" if self.cache_dtype.startswith("fp8") else
                  f"must be one of {', '.join(KV_CACHE_DTYPES)}"))
         _require(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
                  f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -262,8 +267,10 @@ class QuantConfig:
 
     method None = the model dtype everywhere. "a8w8": INT8 weights (per output channel) and activations (per
     token) in attention projections, dense MLPs and experts; embeddings, lm_head, router and norms stay in
-    the model dtype, the KV cache too. checkpoint_format says what the weights on disk are: "float" (BF16/FP32,
-    or DeepSeek FP8 dequantized by the loader; quantized at load) or "compressed-tensors" (INT8 + scales).
+    the model dtype, the KV cache too. "fp8": the same layers in block FP8 (e4m3 weights, a scale per 128x128
+    block, layers/fp8.py). checkpoint_format says what the weights on disk are: "float" (BF16/FP32; quantized
+    at load), "fp8" (DeepSeek block FP8: kept as is with --quantization fp8, dequantized for a8w8 or none) or
+    "compressed-tensors" (INT8 + scales).
     """
 
     method: str | None = None
@@ -273,10 +280,12 @@ class QuantConfig:
     def __post_init__(self) -> None:
         _require(self.method is None or self.method in QUANTIZATION_METHODS,
                  f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.method!r}")
-        _require(self.checkpoint_format in ("float", "compressed-tensors"),
+        _require(self.checkpoint_format in ("float", "fp8", "compressed-tensors"),
                  f"unknown checkpoint format {self.checkpoint_format!r}")
         _require(self.checkpoint_format == "float" or self.method is not None,
                  "an INT8 compressed-tensors checkpoint needs --quantization a8w8")
+        _require(self.checkpoint_format != "compressed-tensors" or self.method == "a8w8",
+                 f"an INT8 compressed-tensors checkpoint runs as --quantization a8w8, not {self.method}")
 
 
 KV_CONNECTORS = ("nixl",)
@@ -426,7 +435,7 @@ ENGINE_HELP = {
     "data_parallel_size": "attention data-parallel ranks (processes)",
     "tensor_parallel_size": "attention tensor-parallel ranks inside each DP rank",
     "enable_expert_parallel": "spread routed experts over all ranks instead of TP-sharding each one",
-    "quantization": "a8w8: INT8 weights and activations, BF16 KV (None: the checkpoint's own)",
+    "quantization": "a8w8: INT8 weights and activations; fp8: block-FP8 weights (None: the checkpoint's own)",
     "speculative_config": 'MTP drafts as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'',
     "kv_transfer_config": 'prefill/decode disaggregation over NIXL as JSON, e.g. \'{"kv_connector": "nixl"}\'',
     "moe_comm": "auto|alltoall|allgather: how MoE layers move tokens between EP ranks",
@@ -445,7 +454,8 @@ ENGINE_HELP = {
     "master_port": "rendezvous port (None: a free port on one node)",
     "distributed_backend": "auto|gloo|nccl (auto: NCCL for CUDA, gloo otherwise)",
     "distributed_timeout": "seconds a collective may wait before the engine reports a dead rank",
-    "kv_cache_dtype": "auto|bfloat16|float16|float32: KV-cache storage, the model dtype (fp8: not yet)",
+    "kv_cache_dtype": "auto|bfloat16|float16|float32|fp8: KV-cache storage, the model dtype or FP8 e4m3 "
+                      "(half the bytes of BF16; attention upcasts what it reads)",
     "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",
     "gpu_memory_utilization": "share of the device's memory (host RAM on CPU) for weights + KV cache; the KV "
                               "pool gets what the weights leave (None: --kv-cache-memory's default sizing)",
@@ -488,7 +498,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
-    quantization: str | None = None  # "a8w8"; None = the checkpoint's own (compressed-tensors INT8) or none
+    quantization: str | None = None  # "a8w8" | "fp8"; None = the checkpoint's own (compressed-tensors INT8) or none
     speculative_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
     kv_transfer_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
     moe_comm: str = "auto"

@@ -20,6 +20,9 @@ VLLM_FLAGS = [
     (["--max-model-len", "-1"], {"engine.max_model_len": None}),
     (["--max-num-batched-tokens", "8k"], {"engine.max_num_batched_tokens": 8000}),
     (["--kv-cache-dtype", "auto"], {"config.cache.cache_dtype": "auto"}),
+    (["--kv-cache-dtype", "fp8"], {"config.cache.cache_dtype": "fp8"}),
+    (["--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16"], {"config.cache.cache_dtype": "fp8_e4m3"}),
+    (["-q", "fp8"], {"engine.quantization": "fp8"}),
     (["--kv-cache-dtype", "bfloat16", "--dtype", "bfloat16"], {"config.cache.cache_dtype": "bfloat16"}),
     (["--gpu-memory-utilization", "0.9"], {"config.cache.gpu_memory_utilization": 0.9}),
     (["--kv-cache-memory-bytes", "2G"], {"config.cache.kv_cache_memory": 2 << 30}),
@@ -49,7 +52,7 @@ VLLM_FLAGS = [
 
 # (flags, words the error must contain)
 REFUSED = [
-    (["--kv-cache-dtype", "fp8"], "FP8 KV-cache storage is not supported yet"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "FP8 KV-cache storage is e4m3 only"),
     (["--kv-cache-dtype", "bfloat16", "--dtype", "float32"], "differs from --dtype float32"),
     (["--logprobs-mode", "processed_logits"], "moeserve returns raw_logprobs"),
     (["--max-logprobs", "50"], "--max-logprobs must be in 0..20"),

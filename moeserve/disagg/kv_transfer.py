@@ -105,7 +105,7 @@ class KVTransfer:
             raise KVTransferParamsError(
                 f"the prefill engine's KV layout ({len(r.kv_addrs)} tensors, {r.block_bytes} bytes per block) "
                 f"differs from this engine's ({self.num_tensors}, {self.connector.block_bytes}): run both with "
-                "the same model, dtype, --block-size and --speculative-config")
+                "the same model, dtype, --kv-cache-dtype, --block-size and --speculative-config")
         if len(r.block_ids) < self.kv.blocks_needed(r.num_tokens - 1):
             raise KVTransferParamsError(f"kv_transfer_params.remote_block_ids has {len(r.block_ids)} blocks, "
                                         f"too few for {r.num_tokens - 1} tokens")

@@ -92,9 +92,11 @@ class ModelRunner:
                                                       config.scheduler.max_model_len, config.quant,
                                                       keep_mtp=config.speculative is not None,
                                                       load_format=config.model.load_format)
-        self.num_blocks = num_kv_blocks(config, arch, self.dtype, module_bytes(self.model))
-        check_kv_pool(self.num_blocks, self.block_size, arch, self.dtype, config.speculative is not None)
-        self.kv_caches = [torch.zeros(self.num_blocks, self.block_size, arch.kv_cache_dim, dtype=self.dtype)
+        # --kv-cache-dtype fp8: the latent cache in e4m3 (written clamped, upcast on read: attention/mla.py)
+        self.kv_dtype = torch.float8_e4m3fn if config.cache.fp8_kv else self.dtype
+        self.num_blocks = num_kv_blocks(config, arch, self.kv_dtype, module_bytes(self.model))
+        check_kv_pool(self.num_blocks, self.block_size, arch, self.kv_dtype, config.speculative is not None)
+        self.kv_caches = [torch.zeros(self.num_blocks, self.block_size, arch.kv_cache_dim, dtype=self.kv_dtype)
                           for _ in range(arch.num_hidden_layers)]
         self.sampler = Sampler(config.model.seed)
         self.generators: dict[str, torch.Generator] = {}

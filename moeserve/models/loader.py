@@ -1,7 +1,9 @@
 """Load Hugging Face safetensors checkpoints into a moeserve model.
 
 - Shards listed by model.safetensors.index.json, or every *.safetensors in the folder.
-- DeepSeek FP8: float8_e4m3fn weights with `<name>_scale_inv` 128x128 block scales are dequantized.
+- DeepSeek FP8: float8_e4m3fn weights with `<name>_scale_inv` 128x128 block scales, the scale found in
+  whichever shard holds it. They reach an FP8 layer (layers/fp8.py) as Fp8Weight, untouched; any other
+  target (a float or INT8 layer) gets them dequantized, one tensor at a time.
 - MTP layers (decoder index >= num_hidden_layers) are kept aside (LoadedCheckpoint.mtp_weights) when
   speculative decoding asks for them, and otherwise never read (DeepSeek-V3's is ~14B parameters).
 - Routed experts `mlp.experts.{j}.{gate,up,down}_proj.weight` go into the stacked per-layer tensors; only
@@ -21,6 +23,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from moeserve.layers.fp8 import Fp8Weight, tp_slice_fp8
 from moeserve.layers.moe.experts import FusedExperts
 
 logger = logging.getLogger(__name__)
@@ -61,44 +64,78 @@ def checkpoint_files(path: str) -> dict[str, list[str]]:
     return {f: None for f in found}
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """DeepSeek FP8: weight [out, in] e4m3 times one scale per 128x128 block, scale_inv [ceil(out/128), ceil(in/128)]."""
+def _check_scale_shape(weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "") -> None:
     out_f, in_f = weight.shape
     expected = (-(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK))
     if tuple(scale_inv.shape) != expected:
-        raise CheckpointError(f"FP8 scale shape {tuple(scale_inv.shape)} does not match weight "
+        raise CheckpointError(f"FP8 scale {name}_scale_inv shape {tuple(scale_inv.shape)} does not match weight "
                               f"{tuple(weight.shape)} (expected {expected})")
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """DeepSeek FP8: weight [out, in] e4m3 times one scale per 128x128 block, scale_inv [ceil(out/128), ceil(in/128)]."""
+    _check_scale_shape(weight, scale_inv)
+    out_f, in_f = weight.shape
     scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
     return weight.float() * scale
 
 
-def iter_checkpoint(path: str, skip=None):
-    """Yield (name, tensor) for every weight, FP8 already dequantized to float32.
+def iter_checkpoint(path: str, skip=None, keep_fp8: bool = False):
+    """Yield (name, tensor) for every weight; FP8 weights dequantized to float32, or as Fp8Weight (the e4m3
+    tensor with its block scales) when keep_fp8.
 
     skip(name) -> True leaves a tensor unread (not loaded, not dequantized).
     """
     files = checkpoint_files(path)
+    file_names = {fname: set(names) if names is not None else set(_header_names(fname)) for fname, names in
+                  files.items()}
+    owner = {name: fname for fname, names in file_names.items() for name in names}  # scales may sit anywhere
     total = sum(os.path.getsize(f) for f in files)
     for fname in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=total < (1 << 30)):
-        try:
-            handle = safe_open(fname, framework="pt")
-        except Exception as e:  # safetensors raises several error types for damaged headers
-            raise CheckpointError(f"cannot read {fname}: the file is corrupt or not safetensors ({e})") from e
-        with handle as f:
-            names = set(f.keys())
-            for name in sorted(names):
+        with _open(fname) as f:
+            for name in sorted(file_names[fname]):
                 if name.endswith("_scale_inv") or (skip is not None and skip(name)):
                     continue
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"cannot read tensor {name} from {fname}: {e}") from e
+                tensor = _read(f, fname, name)
                 if tensor.dtype == torch.float8_e4m3fn:
-                    scale_name = name + "_scale_inv"
-                    if scale_name not in names:
-                        raise CheckpointError(f"FP8 tensor {name} in {fname} has no {scale_name}")
-                    tensor = dequantize_fp8(tensor, f.get_tensor(scale_name))
+                    tensor = _with_scale(tensor, name, fname, f, owner, keep_fp8)
                 yield name, tensor
+
+
+def _open(fname: str):
+    try:
+        return safe_open(fname, framework="pt")
+    except Exception as e:  # safetensors raises several error types for damaged headers
+        raise CheckpointError(f"cannot read {fname}: the file is corrupt or not safetensors ({e})") from e
+
+
+def _header_names(fname: str) -> list[str]:
+    with _open(fname) as f:
+        return list(f.keys())
+
+
+def _read(handle, fname: str, name: str) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {name} from {fname}: {e}") from e
+
+
+def _with_scale(q: torch.Tensor, name: str, fname: str, handle, owner: dict[str, str], keep_fp8: bool):
+    """Pair an FP8 weight with its weight_scale_inv, from this shard or another one."""
+    scale_name = name + "_scale_inv"
+    scale_file = owner.get(scale_name)
+    if scale_file is None:
+        raise CheckpointError(f"FP8 tensor {name} in {fname} has no {scale_name} in any shard")
+    if scale_file == fname:
+        scale = _read(handle, fname, scale_name)
+    else:
+        with _open(scale_file) as other:
+            scale = _read(other, scale_file, scale_name)
+    if q.dim() != 2:
+        raise CheckpointError(f"FP8 tensor {name} has shape {tuple(q.shape)}: block FP8 weights are 2-D")
+    _check_scale_shape(q, scale, name)
+    return Fp8Weight(q, scale.float()) if keep_fp8 else dequantize_fp8(q, scale)
 
 
 def has_mtp_tensors(path: str, num_hidden_layers: int) -> bool:
@@ -128,7 +165,7 @@ def load_weights(model: torch.nn.Module, path: str, keep_mtp: bool = False) -> L
     skip = None if keep_mtp else (lambda name: is_mtp_tensor(name, layers))
 
     def main_tensors():
-        for name, tensor in iter_checkpoint(path, skip):
+        for name, tensor in iter_checkpoint(path, skip, keep_fp8=True):
             result.num_tensors += 1
             if is_mtp_tensor(name, layers):
                 result.mtp_weights[name] = tensor
@@ -149,6 +186,8 @@ def load_named_tensors(model: torch.nn.Module, tensors) -> None:
     expert_modules = {n: m for n, m in modules.items() if isinstance(m, FusedExperts)}
     loaded: set[str] = set()
     for name, tensor in tensors:
+        if isinstance(tensor, Fp8Weight) and not _takes_fp8(name, modules, expert_modules):
+            tensor = tensor.dequantize()
         if (em := _EXPERT.match(name)) and em.group(1) in expert_modules:
             _load_expert(expert_modules[em.group(1)], em.group(1), int(em.group(2)), em.group(3), tensor, loaded,
                          em.group(4))
@@ -164,7 +203,9 @@ def load_named_tensors(model: torch.nn.Module, tensors) -> None:
                     _load_expert(experts, fm.group(1), j, "up_proj", up, loaded)
             continue
         owner, _, leaf = name.rpartition(".")
-        if hasattr(modules.get(owner), "tp_slice"):  # tensor-parallel layers keep their slice only
+        if isinstance(tensor, Fp8Weight):
+            tensor = tp_slice_fp8(modules[owner], tensor)
+        elif hasattr(modules.get(owner), "tp_slice"):  # tensor-parallel layers keep their slice only
             tensor = modules[owner].tp_slice(leaf, tensor)
         if getattr(modules.get(owner), "quant_method", None) is not None:  # quantized Linear: it loads itself
             loaded.update(f"{owner}.{p}" for p in _quant_call(modules[owner].quant_method.load_tensor,
@@ -178,6 +219,15 @@ def load_named_tensors(model: torch.nn.Module, tensors) -> None:
         _copy(param, tensor, name)
         loaded.add(name)
     _check_complete(model, params, expert_modules, loaded)
+
+
+def _takes_fp8(name: str, modules: dict, expert_modules: dict) -> bool:
+    """Whether checkpoint weight `name` goes into an FP8 layer (which keeps it FP8)."""
+    if (em := _EXPERT.match(name)) and em.group(1) in expert_modules:
+        return "weight_scale_inv" in expert_modules[em.group(1)].CHECKPOINT_LEAVES
+    owner, _, leaf = name.rpartition(".")
+    method = getattr(modules.get(owner), "quant_method", None)
+    return leaf == "weight" and getattr(method, "takes_fp8", False)
 
 
 def _quant_call(fn, *args) -> list[str]:

@@ -1,11 +1,12 @@
-"""Quantization at the model level: which config a checkpoint implies, and which layers take INT8.
+"""Quantization at the model level: which config a checkpoint implies, and which layers take INT8 or FP8.
 
-- resolve_quant_config: --quantization plus the checkpoint's quantization_config -> QuantConfig. DeepSeek FP8
-  ("quant_method": "fp8") is dequantized by the loader, so it is a float source; compressed-tensors W8A8 INT8
-  (as llm-compressor writes and vLLM reads) turns a8w8 on by itself, as in vLLM.
+- resolve_quant_config: --quantization plus the checkpoint's quantization_config -> QuantConfig. DeepSeek
+  block FP8 ("quant_method": "fp8", 128x128 blocks) turns fp8 on by itself (its weights stay FP8, as in
+  vLLM); with --quantization a8w8 the loader dequantizes it and the layers re-quantize to INT8.
+  compressed-tensors W8A8 INT8 (as llm-compressor writes and vLLM reads) turns a8w8 on by itself.
 - apply_quantization: on the meta-device model, before loading. Every Linear (attention projections,
-  kv_b_proj included, dense and shared MLPs) gets the INT8 method and every FusedExperts becomes
-  Int8FusedExperts, except modules the checkpoint lists in `ignore`. Embeddings, lm_head (nn.Linear),
+  kv_b_proj included, dense and shared MLPs) gets the INT8 (FP8) method and every FusedExperts becomes
+  Int8FusedExperts (Fp8FusedExperts), except modules the checkpoint lists in `ignore`. Embeddings, lm_head (nn.Linear),
   router (Router) and norms are other classes and stay in the model dtype.
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ import re
 from torch import nn
 
 from moeserve.config import ConfigError, QuantConfig
+from moeserve.layers.fp8 import BLOCK as FP8_BLOCK
+from moeserve.layers.fp8 import Fp8FusedExperts, Fp8LinearMethod
 from moeserve.layers.linear import Linear
 from moeserve.layers.moe.experts import FusedExperts
 from moeserve.layers.quant import Int8FusedExperts, Int8LinearMethod
@@ -41,14 +44,28 @@ def checkpoint_quantization(path: str) -> dict | None:
 def resolve_quant_config(requested: str | None, path: str) -> QuantConfig:
     qc = checkpoint_quantization(path)
     kind = (qc or {}).get("quant_method")
-    if qc is None or kind == "fp8":
+    if qc is None:
         return QuantConfig(method=requested)
+    if kind == "fp8":
+        _check_block_fp8(qc)
+        return QuantConfig(method=requested or "fp8", checkpoint_format="fp8")
     if kind != "compressed-tensors":
         raise ConfigError(f"checkpoint quantization {kind!r} is not supported: moeserve reads DeepSeek FP8 "
                           "block-scaled and compressed-tensors W8A8 INT8 checkpoints")
     _check_compressed_tensors(qc)
     return QuantConfig(method=requested or "a8w8", checkpoint_format="compressed-tensors",
                        ignore=tuple(qc.get("ignore") or ()))
+
+
+def _check_block_fp8(qc: dict) -> None:
+    """DeepSeek's layout: e4m3, dynamic activations, 128x128 weight blocks (what the loader reads)."""
+    block = qc.get("weight_block_size")
+    if block is not None and list(block) != [FP8_BLOCK, FP8_BLOCK]:
+        raise ConfigError(f"FP8 weight_block_size {block} is not supported: moeserve reads "
+                          f"[{FP8_BLOCK}, {FP8_BLOCK}] blocks (DeepSeek-V3's)")
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError(f"FP8 fmt {fmt!r} is not supported: moeserve reads e4m3 (float8_e4m3fn) weights")
 
 
 def _check_compressed_tensors(qc: dict) -> None:
@@ -82,12 +99,17 @@ def _experts_ignored(prefix: str, experts: FusedExperts, ignore: tuple[str, ...]
 
 
 def apply_quantization(model: nn.Module, quant: QuantConfig) -> None:
-    """Give the quantizable layers their INT8 storage (call before loading weights)."""
+    """Give the quantizable layers their INT8 / FP8 storage (call before loading weights)."""
     if quant.method is None:
         return
+    linear_method, experts_cls = ((Fp8LinearMethod, Fp8FusedExperts) if quant.method == "fp8"
+                                  else (Int8LinearMethod, Int8FusedExperts))
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear) and not is_ignored(name, quant.ignore):
-            Int8LinearMethod.create_weights(module)
+            if quant.method == "fp8":
+                linear_method.create_weights(module, float_stays_float=quant.checkpoint_format == "fp8")
+            else:
+                linear_method.create_weights(module)
         elif isinstance(module, FusedExperts) and not _experts_ignored(name, module, quant.ignore):
             parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, Int8FusedExperts.like(module))
+            setattr(model.get_submodule(parent_name), child, experts_cls.like(module))

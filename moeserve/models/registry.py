@@ -52,7 +52,7 @@ def build_model(path: str, arch: DeepseekArch, dtype: torch.dtype, max_positions
         apply_quantization(model, quant or QuantConfig())
     from moeserve.engine.kv_memory import check_fits, module_bytes
     check_fits(module_bytes(model), torch.device("cpu"), f"the weights ({arch.architecture}, {dtype})",
-               "use a smaller --dtype, --quantization a8w8, or more ranks (--tensor-parallel-size / "
+               "use a smaller --dtype, --quantization a8w8 or fp8, or more ranks (--tensor-parallel-size / "
                "--data-parallel-size with --enable-expert-parallel)")
     model.to_empty(device="cpu")
     checkpoint = dummy_weights(model) if load_format == "dummy" else load_weights(model, path, keep_mtp)

@@ -46,7 +46,8 @@ class MTPProposer:
         self.mtp = build_mtp(main_model, mtp_weights, dtype, quant)
         self.block_size = block_size
         arch = main_model.arch
-        self.kv_cache = torch.zeros(num_blocks, block_size, arch.kv_cache_dim, dtype=dtype)
+        kv_dtype = main_kv_caches[0].dtype if main_kv_caches else dtype  # FP8 when the main cache is
+        self.kv_cache = torch.zeros(num_blocks, block_size, arch.kv_cache_dim, dtype=kv_dtype)
         self.kv_caches = list(main_kv_caches) + [self.kv_cache]  # index num_hidden_layers is the MTP layer's
 
     @torch.inference_mode()

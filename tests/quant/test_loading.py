@@ -88,7 +88,7 @@ def test_fp8_block_checkpoint_is_converted_to_int8_per_channel(ckpt_dir, tmp_pat
     fp8 = str(tmp_path / "fp8")
     _write_fp8(src, fp8)
     llm = LLM(fp8, quantization="a8w8")
-    assert llm.config.quant.method == "a8w8" and llm.config.quant.checkpoint_format == "float"
+    assert llm.config.quant.method == "a8w8" and llm.config.quant.checkpoint_format == "fp8"
     file = {}
     with safe_open(os.path.join(fp8, "model.safetensors"), "pt") as f:
         for k in (LINEAR + ".weight", EXPERT + ".5.down_proj.weight"):

@@ -19,6 +19,7 @@ from moeserve.distributed.comm import timed
 from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_tp_group
 from moeserve.layers.attention import amla
+from moeserve.layers.attention.kv_dtype import gather_cache, write_cache
 from moeserve.layers.attention.metadata import get_attention_metadata
 from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
@@ -86,12 +87,12 @@ class MLAttention(nn.Module):
         cache = meta.kv_caches[self.layer_idx]
         flat_cache = cache.view(-1, cache.shape[-1])  # [num_blocks * block_size, C + dr]
         new_kv = torch.cat([latent, k_pe], dim=-1)  # [T, C + dr]
-        flat_cache.index_copy_(0, meta.slot_mapping, new_kv.to(cache.dtype))
+        write_cache(flat_cache, meta.slot_mapping, new_kv)
 
         out = x.new_empty(x.shape[0], self.num_heads * self.dv)
         for seq in meta.prefills:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
-            kv = new_kv[rows] if seq.ctx_len == seq.q_len else flat_cache[seq.slots].to(x.dtype)
+            kv = new_kv[rows] if seq.ctx_len == seq.q_len else gather_cache(flat_cache, seq.slots, x.dtype)
             out[rows] = self._prefill(q_nope[rows], q_pe[rows], kv, seq.ctx_len - seq.q_len)
         if meta.decode is not None:
             d = meta.decode
@@ -121,7 +122,7 @@ class MLAttention(nn.Module):
         if amla.decode_impl() != "standard":  # --mla-decode amla: exponent-add rescaling (amla.py)
             return amla.decode(self, q_nope, q_pe, cache, d)
         b = q_nope.shape[0]
-        kv = cache[d.block_table].view(b, -1, cache.shape[-1]).to(q_nope.dtype)  # [B, L, C + dr]
+        kv = gather_cache(cache, d.block_table, q_nope.dtype).view(b, -1, cache.shape[-1])  # [B, L, C + dr]
         # Slots past a sequence's length hold whatever their block held before (a failed request's NaN
         # included); a zero probability times NaN is NaN, so they are cleared, not only masked.
         kv = kv.masked_fill(d.mask[..., None], 0)

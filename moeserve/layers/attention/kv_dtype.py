@@ -1,0 +1,34 @@
+"""KV-cache storage dtype: the model dtype, or FP8 e4m3 with --kv-cache-dtype fp8 (half BF16's bytes).
+
+Writers go through write_cache, readers through gather_cache, which upcasts to the compute dtype. The FP8
+tensors are the cache itself (what PD disaggregation registers with NIXL and transfers, byte for byte).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_KV_MAX = 448.0  # largest finite e4m3fn
+
+
+def to_cache_dtype(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """New cache rows in the cache's dtype. FP8 (--kv-cache-dtype fp8): one per-tensor scale of 1.0, as vLLM
+    uses without calibrated scales (the latent is RMS-normed, O(1)); clamped, since a cast beyond e4m3's range
+    gives NaN. Readers upcast with .to(), which is exact for e4m3."""
+    if dtype == torch.float8_e4m3fn:
+        return kv.clamp(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+    return kv.to(dtype)
+
+
+def gather_cache(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache[index] upcast to dtype. CPU indexing has no FP8 kernels: FP8 rows are gathered as bytes."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8)[index].view(cache.dtype).to(dtype)
+    return cache[index].to(dtype)
+
+
+def write_cache(flat_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    rows = to_cache_dtype(rows, flat_cache.dtype)
+    if flat_cache.dtype == torch.float8_e4m3fn:  # no FP8 index_copy_ on CPU: copy the bytes
+        flat_cache.view(torch.uint8).index_copy_(0, slots, rows.view(torch.uint8))
+    else:
+        flat_cache.index_copy_(0, slots, rows)
