@@ -1,7 +1,7 @@
 """Decode and prefill speed against the machine's limit: BF16 and A8W8, optionally vLLM CPU beside them.
 
 Usage: python benchmarks/decode_speed.py [--batches 1 8 32 64] [--prompt-len 128] [--new-tokens 64]
-           [--prefill-prompts 8] [--repeats 3] [--threads 1] [--modes bf16 a8w8] [--enforce-eager]
+           [--prefill-prompts 8] [--repeats 3] [--threads 1] [--modes bf16 a8w8]
            [--peer vllm --vllm-python /work/vllm-venv/bin/python] [--json FILE]
 
 Model: a random checkpoint with DeepSeek-V3's real MLA dims shrunk in depth and width (hidden 1024, 8 layers,
@@ -19,7 +19,8 @@ sampling, scheduling and batch preparation).
 
 Time is this thread's CPU time (torch ops run on it with --threads 1): on a shared machine wall time also
 counts other jobs. --peer vllm runs vLLM's CPU build on the same checkpoint and prompts in a subprocess of
-its own venv (install: docs/engine.md) and times it in wall time (its worker is another process).
+its own venv (install: docs/engine.md); its engine is other processes, so then both sides are timed in wall
+time.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -137,14 +139,12 @@ def make_llm(path: str, mode: str, args):
     kw = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=max(args.batches + [args.prefill_prompts]),
               max_num_batched_tokens=max(4096, args.prefill_prompts * args.prompt_len),
               enable_prefix_caching=False)  # the same prompts run again: measure compute, not the cache
-    if args.enforce_eager:
-        kw["enforce_eager"] = True
     return LLM(path, quantization="a8w8" if mode == "a8w8" else None, **kw)
 
 
 def run_moeserve(path: str, args) -> dict:
     llms = {m: make_llm(path, m, args) for m in args.modes}
-    for llm in llms.values():  # warm-up: every batch size once (compiled graphs, allocator)
+    for llm in llms.values():  # warm-up: every batch size once (allocator, oneDNN primitives)
         for b in args.batches:
             decode_tps(llm, b, args.prompt_len, 4, salt=0)
         prefill_tps(llm, args.prefill_prompts, args.prompt_len, salt=0)
@@ -174,41 +174,57 @@ def run_moeserve(path: str, args) -> dict:
 
 VLLM_SCRIPT = r"""
 import json, sys, time
-from vllm import LLM, SamplingParams
-from vllm.inputs import TokensPrompt
-a = json.loads(sys.argv[1])
-llm = LLM(a["path"], dtype="bfloat16", max_model_len=1024, max_num_seqs=max(a["batches"] + [a["prefill_prompts"]]),
-          max_num_batched_tokens=max(4096, a["prefill_prompts"] * a["prompt_len"]), enable_prefix_caching=False,
-          seed=0)
-def prompts(b, salt):
-    return [TokensPrompt(prompt_token_ids=[(7 * i + 13 * salt + j) % 31000 + 2 for j in range(a["prompt_len"])])
-            for i in range(b)]
-def gen(b, n, salt):
-    t = time.perf_counter()
-    llm.generate(prompts(b, salt), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    return time.perf_counter() - t
-out = {"decode": {}, "prefill": []}
-for b in a["batches"]:
-    gen(b, 4, 0)
-    runs = []
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    a = json.loads(sys.argv[1])
+    # on CPU gpu_memory_utilization is the share of host memory vLLM reserves (weights + KV): a small one
+    llm = LLM(a["path"], dtype="bfloat16", max_model_len=1024, seed=0, enable_prefix_caching=False,
+              gpu_memory_utilization=a["memory_fraction"],
+              max_num_seqs=max(a["batches"] + [a["prefill_prompts"]]),
+              max_num_batched_tokens=max(4096, a["prefill_prompts"] * a["prompt_len"]))
+
+    def prompts(b, salt):
+        return [TokensPrompt(prompt_token_ids=[(7 * i + 13 * salt + j) % 31000 + 2 for j in range(a["prompt_len"])])
+                for i in range(b)]
+
+    def gen(b, n, salt):
+        t = time.perf_counter()
+        llm.generate(prompts(b, salt), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    out = {"decode": {}, "prefill": []}
+    for b in a["batches"]:
+        gen(b, 4, 0)
+        runs = []
+        for r in range(a["repeats"]):
+            pre = gen(b, 1, r + 1)
+            runs.append(b * (a["new_tokens"] - 1) / max(gen(b, a["new_tokens"], r + 1) - pre, 1e-9))
+        out["decode"][b] = runs
     for r in range(a["repeats"]):
-        pre = gen(b, 1, r + 1)
-        runs.append(b * (a["new_tokens"] - 1) / max(gen(b, a["new_tokens"], r + 1) - pre, 1e-9))
-    out["decode"][b] = runs
-for r in range(a["repeats"]):
-    out["prefill"].append(a["prefill_prompts"] * a["prompt_len"] / gen(a["prefill_prompts"], 1, 100 + r))
-print("VLLM_RESULT " + json.dumps(out), flush=True)
+        out["prefill"].append(a["prefill_prompts"] * a["prompt_len"] / gen(a["prefill_prompts"], 1, 100 + r))
+    print("VLLM_RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":  # vLLM starts its engine core by spawn, which imports this file again
+    main()
 """
 
 
 def run_vllm(path: str, args) -> dict | None:
     spec = dict(path=path, batches=args.batches, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                prefill_prompts=args.prefill_prompts, repeats=args.repeats)
+                prefill_prompts=args.prefill_prompts, repeats=args.repeats, memory_fraction=args.vllm_memory_fraction)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if args.threads == 1 else "all",
                OMP_NUM_THREADS=str(args.threads), VLLM_TARGET_DEVICE="cpu")
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run([args.vllm_python, "-c", VLLM_SCRIPT, json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=3600)
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "vllm_peer.py")
+        with open(script, "w") as f:
+            f.write(VLLM_SCRIPT)
+        proc = subprocess.run([args.vllm_python, script, json.dumps(spec)], env=env, cwd=tmp,
+                              capture_output=True, text=True, timeout=3600)
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
             raw = json.loads(line[len("VLLM_RESULT "):])
@@ -217,7 +233,7 @@ def run_vllm(path: str, args) -> dict | None:
                 print(f"vllm batch {b:3d}: {res['decode'][b]['median']:8.1f} tok/s", flush=True)
             print(f"vllm prefill: {res['prefill']['median']:8.1f} tok/s", flush=True)
             return res
-    print("vLLM peer failed (exit %d):\n%s" % (proc.returncode, proc.stderr[-3000:]), flush=True)
+    print("vLLM peer failed (exit %d):\n%s" % (proc.returncode, proc.stderr[-8000:]), flush=True)
     return None
 
 
@@ -260,12 +276,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--modes", nargs="+", default=["bf16", "a8w8"], choices=["bf16", "a8w8"])
-    ap.add_argument("--enforce-eager", action="store_true", help="the engine's eager path (no compiled graphs)")
     ap.add_argument("--peer", choices=["vllm"], default=None)
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    ap.add_argument("--vllm-memory-fraction", type=float, default=0.2,
+                    help="vLLM CPU: share of host memory it reserves (its --gpu-memory-utilization)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    global CLOCK
+    if args.peer:  # vLLM's engine runs in other processes: both sides in wall time then
+        CLOCK = time.perf_counter
     path = v3_checkpoint()
     res = run_moeserve(path, args)
     peer = run_vllm(path, args) if args.peer == "vllm" else None
