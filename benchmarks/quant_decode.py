@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import BENCH_CONFIG, bench_checkpoint  # noqa: E402
-from moeserve.layers.quant import int8_linear, quantize_per_channel, quantize_per_token  # noqa: E402
+from moeserve.layers.quant import Int8Packed, int8_linear, quantize_per_channel, quantize_per_token  # noqa: E402
 
 
 def _best_ms(fn, repeats: int = 64) -> float:
@@ -34,7 +34,7 @@ def _best_ms(fn, repeats: int = 64) -> float:
 
 
 def gemm_table(batch_rows: list[int], copies: int = 64) -> list[dict]:
-    """INT8 linear (quantize x, _int_mm, dequantize) vs BF16 F.linear on bench shapes [M, K] x [N, K].
+    """INT8 linear (quantize x, oneDNN packed GEMM, dequantize) vs BF16 F.linear on bench shapes [M, K] x [N, K].
 
     Each call uses the next of `copies` distinct weights (64 = one layer's experts), so weights come from
     memory as in the model rather than from cache."""
@@ -44,10 +44,11 @@ def gemm_table(batch_rows: list[int], copies: int = 64) -> list[dict]:
     for name, (n, k) in shapes.items():
         ws = [torch.randn(n, k) * 0.02 for _ in range(copies)]
         wb, wq = [w.to(torch.bfloat16) for w in ws], [quantize_per_channel(w) for w in ws]
+        packs = [Int8Packed.of(q, s) for q, s in wq]  # as the engine packs them at load
         for m in batch_rows:
             x = torch.randn(m, k, dtype=torch.bfloat16)
             bf16 = _best_ms(lambda r: F.linear(x, wb[r % copies]))
-            int8 = _best_ms(lambda r: int8_linear(x, *wq[r % copies]))
+            int8 = _best_ms(lambda r: int8_linear(x, *wq[r % copies], packed=packs[r % copies]))
             rows.append(dict(shape=name, M=m, N=n, K=k, bf16_ms=bf16, int8_ms=int8, speedup=bf16 / int8))
     return rows
 

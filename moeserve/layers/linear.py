@@ -46,6 +46,12 @@ class Linear(nn.Module):
             return tensor if self.tp_rank == 0 else torch.zeros_like(tensor)
         return tensor  # row parallel: every rank has all output rows
 
+    def process_weights_after_loading(self) -> None:
+        """A quantization method may lay its weights out for its kernels once loaded (INT8: oneDNN packing)."""
+        prepare = getattr(self.quant_method, "process_weights_after_loading", None)
+        if prepare is not None:
+            prepare(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)

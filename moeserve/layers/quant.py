@@ -3,8 +3,10 @@ token at run time, INT32 accumulation, dequantized epilogue in float32.
 
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]      (+ bias)
 
-The INT32 GEMM is torch._int_mm where it runs (CPU: oneDNN s8s8s32, measured faster than BF16 here; CUDA:
-cuBLASLt when M > 16 and K, N are multiples of 8); elsewhere an exact float fallback (see int8_mm).
+On CPU the weights are packed once at load into oneDNN's blocked INT8 layout (Int8Packed: VNNI / AMX
+kernels, onednn.qlinear_pointwise with the weight scales in its epilogue, float32 out); without oneDNN the
+INT32 GEMM is torch._int_mm where it runs (CUDA: cuBLASLt when M > 16 and K, N are multiples of 8), else an
+exact float fallback (see int8_mm).
 
 Plugged in at the layer level, never in the model file:
 - Linear gets an Int8LinearMethod (quant_method attribute): int8 `weight` [out, in] + `weight_scale` [out, 1]
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.moe.experts import FusedExperts
+from moeserve.layers.moe.experts import FusedExperts, group_rows
 
 QMAX = 127  # symmetric range [-127, 127]; -128 unused so that negation is exact
 _EPS = 1e-12  # scale floor: an all-zero row quantizes to zeros instead of dividing by zero
@@ -39,13 +41,14 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] float -> (q int8 [T, K], scale float32 [T, 1]), one dynamic scale per row (token).
 
-    The hot path, so fewer passes than quantize_per_channel (measured: BF16 reductions are ~4x slower than
-    float32 ones here, hence one conversion first): max(amax, -amin) instead of an abs() temporary, a multiply
-    by the reciprocal, and no clamp (|x| * 127 / amax <= 127 up to one ulp, which rounds to 127)."""
-    xf = x.float()
-    amax = torch.maximum(xf.amax(dim=-1, keepdim=True), xf.amin(dim=-1, keepdim=True).neg_())
-    scale = amax.div_(QMAX).clamp_(min=_EPS)
-    return (xf * scale.reciprocal()).round_().to(torch.int8), scale
+    The hot path, so few passes (measured: BF16 reductions are ~4x slower than float32 ones here, hence one
+    conversion first, into a private copy the later passes work on in place): one aminmax instead of an
+    abs() temporary, a multiply by the reciprocal, and no clamp (|x| * 127 / amax <= 127 up to one ulp,
+    which rounds to 127)."""
+    xf = x.to(torch.float32, copy=True)
+    lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
+    scale = torch.maximum(hi, lo.neg_()).div_(QMAX).clamp_(min=_EPS)
+    return xf.mul_(scale.reciprocal()).round_().to(torch.int8), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -84,14 +87,48 @@ def _int8_mm_fallback(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] float; wq [N, K] int8; w_scale [N, 1] float32 -> [..., N] in x.dtype."""
+                bias: torch.Tensor | None = None, packed: "Int8Packed | None" = None) -> torch.Tensor:
+    """x [..., K] float; wq [N, K] int8; w_scale [N, 1] float32 -> [..., N] in x.dtype.
+    `packed` (the same weight, packed at load) runs the GEMM and the weight-scale epilogue in oneDNN."""
     lead = x.shape[:-1]
     xq, xs = quantize_per_token(x.reshape(-1, x.shape[-1]))  # [M, K] int8, [M, 1]
-    y = int8_mm(xq, wq).float().mul_(xs).mul_(w_scale.view(1, -1))  # [M, N] float32
+    if packed is not None:
+        y = packed.mm_scaled(xq).mul_(xs)  # [M, N] float32
+    else:
+        y = torch.mul(int8_mm(xq, wq), w_scale.view(1, -1)).mul_(xs)  # int32 * float32 -> float32, as packed
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype).view(*lead, wq.shape[0])
+
+
+class Int8Packed:
+    """One INT8 weight [N, K] with per-row scales, packed once for oneDNN (the CPU's VNNI / AMX INT8 kernels).
+
+    mm_scaled(xq) = (xq @ w.T) * w_scale in float32: exact INT32 accumulation, then one float32 multiply per
+    element, the same arithmetic as int8_mm(...).float() * w_scale. Where oneDNN does not run (CUDA, a
+    build without it) `of` returns None and callers keep the int8_mm path."""
+
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
+        self.packed = packed
+        self.scale = scale.reshape(-1).float().contiguous()  # [N]
+        self.zero_points = torch.zeros(self.scale.numel(), dtype=torch.long)
+
+    @classmethod
+    def of(cls, wq: torch.Tensor, w_scale: torch.Tensor) -> "Int8Packed | None":
+        if wq.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return None
+        try:
+            return cls(torch.ops.onednn.qlinear_prepack(wq.contiguous(), None), w_scale)
+        except (RuntimeError, AttributeError, NotImplementedError):
+            return None
+
+    def mm_scaled(self, xq: torch.Tensor) -> torch.Tensor:
+        # One row goes in as two: oneDNN's single-row path has a cliff at some shapes (K = 256: 100-200x
+        # slower than two rows, measured on torch 2.13); two rows take its GEMM kernel.
+        x = xq.repeat(2, 1) if xq.shape[0] == 1 else xq
+        y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, self.packed, self.scale, self.zero_points, None,
+                                               1.0, 0, torch.float32, "none", [], "")
+        return y[:1] if xq.shape[0] == 1 else y
 
 
 def _checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -139,8 +176,14 @@ class Int8LinearMethod:
         return [leaf]
 
     @staticmethod
+    def process_weights_after_loading(layer: nn.Module) -> None:
+        """Pack the loaded weight for oneDNN once (a plain attribute, not a parameter: the state dict and the
+        loader keep seeing weight / weight_scale)."""
+        layer.weight_packed = Int8Packed.of(layer.weight.data, layer.weight_scale.data)
+
+    @staticmethod
     def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, layer.weight, layer.weight_scale, layer.bias)
+        return int8_linear(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "weight_packed", None))
 
     @staticmethod
     def dequantized_weight(layer: nn.Module) -> torch.Tensor:
@@ -200,33 +243,48 @@ class Int8FusedExperts(FusedExperts):
         """(w13, w2) in float32, for references and checks."""
         return dequantize(self.w13, self.w13_scale[..., None]), dequantize(self.w2, self.w2_scale[..., None])
 
+    def process_weights_after_loading(self) -> None:
+        """Pack every expert's two projections for oneDNN once (again after EPLB moved weights)."""
+        packs = [(Int8Packed.of(self.w13.data[e], self.w13_scale.data[e]),
+                  Int8Packed.of(self.w2.data[e], self.w2_scale.data[e])) for e in range(self.num_local_experts)]
+        self.packed = packs if all(a is not None and b is not None for a, b in packs) else None
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Same contract as FusedExperts.forward: x [N, H], expert_ids [N] (-1 skipped), weights [N]."""
         assert x.dim() == 2 and expert_ids.shape == weights.shape == (x.shape[0],)
         out = torch.zeros_like(x)
-        order = expert_ids.argsort(stable=True)
-        counts = torch.bincount(expert_ids.clamp(min=-1) + 1, minlength=self.num_local_experts + 1).tolist()
-        rows = order[counts[0]:]  # [R] our rows, grouped by expert (-1 rows sort first)
+        if x.shape[0] == 0:
+            return out
+        order, offs, _ = group_rows(expert_ids, self.num_local_experts)
+        # The one host sync of the INT8 path: no maintained grouped INT8 GEMM runs on CPU (torch._grouped_mm
+        # takes float types only), so each busy expert is one oneDNN call on its slice of rows.
+        bounds = [0] + offs.tolist()
+        rows = order[:bounds[-1]]  # [R] our rows, grouped by expert
         if rows.numel() == 0:
             return out
         ids = expert_ids[rows]  # [R]
+        packed = getattr(self, "packed", None)
         xq, xs = quantize_per_token(x[rows])  # [R, H] int8, [R, 1]
-        h = self._grouped_mm(xq, self.w13, counts[1:])  # [R, 2I] int32
-        h = h.float().mul_(xs).mul_(self.w13_scale[ids])
+        h = self._grouped_mm(xq, self.w13, self.w13_scale, bounds, packed, 0, ids).mul_(xs)  # [R, 2I] float32
         gate, up = h.split(self.intermediate, dim=-1)
         aq, a_s = quantize_per_token(F.silu(gate) * up)  # [R, I] int8, [R, 1]
-        y = self._grouped_mm(aq, self.w2, counts[1:])  # [R, H] int32
-        y = y.float().mul_(a_s * weights[rows, None]).mul_(self.w2_scale[ids])
-        out[rows] = y.to(x.dtype)
+        y = self._grouped_mm(aq, self.w2, self.w2_scale, bounds, packed, 1, ids)  # [R, H] float32
+        out[rows] = y.mul_(a_s * weights[rows, None]).to(x.dtype)
         return out
 
     @staticmethod
-    def _grouped_mm(aq: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """aq [R, K] int8 grouped by expert (counts[e] rows each), w [E, N, K] int8 -> [R, N] int32."""
-        acc = torch.empty(aq.shape[0], w.shape[1], dtype=torch.int32, device=aq.device)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                int8_mm(aq[start:start + n], w[e], out=acc[start:start + n])
-                start += n
-        return acc
+    def _grouped_mm(aq: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bounds: list[int], packed,
+                    proj: int, ids: torch.Tensor) -> torch.Tensor:
+        """aq [R, K] int8 grouped by expert (rows bounds[e]..bounds[e+1]), w [E, N, K] int8, scale [E, N]
+        -> [R, N] float32 = (aq @ w[e].T) * scale[e] per group."""
+        if packed is None:
+            acc = torch.empty(aq.shape[0], w.shape[1], dtype=torch.int32, device=aq.device)
+            for e in range(len(bounds) - 1):
+                if bounds[e + 1] > bounds[e]:
+                    int8_mm(aq[bounds[e]:bounds[e + 1]], w[e], out=acc[bounds[e]:bounds[e + 1]])
+            return acc.float().mul_(scale[ids])
+        out = torch.empty(aq.shape[0], w.shape[1], dtype=torch.float32, device=aq.device)
+        for e in range(len(bounds) - 1):
+            if bounds[e + 1] > bounds[e]:
+                out[bounds[e]:bounds[e + 1]] = packed[e][proj].mm_scaled(aq[bounds[e]:bounds[e + 1]])
+        return out

@@ -123,7 +123,8 @@ def predict(prof: dict, batch: int, context: float, ops_per_step: float, gemms_p
             "overhead_ms": st.overhead * 1e3}
 
 
-GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm")  # linear stays whole under inference_mode
+GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_grouped_mm",
+            "qlinear_pointwise")  # linear stays whole under inference_mode
 
 
 def count_ops(engine) -> tuple[int, int]:

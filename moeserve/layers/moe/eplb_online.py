@@ -138,4 +138,7 @@ class _Move:
             param.data.copy_(out)
         self.block.expert_map = ExpertMap(self.placement)
         self.block.experts.slot_experts = self.placement.local_slot_experts()
+        repack = getattr(self.block.experts, "process_weights_after_loading", None)
+        if repack is not None:  # INT8 experts: their oneDNN packs hold the old slots' weights
+            repack()
         logger.debug("EPLB moved %d expert copies in layer %d", len(self.arrived), self.block.layer_idx)

@@ -70,41 +70,32 @@ class FusedExperts(nn.Module):
         """
         assert x.dim() == 2 and expert_ids.shape == weights.shape == (x.shape[0],)
         x = x.to(self.w13.dtype)  # e.g. float32 rows decoded from an INT8 dispatch payload
-        out = torch.zeros_like(x)
         if x.shape[0] == 0:
-            return out
-        order = expert_ids.argsort(stable=True)
-        counts = torch.bincount(expert_ids.clamp(min=-1) + 1, minlength=self.num_local_experts + 1).tolist()
-        active = sum(1 for n in counts[1:] if n)
-        if 2 * active >= self.num_local_experts and max(counts[1:]) * self.num_local_experts <= 4 * (
-                x.shape[0] - counts[0]):
-            return self._forward_batched(x, expert_ids, weights, order, counts)
-        start = counts[0]  # rows routed elsewhere (-1) sort first
-        for e, n in enumerate(counts[1:]):
-            if n == 0:
-                continue
-            rows = order[start:start + n]
-            start += n
-            h = F.linear(x[rows], self.w13[e])
-            gate, up = h.split(self.intermediate, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[e])
-            out[rows] = (y.float() * weights[rows, None]).to(x.dtype)
+            return torch.zeros_like(x)
+        order, offs, valid = group_rows(expert_ids, self.num_local_experts)
+        y = self.grouped_forward(x[order], offs)  # [N, H], rows past offs[-1] undefined
+        w = torch.where(valid, weights[order], 0.0)[:, None]
+        out = torch.empty_like(x)
+        out[order] = torch.where(valid[:, None], y.float() * w, 0.0).to(x.dtype)
         return out
 
-    def _forward_batched(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                         order: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Most experts busy (large decode batches): one padded bmm over all experts instead of a Python
-        loop of small GEMMs. Measured 2-3x faster at ~4 rows per expert (docs/engine.md)."""
-        rows = order[counts[0]:]  # [n] rows we compute, grouped by expert
-        ids = expert_ids[rows]  # [n] ascending
-        per_expert = torch.tensor(counts[1:])
-        starts = per_expert.cumsum(0) - per_expert
-        pos = torch.arange(rows.numel()) - starts[ids]  # row's index inside its expert's group
-        buf = x.new_zeros(self.num_local_experts, max(counts[1:]), x.shape[1])  # [E, max_rows, H]
-        buf[ids, pos] = x[rows]
-        h = torch.bmm(buf, self.w13.transpose(1, 2))  # [E, max_rows, 2I]
+    def grouped_forward(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """SwiGLU experts over rows grouped by expert: expert e takes rows [offs[e-1], offs[e]).
+
+        torch._grouped_mm runs one GEMM per group over exactly its rows (empty groups cost nothing), with no
+        host synchronisation and no Python loop; the stacked weights are used in place, transposed views."""
+        h = torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)  # [N, 2I]
         gate, up = h.split(self.intermediate, dim=-1)
-        y = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # [E, max_rows, H]
-        out = torch.zeros_like(x)
-        out[rows] = (y[ids, pos].float() * weights[rows, None]).to(x.dtype)
-        return out
+        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)  # [N, H]
+
+
+def group_rows(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows grouped by expert, as tensor ops (no host sync): (order [N] the rows in group order, offs [E]
+    int32 end offset of each expert's group, valid [N] whether row order[i] is ours). Rows of other ranks
+    (-1) sort after every group, so no GEMM touches them."""
+    key = torch.where(expert_ids < 0, num_experts, expert_ids)
+    order = key.argsort(stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=key.device).scatter_add_(
+        0, key, torch.ones_like(key))
+    offs = counts[:num_experts].cumsum(0).to(torch.int32)
+    return order, offs, key[order] < num_experts
