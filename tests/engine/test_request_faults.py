@@ -130,10 +130,11 @@ def test_dp2_engine_fails_the_nan_request_alone(nan_path, reference):
         dp.shutdown()
 
 
-def test_stale_nan_in_free_kv_slots_changes_no_output(ckpt_dir, reference):
+@pytest.mark.parametrize("decode", ["standard", "amla"])
+def test_stale_nan_in_free_kv_slots_changes_no_output(ckpt_dir, reference, decode):
     """Blocks are reused without clearing: slots past a sequence's length may hold an earlier request's NaN.
-    Attention must ignore them exactly (a zero probability times NaN is still NaN)."""
-    llm = LLM(ckpt_dir("v3"), max_model_len=256, dtype="float32", block_size=16)
+    Attention must ignore them exactly (a zero probability times NaN is still NaN), on every decode path."""
+    llm = LLM(ckpt_dir("v3"), max_model_len=256, dtype="float32", block_size=16, mla_decode=decode)
     for cache in llm.engine.runner.kv_caches:
         cache.fill_(math.nan)
     assert [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=GOOD, sampling_params=GREEDY)] == reference

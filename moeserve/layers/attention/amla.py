@@ -28,7 +28,7 @@ import math
 import torch
 
 from moeserve.config import MLA_DECODE_IMPLS
-from moeserve.layers.attention.kv_dtype import gather_cache
+from moeserve.layers.attention.kv_dtype import gather_decode_context
 
 IMPLS = MLA_DECODE_IMPLS
 LOG2E = 1.0 / math.log(2.0)
@@ -106,7 +106,7 @@ def amla_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, scale:
 def decode(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, d) -> torch.Tensor:
     """MLAttention._decode through AMLA: the same absorbed query and W_UV as the standard path."""
     b = q_nope.shape[0]
-    kv = gather_cache(cache, d.block_table, q_nope.dtype).view(b, -1, cache.shape[-1])  # [B, L, C + dr]
+    kv = gather_decode_context(cache, d, q_nope.dtype)  # [B, L, C + dr]
     q_lat = torch.bmm(q_nope.transpose(0, 1), attn.w_uk).transpose(0, 1)  # [B, H, C]
     q_full = torch.cat([q_lat, q_pe], dim=-1)
     if _impl == "amla-triton":

@@ -26,6 +26,15 @@ def gather_cache(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -
     return cache[index].to(dtype)
 
 
+def gather_decode_context(cache: torch.Tensor, d, dtype: torch.dtype) -> torch.Tensor:
+    """Each decode sequence's context [B, L, C + dr] from its block table, upcast to dtype. Slots past a
+    sequence's length hold whatever their block held before (a failed request's NaN included); a zero
+    probability times NaN is NaN, so they are cleared, not only masked."""
+    b = d.block_table.shape[0]
+    kv = gather_cache(cache, d.block_table, dtype).view(b, -1, cache.shape[-1])
+    return kv.masked_fill(d.mask[..., None], 0)
+
+
 def write_cache(flat_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     rows = to_cache_dtype(rows, flat_cache.dtype)
     if flat_cache.dtype == torch.float8_e4m3fn:  # no FP8 index_copy_ on CPU: copy the bytes

@@ -19,7 +19,7 @@ from moeserve.distributed.comm import timed
 from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_tp_group
 from moeserve.layers.attention import amla
-from moeserve.layers.attention.kv_dtype import gather_cache, write_cache
+from moeserve.layers.attention.kv_dtype import gather_cache, gather_decode_context, write_cache
 from moeserve.layers.attention.metadata import get_attention_metadata
 from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
@@ -122,10 +122,7 @@ class MLAttention(nn.Module):
         if amla.decode_impl() != "standard":  # --mla-decode amla: exponent-add rescaling (amla.py)
             return amla.decode(self, q_nope, q_pe, cache, d)
         b = q_nope.shape[0]
-        kv = gather_cache(cache, d.block_table, q_nope.dtype).view(b, -1, cache.shape[-1])  # [B, L, C + dr]
-        # Slots past a sequence's length hold whatever their block held before (a failed request's NaN
-        # included); a zero probability times NaN is NaN, so they are cleared, not only masked.
-        kv = kv.masked_fill(d.mask[..., None], 0)
+        kv = gather_decode_context(cache, d, q_nope.dtype)  # [B, L, C + dr]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [B, H, C]
         q_full = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, C + dr]
         scores = torch.bmm(q_full, kv.transpose(1, 2)).float() * self.scale  # [B, H, L]
