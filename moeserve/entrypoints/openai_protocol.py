@@ -50,6 +50,18 @@ def validation_error(e: ValidationError) -> APIError:
     return APIError(f"invalid value for '{field}': {err['msg']}", param=field.split(".")[0])
 
 
+
+def chat_request_from(chat: dict, body: dict, passthrough: tuple[str, ...]) -> "ChatCompletionRequest":
+    """Another API's request (/v1/responses, /v1/messages) as the chat request it is served by: `chat` holds
+    the translated fields, `passthrough` names the body's fields that keep their chat meaning when set."""
+    if chat.get("stream"):
+        chat["stream_options"] = {"include_usage": True}  # their final event carries the usage
+    chat.update({k: body[k] for k in passthrough if body.get(k) is not None})
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list", "TextPart"}
 
 

@@ -13,9 +13,8 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
-from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, validation_error
+from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, chat_request_from
 
 SERVED = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
           "tools", "tool_choice", "metadata"}
@@ -94,17 +93,9 @@ def to_chat_request(body: dict) -> ChatCompletionRequest:
         raise APIError("'max_tokens' is required (an integer)", param="max_tokens")
     chat = {"model": body.get("model"), "messages": _messages(body), "max_tokens": body["max_tokens"],
             "stream": bool(body.get("stream")), **_tools(body)}
-    if body.get("stream"):
-        chat["stream_options"] = {"include_usage": True}
     if body.get("stop_sequences"):
         chat["stop"] = body["stop_sequences"]
-    for k in ("temperature", "top_p", "top_k"):
-        if body.get(k) is not None:
-            chat[k] = body[k]
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    return chat_request_from(chat, body, ("temperature", "top_p", "top_k"))
 
 
 def _stop(choice: dict) -> tuple[str, str | None]:

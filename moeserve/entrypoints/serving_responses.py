@@ -16,9 +16,8 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
-from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, validation_error
+from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, chat_request_from
 
 SERVED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
           "parallel_tool_calls", "stream", "text", "metadata", "user", "store", "truncation", "include",
@@ -130,18 +129,11 @@ def to_chat_request(body: dict) -> ChatCompletionRequest:
                            param=field)
     chat = {"model": body.get("model"), "messages": _messages(body), "stream": bool(body.get("stream")),
             **_tools(body), **_format(body)}
-    if body.get("stream"):
-        chat["stream_options"] = {"include_usage": True}
     if body.get("max_output_tokens") is not None:
         chat["max_tokens"] = body["max_output_tokens"]
-    for k in ("temperature", "top_p", "parallel_tool_calls", "user", "top_k", "min_p", "seed", "stop",
-              "repetition_penalty", "presence_penalty", "frequency_penalty", "chat_template_kwargs"):
-        if body.get(k) is not None:
-            chat[k] = body[k]
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as e:
-        raise validation_error(e) from None
+    return chat_request_from(chat, body, (
+        "temperature", "top_p", "parallel_tool_calls", "user", "top_k", "min_p", "seed", "stop",
+        "repetition_penalty", "presence_penalty", "frequency_penalty", "chat_template_kwargs"))
 
 
 class ResponsesServing:
