@@ -6,7 +6,7 @@ import itertools
 
 from tqdm import tqdm
 
-from moeserve.config import EngineArgs
+from moeserve.engine_args import EngineArgs
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.request import RequestStatus
 from moeserve.engine.resolve import resolve_engine_config

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from moeserve.config import ConfigError, EngineArgs
+from moeserve.config import ConfigError
+
+from moeserve.engine_args import EngineArgs
 
 
 def _nccl_usable() -> bool:

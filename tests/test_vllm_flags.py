@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from moeserve.cli import build_parser, main
-from moeserve.config import ConfigError, EngineArgs
+from moeserve.config import ConfigError
+from moeserve.engine_args import EngineArgs
 from moeserve.entrypoints.serve_cli import build_configs
 
 # (flags as a vLLM user types them, {"engine."/"server."/"config." attribute path: expected value})

@@ -6,7 +6,9 @@ direction.
 """
 from __future__ import annotations
 
-from moeserve.config import EngineArgs, EngineConfig
+from moeserve.config import EngineConfig
+
+from moeserve.engine_args import EngineArgs
 from moeserve.models.quantization import resolve_quant_config
 from moeserve.models.registry import resolve_model_path
 

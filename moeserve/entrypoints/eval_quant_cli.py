@@ -8,7 +8,7 @@ import sys
 import sysconfig
 
 from moeserve.cli import HelpFormatter
-from moeserve.config import EngineArgs
+from moeserve.engine_args import EngineArgs
 
 DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "calendar.py")  # held out by the bundled model
 

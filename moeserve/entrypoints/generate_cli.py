@@ -6,7 +6,7 @@ import time
 
 from moeserve.cli import HelpFormatter
 from moeserve.config_file import CONFIG_HELP
-from moeserve.config import EngineArgs
+from moeserve.engine_args import EngineArgs
 
 
 def register(sub) -> None:

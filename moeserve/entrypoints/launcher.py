@@ -32,7 +32,9 @@ import sys
 import tempfile
 import time
 
-from moeserve.config import EngineArgs, ServerConfig
+from moeserve.config import ServerConfig
+
+from moeserve.engine_args import EngineArgs
 from moeserve.entrypoints.api_server import ApiServerSpec, listen_socket, run_api_server
 from moeserve.entrypoints.engine_core_proc import run_engine_core
 

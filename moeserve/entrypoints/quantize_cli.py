@@ -7,7 +7,7 @@ import sys
 import time
 
 from moeserve.cli import HelpFormatter
-from moeserve.config import _parse_size
+from moeserve.engine_args import _parse_size
 
 
 def register(sub) -> None:

@@ -6,7 +6,8 @@ import os
 
 from moeserve.cli import HelpFormatter
 from moeserve.config_file import CONFIG_HELP
-from moeserve.config import DEFAULT_MAX_REQUEST_BODY, EngineArgs, ServerConfig
+from moeserve.config import DEFAULT_MAX_REQUEST_BODY, ServerConfig
+from moeserve.engine_args import EngineArgs
 
 
 def register(sub) -> None:

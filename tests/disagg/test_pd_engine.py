@@ -198,7 +198,8 @@ def test_pd_with_mtp_equals_unified_mtp(mtp_ckpt_dir):
 
 
 def test_kv_transfer_config_errors_name_the_flag():
-    from moeserve.config import ConfigError, EngineArgs, KVTransferConfig
+    from moeserve.config import ConfigError, KVTransferConfig
+    from moeserve.engine_args import EngineArgs
     for value, words in [('{"kv_connector": "tcp"}', "kv_connector"), ('{"kv_role": "x"}', "kv_role"),
                          ('{"kv_port": 70000}', "kv_port"), ('{"colour": 1}', "unknown key"),
                          ("not json", "JSON object"), ('{"kv_hold_timeout": 0}', "kv_hold_timeout")]:
@@ -210,7 +211,8 @@ def test_kv_transfer_config_errors_name_the_flag():
 
 
 def test_a_pd_engine_needs_the_deployment_secret(monkeypatch):
-    from moeserve.config import ConfigError, EngineArgs
+    from moeserve.config import ConfigError
+    from moeserve.engine_args import EngineArgs
     monkeypatch.delenv(trust.SECRET_ENV, raising=False)
     for kvt, words in [({"kv_connector": "nixl"}, "MOESERVE_KV_SECRET"), ({"kv_secret": "short"}, ">= 16")]:
         with pytest.raises(ConfigError, match=words):

@@ -186,6 +186,6 @@ def test_without_targets_admission_is_plain_fcfs_even_before_calibration():
 
 
 def test_targets_with_tensor_parallelism_are_refused():
-    from moeserve.config import EngineArgs
+    from moeserve.engine_args import EngineArgs
     with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
         EngineArgs(model="m", tensor_parallel_size=2, slo_ttft_ms=100.0).create_config(4096)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from moeserve.config import EngineArgs
+from moeserve.engine_args import EngineArgs
 from moeserve.engine.engine_core import EngineCore
 from moeserve.protocol import EngineCoreRequest
 from moeserve.sampling_params import SamplingParams

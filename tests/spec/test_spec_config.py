@@ -5,7 +5,8 @@ import json
 import pytest
 
 from moeserve import LLM
-from moeserve.config import ConfigError, EngineArgs, SpeculativeConfig
+from moeserve.config import ConfigError, SpeculativeConfig
+from moeserve.engine_args import EngineArgs
 from moeserve.models.loader import CheckpointError
 
 

@@ -1,0 +1,347 @@
+"""EngineArgs: every field is both a CLI flag (`--max-num-seqs`, vLLM's spelling) and an
+`LLM(max_num_seqs=...)` keyword, as in vLLM; create_config() validates them into the frozen EngineConfig
+(config.py). Also the flag value syntax (sizes, 32k lengths) and the vLLM flags translated to ours."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import numbers
+import re
+import typing
+from dataclasses import dataclass
+
+from moeserve.config import (ALL2ALL_BACKENDS, CacheConfig, ConfigError, EngineConfig, KVTransferConfig,
+                             ModelConfig, ParallelConfig, QuantConfig, SchedulerConfig, SpeculativeConfig,
+                             _parse_json_dict, _require)
+
+
+def _check_field_types(args: "EngineArgs") -> None:
+    """Integer, number and boolean options must be of that type (LLM keywords are not parsed by argparse)."""
+    hints = typing.get_type_hints(type(args))
+    for f in dataclasses.fields(args):
+        kinds = set(typing.get_args(hints[f.name])) or {hints[f.name]}
+        value = getattr(args, f.name)
+        if value is None and type(None) in kinds:
+            continue
+        if bool in kinds:
+            ok, want = isinstance(value, bool), "True or False"
+        elif int in kinds:
+            ok, want = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
+        elif float in kinds:
+            ok, want = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+        else:
+            continue
+        _require(ok, f"{f.name} (--{f.name.replace('_', '-')}) must be {want}, "
+                     f"got {value!r} ({type(value).__name__})")
+
+
+def _parse_size(text: str) -> int:
+    """Bytes, optionally with a K/M/G suffix (powers of 1024): '512M', '2G', '1073741824'."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib").rstrip("b") if text.strip().lower()[-1:] in "bB" else text.strip().lower()
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M or 2G, got {text!r}") from None
+
+
+SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "enable_expert_parallel": ("-ep",),
+               "quantization": ("-q",), "speculative_config": ("-sc",)}  # vLLM's
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's integer syntax: 1000, 1k / 2m (powers of 10, decimals allowed: 25.6k) or 1K / 2M (powers of 2)."""
+    t = text.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", t)
+    if m is None:
+        try:
+            return int(t)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 32k or 32K, got {text!r}") from None
+    number, suffix = m.groups()
+    if suffix.islower():
+        return int(float(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: no decimals with a binary suffix; did you mean "
+                                         f"{number}{suffix.lower()}?")
+    return int(number) << (10 * ("KMGT".index(suffix) + 1))
+
+
+def _parse_len(text: str) -> int | None:
+    """--max-model-len: an integer as above, or auto / -1 for the model's own maximum."""
+    return None if text.strip().lower() in ("auto", "-1") else human_readable_int(text)
+
+
+# One line per engine flag for --help (the formatter appends each default).
+ENGINE_HELP = {
+    "tokenizer": "tokenizer folder, if not the model's",
+    "dtype": "auto|float32|bfloat16|float16 for weights and KV cache (auto: the checkpoint's, BF16 for FP8)",
+    "seed": "seed of the sampler for requests without their own seed",
+    "max_model_len": "context length, >= 2 (None: the model's max_position_embeddings)",
+    "max_num_seqs": "running requests per step",
+    "max_num_batched_tokens": "tokens per step; longer prompts are prefilled in chunks",
+    "enable_chunked_prefill": "split prompts longer than the token budget over several steps",
+    "enable_prefix_caching": "reuse the KV cache of prompt prefixes computed before (automatic prefix caching)",
+    "slo_ttft_ms": "default time-to-first-token target: admission turns away (503) requests that cannot meet "
+                   "it (requests may set slo_ttft_ms themselves)",
+    "slo_tpot_ms": "default time-per-output-token target: requests are admitted only while the running batch "
+                   "keeps it (requests may set slo_tpot_ms themselves)",
+    "mla_decode": "standard|amla|amla-triton: MLA decode attention; amla rescales the online softmax by an integer "
+                  "add on the output's exponent bits (layers/attention/amla.py)",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "KV pool size in blocks (None: every sequence at full length, at most 2 GiB)",
+    "kv_cache_memory": "KV pool size in bytes, e.g. 512M or 2G (instead of --num-kv-blocks)",
+    "data_parallel_size": "attention data-parallel ranks (processes)",
+    "tensor_parallel_size": "attention tensor-parallel ranks inside each DP rank",
+    "enable_expert_parallel": "spread routed experts over all ranks instead of TP-sharding each one",
+    "quantization": "a8w8: INT8 weights and activations; fp8: block-FP8 weights (None: the checkpoint's own)",
+    "speculative_config": 'MTP drafts as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'',
+    "kv_transfer_config": 'prefill/decode disaggregation over NIXL as JSON, e.g. \'{"kv_connector": "nixl"}\'',
+    "moe_comm": "auto|alltoall|allgather: how MoE layers move tokens between EP ranks",
+    "moe_comm_dtype": "bfloat16|int8 payload of the MoE dispatch",
+    "flashcomm": "off|on|int8: with TP, ReduceScatter + (INT8) AllGather instead of AllReduce",
+    "num_redundant_experts": "extra routed-expert replicas (EPLB)",
+    "expert_placement": "JSON file mapping logical experts to physical slots per layer (moeserve eplb -o)",
+    "expert_load_stats": "record routed tokens per expert and MoE layer to this JSON file (PATH.rank<r> per rank)",
+    "enable_eplb": "online EPLB: re-place (and replicate) experts from recent loads while serving",
+    "enable_dbo": "dual-batch overlap: split every step into two micro-batches so that one's MoE "
+                  "dispatch/combine transfers run under the other's attention and experts (with EP over DP ranks)",
+    "eplb_step_interval": "steps between online EPLB rebalances",
+    "nnodes": "nodes of a multi-node run",
+    "node_rank": "this node's index",
+    "master_addr": "address of node 0 (torch.distributed rendezvous)",
+    "master_port": "rendezvous port (None: a free port on one node)",
+    "distributed_backend": "auto|gloo|nccl (auto: NCCL for CUDA, gloo otherwise)",
+    "distributed_timeout": "seconds a collective may wait before the engine reports a dead rank",
+    "kv_cache_dtype": "auto|bfloat16|float16|float32|fp8: KV-cache storage, the model dtype or FP8 e4m3 "
+                      "(half the bytes of BF16; attention upcasts what it reads)",
+    "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",
+    "gpu_memory_utilization": "share of the device's memory (host RAM on CPU) for weights + KV cache; the KV "
+                              "pool gets what the weights leave (None: --kv-cache-memory's default sizing)",
+    "load_format": "auto|safetensors|dummy (dummy: random weights of the checkpoint's shapes, for benchmarks)",
+    "enforce_eager": "run the model eagerly: no compiled or captured decode graphs",
+    "skip_tokenizer_init": "load no tokenizer: prompts are token ids and outputs carry token ids, no text",
+    "max_logprobs": "the most logprobs / prompt_logprobs one request may ask for (0..20)",
+    "logprobs_mode": "raw_logprobs: log-softmax of the model's logits before any processor",
+    "scheduling_policy": "fcfs|priority (priority: lower request `priority` first, ties by arrival)",
+    "eplb_config": 'EPLB as JSON (vLLM\'s), e.g. \'{"step_interval": 3000, "num_redundant_experts": 0}\'',
+    "all2all_backend": "vLLM's MoE all2all backend: allgather_reducescatter/naive -> --moe-comm allgather, "
+                       "deepep_*/pplx/... -> --moe-comm alltoall",
+    "override_generation_config": 'JSON of sampling defaults over generation_config, e.g. \'{"temperature": 0.5}\'',
+    "disable_log_stats": "no periodic stats line in the log",
+    "generation_config": "auto|vllm|FOLDER: sampling defaults (temperature, top_p, top_k, min_p, "
+                         "repetition_penalty, max_new_tokens) from the model's (or FOLDER's) generation_config.json "
+                         "for requests that leave them unset; vllm: none",
+}
+
+
+@dataclass
+class EngineArgs:
+    """The flat list of engine options (CLI flags and LLM keywords)."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    mla_decode: str = "standard"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    quantization: str | None = None  # "a8w8" | "fp8"; None = the checkpoint's own (compressed-tensors INT8) or none
+    speculative_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
+    kv_transfer_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
+    moe_comm: str = "auto"
+    moe_comm_dtype: str = "bfloat16"
+    flashcomm: str = "off"
+    num_redundant_experts: int = 0
+    expert_placement: str | None = None
+    expert_load_stats: str | None = None
+    enable_eplb: bool = False
+    eplb_step_interval: int = 3000
+    enable_dbo: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    distributed_backend: str = "auto"
+    distributed_timeout: float = 60.0
+    generation_config: str = "auto"  # request defaults: "auto" (the model's generation_config.json), "vllm", a folder
+    # vLLM's spellings (docs/from-vllm.md); the translations happen in create_config
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory_bytes: int | None = None  # vLLM's name for --kv-cache-memory
+    gpu_memory_utilization: float | None = None
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    skip_tokenizer_init: bool = False
+    max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    scheduling_policy: str = "fcfs"
+    eplb_config: dict | str | None = None  # JSON: step_interval, num_redundant_experts (vLLM's EPLBConfig)
+    all2all_backend: str | None = None  # vLLM's MoE backends -> --moe-comm
+    override_generation_config: dict | str | None = None  # JSON merged over the generation_config defaults
+    disable_log_stats: bool = False
+
+    def __post_init__(self) -> None:
+        _check_field_types(self)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def add_cli_args(cls, parser, skip: tuple[str, ...] = ("model",)) -> None:
+        """One flag per field: `max_num_seqs` -> `--max-num-seqs` (vLLM's names, with vLLM's short forms)."""
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name in skip or f.name.startswith("_"):
+                continue
+            flags = ["--" + f.name.replace("_", "-"), *SHORT_FLAGS.get(f.name, ())]
+            kind = hints[f.name]
+            text = ENGINE_HELP.get(f.name, " ")
+            if kind is bool:
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+            elif dict in typing.get_args(kind):
+                group.add_argument(*flags, type=str, default=f.default, help=text)
+            else:
+                base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+                parse = _parse_size if f.name.endswith(("_memory", "_memory_bytes")) else \
+                    _parse_len if f.name == "max_model_len" else human_readable_int if base is int else base
+                group.add_argument(*flags, type=parse, default=f.default, help=text)
+
+    @classmethod
+    def from_cli(cls, ns, model: str | None) -> "EngineArgs":
+        return cls(model=model, **{k: v for k, v in vars(ns).items() if k in cls.field_names() and k != "model"})
+
+    def create_config(self, model_max_len: int, quant: QuantConfig | None = None) -> EngineConfig:
+        """Validate into the frozen EngineConfig. Plain data: the checkpoint-dependent parts (the model
+        folder, its context length, the quantization it implies) are resolved by the caller, see
+        engine/resolve.py; without `quant` only --quantization counts."""
+        _check_field_types(self)  # fields may have been set after construction
+        parallel = self._parallel_fields()
+        _require(self.model is not None, "EngineArgs.model must be a checkpoint folder here "
+                 "(engine/resolve.py resolve_engine_config resolves None to the bundled model)")
+        # `is None`, not `or`: an explicit 0 is an error (SchedulerConfig), not the model's maximum.
+        max_len = model_max_len if self.max_model_len is None else self.max_model_len
+        _require(max_len <= model_max_len,
+                 f"--max-model-len {max_len} exceeds the model's max_position_embeddings {model_max_len}")
+        self._check_slo_layout()
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, tokenizer=self.tokenizer, seed=self.seed,
+                              load_format=self.load_format, enforce_eager=self.enforce_eager,
+                              skip_tokenizer_init=self.skip_tokenizer_init, max_logprobs=self.max_logprobs,
+                              logprobs_mode=self.logprobs_mode, mla_decode=self.mla_decode),
+            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                              kv_cache_memory=self._kv_cache_memory(),
+                              enable_prefix_caching=self.enable_prefix_caching,
+                              cache_dtype=self._cache_dtype(),
+                              gpu_memory_utilization=self.gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      max_model_len=max_len,
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      slo_ttft_ms=self.slo_ttft_ms, slo_tpot_ms=self.slo_tpot_ms,
+                                      policy=self.scheduling_policy),
+            parallel=ParallelConfig(**parallel),
+            quant=quant if quant is not None else QuantConfig(method=self.quantization),
+            speculative=SpeculativeConfig.from_value(self.speculative_config),
+            kv_transfer=self._kv_transfer(),
+        )
+
+    def _kv_cache_memory(self) -> int | None:
+        _require(self.kv_cache_memory is None or self.kv_cache_memory_bytes is None
+                 or self.kv_cache_memory == self.kv_cache_memory_bytes,
+                 "--kv-cache-memory and --kv-cache-memory-bytes are the same option; pass one")
+        return self.kv_cache_memory if self.kv_cache_memory is not None else self.kv_cache_memory_bytes
+
+    def _cache_dtype(self) -> str:
+        """--kv-cache-dtype names the model dtype (the KV cache is stored in it) or auto."""
+        want = self.kv_cache_dtype
+        _require(want in ("auto", self.dtype) or self.dtype == "auto" or want.startswith("fp8"),
+                 f"--kv-cache-dtype {want} differs from --dtype {self.dtype}: the KV cache is kept in the model "
+                 "dtype; drop --kv-cache-dtype or pass the same dtype to both")
+        return want
+
+    def _parallel_fields(self) -> dict:
+        """ParallelConfig's fields, with vLLM's --all2all-backend and --eplb-config translated."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)}
+        if self.all2all_backend is not None:
+            b = self.all2all_backend
+            _require(b in ALL2ALL_BACKENDS, f"--all2all-backend must be one of {', '.join(ALL2ALL_BACKENDS)}, "
+                                            f"got {b!r}")
+            mapped = ALL2ALL_BACKENDS[b]
+            _require(self.moe_comm in ("auto", mapped),
+                     f"--all2all-backend {b} means --moe-comm {mapped}, but --moe-comm {self.moe_comm} is given")
+            if self.enable_expert_parallel or mapped == "allgather":
+                fields["moe_comm"] = mapped  # without EP, experts are TP-sharded: allgather is the one way
+        if self.eplb_config is not None:
+            fields.update(_eplb_fields(self.eplb_config, self))
+        return fields
+
+    def _check_slo_layout(self) -> None:
+        # Every TP rank runs its own scheduler and they must agree on each batch; admission decides from
+        # each rank's own clock and measured steps, so it would split them.
+        _require(self.tensor_parallel_size == 1 or (self.slo_ttft_ms is None and self.slo_tpot_ms is None),
+                 "--slo-ttft-ms / --slo-tpot-ms work with --tensor-parallel-size 1 (and any "
+                 "--data-parallel-size); drop them or use data parallelism")
+
+    def _kv_transfer(self) -> "KVTransferConfig | None":
+        kvt = KVTransferConfig.from_value(self.kv_transfer_config)
+        # Each DP rank's own agent serves its KV; TP peers would each need theirs, and every node its address.
+        _require(kvt is None or (self.tensor_parallel_size == self.nnodes == 1),
+                 "--kv-transfer-config works with --data-parallel-size N but not yet with --tensor-parallel-size "
+                 "> 1 or --nnodes > 1; scale out with more instances behind `moeserve proxy` instead")
+        _require(kvt is None or kvt.kv_port is None or kvt.kv_port + self.data_parallel_size - 1 <= 65535,
+                 f"--kv-transfer-config kv_port: DP rank r listens on kv_port + r; {self.data_parallel_size} "
+                 "ranks do not fit below 65536")
+        if kvt is not None:
+            from moeserve.disagg.trust import TrustError, resolve_secret
+            try:
+                kvt = dataclasses.replace(kvt, kv_secret=resolve_secret(kvt.kv_secret, "--kv-transfer-config"))
+            except TrustError as e:
+                raise ConfigError(str(e)) from None
+        return kvt
+
+
+
+
+EPLB_KEYS = ("window_size", "step_interval", "num_redundant_experts", "log_balancedness", "use_async", "policy")
+
+
+def _eplb_fields(value: "dict | str", args: "EngineArgs") -> dict:
+    """vLLM's --eplb-config -> --eplb-step-interval / --num-redundant-experts (explicit flags must agree)."""
+    if isinstance(value, str):
+        value = _parse_json_dict(value, "--eplb-config", '{"step_interval": 3000, "num_redundant_experts": 32}')
+    _require(isinstance(value, dict), f"--eplb-config must be a JSON object / dict, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(EPLB_KEYS))
+    _require(not unknown, f"--eplb-config has unknown key(s) {', '.join(unknown)}; known: {', '.join(EPLB_KEYS)}")
+    interval = value.get("step_interval", args.eplb_step_interval)
+    _require("window_size" not in value or value["window_size"] == interval,
+             "--eplb-config window_size: moeserve balances on the loads since the last rebalance, so the window is "
+             f"step_interval ({interval}); drop window_size or set it equal")
+    _require(not value.get("log_balancedness"), "--eplb-config log_balancedness is not supported; "
+             "--expert-load-stats records per-expert loads instead")
+    _require(value.get("policy", "default") == "default", "--eplb-config policy: only \"default\" is supported")
+    out = {}
+    for key, field_name, default in (("step_interval", "eplb_step_interval", 3000),
+                                     ("num_redundant_experts", "num_redundant_experts", 0)):
+        if key in value:
+            given = getattr(args, field_name)
+            _require(given in (default, value[key]), f"--eplb-config {key} {value[key]} disagrees with "
+                     f"--{field_name.replace('_', '-')} {given}; pass one")
+            _require(isinstance(value[key], int) and not isinstance(value[key], bool),
+                     f"--eplb-config {key} must be an integer, got {value[key]!r}")
+            out[field_name] = value[key]
+    return out
