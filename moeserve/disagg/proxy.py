@@ -15,7 +15,8 @@ can be connected to, nobody will pull the prompt's KV: the proxy posts the prefi
 kv_transfer_params to that prefill instance's /kv_transfer/release, which frees them now instead of at its
 kv_hold_timeout.
 
-Trust (disagg/trust.py): clients authenticate to the proxy with its own --api-key; the proxy talks to the
+Trust (disagg/trust.py): clients authenticate to the proxy with its own --api-key (checked with the body
+limit, --max-request-body-size, for every route but /health: entrypoints/http_guard.py); the proxy talks to the
 instances with the deployment's key (--instance-api-key), never the client's, and signs a one-use ticket into
 each prefill request with the deployment secret. Health: every HEALTH_INTERVAL_S the proxy asks each
 instance's /health (which answers 503 when its engine is dead); an instance that fails it, or answers a request
@@ -31,7 +32,6 @@ import asyncio
 import contextlib
 import copy
 import hashlib
-import hmac
 import json
 import logging
 import re
@@ -43,7 +43,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moeserve.config import DEFAULT_MAX_REQUEST_BODY
 from moeserve.disagg import trust
+from moeserve.entrypoints.http_guard import RequestGuard
 from moeserve.entrypoints.openai_protocol import APIError
 from moeserve.prefix_memory import PrefixMemory
 
@@ -214,9 +216,6 @@ class Proxy:
         client's departure itself (Starlette); a JSON one would otherwise be computed to the end for nobody,
         because nothing else watches the client while the instances work. Cancelling closes the upstream
         connections, and each instance aborts the request (its own disconnect check) and frees its blocks."""
-        denied = self.check_auth(raw)  # before reading a body nobody may send
-        if denied is not None:
-            return denied
         data = await raw.body()  # read first: is_disconnected() would swallow body chunks still to come
         task = asyncio.ensure_future(self._handle(path, data))
         try:
@@ -231,15 +230,6 @@ class Proxy:
         finally:
             if not task.done():
                 task.cancel()
-
-    def check_auth(self, raw: Request) -> JSONResponse | None:
-        """The 401 to answer a client without the proxy's --api-key (compared in constant time), else None."""
-        if self.api_key is None:
-            return None
-        sent = raw.headers.get("authorization", "").encode()
-        if hmac.compare_digest(sent, f"Bearer {self.api_key}".encode()):
-            return None
-        return _error("missing or wrong API key: send 'Authorization: Bearer <key>'", 401, code="invalid_api_key")
 
     async def _handle(self, path: str, data: bytes):
         body = parse_body(data)
@@ -426,7 +416,7 @@ class Proxy:
         return JSONResponse(body, status_code=200 if all(states) else 503)
 
 
-def build_app(proxy: Proxy) -> FastAPI:
+def build_app(proxy: Proxy, max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         watcher = asyncio.ensure_future(proxy.watch_health())
@@ -435,6 +425,9 @@ def build_app(proxy: Proxy) -> FastAPI:
         await proxy.http.aclose()  # the pooled upstream connections close with the proxy
 
     app = FastAPI(title="moeserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # the client's key (before a body nobody may send is read) and the body limit, for every route
+    app.add_middleware(RequestGuard, router=app.router, api_key=proxy.api_key, max_body=max_request_body_size,
+                       public={"/health"})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):  # 404, 405 (with its Allow header): OpenAI bodies
@@ -450,10 +443,7 @@ def build_app(proxy: Proxy) -> FastAPI:
         return await proxy.handle("/v1/chat/completions", raw)
 
     @app.get("/v1/models")
-    async def models(raw: Request):
-        denied = proxy.check_auth(raw)
-        if denied is not None:
-            return denied
+    async def models():
         try:
             r = await proxy.http.get(proxy.decode[0].url + "/v1/models", headers=proxy.headers)
         except httpx.HTTPError as e:

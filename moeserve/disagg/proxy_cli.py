@@ -8,6 +8,7 @@ import sys
 
 def register(sub) -> None:
     from moeserve.cli import HelpFormatter
+    from moeserve.config import DEFAULT_MAX_REQUEST_BODY
 
     p = sub.add_parser("proxy", help="one OpenAI endpoint over prefill and decode instances (PD disaggregation)",
                        formatter_class=HelpFormatter)
@@ -22,6 +23,8 @@ def register(sub) -> None:
     p.add_argument("--instance-api-key", default=os.environ.get("MOESERVE_API_KEY"),
                    help="the key the proxy sends the instances (their --api-key; default: $MOESERVE_API_KEY); "
                         "clients' keys are never forwarded")
+    p.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY, metavar="BYTES",
+                   help="a larger request body is refused with 413 before it is read (as `serve`'s)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run)
 
@@ -40,6 +43,8 @@ def run(args) -> int:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.max_request_body_size < 1024:
+        raise ValueError(f"--max-request-body-size must be >= 1024 bytes, got {args.max_request_body_size}")
     for flag, key in (("--api-key", args.api_key), ("--instance-api-key", args.instance_api_key)):
         if key is not None and not key:
             raise ValueError(f"{flag} must not be empty")
@@ -48,7 +53,7 @@ def run(args) -> int:
     sock = listen_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     app = build_app(Proxy(args.prefill, args.decode, args.timeout, secret=secret, api_key=args.api_key,
-                          instance_api_key=args.instance_api_key))
+                          instance_api_key=args.instance_api_key), args.max_request_body_size)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30))
     # printed whatever the log level: scripts and supervisors wait for this line (as for `serve`)
     print(f"moeserve proxy ready on http://{host}:{port} (prefill {', '.join(args.prefill)}; "

@@ -4,16 +4,16 @@ Several of these run side by side (--api-server-count), all accepting on the one
 launcher bound (the kernel hands each connection to one of them), each with its own tokenizer and
 detokenizer and its own connection to the engine core.
 
-Request bounds, before any work: a body over --max-request-body-size is a 413 before it is read (its
-Content-Length, or counted while it streams in); prompt text that cannot fit --max-model-len is a 400
-before it is tokenized (serving.Serving.check_text_size); big inputs tokenize on their own thread.
+Request bounds, before any work: the API key and --max-request-body-size hold for every route, checked at
+the ASGI layer (http_guard.RequestGuard: a 401, a 413 before the app sees the body); prompt text that
+cannot fit --max-model-len is a 400 before it is tokenized (serving.Serving.check_text_size); big inputs
+tokenize on their own thread.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-import hmac
 import json
 import logging
 import os
@@ -21,13 +21,14 @@ import socket
 import time
 from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.config import ServerConfig
 from moeserve.entrypoints.engine_client import EngineClient
+from moeserve.entrypoints.http_guard import RequestGuard
 from moeserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest, validation_error)
 from moeserve.entrypoints.serving import ClientDisconnected
@@ -72,29 +73,9 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class BodyTooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        super().__init__(limit)
-        self.limit = limit
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused (BodyTooLarge: a 413) as soon as it is known to exceed limit bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _json_body(model, defs: dict) -> dict:
-    """openapi_extra documenting a request body the handler parses itself (it reads raw bytes, for the size
-    bound and for errors in OpenAI's shape); the model's nested schemas go to components."""
+    """openapi_extra documenting a request body the handler parses itself (it reads raw bytes, for errors in
+    OpenAI's shape); the model's nested schemas go to components."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     defs.update(schema.pop("$defs", {}))
     defs[model.__name__] = schema
@@ -125,26 +106,18 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
                   openapi_url="/openapi.json")
     _add_error_handlers(app, metrics)
     _add_schemas(app)
+    # Added before add_vllm_routes' CORS middleware, so CORS wraps it (a browser can read a 401 or 413).
+    app.add_middleware(RequestGuard, router=app.router, api_key=cfg.api_key,
+                       max_body=cfg.max_request_body_size, on_error=metrics.http_error if metrics else None)
     defs = app.state.body_schemas
-    expected_auth = f"Bearer {cfg.api_key}".encode() if cfg.api_key is not None else None
     completions.model_aliases = chat.model_aliases = cfg.served_model_aliases
-    from moeserve.entrypoints.vllm_routes import add_vllm_routes
-    add_vllm_routes(app, spec, client, chat)
-
-    def check_auth(request: Request) -> None:
-        if expected_auth is None:
-            return
-        # constant time: how long the comparison takes says nothing about how much of the key matched
-        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected_auth):
-            raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401,
-                           code="invalid_api_key")
 
     def check_engine() -> None:
         if not client.healthy:
             raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
 
-    async def body(raw: Request) -> bytes:
-        return await read_body(raw, cfg.max_request_body_size)
+    from moeserve.entrypoints.vllm_routes import add_vllm_routes
+    add_vllm_routes(app, spec, client, chat, check_engine)
 
     @app.get("/health")
     async def health():
@@ -166,15 +139,14 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
         from moeserve.entrypoints.metrics import render
         return Response(render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(check_auth)])
+    @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": n, "object": "model", "created": int(time.time()),
                                             "owned_by": "moeserve", "root": spec.model_path,
                                             "max_model_len": spec.max_model_len} for n in cfg.served_model_names]}
 
-    @app.post("/kv_transfer/release", dependencies=[Depends(check_auth)],
-              openapi_extra={"requestBody": {"required": True,
-                                             "content": {"application/json": {"schema": {"type": "object"}}}}})
+    @app.post("/kv_transfer/release", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": {"type": "object"}}}}})
     async def release_kv(raw: Request):
         """PD: free the KV a prefill answer said it holds, because no decode instance will pull it (the proxy
         calls this when the decode instance refused the request or was unreachable). An abort of the
@@ -186,28 +158,26 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
             raise APIError("this server holds no KV for decode instances: start it with --kv-transfer-config "
                            "'{\"kv_connector\": \"nixl\", \"kv_role\": \"kv_producer\"}'", param="kv_transfer_params")
         try:
-            rid = held_request_id(_json(await body(raw)), spec.kv_secret)
+            rid = held_request_id(_json(await raw.body()), spec.kv_secret)
         except KVTransferParamsError as e:
             raise APIError(str(e), param="kv_transfer_params") from None
         client.abort_nowait([rid])
         return {"released": rid}
 
-    @app.post("/v1/completions", dependencies=[Depends(check_auth)],
-              openapi_extra=_json_body(CompletionRequest, defs))
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest, defs))
     async def create_completion(raw: Request):
         check_engine()
-        return await completions.create(_parse(CompletionRequest, await body(raw)), raw)
+        return await completions.create(_parse(CompletionRequest, await raw.body()), raw)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_auth)],
-              openapi_extra=_json_body(ChatCompletionRequest, defs))
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest, defs))
     async def create_chat_completion(raw: Request):
         check_engine()
-        return await chat.create(_parse(ChatCompletionRequest, await body(raw)), raw)
+        return await chat.create(_parse(ChatCompletionRequest, await raw.body()), raw)
 
     # vLLM's token endpoints: what the server would feed the engine, without running it.
-    @app.post("/tokenize", dependencies=[Depends(check_auth)], openapi_extra=_json_body(TokenizeRequest, defs))
+    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest, defs))
     async def tokenize(raw: Request):
-        req = _parse(TokenizeRequest, await body(raw))
+        req = _parse(TokenizeRequest, await raw.body())
         chat.check_model(req.model)
         req.check()
         if req.messages is not None:
@@ -219,9 +189,9 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
                                       req.prompt, size=len(req.prompt))
         return {"count": len(ids), "max_model_len": spec.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", dependencies=[Depends(check_auth)], openapi_extra=_json_body(DetokenizeRequest, defs))
+    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest, defs))
     async def detokenize(raw: Request):
-        req = _parse(DetokenizeRequest, await body(raw))
+        req = _parse(DetokenizeRequest, await raw.body())
         chat.check_model(req.model)
         try:
             chat.check_token_ids(req.tokens)
@@ -269,14 +239,6 @@ def _add_error_handlers(app: FastAPI, metrics) -> None:
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
         return answer(e.status, e.body(), e.headers)
-
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(request, e: BodyTooLarge):
-        msg = (f"the request body is larger than this server's limit of {e.limit} bytes "
-               "(--max-request-body-size); send less")
-        err = APIError(msg, 413, param=None, code="request_too_large").body()
-        err["error"]["type"] = "RequestTooLargeError"
-        return answer(413, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):

@@ -25,7 +25,7 @@ class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {"message", "type", "param", "code"}}."""
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
-             500: "InternalServerError", 503: "ServiceUnavailableError"}
+             413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):

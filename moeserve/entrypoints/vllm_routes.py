@@ -4,7 +4,8 @@
 serving_messages.py), /ping (SageMaker's health check: GET or POST, as /health), /load (requests in flight in this API server),
 /server_info (what this deployment runs), /reset_prefix_cache (the engine forgets its cached prefixes; a
 benchmark's cold start), /docs (Swagger UI over /openapi.json). CORS headers only when --allowed-origins
-names origins (vLLM sends `*` by default; moeserve sends none unless asked).
+names origins (vLLM sends `*` by default; moeserve sends none unless asked). The API key and the body limit
+are the app's (http_guard.RequestGuard), as for every route.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def _json_body(text: bytes) -> dict:
     return body
 
 
-def add_vllm_routes(app: FastAPI, spec, client, chat=None) -> None:
-    """chat: the server's ChatServing, which /v1/responses and /v1/messages run on."""
+def add_vllm_routes(app: FastAPI, spec, client, chat, check_engine) -> None:
+    """chat: the server's ChatServing, which /v1/responses and /v1/messages run on (None: not served);
+    check_engine: the server's engine-alive check (raises its 503)."""
     cfg = spec.server
     if cfg.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -34,15 +36,9 @@ def add_vllm_routes(app: FastAPI, spec, client, chat=None) -> None:
                            allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
                            allow_credentials=cfg.allow_credentials)
 
-    def check_auth(request: Request) -> None:
-        if cfg.api_key is not None and request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
-            raise APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", 401,
-                           code="invalid_api_key")
-
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping():
-        if not client.healthy:
-            raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
+        check_engine()
         return Response(status_code=200)
 
     @app.get("/load")
@@ -50,8 +46,7 @@ def add_vllm_routes(app: FastAPI, spec, client, chat=None) -> None:
         return {"server_load": len(client.streams)}
 
     @app.get("/server_info")
-    async def server_info(request: Request):
-        check_auth(request)
+    async def server_info():
         from moeserve import __version__
         ready = client.ready
         return {"version": __version__, "served_model_names": list(cfg.served_model_names),
@@ -62,10 +57,8 @@ def add_vllm_routes(app: FastAPI, spec, client, chat=None) -> None:
                            "kv_cache_usage": client.stats.kv_cache_usage}}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request):
-        check_auth(request)
-        if not client.healthy:
-            raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
+    async def reset_prefix_cache():
+        check_engine()
         await client.call_utility("reset_prefix_cache")
         return Response(status_code=200)
 
@@ -75,9 +68,7 @@ def add_vllm_routes(app: FastAPI, spec, client, chat=None) -> None:
 
         @app.post("/v1/responses")
         async def responses(raw: Request):
-            check_auth(raw)
-            if not client.healthy:
-                raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
+            check_engine()
             return await responses_serving.create(_json_body(await raw.body()), raw)
 
         from moeserve.entrypoints.serving_messages import MessagesServing
@@ -85,10 +76,7 @@ def add_vllm_routes(app: FastAPI, spec, client, chat=None) -> None:
 
         @app.post("/v1/messages")
         async def messages(raw: Request):
-            if cfg.api_key is not None and raw.headers.get("x-api-key") != cfg.api_key:
-                check_auth(raw)  # Anthropic clients send x-api-key; a Bearer token works too
-            if not client.healthy:
-                raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
+            check_engine()
             return await messages_serving.create(_json_body(await raw.body()), raw)
 
     @app.get("/docs", include_in_schema=False)
