@@ -9,7 +9,7 @@ prediction is the planner's own cost model on a one-card "device" built from tho
 1.0: the profile already measures achieved rates; HBM bandwidth = the GEMM weight-streaming bandwidth,
 since decode reads its bytes through GEMMs) plus GEMM calls x fixed cost + other ops x cost-per-op, where
 the op counts come from one traced decode step of the engine (a structural count, not a timing).
-Measured side: engine step times of decode-only steps on the bench model (benchmarks/common.py). The
+Measured side: engine step times of decode-only steps on the bench model (moeserve/bench_model.py). The
 profile takes the best of several runs, so the error is reported against the fastest measured step
 (uncontended, like the profile); the median is shown too (shared machines are noisy).
 """
@@ -144,16 +144,14 @@ def count_ops(engine) -> tuple[int, int]:
     return Counter.n, Counter.gemms
 
 
-def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16) -> list[dict]:
-    """Median decode-step time of the CPU engine on the bench model, per batch size."""
-    import os
-    import sys
-    sys.path.insert(0, os.getcwd())
-    from benchmarks.common import bench_checkpoint
+def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
+                   checkpoint: str | None = None) -> list[dict]:
+    """Median decode-step time of the CPU engine per batch size, on checkpoint (default: the bench model)."""
     from moeserve import LLM, SamplingParams
+    from moeserve.bench_model import bench_checkpoint
     from moeserve.protocol import EngineCoreRequest
 
-    llm = LLM(bench_checkpoint(), dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
+    llm = LLM(checkpoint or bench_checkpoint(), dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
               max_num_batched_tokens=max(batches) * prompt_len, enable_prefix_caching=False)
     eng, rows = llm.engine, []
     for b in batches:

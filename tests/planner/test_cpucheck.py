@@ -28,3 +28,32 @@ def test_profile_measures_positive_rates():
     prof = cpucheck.profile()
     assert prof["mem_bw_gbs"] > 0.1 and prof["gemm_bf16_gflops"] > 1 and prof["op_cost_us"] > 0
     assert prof["gemm_stream_gbs"] > 0.1 and prof["gemm_call_us"] >= 0
+
+
+def test_the_measured_side_runs_outside_the_repo(tmp_path):
+    """Issue 32: the check imported benchmarks.common from the working directory, which the wheel does not
+    ship, so `profile-cpu --measure` failed anywhere but in a checkout. Here from an empty directory with no
+    benchmarks/ importable, on a small bench-style model."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import importlib.util, json
+assert importlib.util.find_spec("benchmarks") is None, "benchmarks/ is importable: not a test of the wheel"
+from moeserve.bench_model import BENCH_CONFIG, bench_checkpoint
+from moeserve.planner.cpucheck import measure_engine
+small = {{**BENCH_CONFIG, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+         "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "n_routed_experts": 8,
+         "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 48,
+         "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}}
+path = bench_checkpoint({str(tmp_path / "bench")!r}, small)
+print(json.dumps(measure_engine([2], prompt_len=8, steps=2, checkpoint=path)))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads(r.stdout.strip().splitlines()[-1])
+    assert row["batch"] == 2 and row["measured_ms"] > 0 and row["gemms_per_step"] > 0
