@@ -46,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moeserve.config import DEFAULT_MAX_REQUEST_BODY
 from moeserve.disagg import trust
 from moeserve.entrypoints.http_guard import RequestGuard
-from moeserve.entrypoints.openai_protocol import APIError
+from moeserve.entrypoints.openai_protocol import APIError, parse_json
 from moeserve.prefix_memory import PrefixMemory
 
 logger = logging.getLogger("moeserve.proxy")
@@ -179,19 +179,14 @@ def _patch_event(event: bytes, cached: int | None) -> bytes:
     return b"data: " + _patch_usage(event[len(b"data: "):], cached)
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number; send a finite number")
-
-
 def parse_body(data: bytes):
-    """The request's JSON, or the 400 to answer: not JSON, NaN / Infinity (not JSON, and they would fail
-    re-encoding for the instances), nested too deep for the parser."""
+    """The request's JSON, or the 400 to answer: the API server's bounded parser (openai_protocol.parse_json:
+    not JSON, nested too deep, NaN / Infinity or a number beyond the float range such as 1e999, which would
+    also fail re-encoding for the instances)."""
     try:
-        return json.loads(data, parse_constant=_no_constant)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
-        return _error(f"the request body is not valid JSON: {e}", 400, code="invalid_json")
-    except RecursionError:
-        return _error("the request body is nested too deeply", 400, code="invalid_json")
+        return parse_json(data)
+    except APIError as e:
+        return JSONResponse(e.body(), status_code=e.status)
 
 
 class Proxy:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import os
 import socket
@@ -30,7 +29,8 @@ from moeserve.config import ServerConfig
 from moeserve.entrypoints.engine_client import EngineClient
 from moeserve.entrypoints.http_guard import RequestGuard
 from moeserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, TokenizeRequest, validation_error)
+                                                  DetokenizeRequest, TokenizeRequest, parse_json,
+                                                  validation_error)
 from moeserve.entrypoints.serving import ClientDisconnected
 from moeserve.entrypoints.serving_chat import ChatServing
 from moeserve.entrypoints.serving_completion import CompletionServing
@@ -203,10 +203,7 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
 
 
 def _json(body: bytes):
-    try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    return parse_json(body)  # bounded nesting, finite numbers: the parser of every route
 
 
 def _parse(model, body: bytes):

@@ -12,15 +12,11 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from moeserve.entrypoints.openai_protocol import APIError
+from moeserve.entrypoints.openai_protocol import APIError, parse_json
 
 
 def _json_body(text: bytes) -> dict:
-    import json
-    try:
-        body = json.loads(text)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    body = parse_json(text)  # the bounded parser of every route (nesting, finite numbers)
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     return body

@@ -212,14 +212,52 @@ def test_the_proxy_answers_bad_json_and_methods_with_openai_errors(keyed):
     _, proxy = keyed
     auth = {"Authorization": f"Bearer {KEY_PROXY}", "Content-Type": "application/json"}
     for raw in (b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "max_tokens": Infinity}',
-                b'{"prompt": "x", "n": -Infinity}', b'{"a": ' * 100000 + b'1' + b'}' * 100000, b'\xff\xfe'):
+                b'{"prompt": "x", "n": -Infinity}', b'{"a": ' * 100000 + b'1' + b'}' * 100000, b'\xff\xfe',
+                b'{"a": ' * 1000 + b'1' + b'}' * 1000, b'{"prompt": "x", "max_tokens": 1' + b'0' * 5000 + b'}'):
         r = httpx.post(proxy.url + "/v1/completions", content=raw, headers=auth, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", (raw[:40], r.text)
+    # An overflowing float literal is inf once parsed: it was a plain-text 500 (inf cannot be re-encoded).
+    for field in ("temperature", "max_tokens", "top_p"):
+        for lit in (b"1e999", b"-1e400"):
+            raw = b'{"prompt": "x", "%s": %s}' % (field.encode(), lit)
+            r = httpx.post(proxy.url + "/v1/completions", content=raw, headers=auth, timeout=30)
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json", (raw, r.text)
+            err = r.json()["error"]
+            assert err["param"] == field and "finite number" in err["message"], err
+    r = httpx.post(proxy.url + "/v1/chat/completions", headers=auth, timeout=30,
+                   content=b'{"messages": [{"role": "user", "content": "x"}], "temperature": 1e999}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
     r = httpx.get(proxy.url + "/v1/completions", headers=auth)
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"], r.text
     r = httpx.get(proxy.url + "/nowhere")
     assert r.status_code == 404 and "error" in r.json(), r.text
     assert post(proxy.url, {"prompt": "still serving", "max_tokens": 2}, KEY_PROXY).status_code == 200
+
+
+def test_every_instance_route_parses_json_bounded(keyed):
+    """A prefill instance's /kv_transfer/release answered 500 RecursionError to JSON nested 1,000 deep (the
+    stdlib parser); every JSON body of an instance now goes through the bounded parser: a 400 naming why."""
+    (pre, _, dec), _ = keyed
+    auth = {"Authorization": f"Bearer {KEY_INSTANCES}", "Content-Type": "application/json"}
+    deep = b'[' * 1000 + b']' * 1000
+    cases = [(pre, "/kv_transfer/release", b'{"kv_transfer_params": ' + deep + b'}', "nested too deeply"),
+             (pre, "/kv_transfer/release", b'{"kv_transfer_params": {"remote_block_ids": [1e999]}}', "finite number"),
+             (pre, "/kv_transfer/release", b'{"kv_transfer_params": NaN}', "finite number")]
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/tokenize"):
+        cases.append((dec, path, b'{"prompt": ' + deep + b'}', "JSON"))
+    for path, body in (("/v1/responses", b'{"input": "x", "temperature": 1e999}'),
+                       ("/v1/messages", b'{"messages": [], "max_tokens": 1e999}'),
+                       ("/v1/completions", b'{"prompt": "x", "temperature": 1e999}'),
+                       ("/v1/completions", b'{"prompt": "x", "max_tokens": 1e999}')):
+        cases.append((dec, path, body, ""))
+    for inst, path, raw, words in cases:
+        r = httpx.post(inst.url + path, content=raw, headers=auth, timeout=30)
+        assert r.status_code == 400, (path, raw[:60], r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert words in err["message"], (path, err)
+        if b"1e999" in raw and "/kv_transfer" not in path:
+            assert err["param"] in ("temperature", "max_tokens"), (path, err)
+    assert httpx.get(pre.url + "/health").status_code == 200 and httpx.get(dec.url + "/health").status_code == 200
 
 
 def test_the_proxy_routes_around_a_prefill_whose_engine_is_dead(keyed):
