@@ -238,13 +238,20 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple], errors: dict[in
             mask = None
         if mask is not None:
             block = logits[r:r + n]  # the table spans the model's whole vocabulary
+            # The grammar's mask is intersected with what the request's own masks left (allowed_token_ids,
+            # bad_words, min_tokens' stop tokens: -inf already), never replacing them.
             block.masked_fill_(~mask, float("-inf"))
-            # min_tokens masked the stop tokens and the pattern is complete, nothing can follow: the grammar
-            # wins (a row of -inf would sample garbage, or raise), so the output ends as a match
-            # (Request.check_stop lets a structured request stop before min_tokens).
+            # min_tokens (or allowed_token_ids) masked the stop tokens and nothing else the grammar allows is
+            # left: the output matches, so its stop tokens end it as a match (a row of -inf would sample
+            # garbage, or raise; Request.check_stop lets a structured request stop before min_tokens). Only
+            # stop tokens come back: a row where allowed_token_ids or bad_words leave no token the grammar
+            # allows stays empty, and the request fails (nothing can be sampled) instead of ignoring them.
             stuck = torch.isneginf(block).all(-1) & mask.any(-1)
             if bool(stuck.any()):
-                block[stuck] = torch.zeros((), dtype=block.dtype).masked_fill(~mask[stuck], float("-inf"))
+                stops = torch.zeros(mask.shape[-1], dtype=torch.bool, device=mask.device)
+                stops[[t for t in (*end_ids, *fallback_ids) if 0 <= t < mask.shape[-1]]] = True
+                rescue = mask[stuck] & stops
+                block[stuck] = torch.zeros((), dtype=block.dtype).masked_fill(~rescue, float("-inf"))
         r += n
 
 

@@ -67,3 +67,33 @@ def test_errors_name_the_field(openai_server, model, body, param, words):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+def test_allowed_token_ids_apply_with_structured_output(openai_server, model):
+    """allowed_token_ids was dropped silently whenever the grammar allowed none of them; both apply."""
+    def token(text):
+        ids = httpx.post(openai_server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False},
+                         timeout=30).json()["tokens"]
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+    one, two, a = token("1"), token("2"), token("a")
+    url = f"{openai_server.base_url}/completions"
+    r = httpx.post(url, timeout=60, json={"model": model, "prompt": "x", "max_tokens": 20, "temperature": 0,
+                                          "guided_regex": "[0-9]{3,8}", "allowed_token_ids": [one, two],
+                                          "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert re.fullmatch("[12]{8}", choice["text"]) and choice["finish_reason"] == "stop", choice
+    assert set(choice["token_ids"][:-1]) <= {one, two}
+    chat = httpx.post(f"{openai_server.base_url}/chat/completions", timeout=60, json={
+        "model": model, "messages": MESSAGES, "max_tokens": 10, "temperature": 1.0, "seed": 2, "n": 3,
+        "structured_outputs": {"choice": ["12", "21", "3"]}, "allowed_token_ids": [one, two]})
+    assert chat.status_code == 200, chat.text
+    assert all(c["message"]["content"] in ("12", "21") for c in chat.json()["choices"]), chat.json()
+    # none of the allowed tokens can start the pattern: a 400 saying so (it used to ignore allowed_token_ids);
+    # streamed too (the first output is the error, before the stream starts)
+    for stream in (False, True):
+        r = httpx.post(url, timeout=60, json={"model": model, "prompt": "x", "max_tokens": 5, "stream": stream,
+                                              "response_format": {"type": "json_object"}, "allowed_token_ids": [a]})
+        assert r.status_code == 400, r.text
+        assert "structured output together allow no token" in r.json()["error"]["message"], r.text

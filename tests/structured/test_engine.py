@@ -203,3 +203,29 @@ def test_logprobs_are_the_raw_model_distribution(llm):
         raw = llm.engine.score(PROMPTS[0] + c.token_ids[:i])[-1].float().log_softmax(-1)
         assert lp[t] == pytest.approx(float(raw[t]), abs=1e-4)
         assert set(raw.topk(3).indices.tolist()) <= set(lp)
+
+
+def test_allowed_token_ids_and_structured_output_both_apply(llm):
+    """allowed_token_ids was dropped silently whenever no allowed token was one the grammar allows (the row
+    of -inf went to the grammar alone). Both apply now: the output keeps to the allowed tokens and matches."""
+    pieces = token_bytes(llm.get_tokenizer(), llm.arch.vocab_size)
+    one = {p: t for t, p in enumerate(pieces) if p in (b"1", b"2", b"a")}
+    assert len(one) == 3, one
+    params = SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(regex="[0-9]{3,8}"),
+                            allowed_token_ids=[one[b"1"], one[b"2"]])
+    c = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs[0]
+    # EOS is not allowed, so the digits go on to the pattern's end; there the output matches and nothing else
+    # can follow: EOS ends it as a match (as with min_tokens)
+    assert re.fullmatch("[12]{8}", c.text) and c.finish_reason == "stop", c
+    assert set(c.token_ids[:-1]) <= {one[b"1"], one[b"2"]} and c.token_ids[-1] in llm.eos_token_ids
+    sampled = SamplingParams(temperature=1.0, seed=3, n=4, max_tokens=20, allowed_token_ids=[one[b"1"], one[b"2"]],
+                             structured_outputs=SO(choice=["12", "21", "3"]))
+    for c in llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=sampled)[0].outputs:
+        assert c.text in ("12", "21"), c  # never "3": its token is not allowed
+    # no token both allow: the request fails saying so, instead of the grammar alone choosing
+    params = SamplingParams(temperature=0, max_tokens=5, structured_outputs=SO(regex="[0-9]+"),
+                            allowed_token_ids=[one[b"a"]])
+    with pytest.raises(ValueError, match="structured output together allow no token"):
+        llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)
+    ok = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=SamplingParams(temperature=0, max_tokens=3))
+    assert len(ok[0].outputs[0].token_ids) == 3  # the engine serves on
