@@ -129,7 +129,7 @@ MSG_HELLO = b"H"  # client -> core: EngineCoreHello;  core -> client: EngineCore
 MSG_ADD = b"A"  # client -> core: EngineCoreRequest
 MSG_ABORT = b"X"  # client -> core: EngineCoreAbort
 MSG_OUTPUTS = b"O"  # core -> client: EngineCoreOutputs
-MSG_GOODBYE = b"G"  # core -> client, empty: the core stops cleanly (a shutdown, not a crash)
+MSG_GOODBYE = b"G"  # either way, empty: the sender stops cleanly (a shutdown, not a crash)
 MSG_UTILITY = b"U"  # client -> core: EngineCoreUtility;  core -> client: EngineCoreUtilityResult
 UTILITY_CALLS = ("reset_prefix_cache",)  # what EngineCoreUtility may call on the engine
 
@@ -166,6 +166,12 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     stats: EngineStats | None = None
     engine_index: int = 0
     timestamp: float = 0.0
+    # A heartbeat's time.monotonic() in the core (0 on other batches). The heartbeat goes to every client at
+    # once, the clock is machine-wide and the core shares the API servers' machine (ipc://): every API server
+    # measures the core's silence (--engine-stall-timeout) from the same instant, so with --api-server-count
+    # > 1 they all turn /health 503 together for a hung core, instead of each when its own event loop got
+    # round to reading the last heartbeat (or later still, when a batch of outputs came only to it).
+    sent_at: float = 0.0
 
 
 # ---- multi-rank engine: front end <-> TP-leader ranks (see engine/dp_client.py, engine/dp_worker.py) ----

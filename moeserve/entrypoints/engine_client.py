@@ -32,6 +32,7 @@ from moeserve.structured.params import structured_dfa
 logger = logging.getLogger("moeserve.api")
 
 LIVENESS_CHECK_S = 0.5
+GOODBYE_LINGER_MS = 1000  # at most this long at close for the goodbye to reach the core
 
 
 class EngineDeadError(RuntimeError):
@@ -130,10 +131,18 @@ class EngineClient:
         self._tasks = [asyncio.create_task(self._output_loop()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
+        """Say goodbye to the core (a clean stop: it drops this client without a warning) and close."""
         for t in self._tasks + ([self._reconnecting] if self._reconnecting else []):
             t.cancel()
+        linger = 0
+        if self.dead_reason is None and self.ready is not None:
+            try:
+                await self.sock.send_multipart([MSG_GOODBYE, b""], zmq.NOBLOCK)
+                linger = GOODBYE_LINGER_MS  # the goodbye leaves before the socket closes (a live core reads it)
+            except zmq.ZMQError:
+                pass
         self.monitor.close(0)
-        self.sock.close(0)
+        self.sock.close(linger)
         self.ctx.term()
 
     @property
@@ -268,7 +277,6 @@ class EngineClient:
     async def _output_loop(self) -> None:
         while True:
             kind, payload = await self.sock.recv_multipart()
-            self.last_heard = time.monotonic()
             if kind == MSG_GOODBYE:
                 self._core_stopping = True
                 continue
@@ -281,6 +289,8 @@ class EngineClient:
             if kind != MSG_OUTPUTS:
                 continue
             batch = self.dec_outputs.decode(payload)
+            if batch.sent_at:  # a heartbeat: the core was alive when it sent it (protocol.EngineCoreOutputs)
+                self.last_heard = max(self.last_heard, min(batch.sent_at, time.monotonic()))
             if batch.stats is not None:
                 self.stats = batch.stats
                 if self.metrics:

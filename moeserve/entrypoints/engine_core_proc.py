@@ -58,6 +58,8 @@ class EngineCoreProc:
         from moeserve.engine.stats_log import StatsLogger
         self.stats_logger = StatsLogger(engine_index) if log_stats else None
         self._started: set[str] = set()  # requests that have had their first tokens (prompt tokens counted)
+        # clients a send failed to, reported after the next drain unless their goodbye was read meanwhile
+        self._lost: dict[bytes, Exception] = {}
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -67,6 +69,7 @@ class EngineCoreProc:
             compute = self.core.has_schedulable() if kv else self.core.has_unfinished()
             if self.sock.poll(0 if compute else int((KV_POLL_S if kv else HEARTBEAT_S) * 1000)):
                 self._drain()
+            self._report_lost()
             if kv:
                 self.core.poll_kv_transfer()
             if self.core.has_schedulable() if kv else self.core.has_unfinished():
@@ -118,6 +121,11 @@ class EngineCoreProc:
             self._send(ident, MSG_HELLO, ready)
         elif kind == MSG_UTILITY:
             self._utility(ident, msgspec.msgpack.decode(payload, type=EngineCoreUtility))
+        elif kind == MSG_GOODBYE:  # an API server stops cleanly: nothing more goes to it, and that is no loss
+            self._lost.pop(ident, None)
+            if ident in self.clients:
+                logger.debug("client %r said goodbye", ident)
+                self._drop_client(ident)
         else:
             logger.error("unknown message kind %r from %r", kind, ident)
 
@@ -194,7 +202,8 @@ class EngineCoreProc:
             logger.error("the launcher process died; the engine core exits")
             self.running = False
             return
-        beat = EngineCoreOutputs([], self.core.stats(), self.engine_index, time.time())
+        # stamped: every client measures the core's silence from this one instant (protocol.EngineCoreOutputs)
+        beat = EngineCoreOutputs([], self.core.stats(), self.engine_index, time.time(), time.monotonic())
         for ident in list(self.clients):
             self._send(ident, MSG_OUTPUTS, beat)
 
@@ -202,10 +211,18 @@ class EngineCoreProc:
         try:
             self.sock.send_multipart([ident, kind, self.encoder.encode(msg)], zmq.NOBLOCK)
         except zmq.ZMQError as e:  # the client went away (EHOSTUNREACH) or is not reading (EAGAIN)
-            # while the deployment stops, API servers leave first: that is expected, not worth a warning
-            (logger.warning if self.running else logger.debug)(
-                "client %r unreachable (%s); dropping it and its requests", ident, e)
+            # Reported after the next drain (_report_lost): an API server that stops cleanly says goodbye
+            # before it closes its socket, and its goodbye may still wait, unread, behind this send (the
+            # launcher stops the API servers first, and the core heartbeats until its own SIGTERM).
+            self._lost.setdefault(ident, e)
             self._drop_client(ident)
+
+    def _report_lost(self) -> None:
+        """Clients a send failed to and that did not say goodbye: they vanished (a crash, a kill)."""
+        for ident, e in self._lost.items():
+            (logger.warning if self.running else logger.debug)(
+                "client %r unreachable (%s) without saying goodbye; dropped it and its requests", ident, e)
+        self._lost.clear()
 
     def _drop_client(self, ident: bytes) -> None:
         self.clients.discard(ident)
