@@ -1,8 +1,12 @@
 """Decode and prefill speed against the machine's limit: BF16 and A8W8, optionally vLLM CPU beside them.
 
 Usage: python benchmarks/decode_speed.py [--batches 1 8 32 64] [--prompt-len 128] [--new-tokens 64]
-           [--prefill-prompts 8] [--repeats 3] [--threads 1] [--modes bf16 a8w8]
-           [--peer vllm --vllm-python /work/vllm-venv/bin/python] [--json FILE]
+           [--prefill-prompts 8] [--repeats 3] [--threads 1] [--modes bf16 a8w8 bf16-eager a8w8-eager]
+           [--startup] [--peer vllm --vllm-python /work/vllm-venv/bin/python] [--json FILE]
+
+Modes: bf16 / a8w8 run decode through the compiled graphs (engine/compiled_decode.py); the -eager modes are
+the same engines with --enforce-eager, the baseline of the same run. --startup also times engine start-up in
+fresh processes: first start (empty compile cache), a later start (the cache it left), and eager.
 
 Model: a random checkpoint with DeepSeek-V3's real MLA dims shrunk in depth and width (hidden 1024, 8 layers,
 the first dense, 16 heads, q_lora 384, kv_lora 512, nope 128, rope 64, v 128, 64 routed experts top-6 in 8
@@ -133,22 +137,30 @@ def spread(xs: list[float]) -> dict:
     return dict(median=med, lo_pct=100 * (min(xs) / med - 1), hi_pct=100 * (max(xs) / med - 1), runs=xs)
 
 
-def make_llm(path: str, mode: str, args):
-    from moeserve import LLM
+MODES = ("bf16", "a8w8", "bf16-eager", "a8w8-eager")  # -eager: --enforce-eager (no compiled decode graphs)
 
-    kw = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=max(args.batches + [args.prefill_prompts]),
-              max_num_batched_tokens=max(4096, args.prefill_prompts * args.prompt_len),
-              enable_prefix_caching=False)  # the same prompts run again: measure compute, not the cache
-    return LLM(path, quantization="a8w8" if mode == "a8w8" else None, **kw)
+
+def engine_kwargs(mode: str, args) -> dict:
+    return dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=max(args.batches + [args.prefill_prompts]),
+                max_num_batched_tokens=max(4096, args.prefill_prompts * args.prompt_len),
+                enable_prefix_caching=False,  # the same prompts run again: measure compute, not the cache
+                quantization="a8w8" if mode.startswith("a8w8") else None, enforce_eager=mode.endswith("-eager"))
 
 
 def run_moeserve(path: str, args) -> dict:
-    llms = {m: make_llm(path, m, args) for m in args.modes}
+    from moeserve import LLM
+
+    llms, start_s = {}, {}
+    for m in args.modes:
+        t0 = time.perf_counter()
+        llms[m] = LLM(path, **engine_kwargs(m, args))
+        start_s[m] = time.perf_counter() - t0
+        print(f"{m}: engine ready in {start_s[m]:.1f} s", flush=True)
     for llm in llms.values():  # warm-up: every batch size once (allocator, oneDNN primitives)
         for b in args.batches:
             decode_tps(llm, b, args.prompt_len, 4, salt=0)
         prefill_tps(llm, args.prefill_prompts, args.prompt_len, salt=0)
-    res: dict = {m: {"decode": {}, "prefill": None} for m in llms}
+    res: dict = {m: {"decode": {}, "prefill": None, "start_s": start_s[m]} for m in llms}
     for b in args.batches:
         runs = {m: [] for m in llms}
         for r in range(args.repeats):
@@ -241,7 +253,7 @@ def report(res: dict, peer: dict | None, args) -> dict:
     counts = param_counts(V3_CONFIG)
     bw = memory_bandwidth_gbs()
     context = args.prompt_len + args.new_tokens // 2
-    bytes_tok = {m: bytes_per_token(V3_CONFIG, m, context) for m in ("bf16", "a8w8")}
+    bytes_tok = {m: bytes_per_token(V3_CONFIG, m.split("-")[0], context) for m in MODES}
     out = {"bandwidth_GBs": bw, "active_params_M": counts["active"] / 1e6, "threads": torch.get_num_threads(),
            "bytes_per_token": bytes_tok, "moeserve": res, "vllm": peer}
     print(f"\nread bandwidth {bw:.1f} GB/s; a batch-1 step reads {bytes_tok['bf16'] / 1e6:.0f} MB (BF16), "
@@ -253,17 +265,51 @@ def report(res: dict, peer: dict | None, args) -> dict:
             out.setdefault("roofline", {})[m] = dict(tok_s=roof, fraction=frac)
             print(f"{m}: batch-1 roofline {roof:.1f} tok/s, reached {frac:.0%}")
         print(f"{m}: batch-1 step by phase (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_batch1_ms"].items()))
-    if "bf16" in res and "a8w8" in res:
-        ratios = {b: res["a8w8"]["decode"][b]["median"] / res["bf16"]["decode"][b]["median"] for b in args.batches}
-        ratios["prefill"] = res["a8w8"]["prefill"]["median"] / res["bf16"]["prefill"]["median"]
-        out["a8w8_over_bf16"] = ratios
-        print("a8w8 / bf16: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+    def ratio(num: str, den: str) -> None:
+        if num in res and den in res:
+            ratios = {b: res[num]["decode"][b]["median"] / res[den]["decode"][b]["median"] for b in args.batches}
+            ratios["prefill"] = res[num]["prefill"]["median"] / res[den]["prefill"]["median"]
+            out[f"{num}_over_{den}"] = ratios
+            print(f"{num} / {den}: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+
+    for num, den in (("a8w8", "bf16"), ("bf16", "bf16-eager"), ("a8w8", "a8w8-eager"), ("a8w8-eager", "bf16-eager")):
+        ratio(num, den)
     if peer is not None:
         for m in res:
             ratios = {b: res[m]["decode"][b]["median"] / peer["decode"][b]["median"] for b in args.batches}
             ratios["prefill"] = res[m]["prefill"]["median"] / peer["prefill"]["median"]
             out.setdefault("over_vllm", {})[m] = ratios
             print(f"{m} / vllm: " + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()))
+    return out
+
+
+STARTUP_SCRIPT = r"""
+import json, sys, time
+t0 = time.perf_counter()
+from moeserve import LLM
+llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
+graphs = llm.engine.runner.decode_graphs
+print("STARTUP " + json.dumps(dict(seconds=time.perf_counter() - t0,
+                                   compile_s=graphs.compile_seconds if graphs else 0.0)), flush=True)
+"""
+
+
+def startup_times(path: str, args) -> dict:
+    """Seconds from `import moeserve` to a ready LLM, in fresh processes: the compiled modes with an empty
+    compile cache (first start), then again with the cache it left (a later start); the eager mode once."""
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, OMP_NUM_THREADS=str(args.threads))
+        for label, mode in (("cold", "bf16"), ("cached", "bf16"), ("eager", "bf16-eager")):
+            proc = subprocess.run([sys.executable, "-c", STARTUP_SCRIPT, path, json.dumps(engine_kwargs(mode, args))],
+                                  env=env, capture_output=True, text=True, timeout=1800)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("STARTUP ")), None)
+            if line is None:
+                print(f"start-up ({label}) failed:\n{proc.stderr[-4000:]}", flush=True)
+                continue
+            out[label] = json.loads(line[len("STARTUP "):])
+            print(f"start-up {label}: {out[label]['seconds']:.1f} s (compiling {out[label]['compile_s']:.1f} s)",
+                  flush=True)
     return out
 
 
@@ -275,7 +321,9 @@ def main() -> None:
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--modes", nargs="+", default=["bf16", "a8w8"], choices=["bf16", "a8w8"])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--startup", action="store_true",
+                    help="also time engine start-up in fresh processes: cold (empty compile cache) and cached")
     ap.add_argument("--peer", choices=["vllm"], default=None)
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
     ap.add_argument("--vllm-memory-fraction", type=float, default=0.2,
@@ -290,6 +338,8 @@ def main() -> None:
     res = run_moeserve(path, args)
     peer = run_vllm(path, args) if args.peer == "vllm" else None
     out = report(res, peer, args)
+    if args.startup:
+        out["startup"] = startup_times(path, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -189,6 +189,9 @@ class ModelConfig:
     mla_decode: str = "standard"  # MLA_DECODE_IMPLS (layers/attention/amla.py)
     load_format: str = "auto"  # dummy: random weights of the checkpoint's shapes, nothing read
     enforce_eager: bool = False  # run the forward eagerly (no compiled / captured decode graphs)
+    # Token counts of the compiled decode graphs (engine/compiled_decode.py); None: powers of two up to the
+    # batch cap. vLLM's --compilation-config cudagraph_capture_sizes.
+    decode_graph_sizes: tuple[int, ...] | None = None
     skip_tokenizer_init: bool = False  # token ids in and out; no tokenizer is loaded
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
     logprobs_mode: str = "raw_logprobs"
@@ -200,6 +203,10 @@ class ModelConfig:
         _require(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.load_format in LOAD_FORMATS,
                  f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
+        _require(self.decode_graph_sizes is None or (
+            self.decode_graph_sizes and all(isinstance(n, int) and n > 0 for n in self.decode_graph_sizes)),
+            "--compilation-config cudagraph_capture_sizes must be a non-empty list of positive integers, got "
+            f"{self.decode_graph_sizes!r}")
         _require(0 <= self.max_logprobs <= 20, f"--max-logprobs must be in 0..20 (moeserve returns at most 20 "
                  f"alternatives per token), got {self.max_logprobs}")
         _require(self.logprobs_mode in LOGPROBS_MODES,

@@ -48,7 +48,8 @@ def _parse_size(text: str) -> int:
 
 
 SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "enable_expert_parallel": ("-ep",),
-               "quantization": ("-q",), "speculative_config": ("-sc",)}  # vLLM's
+               "quantization": ("-q",), "speculative_config": ("-sc",),
+               "compilation_config": ("-O",)}  # vLLM's
 
 
 def human_readable_int(text: str) -> int:
@@ -122,6 +123,8 @@ ENGINE_HELP = {
                               "pool gets what the weights leave (None: --kv-cache-memory's default sizing)",
     "load_format": "auto|safetensors|dummy (dummy: random weights of the checkpoint's shapes, for benchmarks)",
     "enforce_eager": "run the model eagerly: no compiled or captured decode graphs",
+    "compilation_config": 'vLLM\'s compilation config as JSON or a level: \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\' '
+                          "picks the decode graph sizes, mode/level 0 (or `-O 0`) runs eagerly",
     "skip_tokenizer_init": "load no tokenizer: prompts are token ids and outputs carry token ids, no text",
     "max_logprobs": "the most logprobs / prompt_logprobs one request may ask for (0..20)",
     "logprobs_mode": "raw_logprobs: log-softmax of the model's logits before any processor",
@@ -184,6 +187,7 @@ class EngineArgs:
     gpu_memory_utilization: float | None = None
     load_format: str = "auto"
     enforce_eager: bool = False
+    compilation_config: dict | str | None = None  # vLLM's: JSON / dict, or a level 0-3 (also an int from LLM)
     skip_tokenizer_init: bool = False
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
@@ -240,7 +244,7 @@ class EngineArgs:
         self._check_slo_layout()
         return EngineConfig(
             model=ModelConfig(model=self.model, dtype=self.dtype, tokenizer=self.tokenizer, seed=self.seed,
-                              load_format=self.load_format, enforce_eager=self.enforce_eager,
+                              load_format=self.load_format, **self._compilation_fields(),
                               skip_tokenizer_init=self.skip_tokenizer_init, max_logprobs=self.max_logprobs,
                               logprobs_mode=self.logprobs_mode, mla_decode=self.mla_decode),
             cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
@@ -259,6 +263,45 @@ class EngineArgs:
             speculative=SpeculativeConfig.from_value(self.speculative_config),
             kv_transfer=self._kv_transfer(),
         )
+
+    def _compilation_fields(self) -> dict:
+        """--enforce-eager and vLLM's --compilation-config -> ModelConfig's enforce_eager, decode_graph_sizes."""
+        eager, sizes = self.enforce_eager, None
+        value = self.compilation_config
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        if isinstance(value, str):
+            value = _parse_json_dict(value, "--compilation-config", '{"cudagraph_capture_sizes": [1, 2, 4, 8]}')
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = {"mode": value}
+        if value is not None:
+            _require(isinstance(value, dict), "--compilation-config must be a JSON object / dict or a level 0-3, "
+                                              f"got {type(value).__name__}")
+            unknown = sorted(set(value) - set(COMPILATION_KEYS) - set(COMPILATION_KEYS_IGNORED))
+            _require(not unknown, f"--compilation-config has unknown key(s) {', '.join(unknown)}; moeserve reads "
+                     f"{', '.join(COMPILATION_KEYS)} (and accepts vLLM's {', '.join(COMPILATION_KEYS_IGNORED)}, "
+                     "which do not apply to its decode graphs)")
+            for key in ("mode", "level"):
+                if key in value:
+                    level = value[key]
+                    _require(isinstance(level, int) and not isinstance(level, bool) and 0 <= level <= 3,
+                             f"--compilation-config {key} must be 0-3 (0: eager), got {level!r}")
+                    eager = eager or level == 0
+            if value.get("cudagraph_mode") in ("NONE", "none") and not _CPU_GRAPHS_ARE_COMPILED:
+                eager = True
+            if "cudagraph_capture_sizes" in value:
+                got = value["cudagraph_capture_sizes"]
+                _require(isinstance(got, list) and got and all(
+                    isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in got),
+                    "--compilation-config cudagraph_capture_sizes must be a non-empty list of positive integers, "
+                    f"got {got!r}")
+                sizes = tuple(sorted(set(got)))
+            if "max_cudagraph_capture_size" in value:
+                cap = value["max_cudagraph_capture_size"]
+                _require(isinstance(cap, int) and not isinstance(cap, bool) and cap > 0,
+                         f"--compilation-config max_cudagraph_capture_size must be a positive integer, got {cap!r}")
+                sizes = tuple(n for n in (sizes or _power_of_two_sizes(cap)) if n <= cap) or (cap,)
+        return {"enforce_eager": eager, "decode_graph_sizes": sizes}
 
     def _kv_cache_memory(self) -> int | None:
         _require(self.kv_cache_memory is None or self.kv_cache_memory_bytes is None
@@ -315,6 +358,25 @@ class EngineArgs:
         return kvt
 
 
+
+
+# vLLM's CompilationConfig keys: the ones moeserve's decode graphs read, and the ones it accepts so that a
+# vLLM recipe runs unchanged although they name vLLM internals (its custom ops, fusion passes, splitting ops).
+COMPILATION_KEYS = ("mode", "level", "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
+COMPILATION_KEYS_IGNORED = ("backend", "custom_ops", "splitting_ops", "use_inductor", "compile_sizes",
+                            "inductor_compile_config", "inductor_passes", "pass_config", "full_cuda_graph",
+                            "use_cudagraph", "cudagraph_num_of_warmups", "debug_dump_path", "cache_dir",
+                            "compile_cache_save_format", "use_inductor_graph_partition", "dynamic_shapes_config")
+# On CPU the decode graphs are inductor graphs, not captured CUDA graphs: cudagraph_mode NONE keeps them.
+_CPU_GRAPHS_ARE_COMPILED = True
+
+
+def _power_of_two_sizes(cap: int) -> tuple[int, ...]:
+    sizes, n = [], 1
+    while n < cap:
+        sizes.append(n)
+        n *= 2
+    return tuple(sizes + [cap])
 
 
 EPLB_KEYS = ("window_size", "step_interval", "num_redundant_experts", "log_balancedness", "use_async", "policy")

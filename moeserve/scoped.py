@@ -11,6 +11,8 @@ import contextlib
 import contextvars
 from typing import Generic, Iterator, TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 
@@ -27,4 +29,10 @@ class Scoped(Generic[T]):
             self._var.reset(token)
 
     def get(self) -> T | None:
+        # While torch.compile traces (engine/compiled_decode.py) nothing is scoped: a ContextVar cannot be
+        # read into a graph. The compiled decode graph is only used where none of these values is set during
+        # the model's forward (no FlashComm, no expert-load recording); the attention metadata is read by the
+        # attention op at run time, outside the graph.
+        if torch.compiler.is_compiling():
+            return None
         return self._var.get()

@@ -1,6 +1,12 @@
+import os
 
 import pytest
 import torch
+
+# Engines run their decode eagerly in the suite (inherited by every engine and server process it starts):
+# compiling the decode graphs costs seconds per engine, and the compiled path has its own equality tests
+# (tests/engine/test_compiled_decode.py), which lift this.
+os.environ.setdefault("MOESERVE_ENFORCE_EAGER", "1")
 
 # One thread: the models are tiny, and on a shared 2-core machine a second OpenMP thread stalls at every
 # barrier while the other core is busy (measured: 30x slower small GEMMs).

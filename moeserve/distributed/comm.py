@@ -44,13 +44,26 @@ class StepStats:
 STATS = StepStats()
 
 
-@contextlib.contextmanager
+class _PhaseTimer:
+    __slots__ = ("phase", "start")
+
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        STATS.add_time(self.phase, time.perf_counter() - self.start)
+
+
 def timed(phase: str):
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        STATS.add_time(phase, time.perf_counter() - start)
+    """Add the block's wall time to STATS under `phase`. Inside a compiled graph (engine/compiled_decode.py)
+    there is no host clock to read between fused kernels: the block is then untimed (the step is timed
+    whole), and the ops that stay outside the graph (attention, non-traceable MoE) time themselves."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return _PhaseTimer(phase)
 
 
 # torch 2.13 renamed all_gather_into_tensor (the old name warns on every call).

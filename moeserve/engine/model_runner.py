@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.config import EngineConfig
+from moeserve.engine.compiled_decode import CompiledDecode, why_eager
 from moeserve.engine.scheduler import SchedulerOutput
 from moeserve.distributed.parallel_state import get_world_group
 from moeserve.layers.attention.metadata import (AttentionMetadata, SeqSpan, attention_context,
@@ -26,6 +27,7 @@ from moeserve.models.registry import build_model
 from moeserve.structured.grammar import apply_grammar_masks
 
 from moeserve.engine.kv_memory import blocks_for_utilization, check_fits, module_bytes
+from moeserve.layers.linear import packed_copy_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +96,8 @@ class ModelRunner:
                                                       load_format=config.model.load_format)
         # --kv-cache-dtype fp8: the latent cache in e4m3 (written clamped, upcast on read: attention/mla.py)
         self.kv_dtype = torch.float8_e4m3fn if config.cache.fp8_kv else self.dtype
-        self.num_blocks = num_kv_blocks(config, arch, self.kv_dtype, module_bytes(self.model))
+        weight_bytes = module_bytes(self.model) + packed_copy_bytes(self.model)
+        self.num_blocks = num_kv_blocks(config, arch, self.kv_dtype, weight_bytes)
         check_kv_pool(self.num_blocks, self.block_size, arch, self.kv_dtype, config.speculative is not None)
         self.kv_caches = [torch.zeros(self.num_blocks, self.block_size, arch.kv_cache_dim, dtype=self.kv_dtype)
                           for _ in range(arch.num_hidden_layers)]
@@ -111,6 +114,7 @@ class ModelRunner:
                                             num_speculative_tokens=config.speculative.num_speculative_tokens)
             self.rejection_sampler = RejectionSampler(config.model.seed)
             self.checkpoint.mtp_weights.clear()  # copied into the MTP layer: free the memory
+        self.decode_graphs = self._build_decode_graphs()
         world = get_world_group()
         self.eplb = None  # --enable-eplb: built below, once the recorder exists
         self.load_recorder = (ExpertLoadRecorder(config.parallel.expert_load_stats, arch.n_routed_experts or 0,
@@ -125,6 +129,25 @@ class ModelRunner:
             self.eplb = OnlineEPLB(blocks, arch.n_routed_experts, config.parallel.eplb_step_interval,
                                    self.load_recorder)
             self.load_recorder = self.eplb.recorder  # one recorder: the stats file's, or the in-memory one
+
+    def _build_decode_graphs(self) -> CompiledDecode | None:
+        reason = why_eager(self.config, self.arch, self.kv_caches[0].device)
+        if reason is not None:
+            logger.info("decode runs eagerly: %s", reason)
+            return None
+        sched = self.config.scheduler
+        per_seq = 1 + (self.config.speculative.num_speculative_tokens if self.config.speculative else 0)
+        graphs = CompiledDecode(self.model, min(sched.max_num_seqs * per_seq, sched.max_num_batched_tokens),
+                                self.config.model.decode_graph_sizes)
+        graphs.warm_up(self.kv_caches)
+        return graphs
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's final hidden states for one flat batch: a compiled decode graph where one applies."""
+        with attention_context(meta):
+            if self.decode_graphs is not None and self.decode_graphs.applies(meta, input_ids.shape[0]):
+                return self.decode_graphs.run(input_ids, positions)
+            return self.model(input_ids, positions)
 
     sleeping = False
 
@@ -171,8 +194,7 @@ class ModelRunner:
                 hidden, sample_rows = self._forward_dbo(out)
             else:
                 input_ids, positions, meta, sample_rows = self._prepare(out)
-                with attention_context(meta):
-                    hidden = self.model(input_ids, positions)
+                hidden = self.forward(input_ids, positions, meta)
             result = StepResult({}, {})
             if sample_rows:
                 self._sample(hidden, sample_rows, result)
@@ -383,5 +405,6 @@ def _non_finite_message(rows: torch.Tensor, p) -> str:
         return (f"its sampling parameters made its logits non-finite (repetition_penalty={p.repetition_penalty}, "
                 f"frequency_penalty={p.frequency_penalty}, presence_penalty={p.presence_penalty}, "
                 f"logit_bias of {len(p.logit_bias)} tokens); use values closer to the defaults")
-    return ("every token is masked, so nothing can be sampled (logit_bias, min_tokens and the structured "
-            "output together allow no token)")
+    return ("every token is masked, so nothing can be sampled (allowed_token_ids, bad_words, logit_bias, "
+            "min_tokens and the structured output together allow no token); widen allowed_token_ids or drop "
+            "one of them")

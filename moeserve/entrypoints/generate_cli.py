@@ -5,13 +5,16 @@ import sys
 import time
 
 from moeserve.cli import HelpFormatter
+from moeserve.config import SpeculativeConfig
 from moeserve.config_file import CONFIG_HELP
 from moeserve.engine_args import EngineArgs
 
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate text offline (default: the bundled model)",
-                       formatter_class=HelpFormatter)
+                       description="Generate text offline. One run of a few prompts does not pay for compiling "
+                                   "decode graphs, so this command runs eagerly unless -O 3 (or "
+                                   "--compilation-config) asks for them.", formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled model)")
     p.add_argument("--config", default=None, help=CONFIG_HELP)
     p.add_argument("--prompt", action="append", default=None,
@@ -33,11 +36,26 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def engine_args_for(args, num_prompts: int) -> EngineArgs:
+    """The command's engine options. One run of a few prompts does not pay back compiling decode graphs
+    (seconds per graph), so it runs eagerly unless --compilation-config / -O asks; a level alone (-O 3)
+    compiles only the graphs these prompts can use."""
+    engine_args = EngineArgs.from_cli(args, args.model)
+    level = engine_args.compilation_config
+    if level is None:
+        engine_args.compilation_config = {"mode": 0}
+    elif str(level).strip().isdigit():
+        spec = SpeculativeConfig.from_value(engine_args.speculative_config)
+        per_seq = 1 + (spec.num_speculative_tokens if spec else 0)
+        engine_args.compilation_config = {"mode": int(level), "max_cudagraph_capture_size": num_prompts * per_seq}
+    return engine_args
+
+
 def run(args) -> int:
     from moeserve import LLM, SamplingParams
 
-    engine_args = EngineArgs.from_cli(args, args.model)
-    llm = LLM(**vars(engine_args))
+    prompts = args.prompt or ["def fibonacci(n):"]
+    llm = LLM(**vars(engine_args_for(args, len(prompts))))
     # Flags given win; then the checkpoint's generation_config (--generation-config); then greedy.
     given = {k: getattr(args, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
              if getattr(args, k) is not None}
@@ -45,7 +63,6 @@ def run(args) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop,
                             ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, **fields)
-    prompts = args.prompt or ["def fibonacci(n):"]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start

@@ -9,6 +9,51 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """A BF16 weight [out, in] in oneDNN's blocked layout, made once at load, or None where that does not apply
+    (not CPU, not BF16, no oneDNN). Its GEMMs give F.linear's results bit for bit and read the weight 1.3-2x
+    faster at the few rows of a decode step (measured: benchmarks/packed_linear.py); at prefill sizes equal."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+
+
+def packed_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the packed weight copies pack_weight made for `model` (beside its parameters, which
+    module_bytes counts): the memory-based KV sizing must leave room for them."""
+    total = 0
+    for module in model.modules():
+        for name in ("weight_packed", "lm_head_packed"):
+            t = getattr(module, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+@torch.library.custom_op("moeserve::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ packed^T (+ bias). In a compiled graph through an op of ours: inductor lowers oneDNN's
+    linear only for frozen (constant) weights, and the graphs keep the weights as inputs (one copy each)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if torch.compiler.is_compiling():
+        y = torch.ops.moeserve.packed_linear(x2, packed, bias)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
+    return y.view(*x.shape[:-1], packed.shape[0])
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b), weight stored [out_features, in_features] as in the checkpoint.
 
@@ -51,10 +96,15 @@ class Linear(nn.Module):
         prepare = getattr(self.quant_method, "process_weights_after_loading", None)
         if prepare is not None:
             prepare(self)
+        elif self.quant_method is None:
+            self.weight_packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
+        packed = getattr(self, "weight_packed", None)
+        if packed is not None:
+            return packed_linear(x, packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -3,10 +3,12 @@ token at run time, INT32 accumulation, dequantized epilogue in float32.
 
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]      (+ bias)
 
-On CPU the weights are packed once at load into oneDNN's blocked INT8 layout (Int8Packed: VNNI / AMX
-kernels, onednn.qlinear_pointwise with the weight scales in its epilogue, float32 out); without oneDNN the
-INT32 GEMM is torch._int_mm where it runs (CUDA: cuBLASLt when M > 16 and K, N are multiples of 8), else an
-exact float fallback (see int8_mm).
+On CPUs with AMX the weights are packed once at load into oneDNN's blocked INT8 layout (Int8Packed:
+onednn.qlinear_pointwise with the weight scales in its epilogue, float32 out). Elsewhere the INT32 GEMM is
+torch._int_mm where it runs (CPU: its VNNI kernel; CUDA: cuBLASLt when M > 16 and K, N are multiples of 8),
+else an exact float fallback (see int8_mm). Without AMX, oneDNN runs the packed weights on its reference
+kernel: measured 22 ms for one row of a [512 x 1024] weight on an AVX-512 VNNI CPU, where torch._int_mm
+takes 0.02 ms.
 
 Plugged in at the layer level, never in the model file:
 - Linear gets an Int8LinearMethod (quant_method attribute): int8 `weight` [out, in] + `weight_scale` [out, 1]
@@ -101,12 +103,26 @@ def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype).view(*lead, wq.shape[0])
 
 
+def _cpu_has_amx() -> bool:
+    """Whether oneDNN's packed INT8 GEMMs run on a real kernel here (AMX tiles usable by this process)."""
+    global _AMX
+    if _AMX is None:
+        try:
+            _AMX = bool(torch._C._cpu._init_amx())
+        except (AttributeError, RuntimeError):
+            _AMX = False
+    return _AMX
+
+
+_AMX: bool | None = None
+
+
 class Int8Packed:
     """One INT8 weight [N, K] with per-row scales, packed once for oneDNN (the CPU's VNNI / AMX INT8 kernels).
 
     mm_scaled(xq) = (xq @ w.T) * w_scale in float32: exact INT32 accumulation, then one float32 multiply per
-    element, the same arithmetic as int8_mm(...).float() * w_scale. Where oneDNN does not run (CUDA, a
-    build without it) `of` returns None and callers keep the int8_mm path."""
+    element, the same arithmetic as int8_mm(...).float() * w_scale. Where oneDNN has no fast kernel (CUDA,
+    a build without it, a CPU without AMX) `of` returns None and callers keep the int8_mm path."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
         self.packed = packed
@@ -115,7 +131,7 @@ class Int8Packed:
 
     @classmethod
     def of(cls, wq: torch.Tensor, w_scale: torch.Tensor) -> "Int8Packed | None":
-        if wq.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        if wq.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not _cpu_has_amx():
             return None
         try:
             return cls(torch.ops.onednn.qlinear_prepack(wq.contiguous(), None), w_scale)
@@ -123,12 +139,30 @@ class Int8Packed:
             return None
 
     def mm_scaled(self, xq: torch.Tensor) -> torch.Tensor:
-        # One row goes in as two: oneDNN's single-row path has a cliff at some shapes (K = 256: 100-200x
-        # slower than two rows, measured on torch 2.13); two rows take its GEMM kernel.
-        x = xq.repeat(2, 1) if xq.shape[0] == 1 else xq
-        y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, self.packed, self.scale, self.zero_points, None,
-                                               1.0, 0, torch.float32, "none", [], "")
-        return y[:1] if xq.shape[0] == 1 else y
+        if torch.compiler.is_compiling():  # inductor lowers oneDNN's qlinear only for frozen (constant) weights
+            return torch.ops.moeserve.int8_packed_mm(xq, self.packed, self.scale, self.zero_points)
+        return _int8_packed_mm(xq, self.packed, self.scale, self.zero_points)
+
+
+def _int8_packed_mm(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                    zero_points: torch.Tensor) -> torch.Tensor:
+    # One row goes in as two: oneDNN's single-row path has a cliff at some shapes (K = 256: 100-200x
+    # slower than two rows, measured on torch 2.13); two rows take its GEMM kernel.
+    x = xq.repeat(2, 1) if xq.shape[0] == 1 else xq
+    y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, packed, scale, zero_points, None,
+                                           1.0, 0, torch.float32, "none", [], "")
+    return y[:1] if xq.shape[0] == 1 else y
+
+
+@torch.library.custom_op("moeserve::int8_packed_mm", mutates_args=())
+def _int8_packed_mm_op(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       zero_points: torch.Tensor) -> torch.Tensor:
+    return _int8_packed_mm(xq, packed, scale, zero_points)
+
+
+@_int8_packed_mm_op.register_fake
+def _(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
+    return xq.new_empty(xq.shape[0], scale.numel(), dtype=torch.float32)
 
 
 def _checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -13,6 +13,7 @@ from moeserve.distributed.flashcomm import sequence_parallel
 from moeserve.distributed.parallel_state import get_flashcomm, get_tp_group
 from moeserve.layers.attention.metadata import attention_context
 from moeserve.layers.attention.mla import MLAttention
+from moeserve.layers.linear import pack_weight, packed_linear
 from moeserve.layers.mlp import DenseMLP
 from moeserve.layers.moe.layer import MoE
 from moeserve.layers.norm import RMSNorm
@@ -46,14 +47,16 @@ class DeepseekModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rotary) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, run_layer=None) -> torch.Tensor:
+        """run_layer(layer, x, positions), when given, runs each decoder layer (the compiled decode graphs:
+        engine/compiled_decode.py)."""
         x = self.embed_tokens(input_ids)
         # FlashComm (distributed/flashcomm.py): with --flashcomm the residual stream is this TP rank's
         # share of the tokens; otherwise shard/gather are the identity.
         with sequence_parallel(get_tp_group(), get_flashcomm(), x.shape[0]) as sp:
             x = sp.shard(x)
             for layer in self.layers:
-                x = layer(x, positions)
+                x = layer(x, positions) if run_layer is None else run_layer(layer, x, positions)
             return sp.gather(self.norm(x), allow_int8=False)
 
     def forward_dbo(self, batches: list[tuple[torch.Tensor, torch.Tensor, object]]) -> list[torch.Tensor]:
@@ -99,19 +102,21 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.model = DeepseekModel(arch, max_positions)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, run_layer=None) -> torch.Tensor:
         """-> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions)
+        return self.model(input_ids, positions, run_layer)
 
     def forward_dbo(self, batches: list) -> list[torch.Tensor]:
         return self.model.forward_dbo(batches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        packed = getattr(self, "lm_head_packed", None)
+        return (self.lm_head(hidden) if packed is None else packed_linear(hidden, packed)).float()
 
     def process_weights_after_loading(self) -> None:
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head_packed = pack_weight(self.lm_head.weight)  # the largest GEMV of a decode step
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()

@@ -55,8 +55,17 @@ def test_group_rows_offsets():
     assert order[:4].tolist() == [2, 0, 3, 4] and valid.tolist() == [True] * 4 + [False]
 
 
+@pytest.fixture
+def pack_without_amx(monkeypatch):
+    """The packed oneDNN path is used only on CPUs with AMX (elsewhere oneDNN runs it on its slow reference
+    kernel), but it is exact everywhere: test it here too."""
+    from moeserve.layers import quant
+
+    monkeypatch.setattr(quant, "_AMX", True)
+
+
 @pytest.mark.parametrize("m", [0, 1, 5, 64, 257])
-def test_packed_int8_gemm_exact(m):
+def test_packed_int8_gemm_exact(m, pack_without_amx):
     packed_ok = Int8Packed.of(torch.zeros(8, 16, dtype=torch.int8), torch.ones(8, 1))
     if packed_ok is None:
         pytest.skip("oneDNN does not run here")
@@ -70,7 +79,7 @@ def test_packed_int8_gemm_exact(m):
     assert torch.equal(got, exact.to(torch.int32).float() * scale.view(1, -1))
 
 
-def test_packed_int8_linear_equals_unpacked():
+def test_packed_int8_linear_equals_unpacked(pack_without_amx):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(48, 80, generator=g)
     q, s = quantize_per_channel(w)
@@ -82,7 +91,7 @@ def test_packed_int8_linear_equals_unpacked():
         assert torch.equal(int8_linear(x, q, s, packed=packed), int8_linear(x, q, s))
 
 
-def test_int8_experts_packed_equal_unpacked():
+def test_int8_experts_packed_equal_unpacked(pack_without_amx):
     g = torch.Generator().manual_seed(4)
     ref = FusedExperts(6, 64, 32)
     with torch.no_grad():

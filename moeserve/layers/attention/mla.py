@@ -20,6 +20,7 @@ from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_tp_group
 from moeserve.layers.attention import amla
 from moeserve.layers.attention.kv_dtype import gather_cache, gather_decode_context, write_cache
+from moeserve.layers import opaque
 from moeserve.layers.attention.metadata import get_attention_metadata
 from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
@@ -53,6 +54,7 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(arch.rope, qk)
         self.w_uk: torch.Tensor | None = None  # [H, dn, C] set by process_weights_after_loading
         self.w_uv_t: torch.Tensor | None = None  # [H, C, dv]
+        self.op_key = opaque.register(self)
 
     def process_weights_after_loading(self) -> None:
         # From the dequantized weight when kv_b_proj is INT8: prefill and decode then use the same matrix.
@@ -78,26 +80,36 @@ class MLAttention(nn.Module):
 
     def _attend(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """This rank's heads; o_proj's partial output (summed over the TP group by the caller)."""
-        meta = get_attention_metadata()
         q = self._queries(x)
         q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.dr], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+        new_kv = torch.cat([latent, k_pe], dim=-1)  # [T, C + dr]
+        if torch.compiler.is_compiling():  # the cache and the metadata stay outside the graph (layers/opaque.py)
+            out = torch.ops.moeserve.mla_attention(q_nope, q_pe, new_kv, self.w_uv_t, self.op_key)
+        else:
+            out = self.attend_cached(q_nope, q_pe, new_kv)
+        return self.o_proj(out)
+
+    def attend_cached(self, q_nope: torch.Tensor, q_pe: torch.Tensor, new_kv: torch.Tensor) -> torch.Tensor:
+        """Write the new rows' latent KV and attend: -> [T, H * dv]. Only the metadata's rows are real: a
+        compiled decode graph pads its batch to a bucket size, and the rows past them come back zero."""
+        meta = get_attention_metadata()
+        n = meta.slot_mapping.shape[0]
         cache = meta.kv_caches[self.layer_idx]
         flat_cache = cache.view(-1, cache.shape[-1])  # [num_blocks * block_size, C + dr]
-        new_kv = torch.cat([latent, k_pe], dim=-1)  # [T, C + dr]
-        write_cache(flat_cache, meta.slot_mapping, new_kv)
-
-        out = x.new_empty(x.shape[0], self.num_heads * self.dv)
+        write_cache(flat_cache, meta.slot_mapping, new_kv[:n])
+        t = q_nope.shape[0]
+        out = (q_nope.new_empty if n == t else q_nope.new_zeros)(t, self.num_heads * self.dv)
         for seq in meta.prefills:
             rows = slice(seq.q_start, seq.q_start + seq.q_len)
-            kv = new_kv[rows] if seq.ctx_len == seq.q_len else gather_cache(flat_cache, seq.slots, x.dtype)
+            kv = new_kv[rows] if seq.ctx_len == seq.q_len else gather_cache(flat_cache, seq.slots, new_kv.dtype)
             out[rows] = self._prefill(q_nope[rows], q_pe[rows], kv, seq.ctx_len - seq.q_len)
         if meta.decode is not None:
             d = meta.decode
             out[d.rows] = self._decode(q_nope[d.rows], q_pe[d.rows], cache, d)
-        return self.o_proj(out)
+        return out
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
                  offset: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ from moeserve.distributed.comm import timed
 from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_ep_group, get_tp_group
 from moeserve.layers.mlp import DenseMLP
-from moeserve.layers.moe.dispatch import make_codec, make_dispatcher
+from moeserve.layers import opaque
+from moeserve.layers.moe.dispatch import LocalDispatcher, make_codec, make_dispatcher
 from moeserve.layers.moe.experts import FusedExperts
 from moeserve.layers.moe.load_stats import current_recorder
 from moeserve.layers.moe.placement import ExpertMap, current_comm_dtype, current_layer_placement
@@ -39,9 +40,37 @@ class MoE(nn.Module):
         self.dispatcher = make_dispatcher(comm, ep, placement, codec)
         mb1 = get_ep_group(micro_batch=1)  # --enable-dbo: micro-batch 1's own process group
         self.dispatchers = [self.dispatcher] + ([make_dispatcher(comm, mb1, placement, codec)] if mb1 is not ep else [])
+        self.op_key = opaque.register(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and not self.routed_traceable():
+            return self._forward_opaque(x)
         return self.finish(self.middle(self.start(x)))
+
+    def routed_traceable(self) -> bool:
+        """Whether a compiled graph can trace the routed experts: one rank holds them all (no collectives) and
+        they are float (torch._grouped_mm, no host sync)."""
+        return isinstance(self.dispatcher, LocalDispatcher) and type(self.experts) is FusedExperts
+
+    def _forward_opaque(self, x: torch.Tensor) -> torch.Tensor:
+        """The compiled graph's MoE block when the routed part is an opaque op (layers/opaque.py): router and
+        (single-rank) shared experts in the graph, dispatch -> experts -> combine in the op. One TP rank."""
+        weights, expert_ids = self.gate(x)
+        out = torch.ops.moeserve.moe_routed(x, weights, self.expert_map.to_physical(expert_ids), self.op_key)
+        if self.shared_experts is not None and isinstance(self.dispatcher, LocalDispatcher):
+            out = out + self.shared_experts(x)
+        return out
+
+    def routed_eager(self, rows: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> torch.Tensor:
+        """moe_routed's body: as start/middle/finish without the router. With a transfer in flight the shared
+        experts run under it here, as in middle()."""
+        handle = self.dispatcher.dispatch(rows, weights, phys_ids)
+        shared = None
+        if self.shared_experts is not None and not isinstance(self.dispatcher, LocalDispatcher):
+            with timed("shared_experts"):
+                shared = self.shared_experts(rows)
+        out = self.dispatcher.combine_finish(self.dispatcher.combine_start(handle, self.experts))
+        return out if shared is None else out + shared
 
     # The three stages, apart so that --enable-dbo can interleave two micro-batches (models/deepseek_v3.py):
     # start (route, start sending rows) | middle (shared experts, wait for rows, experts, start the way back)

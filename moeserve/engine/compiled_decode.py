@@ -1,0 +1,144 @@
+"""The decode forward as compiled static-shape graphs, one per token-count bucket (off with --enforce-eager).
+
+A step whose rows are all decode rows (one per sequence, or 1 + k with MTP drafts being verified) is padded
+to the next bucket size. Each decoder layer then runs through torch.compile(fullgraph=True, dynamic=False)
+of one shared function (regional compilation: one graph per layer kind and bucket, reused by every layer of
+that kind, whose weights are graph inputs): inductor fuses the norms, rotary, router, SwiGLU, INT8 activation
+quantization and residual adds between the GEMMs, and the layers' Python runs once at trace time instead of
+every step. Attention (cache write + MLA over the paged cache) and routed experts that cannot be traced
+(INT8, multi-rank dispatch) are opaque ops inside the graph (layers/opaque.py); the attention metadata and
+the sampling inputs are prepared outside, as for the eager path. Padding rows have no metadata: attention
+returns zeros for them and their outputs are dropped.
+
+Eager instead: prefill and mixed steps, decode steps past the largest bucket, tensor parallelism > 1,
+FlashComm, --enable-dbo, expert-load recording (--expert-load-stats, --enable-eplb), and CUDA (where the
+same buckets are meant as CUDA graphs: not built yet). Every bucket is compiled at start-up (warm_up);
+--compilation-config cudagraph_capture_sizes picks the buckets. Inductor caches its compiled kernels on disk
+(TORCHINDUCTOR_CACHE_DIR, default ~/.cache/moeserve/inductor), so a later start only re-traces.
+MOESERVE_ENFORCE_EAGER=1 in the environment makes every engine of the process tree eager (the test suite
+sets it: the compiled path has its own tests).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Keep eager's rounding to the model dtype between fused ops (BF16): the graph then gives the eager path's
+# tokens instead of drifting from them wherever greedy is near a tie.
+_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+# Graphs for decode steps of up to 64 rows (64 sequences, or 32 with one MTP draft each): compiled at start-up
+# in about a minute here (cold inductor cache). Past 32 rows the GEMMs dominate and the graph gains little
+# (measured 1.0x at batch 32, benchmarks/decode_speed.py); larger steps run eagerly.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def buckets_for(max_tokens: int, sizes: tuple[int, ...] | None = None) -> list[int]:
+    """Bucket sizes: by default powers of two covering 1..min(max_tokens, 64), the last one the cap itself;
+    with `sizes` (--compilation-config cudagraph_capture_sizes) those of them a step can reach."""
+    if sizes is not None:
+        return sorted({n for n in sizes if n <= max_tokens}) or [min(sizes)]
+    cap = min(max_tokens, BUCKETS[-1])
+    return [b for b in BUCKETS if b < cap] + [cap]
+
+
+def why_eager(config, arch, device: torch.device) -> str | None:
+    """Why this engine runs its decode eagerly, or None when the compiled graphs apply."""
+    par = config.parallel
+    if config.model.enforce_eager:
+        return "--enforce-eager"
+    if os.environ.get("MOESERVE_ENFORCE_EAGER") == "1":
+        return "MOESERVE_ENFORCE_EAGER=1"
+    if device.type != "cpu":
+        return f"no {device.type} graphs yet"
+    if par.tensor_parallel_size > 1:
+        return "tensor parallelism (its collectives are not in the graph)"
+    if par.flashcomm != "off":
+        return "--flashcomm"
+    if par.enable_dbo:
+        return "--enable-dbo"
+    if par.expert_load_stats or par.enable_eplb:
+        return "expert-load recording (--expert-load-stats / --enable-eplb)"
+    return None
+
+
+_LAYER_KINDS = 3
+
+
+def _configure_cache() -> None:
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        os.environ.get("MOESERVE_CACHE", os.path.expanduser("~/.cache/moeserve")), "inductor"))
+
+
+def _run_layer(layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return layer(x, positions)
+
+
+class CompiledDecode:
+    """Decode graphs of one model: run(input_ids, positions) inside the step's attention_context."""
+
+    def __init__(self, model: torch.nn.Module, max_tokens: int, sizes: tuple[int, ...] | None = None) -> None:
+        _configure_cache()
+        import torch._dynamo
+
+        self.model = model
+        self.buckets = buckets_for(max_tokens, sizes)
+        # Every graph of every engine in this process hangs off one code object (_run_layer), and engines of
+        # the same shapes share graphs (guards check types and shapes, not module identity). Room for this
+        # engine's graphs on top of what earlier engines left: one per layer kind (dense, MoE, MTP) and bucket.
+        room = _LAYER_KINDS * len(self.buckets)
+        torch._dynamo.config.recompile_limit += room
+        torch._dynamo.config.accumulated_recompile_limit += room
+        # Regional compilation: one graph per distinct layer kind (the dense first layers, the MoE layers) and
+        # bucket, reused by every layer of that kind (their weights and op keys are graph inputs), instead of
+        # the whole unrolled model per bucket: about #layers times less to trace and compile.
+        torch._dynamo.config.allow_unspec_int_on_nn_module = True
+        self._layer = torch.compile(_run_layer, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
+        self.compiled: set[int] = set()  # buckets traced so far
+        self.compile_seconds = 0.0
+        self.steps = 0  # decode steps run through a graph (warm-up excluded)
+
+    def bucket(self, num_tokens: int) -> int | None:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        return None
+
+    def applies(self, meta, num_tokens: int) -> bool:
+        """A decode-only step (no prefill rows) that fits a bucket."""
+        return num_tokens > 0 and not meta.prefills and num_tokens <= self.buckets[-1]
+
+    def warm_up(self, kv_caches: list[torch.Tensor]) -> None:
+        """Compile every bucket now, at start-up, instead of stalling the first step of each size: a forward
+        of padding rows only (no metadata rows, so nothing is written to the cache). Every rank of a DP/EP
+        engine runs the same buckets in the same order, so their MoE collectives pair up."""
+        from moeserve.layers.attention.metadata import AttentionMetadata, attention_context
+
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [], None, kv_caches)
+        start = time.perf_counter()
+        with torch.inference_mode(), attention_context(meta):
+            for b in self.buckets:
+                self.run(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long))
+        self.steps = 0
+        logger.info("decode graphs for %s tokens ready in %.1f s", self.buckets, time.perf_counter() - start)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n = input_ids.shape[0]
+        b = self.bucket(n)
+        if b > n:  # padding rows: token 0 at position 0; attention gives them zeros, the rows are dropped
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(b - n)])
+            positions = torch.cat([positions, positions.new_zeros(b - n)])
+        self.steps += 1
+        start = time.perf_counter()
+        hidden = self.model(input_ids, positions, run_layer=self._layer)
+        if b not in self.compiled:
+            self.compiled.add(b)
+            took = time.perf_counter() - start
+            self.compile_seconds += took
+            logger.info("decode graph for %d tokens compiled in %.1f s", b, took)
+        return hidden[:n]

@@ -1,0 +1,60 @@
+"""Layer calls that a compiled graph keeps as single opaque ops instead of tracing into them.
+
+The compiled decode graph (engine/compiled_decode.py) fuses everything between these calls. What stays
+outside:
+- MLA's cache write + attention: it reads the per-step attention metadata (a Scoped value, block tables as
+  Python lists for prefills) and loops over prefill sequences;
+- routed experts that are not traceable: INT8 experts (one oneDNN GEMM per busy expert, so one host sync)
+  and every multi-rank dispatcher (collectives with host-side split sizes).
+Each is registered as a torch custom op taking tensors plus the integer key of the module that runs it;
+eager code calls the module directly (no op dispatch cost), the graph calls the op.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+_MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
+_NEXT_KEY = itertools.count()
+
+
+def register(module: torch.nn.Module) -> torch.Tensor:
+    """A process-unique key under which the ops below find `module` (held weakly), as a 0-d CPU tensor (a
+    plain attribute, not a buffer: models are built on the meta device): a tensor is a graph input where an
+    int would be a constant, so one compiled graph serves every layer of a kind."""
+    key = next(_NEXT_KEY)
+    _MODULES[key] = module
+    return torch.tensor(key, device="cpu")
+
+
+def _module(key: torch.Tensor):
+    return _MODULES[int(key)]
+
+
+@torch.library.custom_op("moeserve::mla_attention", mutates_args=())
+def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, new_kv: torch.Tensor, w_uv_t: torch.Tensor,
+                  key: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, dn], q_pe [T, H, dr] (rotated), new_kv [T, C + dr], w_uv_t [H, C, dv] the layer's
+    absorbed value projection (its shape gives the output's) -> [T, H * dv]: MLAttention.attend_cached
+    (it writes the cache, which nothing in the graph reads: no declared mutation)."""
+    return _module(key).attend_cached(q_nope, q_pe, new_kv)
+
+
+@mla_attention.register_fake
+def _(q_nope: torch.Tensor, q_pe: torch.Tensor, new_kv: torch.Tensor, w_uv_t: torch.Tensor,
+      key: torch.Tensor) -> torch.Tensor:
+    return q_nope.new_empty(q_nope.shape[0], w_uv_t.shape[0] * w_uv_t.shape[2])
+
+
+@torch.library.custom_op("moeserve::moe_routed", mutates_args=())
+def moe_routed(rows: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """rows [T, H], routing weights / physical slots [T, k] -> [T, H]: MoE.routed_eager (dispatch, experts,
+    combine; with the shared experts inside when a transfer is in flight to hide them under)."""
+    return _module(key).routed_eager(rows, weights, phys_ids)
+
+
+@moe_routed.register_fake
+def _(rows: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(rows)

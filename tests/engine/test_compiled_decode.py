@@ -1,0 +1,168 @@
+"""The compiled decode graphs (engine/compiled_decode.py) give the eager path's greedy tokens.
+
+Every bucket is compiled at start-up with fullgraph=True, where a graph break is an error: an engine that
+starts has traced all of them. The prompts' lengths differ so that the running batch shrinks step by step
+and lands on padded buckets; the 41-token prompt is prefilled in chunks (max_num_batched_tokens=32).
+"""
+import pytest
+
+from moeserve import LLM, SamplingParams
+from moeserve.config import ConfigError
+from moeserve.engine_args import EngineArgs
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61)), [7, 8, 9, 10, 11], [42]]
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 14, 9, 5, 3)]
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
+
+
+@pytest.fixture(autouse=True)
+def compile_allowed(monkeypatch):
+    monkeypatch.delenv("MOESERVE_ENFORCE_EAGER", raising=False)  # tests/conftest.py makes engines eager
+
+
+def generate(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def eager_and_compiled(path: str, **kw) -> tuple[list[list[int]], list[list[int]], LLM]:
+    want = generate(LLM(path, enforce_eager=True, **ENGINE, **kw))
+    llm = LLM(path, **ENGINE, **kw)
+    return want, generate(llm), llm
+
+
+def assert_graphs_ran(llm: LLM, buckets: list[int]) -> None:
+    graphs = llm.engine.runner.decode_graphs
+    assert graphs is not None, "the engine chose the eager path"
+    assert graphs.buckets == buckets and graphs.compiled == set(buckets)
+    assert graphs.steps > 0, "no decode step went through a graph"
+
+
+@pytest.mark.parametrize("variant,dtype,quant", [
+    ("v3", "float32", None), ("v2_lite", "float32", None), ("v3", "bfloat16", None), ("v3", "float32", "a8w8"),
+], ids=["v3", "v2-lite", "v3-bf16", "v3-a8w8"])
+def test_compiled_decode_gives_eager_tokens(ckpt_dir, variant, dtype, quant):
+    want, got, llm = eager_and_compiled(ckpt_dir(variant), dtype=dtype, quantization=quant)
+    assert got == want
+    assert_graphs_ran(llm, [1, 2, 4, 8])
+
+
+def test_compiled_decode_with_mtp(mtp_ckpt_dir):
+    """MTP k=1: verification steps have 2 rows per sequence, so the buckets go to 2 * max_num_seqs."""
+    path = mtp_ckpt_dir("v3")
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    plain = generate(LLM(path, dtype="float32", enforce_eager=True, **ENGINE))
+    want, got, llm = eager_and_compiled(path, dtype="float32", speculative_config=spec)
+    assert got == want == plain
+    assert_graphs_ran(llm, [1, 2, 4, 8, 16])
+    stats = llm.engine.stats()
+    assert stats.spec_num_accepted_tokens > 0
+
+
+def test_compiled_decode_with_prefix_cache_and_preemption(ckpt_dir):
+    """A pool too small for the batch (preemption, recompute) and shared prefixes (cache hits)."""
+    shared = list(range(100, 116))  # two full blocks
+    prompts = [shared + [5, 6], shared + [7], shared + [8, 9, 10], [300, 12]]
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 4  # ~6 blocks each, 8 in all
+    kw = dict(dtype="float32", num_kv_blocks=8, block_size=8, enable_prefix_caching=True)
+    want = generate(LLM(ckpt_dir("v3"), enforce_eager=True, **ENGINE, **kw), prompts, params)
+    llm = LLM(ckpt_dir("v3"), **ENGINE, **kw)
+    assert generate(llm, prompts, params) == want
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert_graphs_ran(llm, [1, 2, 4, 8])
+
+
+def test_compiled_decode_under_dp2_ep(ckpt_dir):
+    """DP=2 with EP (rank processes over gloo): the routed experts are an opaque op in each rank's graph."""
+    want = generate(LLM(ckpt_dir("v3"), dtype="float32", enforce_eager=True, **ENGINE))
+    llm = LLM(ckpt_dir("v3"), dtype="float32", data_parallel_size=2, enable_expert_parallel=True,
+              distributed_timeout=60, **ENGINE)
+    try:
+        assert generate(llm) == want
+    finally:
+        llm.shutdown()
+
+
+def test_eager_reasons(ckpt_dir):
+    """--enforce-eager, -O 0 and the layouts whose collectives are not in the graph say why they run eagerly."""
+    import torch
+
+    from moeserve.engine.compiled_decode import why_eager
+
+    cpu = torch.device("cpu")
+
+    def reason(**kw):
+        return why_eager(EngineArgs(model=ckpt_dir("v3"), **kw).create_config(4096), None, cpu)
+
+    assert reason() is None
+    assert reason(enforce_eager=True) == "--enforce-eager"
+    assert reason(compilation_config="0") == "--enforce-eager"
+    assert "tensor parallelism" in reason(tensor_parallel_size=2)
+    assert reason(enable_dbo=True, data_parallel_size=2, enable_expert_parallel=True) == "--enable-dbo"
+    assert "expert-load" in reason(expert_load_stats="/tmp/x.json")
+    assert why_eager(EngineArgs(model=ckpt_dir("v3")).create_config(4096), None, torch.device("meta"))
+    assert LLM(ckpt_dir("v3"), dtype="float32", enforce_eager=True).engine.runner.decode_graphs is None
+
+
+def test_buckets():
+    from moeserve.engine.compiled_decode import buckets_for
+
+    assert buckets_for(1) == [1] and buckets_for(6) == [1, 2, 4, 6] and buckets_for(512) == [1, 2, 4, 8, 16, 32, 64]
+    assert buckets_for(512, (1, 3, 128)) == [1, 3, 128] and buckets_for(8, (1, 3, 128)) == [1, 3]
+
+
+@pytest.mark.parametrize("value,eager,sizes", [
+    (None, False, None),
+    ('{"cudagraph_capture_sizes": [4, 1, 2, 4]}', False, (1, 2, 4)),
+    ({"cudagraph_capture_sizes": [1, 8], "max_cudagraph_capture_size": 4}, False, (1,)),
+    ('{"max_cudagraph_capture_size": 6}', False, (1, 2, 4, 6)),
+    ("3", False, None), (0, True, None), ('{"level": 0}', True, None), ('{"mode": 3}', False, None),
+    ('{"cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]}', False, None),
+])
+def test_compilation_config(ckpt_dir, value, eager, sizes):
+    """vLLM's --compilation-config: the keys that apply set the decode graphs, vLLM-internal ones are accepted."""
+    model = EngineArgs(model=ckpt_dir("v3"), compilation_config=value).create_config(4096).model
+    assert (model.enforce_eager, model.decode_graph_sizes) == (eager, sizes)
+
+
+@pytest.mark.parametrize("value,words", [
+    ('{"cudagraph_capture_size": [1]}', "unknown key(s) cudagraph_capture_size"),
+    ('{"cudagraph_capture_sizes": []}', "non-empty list of positive integers"),
+    ('{"cudagraph_capture_sizes": [0, 2]}', "non-empty list of positive integers"),
+    ('{"mode": 7}', "mode must be 0-3"),
+    ("{not json", "--compilation-config"),
+])
+def test_compilation_config_errors(ckpt_dir, value, words):
+    with pytest.raises(ConfigError) as e:
+        EngineArgs(model=ckpt_dir("v3"), compilation_config=value).create_config(4096)
+    assert words in str(e.value)
+
+
+def test_compilation_config_flag_and_sizes(ckpt_dir):
+    """`-O` / --compilation-config on the command line; the chosen sizes are the graphs the engine compiles."""
+    from moeserve.cli import build_parser
+
+    ns = build_parser().parse_args(["serve", ckpt_dir("v3"), "-O", '{"cudagraph_capture_sizes": [1, 3]}'])
+    assert ns.compilation_config == '{"cudagraph_capture_sizes": [1, 3]}'
+    want = generate(LLM(ckpt_dir("v3"), dtype="float32", enforce_eager=True, **ENGINE))
+    llm = LLM(ckpt_dir("v3"), dtype="float32", compilation_config={"cudagraph_capture_sizes": [1, 3]}, **ENGINE)
+    assert generate(llm) == want
+    assert_graphs_ran(llm, [1, 3])
+
+
+def test_generate_command_compiles_only_when_asked(ckpt_dir):
+    """`moeserve generate` runs eagerly by default (one short run does not pay for compiling); -O 3 compiles
+    the graphs its prompts can use, an explicit config is taken as given."""
+    from moeserve.cli import build_parser
+    from moeserve.entrypoints.generate_cli import engine_args_for
+
+    def model_config(*flags, prompts=2):
+        args = build_parser().parse_args(["generate", "--model", ckpt_dir("v3"), *flags])
+        return engine_args_for(args, prompts).create_config(4096).model
+
+    assert model_config().enforce_eager
+    got = model_config("-O", "3", prompts=3)
+    assert not got.enforce_eager and got.decode_graph_sizes == (1, 2, 3)
+    got = model_config("-O3", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}')
+    assert got.decode_graph_sizes == (1, 2, 4)
+    assert model_config("--compilation-config", '{"cudagraph_capture_sizes": [8]}').decode_graph_sizes == (8,)
