@@ -260,19 +260,49 @@ def test_every_instance_route_parses_json_bounded(keyed):
     assert httpx.get(pre.url + "/health").status_code == 200 and httpx.get(dec.url + "/health").status_code == 200
 
 
-def test_the_proxy_routes_around_a_prefill_whose_engine_is_dead(keyed):
-    """HTTP still answered, the engine behind it did not: 10 of 20 requests failed with 1 of 2 prefills dead."""
-    (pre_a, pre_b, _), proxy = keyed
-    os.kill(pre_b.engine_pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while httpx.get(pre_b.url + "/health").status_code == 200 and time.monotonic() < deadline:
+def served(inst) -> float:
+    """Requests an instance's engine finished (its API server's counter: it outlives an engine restart)."""
+    return inst.metric("vllm:request_success_total")
+
+
+def wait_health(url: str, status: int, timeout: float = 120.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.get(url + "/health", timeout=10)
+        if r.status_code == status or time.monotonic() > deadline:
+            return r
         time.sleep(0.1)
-    assert httpx.get(pre_b.url + "/health").status_code == 503  # its HTTP answers; its engine is gone
-    for i in range(20):
-        r = post(proxy.url, {"prompt": f"request {i} " * (1 + i % 3), "max_tokens": 3}, KEY_PROXY)
-        assert r.status_code == 200, (i, r.text)
-    r = httpx.get(proxy.url + "/health")
-    assert r.status_code == 503 and r.json()["prefill"] == {pre_a.url: True, pre_b.url: False}, r.text
+
+
+def test_the_proxy_routes_around_a_prefill_whose_engine_is_dead(keyed):
+    """HTTP still answered, the engine behind it did not: 10 of 20 requests failed with 1 of 2 prefills dead.
+    The dead one is the first listed, which every request goes to while both are idle and healthy. Its
+    launcher is held (SIGSTOP) so that it cannot restart the engine while the proxy is checked (the restart
+    after --engine-restart-backoff made the instance healthy again mid-test); released, it restarts the
+    engine and the proxy routes to the instance again."""
+    (pre_a, pre_b, _), proxy = keyed
+    os.kill(pre_a.proc.pid, signal.SIGSTOP)  # the launcher: its API server answers, nobody restarts the engine
+    try:
+        os.kill(pre_a.engine_pid, signal.SIGKILL)
+        r = wait_health(pre_a.url, 503, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead", r.text  # HTTP answers
+        r = httpx.get(proxy.url + "/health", timeout=10)
+        assert r.status_code == 503 and r.json()["prefill"] == {pre_a.url: False, pre_b.url: True}, r.text
+        before_a, before_b = served(pre_a), served(pre_b)
+        for i in range(20):
+            r = post(proxy.url, {"prompt": f"request {i} " * (1 + i % 3), "max_tokens": 3}, KEY_PROXY)
+            assert r.status_code == 200, (i, r.text)
+        assert served(pre_b) - before_b == 20 and served(pre_a) == before_a  # all routed to the live prefill
+        r = httpx.get(proxy.url + "/health", timeout=10)
+        assert r.status_code == 503 and r.json()["prefill"] == {pre_a.url: False, pre_b.url: True}, r.text
+    finally:
+        os.kill(pre_a.proc.pid, signal.SIGCONT)  # the launcher restarts the engine (the fixture's other users)
+    assert wait_health(pre_a.url, 200).status_code == 200, "".join(pre_a.lines[-20:])
+    r = wait_health(proxy.url, 200, timeout=10)
+    assert r.status_code == 200 and r.json()["prefill"] == {pre_a.url: True, pre_b.url: True}, r.text
+    before_a = served(pre_a)
+    r = post(proxy.url, {"prompt": "back again", "max_tokens": 3}, KEY_PROXY)
+    assert r.status_code == 200 and served(pre_a) == before_a + 1, r.text  # routed to it again
 
 
 def test_pulls_waiting_on_a_hung_prefill_fail_together(engines_pd, monkeypatch):
