@@ -119,10 +119,15 @@ class CompiledDecode:
         engine runs the same buckets in the same order, so their MoE collectives pair up."""
         from moeserve.layers.attention.metadata import AttentionMetadata, attention_context
 
+        from tqdm import tqdm
+
         meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [], None, kv_caches)
         start = time.perf_counter()
+        # A progress bar on a terminal (vLLM shows one while it captures graphs); none in logs and pipes.
+        bar = tqdm(self.buckets, desc="Compiling decode graphs", unit="bucket", disable=None, leave=False)
         with torch.inference_mode(), attention_context(meta):
-            for b in self.buckets:
+            for b in bar:
+                bar.set_postfix(tokens=b)
                 self.run(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long))
         self.steps = 0
         logger.info("decode graphs for %s tokens ready in %.1f s", self.buckets, time.perf_counter() - start)

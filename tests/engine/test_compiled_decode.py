@@ -166,3 +166,40 @@ def test_generate_command_compiles_only_when_asked(ckpt_dir):
     got = model_config("-O3", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}')
     assert got.decode_graph_sizes == (1, 2, 4)
     assert model_config("--compilation-config", '{"cudagraph_capture_sizes": [8]}').decode_graph_sizes == (8,)
+
+
+CACHE_PROBE = r"""
+import json, sys
+import torch
+torch.set_num_threads(1)
+from torch._dynamo.utils import counters
+from moeserve import LLM
+llm = LLM(sys.argv[1], dtype="float32", max_num_seqs=1, max_model_len=64)
+assert llm.engine.runner.decode_graphs.compiled == {1}
+print("COUNTERS " + json.dumps(dict(counters["inductor"])))
+"""
+
+
+def test_a_second_process_reuses_the_compile_cache(ckpt_dir, tmp_path):
+    """The first engine fills the on-disk inductor cache; a second process with the same model and layout
+    compiles nothing: every graph is a cache hit."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    env.pop("MOESERVE_ENFORCE_EAGER", None)
+
+    def counters() -> dict:
+        proc = subprocess.run([sys.executable, "-c", CACHE_PROBE, ckpt_dir("v3")], env=env, capture_output=True,
+                              text=True, timeout=600)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("COUNTERS ")), None)
+        assert line is not None, proc.stderr[-3000:]
+        return json.loads(line[len("COUNTERS "):])
+
+    first = counters()
+    assert first.get("fxgraph_cache_miss", 0) > 0
+    second = counters()
+    assert second.get("fxgraph_cache_miss", 0) == 0, second
+    assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"], (first, second)
