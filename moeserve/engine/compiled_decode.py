@@ -1,7 +1,7 @@
 """The decode forward as compiled static-shape graphs, one per token-count bucket (off with --enforce-eager).
 
 A step whose rows are all decode rows (one per sequence, or 1 + k with MTP drafts being verified) is padded
-to the next bucket size. Each decoder layer then runs through torch.compile(fullgraph=True, dynamic=False)
+to the next bucket size; so are the MTP proposer's passes over decode rows (attach_mtp). Each decoder layer then runs through torch.compile(fullgraph=True, dynamic=False)
 of one shared function (regional compilation: one graph per layer kind and bucket, reused by every layer of
 that kind, whose weights are graph inputs): inductor fuses the norms, rotary, router, SwiGLU, INT8 activation
 quantization and residual adds between the GEMMs, and the layers' Python runs once at trace time instead of
@@ -79,6 +79,11 @@ def _run_layer(layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor)
     return layer(x, positions)
 
 
+def _run_mtp_layer(layer: torch.nn.Module, embeds: torch.Tensor, prev_hidden: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    return layer(embeds, prev_hidden, positions)
+
+
 class CompiledDecode:
     """Decode graphs of one model: run(input_ids, positions) inside the step's attention_context."""
 
@@ -99,9 +104,17 @@ class CompiledDecode:
         # the whole unrolled model per bucket: about #layers times less to trace and compile.
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
         self._layer = torch.compile(_run_layer, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
+        # The MTP layer (spec/mtp_model.py): its passes over decode rows take the same buckets.
+        self._mtp = torch.compile(_run_mtp_layer, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
+        self.mtp_layer: torch.nn.Module | None = None
         self.compiled: set[int] = set()  # buckets traced so far
         self.compile_seconds = 0.0
         self.steps = 0  # decode steps run through a graph (warm-up excluded)
+        self.mtp_steps = 0  # MTP passes run through a graph (warm-up excluded)
+
+    def attach_mtp(self, mtp_layer: torch.nn.Module) -> None:
+        """Run the MTP proposer's decode passes through graphs too (compiled by warm_up)."""
+        self.mtp_layer = mtp_layer
 
     def bucket(self, num_tokens: int) -> int | None:
         for b in self.buckets:
@@ -128,8 +141,11 @@ class CompiledDecode:
         with torch.inference_mode(), attention_context(meta):
             for b in bar:
                 bar.set_postfix(tokens=b)
-                self.run(torch.zeros(b, dtype=torch.long), torch.zeros(b, dtype=torch.long))
-        self.steps = 0
+                ids = torch.zeros(b, dtype=torch.long)
+                hidden = self.run(ids, ids)
+                if self.mtp_layer is not None:
+                    self.run_mtp(torch.zeros_like(hidden), hidden, ids)
+        self.steps = self.mtp_steps = 0
         logger.info("decode graphs for %s tokens ready in %.1f s", self.buckets, time.perf_counter() - start)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -147,3 +163,14 @@ class CompiledDecode:
             self.compile_seconds += took
             logger.info("decode graph for %d tokens compiled in %.1f s", b, took)
         return hidden[:n]
+
+    def run_mtp(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One MTP pass over decode rows (inside its attention_context), padded to a bucket like run()."""
+        n = embeds.shape[0]
+        b = self.bucket(n)
+        if b > n:
+            embeds = torch.cat([embeds, embeds.new_zeros(b - n, embeds.shape[1])])
+            prev_hidden = torch.cat([prev_hidden, prev_hidden.new_zeros(b - n, prev_hidden.shape[1])])
+            positions = torch.cat([positions, positions.new_zeros(b - n)])
+        self.mtp_steps += 1
+        return self._mtp(self.mtp_layer, embeds, prev_hidden, positions)[:n]

@@ -139,7 +139,10 @@ class ModelRunner:
         per_seq = 1 + (self.config.speculative.num_speculative_tokens if self.config.speculative else 0)
         graphs = CompiledDecode(self.model, min(sched.max_num_seqs * per_seq, sched.max_num_batched_tokens),
                                 self.config.model.decode_graph_sizes)
-        graphs.warm_up(self.kv_caches)
+        if self.proposer is not None:
+            graphs.attach_mtp(self.proposer.mtp.layer)
+            self.proposer.graphs = graphs
+        graphs.warm_up(self.proposer.kv_caches if self.proposer is not None else self.kv_caches)
         return graphs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -49,6 +49,7 @@ class MTPProposer:
         kv_dtype = main_kv_caches[0].dtype if main_kv_caches else dtype  # FP8 when the main cache is
         self.kv_cache = torch.zeros(num_blocks, block_size, arch.kv_cache_dim, dtype=kv_dtype)
         self.kv_caches = list(main_kv_caches) + [self.kv_cache]  # index num_hidden_layers is the MTP layer's
+        self.graphs = None  # the engine's compiled decode graphs (engine/compiled_decode.py), once attached
 
     @torch.inference_mode()
     def propose(self, out: SchedulerOutput, hidden: torch.Tensor,
@@ -88,7 +89,8 @@ class MTPProposer:
         drafts = {c.request_id: [] for c in chains}
         passes = 1
         while True:
-            ids = self.mtp.compute_logits(h, self.main.lm_head.weight).argmax(dim=-1)  # [B]
+            ids = self.mtp.compute_logits(h, self.main.lm_head.weight,
+                                          getattr(self.main, "lm_head_packed", None)).argmax(dim=-1)  # [B]
             for c, t in zip(chains, ids.tolist()):
                 drafts[c.request_id].append(t)
             keep = [i for i, c in enumerate(chains) if c.remaining > 0]
@@ -107,7 +109,10 @@ class MTPProposer:
         """One MTP pass over the spans' tokens -> h' [T, H] (T may be 0 on a rank without work)."""
         positions, meta = build_attention_metadata(spans, self.block_size, self.kv_caches)
         with attention_context(meta):
-            return self.mtp(self.main.model.embed_tokens(token_ids), prev_hidden, positions)
+            embeds = self.main.model.embed_tokens(token_ids)
+            if self.graphs is not None and self.graphs.applies(meta, embeds.shape[0]):
+                return self.graphs.run_mtp(embeds, prev_hidden, positions)
+            return self.mtp(embeds, prev_hidden, positions)
 
 
 def _num_valid(s: ScheduledRequest, new: list[int]) -> int:

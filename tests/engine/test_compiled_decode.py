@@ -54,6 +54,7 @@ def test_compiled_decode_with_mtp(mtp_ckpt_dir):
     want, got, llm = eager_and_compiled(path, dtype="float32", speculative_config=spec)
     assert got == want == plain
     assert_graphs_ran(llm, [1, 2, 4, 8, 16])
+    assert llm.engine.runner.decode_graphs.mtp_steps > 0, "no MTP pass went through a graph"
     stats = llm.engine.stats()
     assert stats.spec_num_accepted_tokens > 0
 
