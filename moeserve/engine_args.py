@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import numbers
 import re
 import typing
@@ -78,7 +79,8 @@ def _parse_len(text: str) -> int | None:
 # One line per engine flag for --help (the formatter appends each default).
 ENGINE_HELP = {
     "tokenizer": "tokenizer folder, if not the model's",
-    "dtype": "auto|float32|bfloat16|float16 for weights and KV cache (auto: the checkpoint's, BF16 for FP8)",
+    "dtype": "auto|float32|bfloat16|float16 (vLLM's half, float too) for weights and KV cache (auto: the "
+             "checkpoint's, BF16 for FP8)",
     "seed": "seed of the sampler for requests without their own seed",
     "max_model_len": "context length, >= 2 (None: the model's max_position_embeddings)",
     "max_num_seqs": "running requests per step",
@@ -137,7 +139,27 @@ ENGINE_HELP = {
     "generation_config": "auto|vllm|FOLDER: sampling defaults (temperature, top_p, top_k, min_p, "
                          "repetition_penalty, max_new_tokens) from the model's (or FOLDER's) generation_config.json "
                          "for requests that leave them unset; vllm: none",
+    # vLLM recipe flags (issue 33): accepted so a recipe runs unchanged; docs/from-vllm.md says what each does
+    "trust_remote_code": "accepted for vLLM recipes; moeserve implements DeepSeek V2/V3 itself and never runs "
+                         "code from a checkpoint, with or without this flag",
+    "async_scheduling": "accepted; no effect here (moeserve's engine schedules each step after the last one's "
+                        "outputs; an INFO line says so)",
+    "attention_backend": "accepted; no effect here (MLA attention is moeserve's own, see --mla-decode; an INFO "
+                         "line says so)",
+    "tokenizer_mode": "auto|hf|slow|deepseek_v32: accepted; moeserve always loads the checkpoint's own tokenizer "
+                      "(transformers AutoTokenizer); other modes are refused",
+    "revision": "accepted; no effect here (the model is a local folder, read as it is; an INFO line says so)",
+    "download_dir": "accepted; no effect here (the model is a local folder, nothing is downloaded; an INFO line "
+                    "says so)",
+    "hf_overrides": "JSON over the checkpoint's config.json: only {} (nothing to override) is accepted for now; "
+                    "other values are refused",
+    "cudagraph_capture_sizes": "decode batch sizes to compile graphs for, e.g. 1 2 4 8 (the same as "
+                               "--compilation-config '{\"cudagraph_capture_sizes\": [...]}')",
 }
+
+# vLLM's --dtype spellings -> moeserve's
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+TOKENIZER_MODES = ("auto", "hf", "slow", "deepseek_v32")
 
 
 @dataclass
@@ -196,9 +218,19 @@ class EngineArgs:
     all2all_backend: str | None = None  # vLLM's MoE backends -> --moe-comm
     override_generation_config: dict | str | None = None  # JSON merged over the generation_config defaults
     disable_log_stats: bool = False
+    # vLLM recipe flags (issue 33); create_config logs which do nothing here
+    trust_remote_code: bool = False  # never runs checkpoint code: the architectures are built in
+    async_scheduling: bool = False
+    attention_backend: str | None = None
+    tokenizer_mode: str = "auto"
+    revision: str | None = None
+    download_dir: str | None = None
+    hf_overrides: dict | str | None = None
+    cudagraph_capture_sizes: list | None = None  # -> compilation config's cudagraph_capture_sizes
 
     def __post_init__(self) -> None:
         _check_field_types(self)
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -217,6 +249,8 @@ class EngineArgs:
             text = ENGINE_HELP.get(f.name, " ")
             if kind is bool:
                 group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=f.default, help=text)
+            elif list in typing.get_args(kind):
+                group.add_argument(*flags, type=human_readable_int, nargs="+", default=f.default, help=text)
             elif dict in typing.get_args(kind):
                 group.add_argument(*flags, type=str, default=f.default, help=text)
             else:
@@ -234,6 +268,8 @@ class EngineArgs:
         folder, its context length, the quantization it implies) are resolved by the caller, see
         engine/resolve.py; without `quant` only --quantization counts."""
         _check_field_types(self)  # fields may have been set after construction
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        self._check_recipe_flags()
         parallel = self._parallel_fields()
         _require(self.model is not None, "EngineArgs.model must be a checkpoint folder here "
                  "(engine/resolve.py resolve_engine_config resolves None to the bundled model)")
@@ -264,6 +300,36 @@ class EngineArgs:
             kv_transfer=self._kv_transfer(),
         )
 
+    def _check_recipe_flags(self) -> None:
+        """vLLM recipe flags that have no effect here: refuse the values moeserve cannot honour, log the rest
+        once per process (INFO)."""
+        _require(self.tokenizer_mode in TOKENIZER_MODES, f"--tokenizer-mode must be one of "
+                 f"{', '.join(TOKENIZER_MODES)} (moeserve loads the checkpoint's own tokenizer), "
+                 f"got {self.tokenizer_mode!r}")
+        overrides = self.hf_overrides
+        if isinstance(overrides, str):
+            overrides = _parse_json_dict(overrides, "--hf-overrides", "{}")
+        _require(overrides is None or overrides == {}, "--hf-overrides: overriding the checkpoint's config.json "
+                 f"is not supported yet (got keys {', '.join(map(str, overrides or {}))}); edit config.json in a "
+                 "copy of the checkpoint folder instead")
+        notes = {
+            "trust_remote_code": (self.trust_remote_code, "the DeepSeek V2/V3 architectures are built into "
+                                  "moeserve; no code from the checkpoint is run"),
+            "async_scheduling": (self.async_scheduling, "moeserve's engine schedules each step after the last "
+                                 "one's outputs"),
+            "attention_backend": (self.attention_backend is not None, "MLA attention is moeserve's own "
+                                  "(--mla-decode picks its decode kernel)"),
+            "tokenizer_mode": (self.tokenizer_mode != "auto", "moeserve always loads the checkpoint's own "
+                               "tokenizer (AutoTokenizer)"),
+            "revision": (self.revision is not None, "the model is a local folder, read as it is"),
+            "download_dir": (self.download_dir is not None, "the model is a local folder; nothing is downloaded"),
+            "hf_overrides": (overrides == {}, "nothing to override"),
+        }
+        for name, (given, why) in notes.items():
+            if given and name not in _LOGGED_NOTES:
+                _LOGGED_NOTES.add(name)
+                logging.getLogger("moeserve").info("--%s has no effect here: %s", name.replace("_", "-"), why)
+
     def _compilation_fields(self) -> dict:
         """--enforce-eager and vLLM's --compilation-config -> ModelConfig's enforce_eager, decode_graph_sizes."""
         eager, sizes = self.enforce_eager, None
@@ -274,6 +340,15 @@ class EngineArgs:
             value = _parse_json_dict(value, "--compilation-config", '{"cudagraph_capture_sizes": [1, 2, 4, 8]}')
         if isinstance(value, int) and not isinstance(value, bool):
             value = {"mode": value}
+        if self.cudagraph_capture_sizes is not None:
+            sizes_given = list(self.cudagraph_capture_sizes)
+            _require(isinstance(value, dict) or value is None, "--compilation-config must be a JSON object / dict "
+                     f"or a level 0-3, got {type(value).__name__}")
+            value = dict(value or {})
+            _require(value.get("cudagraph_capture_sizes", sizes_given) == sizes_given,
+                     f"--cudagraph-capture-sizes {sizes_given} disagrees with --compilation-config "
+                     f"cudagraph_capture_sizes {value.get('cudagraph_capture_sizes')}; pass one")
+            value["cudagraph_capture_sizes"] = sizes_given
         if value is not None:
             _require(isinstance(value, dict), "--compilation-config must be a JSON object / dict or a level 0-3, "
                                               f"got {type(value).__name__}")
@@ -367,6 +442,7 @@ COMPILATION_KEYS_IGNORED = ("backend", "custom_ops", "splitting_ops", "use_induc
                             "inductor_compile_config", "inductor_passes", "pass_config", "full_cuda_graph",
                             "use_cudagraph", "cudagraph_num_of_warmups", "debug_dump_path", "cache_dir",
                             "compile_cache_save_format", "use_inductor_graph_partition", "dynamic_shapes_config")
+_LOGGED_NOTES: set[str] = set()  # recipe flags already logged as having no effect (once per process)
 # On CPU the decode graphs are inductor graphs, not captured CUDA graphs: cudagraph_mode NONE keeps them.
 _CPU_GRAPHS_ARE_COMPILED = True
 

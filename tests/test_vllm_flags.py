@@ -49,6 +49,15 @@ VLLM_FLAGS = [
     (["--ssl-cert-reqs", "0"], {"server.ssl_cert_reqs": 0}),
     (["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v31"], {"server.tool_call_parser": "deepseek_v31"}),
     (["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v32"], {"server.tool_call_parser": "deepseek_v32"}),
+    # vLLM recipe flags (issue 33)
+    (["--dtype", "half"], {"config.model.dtype": "float16"}),
+    (["--dtype", "float"], {"config.model.dtype": "float32"}),
+    (["--cudagraph-capture-sizes", "1", "2", "4"],
+     {"config.model.decode_graph_sizes": (1, 2, 4), "config.model.enforce_eager": False}),
+    (["-O", "3", "--cudagraph-capture-sizes", "8", "1"], {"config.model.decode_graph_sizes": (1, 8)}),
+    (["--compilation-config", '{"cudagraph_capture_sizes": [2, 4]}', "--cudagraph-capture-sizes", "2", "4"],
+     {"config.model.decode_graph_sizes": (2, 4)}),
+    (["--trust-remote-code"], {"engine.trust_remote_code": True}),
 ]
 
 # (flags, words the error must contain)
@@ -65,6 +74,31 @@ REFUSED = [
     (["--eplb-config", '{"colour": 1}'], "unknown key"),
     (["--scheduling-policy", "lifo"], "--scheduling-policy must be one of"),
     (["--load-format", "pt"], "--load-format must be one of"),
+    (["--tokenizer-mode", "mistral"], "--tokenizer-mode must be one of"),
+    (["--hf-overrides", '{"num_hidden_layers": 2}'], "--hf-overrides"),
+    (["--compilation-config", '{"cudagraph_capture_sizes": [4]}', "--cudagraph-capture-sizes", "1"],
+     "--cudagraph-capture-sizes [1] disagrees with --compilation-config"),
+    (["--response-role", "user"], "--response-role"),
+    (["--return-tokens-as-token-ids"], "--return-tokens-as-token-ids is not supported yet"),
+    (["--disable-uvicorn-access-log", "--uvicorn-log-level", "info"], "--disable-uvicorn-access-log"),
+]
+
+# vLLM recipe / ops flags accepted without effect: they parse, change neither config, and log why (INFO)
+NO_EFFECT = [
+    (["--trust-remote-code"], "--trust-remote-code"),
+    (["--async-scheduling"], "--async-scheduling"),
+    (["--attention-backend", "FLASHMLA"], "--attention-backend"),
+    (["--tokenizer-mode", "slow"], "--tokenizer-mode"),
+    (["--revision", "main"], "--revision"),
+    (["--download-dir", "/tmp/hf"], "--download-dir"),
+    (["--hf-overrides", "{}"], "--hf-overrides"),
+    (["--max-log-len", "100"], "--max-log-len"),
+    (["--disable-uvicorn-access-log"], "--disable-uvicorn-access-log"),
+    (["--enable-prompt-tokens-details"], "--enable-prompt-tokens-details"),
+    (["--enable-force-include-usage"], "--enable-force-include-usage"),
+    (["--enable-request-id-headers"], "--enable-request-id-headers"),
+    (["--disable-fastapi-docs"], "--disable-fastapi-docs"),
+    (["--response-role", "assistant"], None),
 ]
 
 
@@ -150,3 +184,45 @@ def test_dsml_tool_calls_parse():
     streamed = StreamedContent()
     sent = "".join(streamed.push(ch) for ch in text)
     assert sent == "Let me check." and streamed.finish()[1] == calls
+
+
+@pytest.mark.parametrize("flags,logged", NO_EFFECT, ids=[" ".join(f) for f, _ in NO_EFFECT])
+def test_recipe_flag_without_effect_is_accepted_and_logged(flags, logged, caplog, monkeypatch):
+    import logging
+    from moeserve import engine_args
+    monkeypatch.setattr(engine_args, "_LOGGED_NOTES", set())
+    base = _configs([])
+    with caplog.at_level(logging.INFO, logger="moeserve"):
+        objs = _configs(flags)
+    assert objs["config"] == base["config"]
+    assert objs["server"] == base["server"]
+    if logged:
+        assert any(r.getMessage().startswith(logged) for r in caplog.records), caplog.text
+
+
+def test_trust_remote_code_everywhere(tmp_path):
+    """--trust-remote-code in serve, generate, a YAML --config and LLM(): accepted, and it runs no code."""
+    from moeserve import LLM
+    from moeserve.config_file import expand_config_file
+    from moeserve.entrypoints.generate_cli import engine_args_for
+    assert _configs(["--trust-remote-code"])["engine"].trust_remote_code
+    gen = engine_args_for(build_parser().parse_args(["generate", "--trust-remote-code"]), 1)
+    assert gen.trust_remote_code
+    cfg = tmp_path / "recipe.yaml"
+    cfg.write_text("trust_remote_code: true\nasync_scheduling: true\n")
+    engine, _ = build_configs(build_parser().parse_args(expand_config_file(["serve", "--config", str(cfg)])))
+    assert engine.trust_remote_code and engine.async_scheduling
+    # LLM(): the keyword is known (only the bogus one is named); the engine never imports checkpoint code
+    with pytest.raises(TypeError) as e:
+        LLM(trust_remote_code=True, bogus_keyword=1)
+    assert "bogus_keyword" in str(e.value) and "trust_remote_code" not in str(e.value)
+    assert EngineArgs(trust_remote_code=True, dtype="half").dtype == "float16"
+
+
+def test_generate_cudagraph_capture_sizes_compiles():
+    """generate runs eagerly unless asked; --cudagraph-capture-sizes asks, as -O does."""
+    from moeserve.entrypoints.generate_cli import engine_args_for
+    args = engine_args_for(build_parser().parse_args(["generate", "--cudagraph-capture-sizes", "1", "2"]), 1)
+    fields = args._compilation_fields()
+    assert fields == {"enforce_eager": False, "decode_graph_sizes": (1, 2)}
+    assert engine_args_for(build_parser().parse_args(["generate"]), 1)._compilation_fields()["enforce_eager"]

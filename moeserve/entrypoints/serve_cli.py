@@ -68,6 +68,24 @@ def register(sub) -> None:
                    help="seconds before the first engine-core restart, doubled for each further one (max 30)")
     g.add_argument("--engine-stall-timeout", type=float, default=5.0, metavar="S",
                    help="/health answers 503 when the engine (or a DP rank with work) made no progress this long")
+    v = p.add_argument_group("vLLM ops flags (accepted so a vLLM recipe runs unchanged; docs/from-vllm.md)")
+    v.add_argument("--max-log-len", type=int, default=None,
+                   help="accepted; no effect (the request log carries prompt lengths, never prompt text)")
+    v.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no access log line per request (the default here unless --uvicorn-log-level info/debug)")
+    v.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="accepted; usage always carries prompt_tokens_details.cached_tokens here")
+    v.add_argument("--enable-force-include-usage", action="store_true",
+                   help="accepted; not implemented yet (streams carry usage when stream_options.include_usage "
+                        "asks)")
+    v.add_argument("--enable-request-id-headers", action="store_true",
+                   help="accepted; not implemented yet (no X-Request-Id response header)")
+    v.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="accepted; not implemented yet (/docs and /openapi.json stay served)")
+    v.add_argument("--response-role", default="assistant",
+                   help="the role of chat answers: only assistant (vLLM's default) is supported")
+    v.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="refused for now: logprobs name tokens by their text")
     EngineArgs.add_cli_args(p)
     p.set_defaults(func=run)
 
@@ -87,9 +105,48 @@ def _vllm_server_options(args) -> dict:
                 root_path=args.root_path, allow_credentials=args.allow_credentials, **lists)
 
 
+# vLLM ops flags that change nothing here: flag -> why (logged once at INFO when given)
+_OPS_NOTES = {
+    "max_log_len": "the request log (--enable-log-requests) carries prompt lengths, never prompt text",
+    "enable_prompt_tokens_details": "usage always carries prompt_tokens_details.cached_tokens",
+    "enable_force_include_usage": "not implemented yet: streams carry usage when stream_options.include_usage "
+                                  "asks for it",
+    "enable_request_id_headers": "not implemented yet: answers carry no X-Request-Id header",
+    "disable_fastapi_docs": "not implemented yet: /docs and /openapi.json stay served",
+}
+
+
+def _vllm_ops_flags(args) -> None:
+    """vLLM's ops flags: refuse what moeserve cannot do, log the ones without effect (INFO, once)."""
+    import logging
+
+    log = logging.getLogger("moeserve")
+    if getattr(args, "response_role", "assistant") != "assistant":
+        raise ValueError(f"--response-role {args.response_role!r}: moeserve answers chat requests with role "
+                         "assistant only; drop the flag")
+    if getattr(args, "return_tokens_as_token_ids", False):
+        raise ValueError("--return-tokens-as-token-ids is not supported yet: logprobs name tokens by their text; "
+                         "drop the flag (return_token_ids in a request gives the token ids)")
+    if getattr(args, "disable_uvicorn_access_log", False):
+        if args.uvicorn_log_level in ("info", "debug", "trace"):
+            raise ValueError(f"--disable-uvicorn-access-log with --uvicorn-log-level {args.uvicorn_log_level}: "
+                             "moeserve logs access lines at that level; use --uvicorn-log-level warning (the "
+                             "default, no access log) instead")
+        log.info("--disable-uvicorn-access-log: there is no access log at --uvicorn-log-level %s",
+                 args.uvicorn_log_level)
+    for name, why in _OPS_NOTES.items():
+        if getattr(args, name, None) not in (None, False):
+            log.info("--%s is accepted but " + ("%s" if why.startswith("not ") else "has no effect here: %s"),
+                     name.replace("_", "-"), why)
+
+
 def run(args) -> int:
+    import logging
+
     from moeserve.entrypoints.launcher import serve
 
+    # as launcher.serve configures it, so that build_configs' INFO lines (flags without effect) are shown
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s [serve] %(message)s")
     return serve(*build_configs(args))
 
 
@@ -99,6 +156,7 @@ def build_configs(args) -> tuple[EngineArgs, ServerConfig]:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given ({args.model_tag!r} and --model {args.model!r}); pass one")
+    _vllm_ops_flags(args)
     engine_args = EngineArgs.from_cli(args, args.model_tag or args.model)
     engine_args.model = resolve_model_path(engine_args.model)
     template = None
