@@ -67,20 +67,38 @@ def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Arg
     return parser
 
 
+# vLLM flags moeserve does not take, with what to do instead: a table, not string distance (which would
+# point --data-parallel-address at --data-parallel-size). Issue 33 extends it to all of vLLM's flags.
+_MULTI_NODE = "multi-node DP is spelled --nnodes / --node-rank / --master-addr / --master-port here"
+VLLM_FLAG_HINTS = {
+    "--data-parallel-size-local": _MULTI_NODE,
+    "--data-parallel-address": _MULTI_NODE,
+    "--data-parallel-rpc-port": _MULTI_NODE,
+    "--data-parallel-start-rank": _MULTI_NODE,
+    "--data-parallel-backend": _MULTI_NODE,
+    "--headless": _MULTI_NODE + " (every node runs `moeserve serve`)",
+    "--enable-sleep-mode": "not needed: LLM.sleep() / wake_up() work without it",
+}
+
+
 def _unknown_flags(parser: argparse.ArgumentParser, argv: list[str], extras: list[str]) -> None:
-    """Exit 2 naming each unknown flag's closest known spelling (argparse alone says only 'unrecognized')."""
+    """Exit 2 naming each unknown flag: what to use instead for vLLM flags moeserve lacks (VLLM_FLAG_HINTS),
+    else the closest known spelling (argparse alone says only 'unrecognized'). No usage dump: one line each."""
     import difflib
 
     sub = _subparser(parser, argv)
     known = [o for a in sub._actions for o in a.option_strings]
     lines = []
     for flag in (e.split("=", 1)[0] for e in extras if e.startswith("-")):
+        if flag in VLLM_FLAG_HINTS:
+            lines.append(f"unknown flag {flag}: {VLLM_FLAG_HINTS[flag]}")
+            continue
         close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
         lines.append(f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else ""))
     if not lines:
         lines = [f"unexpected argument(s): {' '.join(extras)}"]
-    sub.print_usage(sys.stderr)
     print("\n".join(f"{sub.prog}: error: {line}" for line in lines), file=sys.stderr)
+    print(f"(`{sub.prog} --help` lists the flags)", file=sys.stderr)
     sys.exit(2)
 
 
