@@ -238,3 +238,12 @@ def test_generate_cudagraph_capture_sizes_compiles():
     fields = args._compilation_fields()
     assert fields == {"enforce_eager": False, "decode_graph_sizes": (1, 2)}
     assert engine_args_for(build_parser().parse_args(["generate"]), 1)._compilation_fields()["enforce_eager"]
+
+
+def test_dtype_half_runs_in_float16():
+    """vLLM's --dtype half: the bundled model loads and generates in float16 (on CPU too)."""
+    from moeserve import LLM, SamplingParams
+    llm = LLM(dtype="half", trust_remote_code=True, max_model_len=256, enforce_eager=True)
+    assert llm.config.model.dtype == "float16"
+    out = llm.generate(["def fib(n):"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
