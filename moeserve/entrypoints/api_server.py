@@ -31,7 +31,7 @@ from moeserve.entrypoints.http_guard import RequestGuard
 from moeserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                   DetokenizeRequest, TokenizeRequest, parse_json,
                                                   validation_error)
-from moeserve.entrypoints.serving import ClientDisconnected
+from moeserve.entrypoints.serving import ClientDisconnected, end_grace_period
 from moeserve.entrypoints.serving_chat import ChatServing
 from moeserve.entrypoints.serving_completion import CompletionServing
 
@@ -262,6 +262,38 @@ async def _watch_parent(server) -> None:
             server.should_exit = True
 
 
+GRACE_BACKSTOP_S = 3.0  # after --shutdown-timeout: for the error events to be written before uvicorn cancels
+
+
+def _draining_server(config, grace_s: float):
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's graceful shutdown, except that the requests still running when --shutdown-timeout ends
+        are answered (serving.end_grace_period: an error event and [DONE], or a 503) instead of cut."""
+
+        def __init__(self, config, grace_s: float) -> None:
+            super().__init__(config)
+            self.grace_s = grace_s
+
+        async def shutdown(self, sockets=None) -> None:
+            timer = asyncio.get_running_loop().call_later(self.grace_s, end_grace_period)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn raises the signal it caught again once it is done: the default SIGTERM action would
+            # kill this process (exit code -15, no atexit, no finalizers) after a clean drain. Exit normally.
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()
+
+    return DrainingServer(config, grace_s)
+
+
 def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
     """Process entry point (spawned by the launcher)."""
     import uvicorn
@@ -280,13 +312,15 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
     sock.setblocking(False)
     client.log_requests = cfg.enable_log_requests
     app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)
-    # SIGTERM: uvicorn stops accepting, waits up to --shutdown-timeout for the requests in flight (streams
-    # too), then cancels what is left
+    # SIGTERM: uvicorn stops accepting and waits for the requests in flight (streams too); after
+    # --shutdown-timeout those still running end with an error naming the shutdown (_draining_server); uvicorn
+    # cancels only what is left GRACE_BACKSTOP_S later (a client that reads nothing)
     config = uvicorn.Config(app, log_level=cfg.uvicorn_log_level, access_log=cfg.uvicorn_log_level in ("info", "debug",
-                            "trace"), timeout_graceful_shutdown=cfg.shutdown_timeout, timeout_keep_alive=30,
+                            "trace"), timeout_graceful_shutdown=cfg.shutdown_timeout + GRACE_BACKSTOP_S,
+                            timeout_keep_alive=30,
                             lifespan="on", root_path=cfg.root_path or "", ssl_keyfile=cfg.ssl_keyfile,
                             ssl_certfile=cfg.ssl_certfile, ssl_ca_certs=cfg.ssl_ca_certs, ssl_cert_reqs=cfg.ssl_cert_reqs)
-    server = uvicorn.Server(config)
+    server = _draining_server(config, cfg.shutdown_timeout)
 
     async def main():
         watcher = asyncio.create_task(_watch_parent(server))

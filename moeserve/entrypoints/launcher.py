@@ -15,7 +15,8 @@ Lifecycle:
        deployment with exit code 1, for an outer supervisor;
      - an API server exits: the deployment stops (exit code 1);
      - SIGTERM/SIGINT: a graceful stop (Deployment.shutdown): the API servers stop accepting and finish the
-       requests in flight (streams too) within --shutdown-timeout, then the engine core stops.
+       requests in flight (streams too) within --shutdown-timeout; those still running then end with an
+       error naming the shutdown (a stream: an error event and [DONE]; else a 503); then the engine core stops.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import time
 from moeserve.config import ServerConfig
 
 from moeserve.engine_args import EngineArgs
-from moeserve.entrypoints.api_server import ApiServerSpec, listen_socket, run_api_server
+from moeserve.entrypoints.api_server import GRACE_BACKSTOP_S, ApiServerSpec, listen_socket, run_api_server
 from moeserve.entrypoints.engine_core_proc import run_engine_core
 
 logger = logging.getLogger("moeserve.serve")
@@ -88,15 +89,20 @@ class Deployment:
         os.makedirs(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the spawned API servers
         self._start_engine()
-        for i in range(self.server.api_server_count):
-            ev = self.ctx.Event()
+        ready = [self.ctx.Event() for _ in range(self.server.api_server_count)]
+        for i, ev in enumerate(ready):
             p = self.ctx.Process(target=run_api_server, name=f"moeserve-api-server-{i}",
                                  args=(ApiServerSpec(index=i, sock=self.listener, **self.spec), ev))
             p.start()
-            self.api_servers.append((p, ev))
-        for i, (p, ev) in enumerate(self.api_servers):
+            self.api_servers.append(p)
+        for i, (p, ev) in enumerate(zip(self.api_servers, ready)):
             self._wait_ready(ev, p, f"API server {i}")
             logger.info("API server %d pid=%d ready", i, p.pid)
+        # A ready event is a handful of named POSIX semaphores, registered with multiprocessing's resource
+        # tracker and unlinked only when the event is freed (or at a normal exit of this process): kept for
+        # the deployment's life, a launcher that did not exit normally (a kill, a second signal) left them
+        # to the tracker's "leaked semaphore objects" warning. They are needed only until ready.
+        ready = ev = None
         # The API servers hold their own copies; without ours, their closing it stops new connections.
         self.listener.close()
 
@@ -125,11 +131,11 @@ class Deployment:
         """Block until an API server exits, or the engine core has died too often (or a signal)."""
         deaths = 0  # engine-core deaths in a row
         while True:
-            multiprocessing.connection.wait([p.sentinel for p, _ in self.api_servers] + [self.engine.sentinel])
-            dead = [i for i, (p, _) in enumerate(self.api_servers) if not p.is_alive()]
+            multiprocessing.connection.wait([p.sentinel for p in self.api_servers] + [self.engine.sentinel])
+            dead = [i for i, p in enumerate(self.api_servers) if not p.is_alive()]
             if dead:
                 logger.error("API server %d exited (code %s); stopping", dead[0],
-                             self.api_servers[dead[0]][0].exitcode)
+                             self.api_servers[dead[0]].exitcode)
                 return 1
             if self.engine.is_alive():
                 continue
@@ -168,11 +174,12 @@ class Deployment:
         engine core. A second signal meanwhile (KeyboardInterrupt) stops everything at once."""
         try:
             if graceful:
-                self._stop_api_servers(self.server.shutdown_timeout + 5.0)
+                # their own limit is --shutdown-timeout + GRACE_BACKSTOP_S; then a little to close
+                self._stop_api_servers(self.server.shutdown_timeout + GRACE_BACKSTOP_S + 5.0)
         except KeyboardInterrupt:
             logger.warning("second signal: stopping at once")
         finally:
-            for p, _ in self.api_servers:
+            for p in self.api_servers:
                 self._stop(p, 0.0)
             if self.engine is not None:
                 self._stop(self.engine, ENGINE_STOP_S)
@@ -180,7 +187,7 @@ class Deployment:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def _stop_api_servers(self, timeout: float) -> None:
-        procs = [p for p, _ in self.api_servers if p.is_alive()]
+        procs = [p for p in self.api_servers if p.is_alive()]
         for p in procs:
             p.terminate()  # uvicorn: stop accepting, wait for open requests up to --shutdown-timeout
         deadline = time.monotonic() + timeout
@@ -220,7 +227,7 @@ def serve(engine_args: EngineArgs, server: ServerConfig) -> int:
         host = f"[{server.host}]" if ":" in server.host else server.host
         print(f"moeserve serve: ready on {'https' if server.ssl_certfile else 'http'}://{host}:{dep.port} (model '{server.served_model_name}', "
               f"engine core pid {dep.engine.pid}, API server pids "
-              f"{','.join(str(p.pid) for p, _ in dep.api_servers)})", file=sys.stderr, flush=True)
+              f"{','.join(str(p.pid) for p in dep.api_servers)})", file=sys.stderr, flush=True)
         return dep.supervise()
     except KeyboardInterrupt:
         logger.info("shutting down: finishing requests in flight (at most %.0f s, --shutdown-timeout)",

@@ -40,6 +40,52 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its answer was ready."""
 
 
+class ServerShuttingDown(Exception):
+    """SIGTERM's grace period (--shutdown-timeout) ended before this request finished."""
+
+
+SHUTDOWN_RETRY_AFTER_S = 5
+_shutdown: asyncio.Event | None = None  # set when the grace period is over (one API server: one event loop)
+
+
+def shutdown_event() -> asyncio.Event:
+    global _shutdown
+    if _shutdown is None:
+        _shutdown = asyncio.Event()
+    return _shutdown
+
+
+def end_grace_period() -> None:
+    """SIGTERM's grace period is over: the requests still running end now, each with an error naming the
+    shutdown (a stream: an error event and [DONE]; a request still waiting: a 503), so the client knows to
+    retry, instead of a connection cut with nothing said."""
+    shutdown_event().set()
+
+
+def shutdown_error() -> APIError:
+    return APIError("the server is shutting down: its grace period (--shutdown-timeout) ended before this request "
+                    "finished; retry it (on another instance, or here once the server is back)", 503,
+                    code="server_shutdown", headers={"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)})
+
+
+async def _until_shutdown(aw, timeout: float | None = None):
+    """Await aw (a coroutine) unless the grace period ends first (ServerShuttingDown) or timeout passes
+    (asyncio.TimeoutError); aw is cancelled when it loses (or the caller is cancelled)."""
+    task = asyncio.ensure_future(aw)
+    stop = asyncio.ensure_future(shutdown_event().wait())
+    try:
+        done, _ = await asyncio.wait([task, stop], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not task.done():
+            task.cancel()  # a Queue.get cancelled leaves its item in the queue
+    if task in done:
+        return task.result()
+    if stop in done:
+        raise ServerShuttingDown()
+    raise asyncio.TimeoutError()
+
+
 @dataclass
 class Child:
     index: int
@@ -86,6 +132,8 @@ def engine_error(e: Exception) -> APIError:
         param = param or next((f for f in ("slo_ttft_ms", "slo_tpot_ms") if str(e).startswith(f)), None)
         retry = {"Retry-After": str(int(e.retry_after_s))} if e.retry_after_s is not None else None
         return APIError(str(e), 503 if e.kind == "overloaded" else 400, param=param, code=e.kind, headers=retry)
+    if isinstance(e, ServerShuttingDown):
+        return shutdown_error()
     if isinstance(e, APIError):
         return e
     return APIError(f"internal server error: {type(e).__name__}: {e}", 500, code="internal_error")
@@ -256,6 +304,8 @@ class Serving:
                         raise engine_error(t.exception())
                 if not pending:
                     return children
+                if shutdown_event().is_set():
+                    raise shutdown_error()
                 if await raw.is_disconnected():
                     raise ClientDisconnected()
         finally:
@@ -302,14 +352,17 @@ class Serving:
     async def _first_event(events: asyncio.Queue, raw: Request):
         while True:
             try:
-                return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                return await _until_shutdown(events.get(), DISCONNECT_POLL_S)
+            except ServerShuttingDown:
+                raise shutdown_error() from None
             except asyncio.TimeoutError:
                 if await raw.is_disconnected():
                     raise ClientDisconnected() from None
 
     @staticmethod
     async def merged(first, events: asyncio.Queue, num_children: int):
-        """Yield (child, delta_or_error) until every child finished (or one failed)."""
+        """Yield (child, delta_or_error) until every child finished (or one failed, or the shutdown's grace
+        period ended: a ServerShuttingDown error)."""
         remaining = num_children
         item = first
         while True:
@@ -321,7 +374,13 @@ class Serving:
                 remaining -= 1
                 if remaining == 0:
                     return
-            item = await events.get()
+            try:
+                item = events.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    item = await _until_shutdown(events.get())
+                except ServerShuttingDown as e:
+                    item = (child, e)
 
     # ---- formatting ------------------------------------------------------------------------------
     @functools.lru_cache(maxsize=65536)

@@ -240,8 +240,8 @@ class ResponsesServing:
                 continue
             chunk = json.loads(line[len("data: "):])
             if "error" in chunk:
-                resp["status"], resp["error"] = "failed", {"code": "server_error",
-                                                          "message": chunk["error"].get("message", "")}
+                code = "server_shutdown" if chunk["error"].get("code") == "server_shutdown" else "server_error"
+                resp["status"], resp["error"] = "failed", {"code": code, "message": chunk["error"].get("message", "")}
                 yield event("response.failed", response=resp)
                 return
             if chunk.get("usage"):

@@ -22,6 +22,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self._ready = threading.Event()
+        self.eof = threading.Event()  # stderr closed: the launcher and every process that shares it are gone
         self.url = ""
         self.engine_pid = 0
         threading.Thread(target=self._read, daemon=True).start()
@@ -38,6 +39,7 @@ class ServerProcess:
                 self.api_pids = [int(p) for p in m.group(3).split(",")]
                 self._ready.set()
         self._ready.set()  # the process ended
+        self.eof.set()
 
     @property
     def base_url(self) -> str:
