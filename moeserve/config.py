@@ -180,6 +180,15 @@ class ParallelConfig:
         return "alltoall" if self.enable_expert_parallel else "allgather"
 
 
+def decode_graph_sizes_up_to(cap: int) -> tuple[int, ...]:
+    """The default decode graph buckets below a cap: powers of two, then the cap itself (1, 2, 4, 6 for 6)."""
+    sizes, n = [], 1
+    while n < cap:
+        sizes.append(n)
+        n *= 2
+    return tuple(sizes + [cap])
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model: str

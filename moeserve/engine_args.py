@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from moeserve.config import (ALL2ALL_BACKENDS, CacheConfig, ConfigError, EngineConfig, KVTransferConfig,
                              ModelConfig, ParallelConfig, QuantConfig, SchedulerConfig, SpeculativeConfig,
-                             _parse_json_dict, _require)
+                             _parse_json_dict, _require, decode_graph_sizes_up_to)
 
 
 def _check_field_types(args: "EngineArgs") -> None:
@@ -375,7 +375,7 @@ class EngineArgs:
                 cap = value["max_cudagraph_capture_size"]
                 _require(isinstance(cap, int) and not isinstance(cap, bool) and cap > 0,
                          f"--compilation-config max_cudagraph_capture_size must be a positive integer, got {cap!r}")
-                sizes = tuple(n for n in (sizes or _power_of_two_sizes(cap)) if n <= cap) or (cap,)
+                sizes = tuple(n for n in (sizes or decode_graph_sizes_up_to(cap)) if n <= cap) or (cap,)
         return {"enforce_eager": eager, "decode_graph_sizes": sizes}
 
     def _kv_cache_memory(self) -> int | None:
@@ -445,14 +445,6 @@ COMPILATION_KEYS_IGNORED = ("backend", "custom_ops", "splitting_ops", "use_induc
 _LOGGED_NOTES: set[str] = set()  # recipe flags already logged as having no effect (once per process)
 # On CPU the decode graphs are inductor graphs, not captured CUDA graphs: cudagraph_mode NONE keeps them.
 _CPU_GRAPHS_ARE_COMPILED = True
-
-
-def _power_of_two_sizes(cap: int) -> tuple[int, ...]:
-    sizes, n = [], 1
-    while n < cap:
-        sizes.append(n)
-        n *= 2
-    return tuple(sizes + [cap])
 
 
 EPLB_KEYS = ("window_size", "step_interval", "num_redundant_experts", "log_balancedness", "use_async", "policy")

@@ -26,16 +26,18 @@ import time
 
 import torch
 
+from moeserve.config import decode_graph_sizes_up_to
+
 logger = logging.getLogger(__name__)
 
 # Keep eager's rounding to the model dtype between fused ops (BF16): the graph then gives the eager path's
 # tokens instead of drifting from them wherever greedy is near a tie.
 _INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
-# Graphs for decode steps of up to 64 rows (64 sequences, or 32 with one MTP draft each): compiled at start-up
-# in about a minute here (cold inductor cache). Past 32 rows the GEMMs dominate and the graph gains little
-# (measured 1.0x at batch 32, benchmarks/decode_speed.py); larger steps run eagerly.
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Default graphs for decode steps of up to 64 rows (64 sequences, or 32 with one MTP draft each): compiled at
+# start-up in about a minute here (cold inductor cache). The gain shrinks as the GEMMs grow (1.07-1.35x at
+# batch 32 against 1.28-1.34x at batch 1, benchmarks/decode_speed.py); larger steps run eagerly.
+MAX_DEFAULT_BUCKET = 64
 
 
 def buckets_for(max_tokens: int, sizes: tuple[int, ...] | None = None) -> list[int]:
@@ -43,8 +45,7 @@ def buckets_for(max_tokens: int, sizes: tuple[int, ...] | None = None) -> list[i
     with `sizes` (--compilation-config cudagraph_capture_sizes) those of them a step can reach."""
     if sizes is not None:
         return sorted({n for n in sizes if n <= max_tokens}) or [min(sizes)]
-    cap = min(max_tokens, BUCKETS[-1])
-    return [b for b in BUCKETS if b < cap] + [cap]
+    return list(decode_graph_sizes_up_to(min(max_tokens, MAX_DEFAULT_BUCKET)))
 
 
 def why_eager(config, arch, device: torch.device) -> str | None:

@@ -158,7 +158,7 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
             raise APIError("this server holds no KV for decode instances: start it with --kv-transfer-config "
                            "'{\"kv_connector\": \"nixl\", \"kv_role\": \"kv_producer\"}'", param="kv_transfer_params")
         try:
-            rid = held_request_id(_json(await raw.body()), spec.kv_secret)
+            rid = held_request_id(parse_json(await raw.body()), spec.kv_secret)
         except KVTransferParamsError as e:
             raise APIError(str(e), param="kv_transfer_params") from None
         client.abort_nowait([rid])
@@ -200,10 +200,6 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
         return {"prompt": await chat.off_loop(tokenizer.decode, req.tokens)}
 
     return app
-
-
-def _json(body: bytes):
-    return parse_json(body)  # bounded nesting, finite numbers: the parser of every route
 
 
 def _parse(model, body: bytes):

@@ -10,6 +10,17 @@ from moeserve.config import DEFAULT_MAX_REQUEST_BODY, ServerConfig
 from moeserve.engine_args import EngineArgs
 
 
+# vLLM ops flags that change nothing here: flag -> why (logged once at INFO when given)
+_OPS_NOTES = {
+    "max_log_len": "the request log (--enable-log-requests) carries prompt lengths, never prompt text",
+    "enable_prompt_tokens_details": "usage always carries prompt_tokens_details.cached_tokens",
+    "enable_force_include_usage": "not implemented yet: streams carry usage when stream_options.include_usage "
+                                  "asks for it",
+    "enable_request_id_headers": "not implemented yet: answers carry no X-Request-Id header",
+    "disable_fastapi_docs": "not implemented yet: /docs and /openapi.json stay served",
+}
+
+
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (default: the bundled model)",
                        formatter_class=HelpFormatter)
@@ -69,19 +80,12 @@ def register(sub) -> None:
     g.add_argument("--engine-stall-timeout", type=float, default=5.0, metavar="S",
                    help="/health answers 503 when the engine (or a DP rank with work) made no progress this long")
     v = p.add_argument_group("vLLM ops flags (accepted so a vLLM recipe runs unchanged; docs/from-vllm.md)")
-    v.add_argument("--max-log-len", type=int, default=None,
-                   help="accepted; no effect (the request log carries prompt lengths, never prompt text)")
+    v.add_argument("--max-log-len", type=int, default=None, help="accepted; " + _OPS_NOTES["max_log_len"])
     v.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access log line per request (the default here unless --uvicorn-log-level info/debug)")
-    v.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="accepted; usage always carries prompt_tokens_details.cached_tokens here")
-    v.add_argument("--enable-force-include-usage", action="store_true",
-                   help="accepted; not implemented yet (streams carry usage when stream_options.include_usage "
-                        "asks)")
-    v.add_argument("--enable-request-id-headers", action="store_true",
-                   help="accepted; not implemented yet (no X-Request-Id response header)")
-    v.add_argument("--disable-fastapi-docs", action="store_true",
-                   help="accepted; not implemented yet (/docs and /openapi.json stay served)")
+    for name in ("enable_prompt_tokens_details", "enable_force_include_usage", "enable_request_id_headers",
+                 "disable_fastapi_docs"):
+        v.add_argument("--" + name.replace("_", "-"), action="store_true", help="accepted; " + _OPS_NOTES[name])
     v.add_argument("--response-role", default="assistant",
                    help="the role of chat answers: only assistant (vLLM's default) is supported")
     v.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -103,17 +107,6 @@ def _vllm_server_options(args) -> dict:
                 uvicorn_log_level=args.uvicorn_log_level, ssl_keyfile=args.ssl_keyfile,
                 ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                 root_path=args.root_path, allow_credentials=args.allow_credentials, **lists)
-
-
-# vLLM ops flags that change nothing here: flag -> why (logged once at INFO when given)
-_OPS_NOTES = {
-    "max_log_len": "the request log (--enable-log-requests) carries prompt lengths, never prompt text",
-    "enable_prompt_tokens_details": "usage always carries prompt_tokens_details.cached_tokens",
-    "enable_force_include_usage": "not implemented yet: streams carry usage when stream_options.include_usage "
-                                  "asks for it",
-    "enable_request_id_headers": "not implemented yet: answers carry no X-Request-Id header",
-    "disable_fastapi_docs": "not implemented yet: /docs and /openapi.json stay served",
-}
 
 
 def _vllm_ops_flags(args) -> None:
