@@ -50,7 +50,11 @@ def _parse_size(text: str) -> int:
 
 SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "enable_expert_parallel": ("-ep",),
                "quantization": ("-q",), "speculative_config": ("-sc",),
-               "compilation_config": ("-O",)}  # vLLM's
+               "compilation_config": ("-O", "-cc"), "nnodes": ("-n",), "node_rank": ("-r",),
+               "gpu_memory_utilization": ("--device-memory-utilization",),
+               "data_parallel_size_local": ("-dpl",), "data_parallel_start_rank": ("-dpr",),
+               "data_parallel_address": ("-dpa",), "data_parallel_rpc_port": ("-dpp",),
+               "data_parallel_backend": ("-dpb",)}  # vLLM's
 
 
 def human_readable_int(text: str) -> int:
@@ -155,6 +159,23 @@ ENGINE_HELP = {
                     "other values are refused",
     "cudagraph_capture_sizes": "decode batch sizes to compile graphs for, e.g. 1 2 4 8 (the same as "
                                "--compilation-config '{\"cudagraph_capture_sizes\": [...]}')",
+    # vLLM flags mapped onto moeserve's (vllm_flag_table.py)
+    "data_parallel_size_local": "vLLM's multi-node DP: DP ranks on this node -> --nnodes = --data-parallel-size / "
+                                "this",
+    "data_parallel_start_rank": "vLLM's multi-node DP: this node's first DP rank -> --node-rank = this / "
+                                "--data-parallel-size-local",
+    "data_parallel_address": "vLLM's multi-node DP: node 0's address -> --master-addr",
+    "data_parallel_rpc_port": "vLLM's multi-node DP: rendezvous port -> --master-port (vLLM's default 29550 when "
+                              "more than one node)",
+    "data_parallel_backend": "mp (moeserve spawns its rank processes); ray is refused",
+    "distributed_timeout_seconds": "vLLM's name for --distributed-timeout",
+    "cpu_distributed_timeout_seconds": "vLLM's name for --distributed-timeout (gloo groups)",
+    "max_cudagraph_capture_size": "the largest decode batch with a compiled graph (--compilation-config "
+                                  "max_cudagraph_capture_size)",
+    "optimization_level": "vLLM's -O level: 0 runs eagerly, 1-3 compile the decode step (--compilation-config mode)",
+    "num_gpu_blocks_override": "vLLM's name for --num-kv-blocks",
+    "spec_method": "vLLM's shorthand for --speculative-config method (mtp / deepseek_mtp)",
+    "spec_tokens": "vLLM's shorthand for --speculative-config num_speculative_tokens",
 }
 
 # vLLM's --dtype spellings -> moeserve's
@@ -227,6 +248,19 @@ class EngineArgs:
     download_dir: str | None = None
     hf_overrides: dict | str | None = None
     cudagraph_capture_sizes: list | None = None  # -> compilation config's cudagraph_capture_sizes
+    # vLLM flags mapped onto moeserve's in _apply_vllm_mappings (vllm_flag_table.py)
+    data_parallel_size_local: int | None = None  # -> nnodes
+    data_parallel_start_rank: int | None = None  # -> node_rank
+    data_parallel_address: str | None = None  # -> master_addr
+    data_parallel_rpc_port: int | None = None  # -> master_port
+    data_parallel_backend: str = "mp"
+    distributed_timeout_seconds: float | None = None  # -> distributed_timeout
+    cpu_distributed_timeout_seconds: float | None = None  # -> distributed_timeout
+    max_cudagraph_capture_size: int | None = None  # -> compilation config
+    optimization_level: int | None = None  # -> compilation config mode
+    num_gpu_blocks_override: int | None = None  # -> num_kv_blocks
+    spec_method: str | None = None  # -> speculative_config
+    spec_tokens: int | None = None  # -> speculative_config
 
     def __post_init__(self) -> None:
         _check_field_types(self)
@@ -270,6 +304,7 @@ class EngineArgs:
         _check_field_types(self)  # fields may have been set after construction
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         self._check_recipe_flags()
+        self._apply_vllm_mappings()
         parallel = self._parallel_fields()
         _require(self.model is not None, "EngineArgs.model must be a checkpoint folder here "
                  "(engine/resolve.py resolve_engine_config resolves None to the bundled model)")
@@ -330,6 +365,71 @@ class EngineArgs:
                 _LOGGED_NOTES.add(name)
                 logging.getLogger("moeserve").info("--%s has no effect here: %s", name.replace("_", "-"), why)
 
+    def _apply_vllm_mappings(self) -> None:
+        """vLLM flags that are other names for moeserve's: set moeserve's field (an explicit one must agree)."""
+        def onto(src: str, value, dst: str, default) -> None:
+            if value is None:
+                return
+            given = getattr(self, dst)
+            _require(given in (default, value), f"--{src.replace('_', '-')} {value} disagrees with "
+                     f"--{dst.replace('_', '-')} {given}; pass one")
+            setattr(self, dst, value)
+
+        for name in ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds"):
+            value = getattr(self, name)
+            _require(value is None or value > 0, f"--{name.replace('_', '-')} must be > 0 seconds, got {value}")
+            onto(name, None if value is None else float(value), "distributed_timeout", 60.0)
+        onto("num_gpu_blocks_override", self.num_gpu_blocks_override, "num_kv_blocks", None)
+        self._multi_node_dp()
+        if self.spec_method is not None or self.spec_tokens is not None:
+            value = self.speculative_config
+            if isinstance(value, str):
+                value = _parse_json_dict(value, "--speculative-config", '{"method": "mtp"}')
+            value = dict(value or {})
+            for key, given in (("method", self.spec_method), ("num_speculative_tokens", self.spec_tokens)):
+                if given is not None:
+                    _require(value.get(key, given) == given, f"--spec-{'method' if key == 'method' else 'tokens'} "
+                             f"{given} disagrees with --speculative-config {key} {value.get(key)!r}; pass one")
+                    value[key] = given
+            value.setdefault("method", "mtp")
+            self.speculative_config = value
+
+    def _multi_node_dp(self) -> None:
+        """vLLM's multi-node DP flags -> --nnodes / --node-rank / --master-addr / --master-port. vLLM runs
+        --data-parallel-size-local DP ranks on each node, node i from DP rank i x local; moeserve runs the same
+        command on every node with the ranks split evenly, node i holding the i-th share."""
+        _require(self.data_parallel_backend == "mp", f"--data-parallel-backend {self.data_parallel_backend}: "
+                 "moeserve spawns its rank processes itself (mp); Ray is not supported")
+        local, start = self.data_parallel_size_local, self.data_parallel_start_rank
+        if (local, start, self.data_parallel_address, self.data_parallel_rpc_port) == (None,) * 4:
+            return
+        dp = self.data_parallel_size
+        local = dp if local is None else local
+        _require(isinstance(local, int) and 1 <= local <= dp and dp % local == 0,
+                 f"--data-parallel-size-local {local} must divide --data-parallel-size {dp}: moeserve runs the "
+                 "same number of DP ranks on every node")
+        start = 0 if start is None else start
+        _require(isinstance(start, int) and 0 <= start < dp and start % local == 0,
+                 f"--data-parallel-start-rank {start} must be a multiple of --data-parallel-size-local {local} "
+                 f"below --data-parallel-size {dp} (node i starts at DP rank i x {local})")
+        nnodes, node_rank = dp // local, start // local
+        _require(self.nnodes in (1, nnodes), f"--nnodes {self.nnodes} disagrees with --data-parallel-size {dp} / "
+                 f"--data-parallel-size-local {local} = {nnodes} nodes; pass one")
+        _require(self.node_rank in (0, node_rank), f"--node-rank {self.node_rank} disagrees with "
+                 f"--data-parallel-start-rank {start} / --data-parallel-size-local {local} = node {node_rank}")
+        self.nnodes, self.node_rank = nnodes, node_rank
+        if self.data_parallel_address is not None:
+            _require(self.master_addr in ("127.0.0.1", self.data_parallel_address), f"--data-parallel-address "
+                     f"{self.data_parallel_address} disagrees with --master-addr {self.master_addr}; pass one")
+            self.master_addr = self.data_parallel_address
+        port = self.data_parallel_rpc_port
+        if port is None and nnodes > 1 and self.master_port is None:
+            port = VLLM_DP_RPC_PORT
+        if port is not None:
+            _require(self.master_port in (None, port), f"--data-parallel-rpc-port {port} disagrees with "
+                     f"--master-port {self.master_port}; pass one")
+            self.master_port = port
+
     def _compilation_fields(self) -> dict:
         """--enforce-eager and vLLM's --compilation-config -> ModelConfig's enforce_eager, decode_graph_sizes."""
         eager, sizes = self.enforce_eager, None
@@ -340,6 +440,18 @@ class EngineArgs:
             value = _parse_json_dict(value, "--compilation-config", '{"cudagraph_capture_sizes": [1, 2, 4, 8]}')
         if isinstance(value, int) and not isinstance(value, bool):
             value = {"mode": value}
+        if self.optimization_level is not None or self.max_cudagraph_capture_size is not None:
+            _require(isinstance(value, dict) or value is None, "--compilation-config must be a JSON object / dict "
+                     f"or a level 0-3, got {type(value).__name__}")
+            value = dict(value or {})
+            for flag, key, given in (("--optimization-level", "mode", self.optimization_level),
+                                     ("--max-cudagraph-capture-size", "max_cudagraph_capture_size",
+                                      self.max_cudagraph_capture_size)):
+                existing = value.get(key, value.get("level")) if key == "mode" else value.get(key)
+                if given is not None:
+                    _require(existing in (None, given),
+                             f"{flag} {given} disagrees with --compilation-config {key} {existing!r}; pass one")
+                    value[key] = given
         if self.cudagraph_capture_sizes is not None:
             sizes_given = list(self.cudagraph_capture_sizes)
             _require(isinstance(value, dict) or value is None, "--compilation-config must be a JSON object / dict "
@@ -446,6 +558,8 @@ _LOGGED_NOTES: set[str] = set()  # recipe flags already logged as having no effe
 # On CPU the decode graphs are inductor graphs, not captured CUDA graphs: cudagraph_mode NONE keeps them.
 _CPU_GRAPHS_ARE_COMPILED = True
 
+
+VLLM_DP_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port
 
 EPLB_KEYS = ("window_size", "step_interval", "num_redundant_experts", "log_balancedness", "use_async", "policy")
 

@@ -42,7 +42,8 @@ def engine_args_for(args, num_prompts: int) -> EngineArgs:
     compiles only the graphs these prompts can use."""
     engine_args = EngineArgs.from_cli(args, args.model)
     level = engine_args.compilation_config
-    if level is None and engine_args.cudagraph_capture_sizes is None:
+    if level is None and engine_args.cudagraph_capture_sizes is None and engine_args.optimization_level is None \
+            and engine_args.max_cudagraph_capture_size is None:
         engine_args.compilation_config = {"mode": 0}
     elif str(level).strip().isdigit():
         spec = SpeculativeConfig.from_value(engine_args.speculative_config)

@@ -1,6 +1,7 @@
 """`moeserve serve [MODEL]`: the OpenAI-compatible HTTP server (engine flags as for `generate`)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -8,6 +9,7 @@ from moeserve.cli import HelpFormatter
 from moeserve.config_file import CONFIG_HELP
 from moeserve.config import DEFAULT_MAX_REQUEST_BODY, ServerConfig
 from moeserve.engine_args import EngineArgs
+from moeserve.entrypoints.vllm_flag_table import add_accepted_flags, check_accepted_flags
 
 
 # vLLM ops flags that change nothing here: flag -> why (logged once at INFO when given)
@@ -23,6 +25,7 @@ _OPS_NOTES = {
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (default: the bundled model)",
+                       allow_abbrev=False,  # an unknown vLLM flag must not match a longer one (-dc: -dcp)
                        formatter_class=HelpFormatter)
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint folder (default: the bundled model)")
@@ -31,7 +34,7 @@ def register(sub) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
-    g.add_argument("--api-server-count", type=int, default=1,
+    g.add_argument("--api-server-count", "-asc", type=int, default=1,
                    help="API-server processes accepting on the one listening socket")
     g.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY)")
@@ -42,7 +45,7 @@ def register(sub) -> None:
                         "folder's name)")
     g.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="answer 503 when this many requests are in flight, waiting or running (default: no bound)")
-    g.add_argument("--enable-log-requests", action="store_true",
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request's id, prompt length and sampling parameters as it arrives, and its end")
     g.add_argument("--uvicorn-log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -58,11 +61,11 @@ def register(sub) -> None:
                    help='CORS: JSON list of allowed origins, e.g. \'["https://ui.example"]\' (default: no CORS)')
     g.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: JSON list of methods")
     g.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: JSON list of headers")
-    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False, help="CORS: allow credentials")
     g.add_argument("--chat-template", default=None,
                    help="Jinja chat template file (default: the tokenizer's, else a plain role: content one)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
+    g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                    help="serve tool_choice \"auto\": the model decides, --tool-call-parser reads its calls")
     g.add_argument("--tool-call-parser", default=None,
                    help="how the model writes tool calls: deepseek_v3, deepseek_v31 or deepseek_v32 (one parser reads DeepSeek V3 / R1, V3.1 and V3.2 DSML calls)")
@@ -81,16 +84,20 @@ def register(sub) -> None:
                    help="/health answers 503 when the engine (or a DP rank with work) made no progress this long")
     v = p.add_argument_group("vLLM ops flags (accepted so a vLLM recipe runs unchanged; docs/from-vllm.md)")
     v.add_argument("--max-log-len", type=int, default=None, help="accepted; " + _OPS_NOTES["max_log_len"])
-    v.add_argument("--disable-uvicorn-access-log", action="store_true",
+    v.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="no access log line per request (the default here unless --uvicorn-log-level info/debug)")
     for name in ("enable_prompt_tokens_details", "enable_force_include_usage", "enable_request_id_headers",
                  "disable_fastapi_docs"):
-        v.add_argument("--" + name.replace("_", "-"), action="store_true", help="accepted; " + _OPS_NOTES[name])
+        v.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=False, help="accepted; " + _OPS_NOTES[name])
     v.add_argument("--response-role", default="assistant",
                    help="the role of chat answers: only assistant (vLLM's default) is supported")
-    v.add_argument("--return-tokens-as-token-ids", action="store_true",
+    v.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                    help="refused for now: logprobs name tokens by their text")
+    v.add_argument("--headless", action="store_true",
+                   help="vLLM's multi-node DP: this node runs DP ranks and no API server (in moeserve every node "
+                        "but node 0 does; this checks the node is one)")
     EngineArgs.add_cli_args(p)
+    add_accepted_flags(p)
     p.set_defaults(func=run)
 
 
@@ -127,6 +134,7 @@ def _vllm_ops_flags(args) -> None:
                              "default, no access log) instead")
         log.info("--disable-uvicorn-access-log: there is no access log at --uvicorn-log-level %s",
                  args.uvicorn_log_level)
+    check_accepted_flags(args, log)
     for name, why in _OPS_NOTES.items():
         if getattr(args, name, None) not in (None, False):
             log.info("--%s is accepted but " + ("%s" if why.startswith("not ") else "has no effect here: %s"),
@@ -152,6 +160,11 @@ def build_configs(args) -> tuple[EngineArgs, ServerConfig]:
     _vllm_ops_flags(args)
     engine_args = EngineArgs.from_cli(args, args.model_tag or args.model)
     engine_args.model = resolve_model_path(engine_args.model)
+    if getattr(args, "headless", False):
+        engine_args._apply_vllm_mappings()
+        if engine_args.node_rank == 0:
+            raise ValueError("--headless: this node holds DP rank 0, which serves the API; on the other nodes give "
+                             "--data-parallel-start-rank (vLLM) or --node-rank, or drop --headless here")
     template = None
     if args.chat_template:
         if not os.path.isfile(args.chat_template):
