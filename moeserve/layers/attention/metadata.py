@@ -40,6 +40,7 @@ class DecodeBatch:
     block_table: torch.Tensor  # [B, max_blocks] padded with block 0
     ctx_lens: torch.Tensor  # [B] tokens to attend, including the new one
     mask: torch.Tensor  # [B, max_blocks * block_size] True where a slot is past ctx_len
+    pad_slots: torch.Tensor  # [P] flat positions in [B * max_blocks * block_size] where mask is True
 
 
 @dataclass
@@ -88,7 +89,7 @@ def _decode_batch(rows: list[int], tables: list[list[int]], lens: list[int], blo
         table[i, : len(t)] = torch.tensor(t)
     ctx = torch.tensor(lens)
     mask = torch.arange(width * block_size)[None, :] >= ctx[:, None]
-    return DecodeBatch(torch.tensor(rows), table, ctx, mask)
+    return DecodeBatch(torch.tensor(rows), table, ctx, mask, mask.view(-1).nonzero().squeeze(1))
 
 
 _CURRENT: Scoped[AttentionMetadata] = Scoped("attention_metadata")
