@@ -20,11 +20,10 @@ from moeserve.layers.attention.metadata import (AttentionMetadata, SeqSpan, atte
                                                 build_attention_metadata)
 from moeserve.layers.moe.load_stats import ExpertLoadRecorder, recording
 from moeserve.layers.moe.placement import build_plan, moe_plan_context
-from moeserve.layers.sampler import (LogitsRows, Sampler, TokenLogprobs, apply_logits_processors,
-                                     non_finite_rows)
 from moeserve.models.config import DeepseekArch
 from moeserve.models.registry import build_model
-from moeserve.structured.grammar import apply_grammar_masks
+from moeserve.sample.logprobs import TokenLogprobs
+from moeserve.sample.step import StepSampler
 
 from moeserve.engine.kv_memory import blocks_for_utilization, check_fits, module_bytes
 from moeserve.layers.linear import packed_copy_bytes
@@ -101,18 +100,17 @@ class ModelRunner:
         check_kv_pool(self.num_blocks, self.block_size, arch, self.kv_dtype, config.speculative is not None)
         self.kv_caches = [torch.zeros(self.num_blocks, self.block_size, arch.kv_cache_dim, dtype=self.kv_dtype)
                           for _ in range(arch.num_hidden_layers)]
-        self.sampler = Sampler(config.model.seed)
-        self.generators: dict[str, torch.Generator] = {}
-        self.proposer, self.rejection_sampler = None, None
+        # logits -> tokens (moeserve/sample/): filters, draws, logprobs, the per-request failure checks
+        self.sampler = StepSampler(self.model.compute_logits, config.model.seed,
+                                   speculative=config.speculative is not None)
+        self.proposer = None
         if config.speculative is not None:
             from moeserve.spec.proposer import MTPProposer
-            from moeserve.spec.verify import RejectionSampler
             with moe_plan_context(self.moe_plan):
                 self.proposer = MTPProposer(self.model, self.checkpoint.mtp_weights, self.num_blocks,
                                             self.block_size, self.dtype, self.kv_caches, config.quant,
                                             lockstep=get_world_group().world_size > 1,
                                             num_speculative_tokens=config.speculative.num_speculative_tokens)
-            self.rejection_sampler = RejectionSampler(config.model.seed)
             self.checkpoint.mtp_weights.clear()  # copied into the MTP layer: free the memory
         self.decode_graphs = self._build_decode_graphs()
         world = get_world_group()
@@ -186,7 +184,7 @@ class ModelRunner:
             self.load_recorder.write()
 
     def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+        self.sampler.release(request_id)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -200,134 +198,14 @@ class ModelRunner:
                 hidden = self.forward(input_ids, positions, meta)
             result = StepResult({}, {})
             if sample_rows:
-                self._sample(hidden, sample_rows, result)
-            self._prompt_logprobs(out, hidden, result)
+                self.sampler.sample(hidden, sample_rows, result)
+            self.sampler.prompt_logprobs(out, hidden, result)
             if self.proposer is not None:  # a failed request drafts from a placeholder token; it ends anyway
                 sampled = {**result.sampled, **{rid: [0] for rid in result.failed}}
                 result.draft_tokens = self.proposer.propose(out, hidden, sampled)
         if self.load_recorder is not None:
             self.load_recorder.step_done()
         return result
-
-    def _sample(self, hidden: torch.Tensor, sample_rows: list, result: StepResult) -> None:
-        """sample_rows: (rows, ScheduledRequest), rows = [d + 1] logits rows of a request with d drafts.
-
-        What one request carries can only fail that request (StepResult.failed): logits that are not finite
-        from the model, or after its processors and grammar, a grammar that raises, a row that cannot be
-        sampled. Its rows are dropped before sampling; the other requests are sampled as if it was absent."""
-        row_ids = torch.tensor([r for rows, _ in sample_rows for r in rows])
-        logits = self.model.compute_logits(hidden[row_ids])
-        reqs = [s.request for _, s in sample_rows]
-        params = [r.sampling_params for r in reqs]
-        spans = _spans([len(rows) for rows, _ in sample_rows])
-        failed: dict[int, tuple[str, str]] = {}  # request index -> (kind, message)
-        for i in _requests_with(non_finite_rows(logits), spans):
-            failed[i] = ("internal", "the model's logits for this request are not finite (NaN or inf)")
-        raw = logits
-        if any(p.logit_bias or p.min_tokens or p.has_penalties or p.has_token_masks for p in params):
-            if any(p.logprobs is not None for p in params):
-                raw = logits.clone()  # logprobs report the model's own distribution
-            logits = self._logits_processors(logits, hidden[row_ids], sample_rows, spans, failed)
-        if any(r.grammar is not None for r in reqs):
-            if raw is logits and any(p.logprobs is not None for p in params):
-                raw = logits.clone()
-            errors: dict[int, str] = {}
-            apply_grammar_masks(logits, [(s.request.grammar, s.request.output_token_ids, s.draft_token_ids,
-                                          sorted(s.request.stop_ids), s.request.eos_token_ids)
-                                         for _, s in sample_rows], errors)
-            failed.update({i: ("internal", m) for i, m in errors.items() if i not in failed})
-        for i in _requests_with(non_finite_rows(logits), spans):
-            if i not in failed:
-                failed[i] = ("invalid", _non_finite_message(logits[spans[i][0]:spans[i][1]], params[i]))
-        if failed:
-            keep = [i for i in range(len(reqs)) if i not in failed]
-            for i, (kind, message) in failed.items():
-                result.failed[reqs[i].request_id] = (kind, message)
-            if not keep:
-                return
-            rows = torch.tensor([r for i in keep for r in range(*spans[i])])
-            logits, raw = logits[rows], (raw[rows] if raw is not logits else None)
-            sample_rows, reqs, params = ([x[i] for i in keep] for x in (sample_rows, reqs, params))
-            raw = logits if raw is None else raw
-        self._draw(logits, raw, sample_rows, reqs, params, result)
-
-    def _draw(self, logits: torch.Tensor, raw: torch.Tensor, sample_rows: list, reqs: list, params: list,
-              result: StepResult) -> None:
-        gens = [self._generator(r) for r in reqs]
-        errors: dict[int, str] = {}
-        if self.rejection_sampler is None:
-            tokens, lps = self.sampler(logits, params, gens, raw, errors)
-            emitted = [[t] for t in tokens]
-        else:
-            emitted = self.rejection_sampler(logits, [s.draft_token_ids for _, s in sample_rows], params, gens,
-                                             errors)
-            lps = self._spec_logprobs(raw, [len(rows) for rows, _ in sample_rows], emitted, params)
-        i = 0
-        for j, (req, toks) in enumerate(zip(reqs, emitted)):
-            if j in errors:
-                result.failed[req.request_id] = ("invalid", errors[j])
-            else:
-                result.sampled[req.request_id] = toks
-                if req.sampling_params.logprobs is not None:
-                    result.logprobs[req.request_id] = lps[i: i + len(toks)]
-            i += len(toks)
-
-    def _logits_processors(self, logits: torch.Tensor, hidden: torch.Tensor, sample_rows: list, spans: list,
-                           failed: dict) -> torch.Tensor:
-        """logit_bias, min_tokens and penalties for all rows at once; should that raise, again from fresh
-        logits one request at a time, so only the request whose data raised fails."""
-        rows = [LogitsRows(s.request.sampling_params, s.request.stop_ids, s.request.prompt_token_ids,
-                           s.request.output_token_ids, s.draft_token_ids) for _, s in sample_rows]
-        try:
-            apply_logits_processors(logits, rows)
-            return logits
-        except Exception:  # noqa: BLE001 - find the request that raised below
-            logger.exception("logits processors failed for a batch; retrying request by request")
-        logits = self.model.compute_logits(hidden)
-        for i, ((a, b), row) in enumerate(zip(spans, rows)):
-            try:
-                apply_logits_processors(logits[a:b], [row])
-            except Exception as e:  # noqa: BLE001
-                failed.setdefault(i, ("internal", f"its logits processors failed: {type(e).__name__}: {e}"))
-        return logits
-
-    PROMPT_LOGITS_ROWS = 512  # logits rows per slice: a long prompt's [T, vocab] would not fit at once
-
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, result: StepResult) -> None:
-        """prompt_logprobs: position p's logits score prompt token p + 1. Positions whose entry the request
-        already has (a recompute after preemption) are skipped."""
-        row = 0
-        for s in out.scheduled:
-            req, first_row = s.request, row
-            row += s.num_tokens
-            n = req.sampling_params.prompt_logprobs
-            if n is None:
-                continue
-            lo = max(s.start, len(req.prompt_logprobs))
-            hi = min(s.start + s.num_tokens - len(s.draft_token_ids), req.num_prompt_tokens - 1)
-            entries = []
-            for a in range(lo, hi, self.PROMPT_LOGITS_ROWS):
-                b = min(hi, a + self.PROMPT_LOGITS_ROWS)
-                rows = torch.arange(first_row + a - s.start, first_row + b - s.start)
-                logp = self.model.compute_logits(hidden[rows]).float().log_softmax(dim=-1)
-                targets = torch.tensor(req.prompt_token_ids[a + 1: b + 1], dtype=torch.long)
-                chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
-                top = logp.topk(min(n, logp.shape[-1])) if n else None
-                for i, (t, lp) in enumerate(zip(targets.tolist(), chosen)):
-                    pairs = list(zip(top.indices[i].tolist(), top.values[i].tolist())) if top is not None else []
-                    entries.append(TokenLogprobs(t, lp, pairs))
-            if entries:
-                result.prompt_logprobs[req.request_id] = entries
-
-    def _spec_logprobs(self, logits: torch.Tensor, num_rows: list[int], emitted: list[list[int]],
-                       params: list) -> list:
-        """Emitted token j of a request comes from its row j (the distribution it was drawn from)."""
-        if all(p.logprobs is None for p in params):
-            return [None] * sum(len(t) for t in emitted)
-        first = [sum(num_rows[:i]) for i in range(len(num_rows))]
-        sel = [f + j for f, toks in zip(first, emitted) for j in range(len(toks))]
-        flat_params = [p for p, toks in zip(params, emitted) for _ in toks]
-        return self.sampler.logprobs(logits[sel], flat_params, [t for toks in emitted for t in toks])
 
     def _forward_dbo(self, out: SchedulerOutput) -> tuple[torch.Tensor, list]:
         """--enable-dbo: the step's requests in two contiguous micro-batches of about equal tokens (one may
@@ -363,14 +241,6 @@ class ModelRunner:
         with attention_context(meta):
             return self.model.compute_logits(self.model(input_ids, positions))
 
-    def _generator(self, req) -> torch.Generator | None:
-        seed = req.sampling_params.seed
-        if seed is None:
-            return None
-        if req.request_id not in self.generators:
-            self.generators[req.request_id] = torch.Generator().manual_seed(seed)
-        return self.generators[req.request_id]
-
     def _prepare(self, out: SchedulerOutput):
         ids, spans, sample_rows = [], [], []
         for s in out.scheduled:
@@ -384,30 +254,3 @@ class ModelRunner:
         positions, meta = build_attention_metadata(spans, self.block_size, self.kv_caches)
         return torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows
 
-
-def _spans(num_rows: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each request's logits rows."""
-    out, r = [], 0
-    for n in num_rows:
-        out.append((r, r + n))
-        r += n
-    return out
-
-
-def _requests_with(bad_rows: torch.Tensor, spans: list[tuple[int, int]]) -> list[int]:
-    """Indices of the requests that have a bad row."""
-    if not bool(bad_rows.any()):
-        return []
-    bad = set(torch.nonzero(bad_rows).flatten().tolist())
-    return [i for i, (a, b) in enumerate(spans) if any(r in bad for r in range(a, b))]
-
-
-def _non_finite_message(rows: torch.Tensor, p) -> str:
-    """Why a request's processed logits cannot be sampled, naming what it can change."""
-    if bool(torch.isnan(rows).any() | torch.isposinf(rows).any()):
-        return (f"its sampling parameters made its logits non-finite (repetition_penalty={p.repetition_penalty}, "
-                f"frequency_penalty={p.frequency_penalty}, presence_penalty={p.presence_penalty}, "
-                f"logit_bias of {len(p.logit_bias)} tokens); use values closer to the defaults")
-    return ("every token is masked, so nothing can be sampled (allowed_token_ids, bad_words, logit_bias, "
-            "min_tokens and the structured output together allow no token); widen allowed_token_ids or drop "
-            "one of them")

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.layers.sampler import SamplingError, apply_filters, draw
+from moeserve.sample.batch import SamplingBatch
+from moeserve.sample.draw import MESSAGE, SamplingError, bad_rows, draw
+from moeserve.sample.filters import exact_filter
+from moeserve.sample.sampler import filtered_probs
 from moeserve.sampling_params import SamplingParams
 
 
@@ -30,7 +33,15 @@ def accept_greedy(target_ids: list[int], drafts: list[int]) -> list[int]:
 def rejection_sample(logits: torch.Tensor, drafts: list[int], params: SamplingParams,
                      generator: torch.Generator, draft_probs: torch.Tensor | None = None) -> list[int]:
     """logits [d + 1, V] float32; draft_probs [d, V] (None: one-hot drafts) -> 1..d+1 tokens."""
-    probs = torch.stack([apply_filters(row, params).softmax(-1) for row in logits])  # [d + 1, V]
+    n = logits.shape[0]
+    probs = exact_filter(logits, torch.full((n,), params.temperature, dtype=torch.float32), [params.top_k] * n,
+                         [params.top_p] * n, [params.min_p] * n).softmax(-1)  # [d + 1, V]
+    return verify(probs, drafts, generator, draft_probs)
+
+
+def verify(probs: torch.Tensor, drafts: list[int], generator: torch.Generator,
+           draft_probs: torch.Tensor | None = None) -> list[int]:
+    """probs [d + 1, V]: the filtered target distributions of one request's rows -> 1..d+1 tokens."""
     accept_u = torch.rand(len(drafts), generator=generator)
     out: list[int] = []
     for j, x in enumerate(drafts):
@@ -62,15 +73,23 @@ class RejectionSampler:
         """logits [sum(d_i + 1), V] float32, rows of request i contiguous -> emitted tokens per request.
         A request whose rows cannot be sampled emits [0] and gets its message in errors[i] (raises without)."""
         assert logits.shape[0] == sum(len(d) + 1 for d in drafts), "one row per draft plus one per request"
-        target_ids = logits.argmax(dim=-1).tolist()
+        num_rows = [len(d) + 1 for d in drafts]
+        batch = SamplingBatch.build(params, generators, num_rows)
+        if batch.all_greedy:
+            target_ids, probs, bad = logits.argmax(dim=-1).tolist(), None, None
+        else:  # every sampled row's filtered distribution in one batched pass
+            target_ids = logits.argmax(dim=-1).tolist()
+            probs = filtered_probs(logits, batch)
+            bad = bad_rows(probs)
         out, row = [], 0
-        for d, p, g in zip(drafts, params, generators):
-            n = len(d) + 1
+        for d, p, g, n in zip(drafts, params, generators, num_rows):
             if p.greedy:
                 out.append(accept_greedy(target_ids[row: row + n], d))
             else:
                 try:
-                    out.append(rejection_sample(logits[row: row + n], d, p, g or self.generator))
+                    if any(bad[row: row + n]):  # as rejection_sample: filtered rows it cannot draw from
+                        raise SamplingError(MESSAGE)
+                    out.append(verify(probs[row: row + n], d, g or self.generator))
                 except SamplingError as e:
                     if errors is None:
                         raise

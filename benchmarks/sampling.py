@@ -1,0 +1,223 @@
+"""Sampling per step: the batched sampler (moeserve/sample/) against the per-request loop it replaced, in
+the same run, and decode with mixed sampling parameters against greedy decode on the V3-shaped checkpoint.
+
+Part 1 (always): B rows of float32 logits [B, --vocab] shaped like a model's (bfloat16 values, so ties, as
+compute_logits gives them), B in --batches, every row with its own mix of parameters (MIX below: greedy,
+temperature, top-k, top-p, min-p, logprobs, a seed on 1 row in 8). Per batch: the old loop (copied below,
+unchanged but for the names) and Sampler are first checked to draw the same tokens for the seeded and
+greedy rows; then each is timed --repeats times, alternating, in this thread's CPU time; printed: the
+median ms per step, the spread (min..max as % of the median) and old / new.
+
+Part 2 (--decode): LLM on the V3-shaped checkpoint of benchmarks/decode_speed.py (compiled decode unless
+--eager), --decode-batch requests of --prompt-len tokens, --new-tokens each (ignore_eos), once greedy and
+once with the same MIX of parameters (plus penalties), alternating --repeats times; decode tok/s = batch x
+(new - 1) / (generate time - the same prefill alone), thread CPU time; printed per repeat and as the
+median of the per-repeat ratios mixed / greedy.
+
+Figures, never pass/fail. The machine may be shared: run it briefly (the defaults take about a minute for
+part 1 and a few minutes for part 2) and read the spread.
+
+Usage: python benchmarks/sampling.py [--vocab 32000] [--batches 1 8 32 64] [--repeats 7] [--threads 1]
+           [--decode] [--decode-batch 32] [--new-tokens 32] [--prompt-len 64] [--eager]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from moeserve.sample import Sampler  # noqa: E402
+from moeserve.sampling_params import SamplingParams  # noqa: E402
+
+CLOCK = time.thread_time
+
+
+# ---- BASELINE: the per-request sampler before moeserve/sample/ (moeserve/layers/sampler.py at commit
+# 22b2f4d: apply_filters, draw, Sampler.__call__ and Sampler.logprobs), copied unchanged except for the
+# names. Kept here only to be measured against. ----
+
+def old_apply_filters(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    logits = torch.where(torch.isinf(logits), logits, logits / p.temperature)
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = logits.topk(p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= p.top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def old_draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        raise ValueError("not finite")
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class OldSampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits, params, generators, raw_logits=None, errors=None):
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, p in enumerate(params):
+            if not p.greedy:
+                try:
+                    tokens[i] = old_draw(old_apply_filters(logits[i], p).softmax(-1), generators[i] or self.generator)
+                except ValueError as e:
+                    if errors is None:
+                        raise
+                    errors[i], tokens[i] = str(e), 0
+        return tokens, self.logprobs(logits if raw_logits is None else raw_logits, params, tokens)
+
+    @staticmethod
+    def logprobs(logits, params, tokens):
+        want = [p.logprobs is not None for p in params]
+        if not any(want):
+            return [None] * len(params)
+        logp = logits.log_softmax(dim=-1)
+        out = []
+        for i, p in enumerate(params):
+            if not want[i]:
+                out.append(None)
+                continue
+            top = logp[i].topk(min(p.logprobs, logp.shape[-1])) if p.logprobs else None
+            pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            out.append((tokens[i], float(logp[i, tokens[i]]), pairs))
+        return out
+
+# ---- end of BASELINE ----
+
+
+MIX = [  # one request's parameters per row, cycling; a seed on 1 row in 8
+    dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.0, top_k=50),
+    dict(temperature=0.8, top_k=40, top_p=0.95, logprobs=5),
+    dict(temperature=1.0, min_p=0.05),
+    dict(temperature=0.0),
+    dict(temperature=0.6, top_p=0.95, seed=1234),
+    dict(temperature=0.9, top_p=0.9, min_p=0.02),
+    dict(temperature=1.0, logprobs=1),
+]
+PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1)  # --decode: rows 1, 6
+
+
+def mixed_params(batch: int, seeds: bool = True, penalties: bool = False) -> list[SamplingParams]:
+    out = []
+    for i in range(batch):
+        kw = dict(MIX[i % len(MIX)])
+        if "seed" in kw:
+            kw["seed"] = kw["seed"] + i if seeds else None
+        if penalties and i % len(MIX) in (1, 6):
+            kw.update(PENALTIES)
+        out.append(SamplingParams(**kw))
+    return out
+
+
+def spread(xs: list[float]) -> str:
+    med = statistics.median(xs)
+    return f"{med:8.2f} ({100 * (min(xs) / med - 1):+.0f}/{100 * (max(xs) / med - 1):+.0f}%)"
+
+
+def model_like_logits(batch: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    return (torch.randn(batch, vocab, generator=g) * 3).bfloat16().float()
+
+
+def sampler_part(a) -> None:
+    g = torch.Generator().manual_seed(0)
+    print(f"sampling per step: vocab {a.vocab}, float32 logits with bfloat16 values, {torch.get_num_threads()} "
+          f"thread(s), thread CPU time, median of {a.repeats} (spread min..max)")
+    print(f"{'batch':>5} {'old ms':>20} {'new ms':>20} {'old/new':>8}")
+    for batch in a.batches:
+        params = mixed_params(batch)
+        logits = model_like_logits(batch, a.vocab, g)
+
+        def gens():
+            return [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+
+        want, _ = OldSampler(0)(logits, params, gens())
+        got, _ = Sampler(0)(logits, params, gens())
+        fixed = [i for i, p in enumerate(params) if p.seed is not None or p.greedy]
+        if [want[i] for i in fixed] != [got[i] for i in fixed]:
+            raise SystemExit(f"batch {batch}: seeded or greedy rows drew other tokens; not timing")
+        old_s, new_s = OldSampler(0), Sampler(0)
+        old_g, new_g = gens(), gens()
+        old_s(logits, params, old_g), new_s(logits, params, new_g)  # warm-up
+        times = {"old": [], "new": []}
+        for _ in range(a.repeats):
+            for name, s, gs in (("old", old_s, old_g), ("new", new_s, new_g)):
+                t0 = CLOCK()
+                s(logits, params, gs)
+                times[name].append((CLOCK() - t0) * 1e3)
+        ratio = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
+        print(f"{batch:>5} {spread(times['old']):>20} {spread(times['new']):>20} {ratio:>7.1f}x", flush=True)
+
+
+def decode_part(a) -> None:
+    from benchmarks.decode_speed import prompts_of, v3_checkpoint
+    from moeserve import LLM
+
+    path = v3_checkpoint()
+    b = a.decode_batch
+    llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=b, max_num_batched_tokens=4096,
+              enable_prefix_caching=False, enforce_eager=a.eager)
+    greedy = [SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)] * b
+    mixed = [SamplingParams(**{**p.__dict__, "max_tokens": a.new_tokens, "ignore_eos": True})
+             for p in mixed_params(b, penalties=True)]
+    one = SamplingParams(temperature=0, max_tokens=1)
+
+    def tps(params, salt):
+        prompts = prompts_of(b, a.prompt_len, salt)
+        t0 = CLOCK()
+        llm.generate(prompt_token_ids=prompts, sampling_params=one, use_tqdm=False)
+        prefill = CLOCK() - t0
+        t0 = CLOCK()
+        llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        return b * (a.new_tokens - 1) / max(CLOCK() - t0 - prefill, 1e-9)
+
+    tps(greedy, 0), tps(mixed, 0)  # warm-up
+    ratios, runs = [], {"greedy": [], "mixed": []}
+    for r in range(a.repeats):
+        g, m = tps(greedy, r + 1), tps(mixed, r + 1)
+        runs["greedy"].append(g)
+        runs["mixed"].append(m)
+        ratios.append(m / g)
+        print(f"repeat {r}: greedy {g:7.1f} tok/s, mixed {m:7.1f} tok/s, mixed/greedy {m / g:.3f}", flush=True)
+    print(f"batch {b} decode ({'eager' if a.eager else 'compiled'}), {a.new_tokens} new tokens: "
+          f"greedy {spread(runs['greedy'])} tok/s, mixed {spread(runs['mixed'])} tok/s, mixed/greedy median "
+          f"{statistics.median(ratios):.3f} (per repeat {', '.join(f'{x:.3f}' for x in ratios)})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--decode", action="store_true", help="also part 2: decode mixed vs greedy")
+    ap.add_argument("--decode-only", action="store_true", help="only part 2")
+    ap.add_argument("--decode-batch", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--eager", action="store_true", help="part 2 with --enforce-eager")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    if not a.decode_only:
+        sampler_part(a)
+    if a.decode or a.decode_only:
+        decode_part(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Drawing tokens from filtered distributions, a batch of rows at once.
+
+- draw_exact: torch.multinomial(probs[i], 1, generator=g_i) row by row, as the per-request loop did, without
+  its per-row calls: on CPU multinomial draws one sample as argmax(probs / q) with q ~ Exp(1) filled from
+  the generator (ATen's Distributions.cpp), so each row's q is filled from its own generator (the same
+  stream a seeded request consumed before) and the divide and argmax run once for the batch.
+- draw_candidates: rows without a seed of their own: one uniform per row from the shared generator, then
+  the inverse CDF over the row's candidates (a cumsum and a searchsorted for the batch).
+"""
+from __future__ import annotations
+
+import torch
+
+from moeserve.sample.filters import Candidates
+
+MESSAGE = ("its token probabilities are not finite (NaN or inf) after temperature, top-k, top-p and min-p; lower "
+           "the logit scale (temperature, logit_bias, penalties)")
+
+
+class SamplingError(ValueError):
+    """One row cannot be sampled (its distribution is not finite): that request fails, the others go on."""
+
+
+def bad_rows(probs: torch.Tensor) -> list[bool]:
+    """Rows [n, K] (probabilities, >= 0 or NaN) that cannot be drawn from: a non-finite entry, or nothing
+    above 0; both show in the row's sum (NaN, inf, or not above 0)."""
+    total = probs.sum(-1)
+    return (~(total > 0) | torch.isinf(total)).tolist()
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from probs [V]; SamplingError instead of multinomial's RuntimeError (a temperature that
+    overflowed the logits to inf gives NaN probabilities)."""
+    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+        raise SamplingError(MESSAGE)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def draw_exact(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int | None]:
+    """probs [n, V] -> one token per row (None: that row cannot be sampled), each row as
+    torch.multinomial(probs[i], 1, generator=generators[i]) draws it, and consuming the same random numbers."""
+    bad = bad_rows(probs)
+    q = torch.empty_like(probs)
+    for i, g in enumerate(generators):
+        if not bad[i]:  # the old draw raised before multinomial touched the generator
+            q[i].exponential_(1, generator=g)
+    tokens = (probs / q).argmax(-1).tolist()
+    return [None if b else t for t, b in zip(tokens, bad)]
+
+
+def draw_candidates(c: Candidates, generator: torch.Generator) -> list[int | None]:
+    """One token per row of c (None: that row cannot be sampled): token j with probability
+    c.probs[i, j] / c.probs[i].sum(), from one uniform per row of the shared generator."""
+    probs = c.probs
+    bad = bad_rows(probs)
+    n, K = probs.shape
+    u = torch.rand(n, dtype=torch.float64, generator=generator)
+    cdf = probs.to(torch.float64).cumsum(-1)
+    target = (u * cdf[:, -1])[:, None]
+    pos = torch.searchsorted(cdf, target, right=True)[:, 0]
+    # u * total may round up to the total: never past the last token of nonzero probability
+    last = (K - 1) - (probs > 0).flip(-1).to(torch.uint8).argmax(-1)
+    pos = torch.minimum(pos, last)
+    tokens = (pos if c.ids is None else c.ids.gather(1, pos[:, None])[:, 0]).tolist()
+    return [None if b else t for t, b in zip(tokens, bad)]

@@ -1,0 +1,139 @@
+"""Temperature, top-k, top-p and min-p for a batch of logits rows at once.
+
+Two paths, chosen per row by moeserve/sample/batch.py:
+
+- exact (requests with their own seed): the distribution is the one the per-request loop computed before
+  (layers/sampler.apply_filters at commit 22b2f4d), bit for bit, so a seed keeps giving the same tokens:
+  every op is the old one applied to a [n, V] batch (row-wise ops give each row the bits they gave it alone;
+  the top-p sort is one batched sort of the top-k-masked rows, so ties at the top-p boundary fall as before).
+- candidates (every other sampled row): top-k and top-p work on the row's best candidates only (one
+  batched topk per step instead of a full-vocabulary sort per request), then min-p; the draw picks among
+  the candidates (draw.draw_candidates). A top-p row whose nucleus the candidates do not hold is retried
+  with more candidates, at last over the whole vocabulary (a values-only sort finds the nucleus's last
+  value; tokens tied with it are kept).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+NEG_INF = float("-inf")
+# candidate counts tried, in order, for rows with top_p and no top_k (each level one batched topk for the
+# rows the level before did not cover); after the last, those rows use the whole vocabulary
+CANDIDATE_LEVELS = (256, 4096)
+
+
+def scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] / temperature [n]; masked (-inf) entries stay masked (-inf / a temperature that
+    overflows float32 would be NaN; a finite one leaves +-inf as it is, so then no where is needed)."""
+    if bool(torch.isfinite(temperature).all()):
+        return logits / temperature[:, None]
+    return torch.where(torch.isinf(logits), logits, logits / temperature[:, None])
+
+
+def exact_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
+                 min_p: list[float]) -> torch.Tensor:
+    """Filtered logits [n, V] (masked entries -inf): row i as apply_filters gave it for its parameters,
+    bit for bit. top_k[i] <= 0 or >= V: off; top_p[i] >= 1: off; min_p[i] <= 0: off."""
+    n, V = logits.shape
+    x = scale(logits, temperature)
+    krows = [i for i in range(n) if 0 < top_k[i] < V]
+    if krows:
+        sel = torch.tensor(krows)
+        rows = x.index_select(0, sel)
+        ks = torch.tensor([top_k[i] for i in krows])
+        kth = rows.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])  # the k-th largest value
+        x[sel] = rows.masked_fill(rows < kth, NEG_INF)
+    prows = [i for i in range(n) if top_p[i] < 1.0]
+    if prows:
+        sel = torch.tensor(prows)
+        rows = x.index_select(0, sel)
+        sorted_logits, order = rows.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        p = torch.tensor([top_p[i] for i in prows], dtype=torch.float32)[:, None]
+        drop = probs.cumsum(-1) - probs >= p  # keep the smallest prefix reaching top_p
+        drop[:, 0] = False  # and always the best token (a top_p that rounds to 0 in float32 would drop all)
+        x[sel] = rows.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), NEG_INF)
+    mrows = [i for i in range(n) if min_p[i] > 0.0]
+    if mrows:
+        sel = torch.tensor(mrows)
+        rows = x.index_select(0, sel)
+        probs = rows.softmax(-1)
+        m = torch.tensor([min_p[i] for i in mrows], dtype=torch.float32)[:, None]
+        x[sel] = rows.masked_fill(probs < m * probs.max(-1, keepdim=True).values, NEG_INF)
+    return x
+
+
+class Candidates:
+    """A batch of rows reduced to their best candidates: probs [n, K] (0 where filtered out, rows need not
+    sum to 1) of the token ids ids [n, K]; a row with K == V over the whole vocabulary."""
+
+    def __init__(self, probs: torch.Tensor, ids: torch.Tensor | None) -> None:
+        self.probs, self.ids = probs, ids  # ids None: column j is token j
+
+
+def candidate_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
+                     min_p: list[float]) -> list[tuple[list[int], Candidates]]:
+    """The rows' filtered distributions as Candidates, grouped: [(row indices, Candidates)], each group
+    from one batched op. top-k keeps exactly k tokens (the topk's, ties beyond it dropped); top-p the
+    shortest prefix of the sorted candidates whose probability (under the top-k-filtered row) reaches
+    top_p; min-p drops probabilities below min_p x the best one."""
+    n, V = logits.shape
+    x = scale(logits, temperature)
+    groups: list[tuple[list[int], Candidates]] = []
+    krows = [i for i in range(n) if 0 < top_k[i] < V]
+    if krows:  # the candidates are the top-k: the row's mass outside them is filtered out anyway
+        ks = torch.tensor([top_k[i] for i in krows])
+        vals, ids = x.index_select(0, torch.tensor(krows)).topk(int(ks.max()), dim=-1)
+        vals = vals.masked_fill(torch.arange(vals.shape[1])[None, :] >= ks[:, None], NEG_INF)
+        probs = vals.softmax(-1)
+        groups.append((krows, _finish(probs, ids, [top_p[i] for i in krows], [min_p[i] for i in krows])))
+    prows = [i for i in range(n) if not 0 < top_k[i] < V and top_p[i] < 1.0]
+    for level in CANDIDATE_LEVELS:
+        if not prows or level >= V:
+            break
+        rows = x.index_select(0, torch.tensor(prows))
+        vals, ids = rows.topk(level, dim=-1)
+        probs = (vals - rows.logsumexp(-1, keepdim=True)).exp()  # probabilities under the whole row
+        p = torch.tensor([top_p[i] for i in prows], dtype=torch.float32)
+        covered = (probs.sum(-1) >= p).tolist()  # the nucleus lies inside the candidates
+        done = [j for j, c in enumerate(covered) if c]
+        if done:
+            sel = torch.tensor(done)
+            groups.append(([prows[j] for j in done],
+                           _finish(probs[sel], ids[sel], [top_p[prows[j]] for j in done],
+                                   [min_p[prows[j]] for j in done])))
+        prows = [r for r, c in zip(prows, covered) if not c]
+    if prows:  # flat distributions: the whole vocabulary; the nucleus's last value from a values-only sort
+        rows = x.index_select(0, torch.tensor(prows))
+        desc = torch.from_numpy(np.ascontiguousarray(np.sort(rows.numpy(), axis=-1)[:, ::-1]))  # numpy's SIMD sort
+        cum = (desc - rows.logsumexp(-1, keepdim=True)).exp().cumsum(-1)
+        p = torch.tensor([top_p[i] for i in prows], dtype=torch.float32)[:, None]
+        last = (cum < p).sum(-1, keepdim=True).clamp(max=V - 1)  # the first position reaching top_p
+        probs = rows.softmax(-1).masked_fill(rows < desc.gather(1, last), 0.0)  # ties with it are kept
+        groups.append((prows, _finish(probs, None, [1.0] * len(prows), [min_p[i] for i in prows])))
+    rest = [i for i in range(n) if not 0 < top_k[i] < V and not top_p[i] < 1.0]
+    if rest:  # temperature (and min-p) only: the whole vocabulary, unsorted
+        probs = x.index_select(0, torch.tensor(rest)).softmax(-1)
+        groups.append((rest, _finish(probs, None, [1.0] * len(rest), [min_p[i] for i in rest])))
+    return groups
+
+
+def _finish(probs: torch.Tensor, ids: torch.Tensor | None, top_p: list[float],
+            min_p: list[float]) -> Candidates:
+    """top-p (probs sorted descending when any top_p < 1) and min-p on candidate probabilities."""
+    if any(p < 1.0 for p in top_p):
+        p = torch.tensor(top_p, dtype=torch.float32)[:, None]
+        drop = probs.cumsum(-1) - probs >= p
+        drop[:, 0] = False
+        probs = probs.masked_fill(drop, 0.0)
+    if any(m > 0.0 for m in min_p):
+        m = torch.tensor(min_p, dtype=torch.float32)[:, None]
+        probs = probs.masked_fill(probs < m * probs.max(-1, keepdim=True).values, 0.0)
+    return Candidates(probs, ids)
+
+
+def apply_filters(logits: torch.Tensor, p) -> torch.Tensor:
+    """Temperature-scaled, filtered logits [V] for one request's SamplingParams p (masked entries -inf)."""
+    return exact_filter(logits[None], torch.tensor([p.temperature], dtype=torch.float32), [p.top_k], [p.top_p],
+                        [p.min_p])[0]

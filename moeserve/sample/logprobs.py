@@ -1,0 +1,38 @@
+"""Logprobs of sampled tokens and of prompt tokens, batched over the step's rows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | None]) -> list[TokenLogprobs | None]:
+    """logits [R, V] (the raw model distribution, as vLLM and OpenAI report it), the token of each row and
+    how many top entries it wants (None: no logprobs for that row). One log_softmax for the rows that want
+    logprobs and one topk per distinct count."""
+    rows = [i for i, n in enumerate(num_top) if n is not None]
+    out: list[TokenLogprobs | None] = [None] * len(num_top)
+    if not rows:
+        return out
+    sel = torch.tensor(rows)
+    logp = logits.index_select(0, sel).log_softmax(dim=-1)
+    chosen = logp.gather(1, torch.tensor([tokens[i] for i in rows])[:, None])[:, 0].tolist()
+    tops: dict[int, list] = {j: [] for j in range(len(rows))}
+    by_n: dict[int, list[int]] = {}
+    for j, i in enumerate(rows):
+        if num_top[i]:
+            by_n.setdefault(num_top[i], []).append(j)
+    for n, js in by_n.items():
+        top = logp.index_select(0, torch.tensor(js)).topk(min(n, logp.shape[-1]))
+        for j, ids, vals in zip(js, top.indices.tolist(), top.values.tolist()):
+            tops[j] = list(zip(ids, vals))
+    for j, i in enumerate(rows):
+        out[i] = TokenLogprobs(tokens[i], chosen[j], tops[j])
+    return out

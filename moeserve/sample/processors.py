@@ -1,0 +1,137 @@
+"""Logits processors, before the filters: OpenAI's logit_bias, vLLM's min_tokens, allowed_token_ids,
+bad_words and repetition / frequency / presence penalties, for a step's rows at once."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moeserve.sampling_params import SamplingParams
+
+
+@dataclass
+class LogitsRows:
+    """One request's rows of a step's logits: row j samples its output token number len(output_ids) + j,
+    after the drafts before it (MTP: row j is used only when drafts 0..j-1 were accepted)."""
+
+    params: SamplingParams
+    stop_ids: set[int]
+    prompt_ids: list[int]
+    output_ids: list[int]
+    draft_ids: list[int]  # one fewer than the rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.draft_ids) + 1
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> None:
+    """In place, before sampling: OpenAI's logit_bias; min_tokens (vLLM): the stop
+    tokens (EOS unless ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens;
+    then vLLM's repetition, frequency and presence penalties, for all the step's penalised rows at once.
+    Logprobs stay those of the raw model output (the caller keeps a copy), as vLLM reports them."""
+    r = 0
+    penalised: list[tuple[int, LogitsRows]] = []  # (first row, request)
+    for req in rows:
+        p, n_rows, n_out = req.params, req.num_rows, len(req.output_ids)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[r:r + n_rows, ids] += bias
+        short = min(n_rows, p.min_tokens - n_out)
+        if short > 0 and req.stop_ids:
+            ids = torch.tensor(sorted(t for t in req.stop_ids if t < logits.shape[-1]), dtype=torch.long,
+                               device=logits.device)
+            logits[r:r + short, ids] = float("-inf")
+        if p.has_token_masks:  # vLLM's allowed_token_ids and bad_words
+            _apply_token_masks(logits, r, req)
+        if p.has_penalties:
+            penalised.append((r, req))
+        r += n_rows
+    if penalised:  # rows are disjoint: penalising after every request's bias and mask is the same order
+        _apply_penalties(logits, penalised)
+
+
+def _apply_token_masks(logits: torch.Tensor, r: int, req: LogitsRows) -> None:
+    """vLLM's allowed_token_ids (every other token masked) and bad_words (a word's last token masked where
+    the tokens before it end the output so far: row j sees the outputs plus drafts 0..j-1)."""
+    p, V = req.params, logits.shape[-1]
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(V, dtype=torch.bool, device=logits.device)
+        keep[torch.tensor([t for t in p.allowed_token_ids if t < V], dtype=torch.long)] = True
+        logits[r:r + req.num_rows].masked_fill_(~keep, float("-inf"))
+    for j in range(req.num_rows):
+        seen = req.output_ids + req.draft_ids[:j]
+        for word in p.bad_words_token_ids or ():
+            head = word[:-1]
+            if word[-1] < V and (not head or seen[len(seen) - len(head):] == head):
+                logits[r + j, word[-1]] = float("-inf")
+
+
+def _ids(lists: list[list[int]], n: int) -> torch.Tensor:
+    """The concatenation of lists of token ids (n in all) as one int64 tensor (numpy: ~8x torch.tensor)."""
+    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=n))
+
+
+def _entries(tokens: torch.Tensor, rows: list[int], starts: list[int], lengths: list[int], V: int) -> torch.Tensor:
+    """Flat indices row * V + token into contiguous [R, V] logits: segment k gives row rows[k] the tokens
+    tokens[starts[k]:starts[k] + lengths[k]]."""
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+    k = torch.repeat_interleave(torch.arange(len(lengths)), lengths_t)
+    offset = torch.arange(k.numel()) - (lengths_t.cumsum(0) - lengths_t).index_select(0, k)
+    start = torch.tensor(starts, dtype=torch.long).index_select(0, k)
+    return torch.tensor(rows, dtype=torch.long).index_select(0, k) * V + tokens.index_select(0, start + offset)
+
+
+def _apply_penalties(logits: torch.Tensor, penalised: list[tuple[int, LogitsRows]]) -> None:
+    """logits [R, V], in place at the rows of the penalised requests ((first row, request)): row j of a
+    request sees its outputs plus drafts 0..j-1 as generated (vLLM's definitions: repetition over prompt +
+    generated, frequency and presence over the generated only).
+
+    All the step's penalised rows at once, reading and writing only the (row, token) entries a penalty
+    changes: the repetition penalty by one gather / where / scatter over the prompt and generated entries
+    (an entry listed twice is written twice with the same value, computed from the logit before), then
+    frequency and presence by one gather / subtract / scatter at the distinct generated entries with their
+    counts. Per entry the arithmetic is the dense per-row formula's (divide or multiply by the penalty, then
+    minus frequency x count + presence, in the logits' dtype), so the logits are the same bit for bit, and
+    entries no penalty reaches are not touched. Token ids must be in the vocabulary (a larger one would
+    index the next row): outputs and drafts are sampled from it, prompts are checked at admission."""
+    R, V, dev, dtype = logits.shape[0], logits.shape[-1], logits.device, logits.dtype
+    rep, freq, pres = [1.0] * R, [0.0] * R, [0.0] * R  # per row of logits
+    gen_lists, g_rows, g_starts, g_lens, n_gen = [], [], [], [], 0
+    prompt_lists, p_rows, p_starts, p_lens, n_prompt = [], [], [], [], 0
+    for r, req in penalised:
+        p, n_out, n_rows = req.params, len(req.output_ids), req.num_rows
+        rep[r:r + n_rows] = [p.repetition_penalty] * n_rows
+        freq[r:r + n_rows] = [p.frequency_penalty] * n_rows
+        pres[r:r + n_rows] = [p.presence_penalty] * n_rows
+        gen_lists += [req.output_ids, req.draft_ids]
+        g_rows += range(r, r + n_rows)
+        g_starts += [n_gen] * n_rows
+        g_lens += range(n_out, n_out + n_rows)  # row j: the outputs and drafts 0..j-1
+        n_gen += n_out + len(req.draft_ids)
+        if p.repetition_penalty != 1.0:
+            prompt_lists.append(req.prompt_ids)
+            p_rows += range(r, r + n_rows)
+            p_starts += [n_prompt] * n_rows
+            p_lens += [len(req.prompt_ids)] * n_rows
+            n_prompt += len(req.prompt_ids)
+    work = logits if logits.is_contiguous() else logits.contiguous()
+    flat = work.view(-1)
+    gen = _entries(_ids(gen_lists, n_gen), g_rows, g_starts, g_lens, V).to(dev)
+    if prompt_lists:
+        entry = torch.cat([_entries(_ids(prompt_lists, n_prompt), p_rows, p_starts, p_lens, V).to(dev), gen])
+        # rows whose request has repetition_penalty 1 (their generated entries are here) divide by 1: a no-op
+        penalty = torch.tensor(rep, dtype=dtype, device=dev).index_select(0, entry // V)
+        x = flat.index_select(0, entry)
+        flat[entry] = torch.where(x > 0, x / penalty, x * penalty)
+    if gen.numel() and (any(freq) or any(pres)):
+        entry, count = torch.unique(gen, return_counts=True)
+        row = entry // V
+        f = torch.tensor(freq, dtype=dtype, device=dev).index_select(0, row)
+        pp = torch.tensor(pres, dtype=dtype, device=dev).index_select(0, row)
+        flat[entry] = flat.index_select(0, entry) - (f * count.to(dtype) + pp)
+    if work is not logits:
+        logits.copy_(work)
