@@ -152,9 +152,9 @@ ENGINE_HELP = {
                          "line says so)",
     "tokenizer_mode": "auto|hf|slow|deepseek_v32: accepted; moeserve always loads the checkpoint's own tokenizer "
                       "(transformers AutoTokenizer); other modes are refused",
-    "revision": "accepted; no effect here (the model is a local folder, read as it is; an INFO line says so)",
-    "download_dir": "accepted; no effect here (the model is a local folder, nothing is downloaded; an INFO line "
-                    "says so)",
+    "revision": "the branch, tag or commit of a Hugging Face model id (no effect on a local folder)",
+    "download_dir": "the Hugging Face cache folder a model id is looked up in and downloaded to (default: "
+                    "HF_HUB_CACHE, else ~/.cache/huggingface/hub)",
     "hf_overrides": "JSON over the checkpoint's config.json: only {} (nothing to override) is accepted for now; "
                     "other values are refused",
     "cudagraph_capture_sizes": "decode batch sizes to compile graphs for, e.g. 1 2 4 8 (the same as "
@@ -356,8 +356,6 @@ class EngineArgs:
                                   "(--mla-decode picks its decode kernel)"),
             "tokenizer_mode": (self.tokenizer_mode != "auto", "moeserve always loads the checkpoint's own "
                                "tokenizer (AutoTokenizer)"),
-            "revision": (self.revision is not None, "the model is a local folder, read as it is"),
-            "download_dir": (self.download_dir is not None, "the model is a local folder; nothing is downloaded"),
             "hf_overrides": (overrides == {}, "nothing to override"),
         }
         for name, (given, why) in notes.items():

@@ -7,6 +7,7 @@ import itertools
 from tqdm import tqdm
 
 from moeserve.engine_args import EngineArgs
+from moeserve.entrypoints.hf_model import resolve_model
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.request import RequestStatus
 from moeserve.engine.resolve import resolve_engine_config
@@ -26,7 +27,11 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown argument(s) {', '.join(sorted(unknown))}")
         self.args = EngineArgs(model=model, **kwargs)
-        path = resolve_model_path(model)
+        # a local folder, else a Hugging Face id from the cache (or downloaded), as vLLM's LLM does
+        path = resolve_model_path(resolve_model(model, self.args.revision, self.args.download_dir))
+        self.args.model = path
+        if self.args.tokenizer is not None:
+            self.args.tokenizer = resolve_model(self.args.tokenizer, None, self.args.download_dir, "tokenizer")
         self.arch = DeepseekArch.from_pretrained(path)
         self.config = resolve_engine_config(self.args, self.arch.max_position_embeddings)
         # skip_tokenizer_init: token ids in and out, no text (vLLM's); chat() and text prompts need a tokenizer

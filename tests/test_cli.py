@@ -37,7 +37,7 @@ def test_generate_prints_completion(ckpt_dir):
     (["--dtype", "int4"], "--dtype must be one of"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
-    (["--model", "/nonexistent/ckpt"], "not a local checkpoint folder"),
+    (["--model", "/nonexistent/ckpt"], "neither a local folder nor a Hugging Face repo id"),
     (["--max-model-len", "0"], "--max-model-len must be >= 2, got 0"),  # not "0 = the model's maximum"
     (["--master-port", "99999"], "--master-port must be in 1..65535, got 99999"),
     (["--nnodes", "2", "--data-parallel-size", "2", "--master-port", "65535"], "--master-port must be in 1..65534"),

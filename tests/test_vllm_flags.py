@@ -89,8 +89,6 @@ NO_EFFECT = [
     (["--async-scheduling"], "--async-scheduling"),
     (["--attention-backend", "FLASHMLA"], "--attention-backend"),
     (["--tokenizer-mode", "slow"], "--tokenizer-mode"),
-    (["--revision", "main"], "--revision"),
-    (["--download-dir", "/tmp/hf"], "--download-dir"),
     (["--hf-overrides", "{}"], "--hf-overrides"),
     (["--max-log-len", "100"], "--max-log-len"),
     (["--disable-uvicorn-access-log"], "--disable-uvicorn-access-log"),

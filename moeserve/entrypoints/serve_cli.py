@@ -153,13 +153,17 @@ def run(args) -> int:
 
 def build_configs(args) -> tuple[EngineArgs, ServerConfig]:
     """The parsed flags -> (engine options, server options), checked."""
+    from moeserve.entrypoints.hf_model import resolve_model, served_model_names
     from moeserve.models.registry import resolve_model_path
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given ({args.model_tag!r} and --model {args.model!r}); pass one")
     _vllm_ops_flags(args)
     engine_args = EngineArgs.from_cli(args, args.model_tag or args.model)
-    engine_args.model = resolve_model_path(engine_args.model)
+    given = args.model_tag or args.model
+    engine_args.model = resolve_model_path(resolve_model(given, engine_args.revision, engine_args.download_dir))
+    if engine_args.tokenizer is not None:
+        engine_args.tokenizer = resolve_model(engine_args.tokenizer, None, engine_args.download_dir, "--tokenizer")
     if getattr(args, "headless", False):
         engine_args._apply_vllm_mappings()
         if engine_args.node_rank == 0:
@@ -171,8 +175,7 @@ def build_configs(args) -> tuple[EngineArgs, ServerConfig]:
             raise FileNotFoundError(f"--chat-template {args.chat_template!r} is not a file")
         with open(args.chat_template) as f:
             template = f.read()
-    names = args.served_model_name or [os.path.basename(os.path.normpath(args.model_tag or args.model
-                                                                         or engine_args.model))]
+    names = args.served_model_name or served_model_names(given, engine_args.model)
     server = ServerConfig(served_model_name=names[0], served_model_aliases=tuple(names[1:]),
                           host=args.host, port=args.port,
                           api_server_count=args.api_server_count, api_key=args.api_key,

@@ -73,8 +73,9 @@ _add(IMPLEMENTED, "raw_logprobs only; others are refused", "--logprobs-mode")
 _add(IMPLEMENTED, "DeepSeek MTP drafts; `--speculative-config.method mtp` (dotted keys) too",
      "--speculative-config -sc")
 _add(IMPLEMENTED, "NIXL (kv_connector nixl), prefill/decode roles", "--kv-transfer-config")
-_add(NO_EFFECT, "the model is a local folder, read as it is (Hugging Face ids: a later stage)", "--revision",
-     "--download-dir")
+_add(IMPLEMENTED, "the branch, tag or commit of a Hugging Face model id (no effect on a local folder)",
+     "--revision")
+_add(IMPLEMENTED, "the Hugging Face cache folder a model id is looked up in and downloaded to", "--download-dir")
 _add(IMPLEMENTED, "auto, hf, slow, deepseek_v32 load the checkpoint's own tokenizer; others are refused",
      "--tokenizer-mode")
 _add(IMPLEMENTED, "only {}: overriding config.json is refused", "--hf-overrides")
@@ -238,7 +239,8 @@ _add(REFUSED, "per-request chat templates are refused (set --chat-template at st
 _add(REFUSED, "prompt embeddings are not supported (token ids or text)", "--enable-prompt-embeds")
 _add(REFUSED, "Cohere's API is not served", "--cohere-is-reasoning-model", "--cohere-format")
 _add(REFUSED, "a separate config.json is not read: the model folder's is", "--hf-config-path")
-_add(REFUSED, "set HF_TOKEN in the environment (huggingface_hub reads it)", "--hf-token")
+_add(REFUSED, "set HF_TOKEN in the environment (huggingface_hub reads it when it downloads a model id)",
+     "--hf-token")
 _add(REFUSED, "watermarking is not supported", "--watermark-config")
 _add(REFUSED, "diffusion models are not supported", "--diffusion-config -dc")
 _add(REFUSED, "KV cache events are not published", "--kv-events-config")
