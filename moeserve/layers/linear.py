@@ -30,6 +30,8 @@ def packed_copy_bytes(model: nn.Module) -> int:
             t = getattr(module, name, None)
             if isinstance(t, torch.Tensor):
                 total += t.numel() * t.element_size()
+        for pair in getattr(module, "packed", None) or ():  # FusedExperts: (w13, w2) per slot
+            total += sum(t.numel() * t.element_size() for t in pair)
     return total
 
 

@@ -5,7 +5,9 @@ outside:
 - MLA's cache write + attention: it reads the per-step attention metadata (a Scoped value, block tables as
   Python lists for prefills) and loops over prefill sequences;
 - routed experts that are not traceable: INT8 experts (one oneDNN GEMM per busy expert, so one host sync)
-  and every multi-rank dispatcher (collectives with host-side split sizes).
+  and every multi-rank dispatcher (collectives with host-side split sizes);
+- BF16 experts over their oneDNN-packed copies (FusedExperts.packed_forward: the same host sync), for
+  buckets with more rows than expert slots.
 Each is registered as a torch custom op taking tensors plus the integer key of the module that runs it;
 eager code calls the module directly (no op dispatch cost), the graph calls the op.
 """
@@ -58,3 +60,14 @@ def moe_routed(rows: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor
 @moe_routed.register_fake
 def _(rows: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(rows)
+
+
+@torch.library.custom_op("moeserve::packed_experts", mutates_args=())
+def packed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x [N, H], expert_ids / weights [N] -> [N, H]: FusedExperts.packed_forward."""
+    return _module(key).packed_forward(x, expert_ids, weights)
+
+
+@packed_experts.register_fake
+def _(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)

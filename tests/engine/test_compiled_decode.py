@@ -44,6 +44,9 @@ def test_compiled_decode_gives_eager_tokens(ckpt_dir, variant, dtype, quant):
     want, got, llm = eager_and_compiled(ckpt_dir(variant), dtype=dtype, quantization=quant)
     assert got == want
     assert_graphs_ran(llm, [1, 2, 4, 8])
+    if dtype == "bfloat16":  # bucket 8 (16 rows over 8 experts) ran the oneDNN-packed experts' opaque op
+        from moeserve.layers.moe.experts import FusedExperts
+        assert all(m.packed for m in llm.engine.runner.model.modules() if type(m) is FusedExperts)
 
 
 def test_compiled_decode_with_mtp(mtp_ckpt_dir):

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moeserve.layers.linear import packed_copy_bytes
 from moeserve.layers.moe.experts import FusedExperts, group_rows
 from moeserve.layers.quant import Int8FusedExperts, Int8Packed, int8_linear, quantize_per_channel
 
@@ -110,3 +111,64 @@ def test_int8_experts_packed_equal_unpacked(pack_without_amx):
         if q.packed is None:
             pytest.skip("oneDNN does not run here")
         assert torch.equal(q(x, ids, w), plain)
+
+
+def _bf16_experts(num: int, hidden: int, inter: int, seed: int) -> FusedExperts:
+    g = torch.Generator().manual_seed(seed)
+    ex = FusedExperts(num, hidden, inter).to(torch.bfloat16)
+    with torch.no_grad():
+        ex.w13.copy_(torch.randn(ex.w13.shape, generator=g) * 0.1)
+        ex.w2.copy_(torch.randn(ex.w2.shape, generator=g) * 0.1)
+    return ex
+
+
+def _per_expert_f_linear(ex: FusedExperts, x, ids, weights):
+    """The packed path's arithmetic, one expert at a time with F.linear on the stacked weights."""
+    out = torch.zeros_like(x)
+    for e in range(ex.num_local_experts):
+        rows = (ids == e).nonzero().squeeze(1)
+        if rows.numel():
+            gate, up = F.linear(x[rows], ex.w13[e]).split(ex.intermediate, dim=-1)
+            y = F.linear(F.silu(gate) * up, ex.w2[e])
+            out[rows] = (y.float() * weights[rows, None]).to(x.dtype)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 9, 40, 300])
+def test_packed_bf16_experts_equal_per_expert_linear(n):
+    ex = _bf16_experts(8, 64, 32, n)
+    g = torch.Generator().manual_seed(100 + n)
+    x = torch.randn(n, 64, generator=g).to(torch.bfloat16)
+    ids = torch.randint(-1, 8, (n,), generator=g)
+    ids[ids == 5] = 6  # an expert with no rows
+    weights = torch.rand(n, generator=g)
+    with torch.no_grad():
+        grouped = ex(x, ids, weights)
+        ex.process_weights_after_loading()
+        if ex.packed is None:
+            pytest.skip("oneDNN BF16 packing does not run here")
+        packed = ex(x, ids, weights)
+    assert torch.equal(packed, _per_expert_f_linear(ex, x, ids, weights))
+    torch.testing.assert_close(packed.float(), grouped.float(), rtol=2e-2, atol=2e-3)
+    assert (packed[ids == -1] == 0).all()
+    assert packed_copy_bytes(ex) >= 8 * 3 * 64 * 32 * 2
+
+
+def test_packed_bf16_experts_in_a_compiled_graph_and_switched_off(monkeypatch):
+    """Above the few-row gathered path, a fullgraph compile calls the packed experts as one opaque op and gets
+    the eager result; MOESERVE_PACK_EXPERTS=0 keeps one copy."""
+    ex = _bf16_experts(4, 64, 32, 7)
+    ex.process_weights_after_loading()
+    if ex.packed is None:
+        pytest.skip("oneDNN BF16 packing does not run here")
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(12, 64, generator=g).to(torch.bfloat16)
+    ids = torch.randint(-1, 4, (12,), generator=g)
+    weights = torch.rand(12, generator=g)
+    with torch.no_grad():
+        compiled = torch.compile(lambda a, b, c: ex(a, b, c), fullgraph=True, dynamic=False)(x, ids, weights)
+        assert torch.equal(compiled, ex(x, ids, weights))
+    monkeypatch.setenv("MOESERVE_PACK_EXPERTS", "0")
+    one_copy = _bf16_experts(4, 64, 32, 7)
+    one_copy.process_weights_after_loading()
+    assert one_copy.packed is None and packed_copy_bytes(one_copy) == 0
