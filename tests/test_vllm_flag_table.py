@@ -242,3 +242,22 @@ def test_vllm_argv_leaves_values_alone():
     assert vllm_argv(["generate", "--prompt", "a_b.c", "--max_tokens", "4"]) == \
         ["generate", "--prompt", "a_b.c", "--max-tokens", "4"]
     assert vllm_argv(["serve", "--", "--x_y"]) == ["serve", "--", "--x_y"]
+
+
+@pytest.mark.parametrize("argv,logged", [
+    (["--eplb-config", '{"window_size": 1000, "step_interval": 3000, "log_balancedness": true}', "-ep", "-dp", "2"],
+     ["--eplb-config window_size has no effect here", "--eplb-config log_balancedness has no effect here"]),
+    (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_buffer_device": "cuda", '
+      '"kv_secret": "0123456789abcdef0123"}'], ["--kv-transfer-config kv_buffer_device has no effect here"]),
+    (["--speculative-config.method", "mtp", "--speculative-config.draft_tensor_parallel_size", "1",
+      "--speculative-config.enforce_eager", "true"],
+     ["--speculative-config draft_tensor_parallel_size 1: the MTP layers run on the target's ranks",
+      "--speculative-config enforce_eager has no effect here"]),
+])
+def test_vllm_config_keys_without_effect_are_accepted_and_logged(argv, logged, caplog, monkeypatch):
+    from moeserve import engine_args
+    monkeypatch.setattr(engine_args, "_LOGGED_NOTES", set())
+    with caplog.at_level(logging.INFO, logger="moeserve"):
+        _config(argv)
+    for words in logged:
+        assert words in caplog.text

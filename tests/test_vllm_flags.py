@@ -58,6 +58,20 @@ VLLM_FLAGS = [
     (["--compilation-config", '{"cudagraph_capture_sizes": [2, 4]}', "--cudagraph-capture-sizes", "2", "4"],
      {"config.model.decode_graph_sizes": (2, 4)}),
     (["--trust-remote-code"], {"engine.trust_remote_code": True}),
+    # vLLM's value spellings (issue 33): its connector name and keys, its EPLB example, its MTP keys
+    (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": '
+      '"cuda", "kv_connector_extra_config": {"backends": ["UCX"]}, "kv_load_failure_policy": "fail", '
+      '"kv_port": 14579, "kv_secret": "0123456789abcdef0123"}'],
+     {"config.kv_transfer.kv_connector": "nixl", "config.kv_transfer.kv_role": "kv_producer",
+      "config.kv_transfer.kv_port": 14579}),
+    (["--eplb-config", '{"window_size": 1000, "step_interval": 3000, "num_redundant_experts": 2, '
+      '"log_balancedness": true}', "-ep", "-dp", "2", "--enable-eplb"],
+     {"config.parallel.eplb_step_interval": 3000, "config.parallel.num_redundant_experts": 2}),
+    (["-sc", '{"method": "deepseek_mtp", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}'],
+     {"config.speculative.method": "mtp", "config.speculative.num_speculative_tokens": 2}),
+    (["-tp", "2", "-sc", '{"method": "mtp", "num_speculative_tokens": 1, "draft_tensor_parallel_size": 2, '
+      '"enforce_eager": true, "max_model_len": 4096, "rejection_sample_method": "standard"}'],
+     {"config.speculative.num_speculative_tokens": 1}),
 ]
 
 # (flags, words the error must contain)
@@ -70,7 +84,19 @@ REFUSED = [
     (["--all2all-backend", "magic"], "--all2all-backend must be one of"),
     (["--all2all-backend", "allgather_reducescatter", "--moe-comm", "alltoall", "-ep", "-dp", "2"],
      "means --moe-comm allgather"),
-    (["--eplb-config", '{"window_size": 10}'], "window_size"),
+    (["--eplb-config", '{"window_size": -1}'], "window_size must be a positive integer"),
+    # vLLM's value spellings that moeserve cannot honour (issue 33)
+    (["--kv-transfer-config", '{"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}'],
+     "moeserve moves KV over NIXL only; use \"NixlConnector\""),
+    (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_load_failure_policy": "recompute"}'],
+     "recompute is not supported"),
+    (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_connector_module_path": "my.mod"}'],
+     "kv_connector_module_path"),
+    (["-sc", '{"method": "mtp", "model": "someone/draft-model"}'], "not a separate draft model"),
+    (["-sc", '{"method": "mtp", "draft_tensor_parallel_size": 4}'], "the MTP layers run on the target's ranks"),
+    (["-sc", '{"method": "mtp", "quantization": "fp8"}'], "quantized as the target is"),
+    (["-sc", '{"method": "mtp", "rejection_sample_method": "probabilistic"}'], "rejection_sample_method"),
+    (["-sc", '{"method": "mtp", "prompt_lookup_max": 4}'], "unknown key(s) prompt_lookup_max"),
     (["--eplb-config", '{"colour": 1}'], "unknown key"),
     (["--scheduling-policy", "lifo"], "--scheduling-policy must be one of"),
     (["--load-format", "pt"], "--load-format must be one of"),

@@ -5,7 +5,6 @@ import sys
 import time
 
 from moeserve.cli import HelpFormatter
-from moeserve.config import SpeculativeConfig
 from moeserve.config_file import CONFIG_HELP
 from moeserve.engine_args import EngineArgs
 
@@ -46,7 +45,7 @@ def engine_args_for(args, num_prompts: int) -> EngineArgs:
             and engine_args.max_cudagraph_capture_size is None:
         engine_args.compilation_config = {"mode": 0}
     elif str(level).strip().isdigit():
-        spec = SpeculativeConfig.from_value(engine_args.speculative_config)
+        spec = engine_args.speculative()
         per_seq = 1 + (spec.num_speculative_tokens if spec else 0)
         engine_args.compilation_config = {"mode": int(level), "max_cudagraph_capture_size": num_prompts * per_seq}
     return engine_args

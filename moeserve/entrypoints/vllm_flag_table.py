@@ -70,9 +70,11 @@ _add(IMPLEMENTED, "one key (vLLM takes several)", "--api-key")
 _add(IMPLEMENTED, "auto, bfloat16, float16 / half, float32 / float", "--dtype")
 _add(IMPLEMENTED, "a8w8 (INT8) and fp8 (block FP8); the checkpoint's own when not given", "--quantization -q")
 _add(IMPLEMENTED, "raw_logprobs only; others are refused", "--logprobs-mode")
-_add(IMPLEMENTED, "DeepSeek MTP drafts; `--speculative-config.method mtp` (dotted keys) too",
+_add(IMPLEMENTED, "DeepSeek MTP drafts (method mtp / deepseek_mtp); vLLM's keys draft_tensor_parallel_size, model "
+     "(the target), quantization, enforce_eager ... accepted; dotted keys (`--speculative-config.method mtp`) too",
      "--speculative-config -sc")
-_add(IMPLEMENTED, "NIXL (kv_connector nixl), prefill/decode roles", "--kv-transfer-config")
+_add(IMPLEMENTED, "NIXL (kv_connector NixlConnector or nixl), prefill/decode roles; kv_buffer_device and "
+     "kv_connector_extra_config accepted without effect", "--kv-transfer-config")
 _add(IMPLEMENTED, "the branch, tag or commit of a Hugging Face model id (no effect on a local folder)",
      "--revision")
 _add(IMPLEMENTED, "the Hugging Face cache folder a model id is looked up in and downloaded to", "--download-dir")
@@ -93,8 +95,8 @@ _add(MAPPED, "onto --distributed-timeout (seconds a collective may wait)", "--di
      "--cpu-distributed-timeout-seconds")
 _add(MAPPED, "onto --moe-comm: allgather_reducescatter / naive -> allgather, deepep_* / pplx / ... -> alltoall",
      "--all2all-backend")
-_add(MAPPED, "onto --eplb-step-interval / --num-redundant-experts (window_size is the step interval here)",
-     "--eplb-config")
+_add(MAPPED, "onto --eplb-step-interval / --num-redundant-experts; window_size, log_balancedness, use_async "
+     "accepted without effect (loads are counted over the whole step interval)", "--eplb-config")
 _add(MAPPED, "onto the compiled decode step: mode/level 0 runs eagerly, cudagraph_capture_sizes / "
      "max_cudagraph_capture_size pick the decode graph sizes", "--compilation-config -cc")
 _add(MAPPED, "onto --compilation-config max_cudagraph_capture_size", "--max-cudagraph-capture-size")
