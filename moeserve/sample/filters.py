@@ -8,9 +8,8 @@ Two paths, chosen per row by moeserve/sample/batch.py:
   the top-p sort is one batched sort of the top-k-masked rows, so ties at the top-p boundary fall as before).
 - candidates (every other sampled row): top-k and top-p work on the row's best candidates only (one
   batched topk per step instead of a full-vocabulary sort per request), then min-p; the draw picks among
-  the candidates (draw.draw_candidates). A top-p row whose nucleus the candidates do not hold is retried
-  with more candidates, at last over the whole vocabulary (a values-only sort finds the nucleus's last
-  value; tokens tied with it are kept).
+  the candidates (draw.draw_candidates). A top-p row whose nucleus its 256 best tokens do not hold uses the
+  whole vocabulary (a values-only sort finds the nucleus's last probability; tokens tied with it are kept).
 """
 from __future__ import annotations
 
@@ -18,9 +17,9 @@ import numpy as np
 import torch
 
 NEG_INF = float("-inf")
-# candidate counts tried, in order, for rows with top_p and no top_k (each level one batched topk for the
-# rows the level before did not cover); after the last, those rows use the whole vocabulary
-CANDIDATE_LEVELS = (256, 4096)
+# rows with top_p and no top_k first try their best CANDIDATES tokens (one batched topk), unless their best
+# probability shows those cannot reach top_p; the rows they do not cover use the whole vocabulary
+CANDIDATES = 256
 
 
 def scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -89,29 +88,32 @@ def candidate_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: lis
         probs = vals.softmax(-1)
         groups.append((krows, _finish(probs, ids, [top_p[i] for i in krows], [min_p[i] for i in krows])))
     prows = [i for i in range(n) if not 0 < top_k[i] < V and top_p[i] < 1.0]
-    for level in CANDIDATE_LEVELS:
-        if not prows or level >= V:
-            break
-        rows = x.index_select(0, torch.tensor(prows))
-        vals, ids = rows.topk(level, dim=-1)
-        probs = (vals - rows.logsumexp(-1, keepdim=True)).exp()  # probabilities under the whole row
+    if prows:
+        probs = x.index_select(0, torch.tensor(prows)).softmax(-1)
         p = torch.tensor([top_p[i] for i in prows], dtype=torch.float32)
-        covered = (probs.sum(-1) >= p).tolist()  # the nucleus lies inside the candidates
-        done = [j for j, c in enumerate(covered) if c]
-        if done:
-            sel = torch.tensor(done)
-            groups.append(([prows[j] for j in done],
-                           _finish(probs[sel], ids[sel], [top_p[prows[j]] for j in done],
-                                   [min_p[prows[j]] for j in done])))
-        prows = [r for r, c in zip(prows, covered) if not c]
-    if prows:  # flat distributions: the whole vocabulary; the nucleus's last value from a values-only sort
-        rows = x.index_select(0, torch.tensor(prows))
-        desc = torch.from_numpy(np.ascontiguousarray(np.sort(rows.numpy(), axis=-1)[:, ::-1]))  # numpy's SIMD sort
-        cum = (desc - rows.logsumexp(-1, keepdim=True)).exp().cumsum(-1)
-        p = torch.tensor([top_p[i] for i in prows], dtype=torch.float32)[:, None]
-        last = (cum < p).sum(-1, keepdim=True).clamp(max=V - 1)  # the first position reaching top_p
-        probs = rows.softmax(-1).masked_fill(rows < desc.gather(1, last), 0.0)  # ties with it are kept
-        groups.append((prows, _finish(probs, None, [1.0] * len(prows), [min_p[i] for i in prows])))
+        left = list(range(len(prows)))
+        if CANDIDATES < V:  # the best CANDIDATES tokens, for rows whose best probability does not rule it out
+            tried = [j for j, h in enumerate((CANDIDATES * probs.amax(-1) < p).tolist()) if not h]
+            if tried:
+                sel = torch.tensor(tried)
+                vals, ids = probs.index_select(0, sel).topk(CANDIDATES, dim=-1)
+                ok = (vals.sum(-1) >= p.index_select(0, sel)).tolist()  # the nucleus lies inside them
+                done = [k for k, c in enumerate(ok) if c]
+                if done:
+                    keep = torch.tensor(done)
+                    rows = [tried[k] for k in done]
+                    groups.append(([prows[j] for j in rows], _finish(vals[keep], ids[keep],
+                                                                      [top_p[prows[j]] for j in rows],
+                                                                      [min_p[prows[j]] for j in rows])))
+                    left = sorted(set(left) - set(rows))
+        if left:  # flat distributions: the whole vocabulary; the nucleus's last probability from a values-only
+            sel = torch.tensor(left)  # sort (numpy's SIMD sort, about 3x torch.sort's)
+            probs, p = probs.index_select(0, sel), p.index_select(0, sel)[:, None]
+            desc = torch.from_numpy(np.ascontiguousarray(np.sort(probs.numpy(), axis=-1)[:, ::-1]))
+            last = (desc.cumsum(-1) < p).sum(-1, keepdim=True).clamp(max=V - 1)  # the first reaching top_p
+            probs = probs * (probs >= desc.gather(1, last))  # tokens tied with it are kept
+            groups.append(([prows[j] for j in left], _finish(probs, None, [1.0] * len(left),
+                                                             [min_p[prows[j]] for j in left])))
     rest = [i for i in range(n) if not 0 < top_k[i] < V and not top_p[i] < 1.0]
     if rest:  # temperature (and min-p) only: the whole vocabulary, unsorted
         probs = x.index_select(0, torch.tensor(rest)).softmax(-1)
@@ -126,10 +128,10 @@ def _finish(probs: torch.Tensor, ids: torch.Tensor | None, top_p: list[float],
         p = torch.tensor(top_p, dtype=torch.float32)[:, None]
         drop = probs.cumsum(-1) - probs >= p
         drop[:, 0] = False
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs * ~drop
     if any(m > 0.0 for m in min_p):
         m = torch.tensor(min_p, dtype=torch.float32)[:, None]
-        probs = probs.masked_fill(probs < m * probs.max(-1, keepdim=True).values, 0.0)
+        probs = probs * (probs >= m * probs.amax(-1, keepdim=True))
     return Candidates(probs, ids)
 
 

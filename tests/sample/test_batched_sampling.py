@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moeserve.sample import SamplingBatch, Sampler, exact_filter, filtered_probs
-from moeserve.sample.filters import CANDIDATE_LEVELS, candidate_filter
+from moeserve.sample.filters import CANDIDATES, candidate_filter
 from moeserve.sampling_params import SamplingParams
 from moeserve.spec.verify import RejectionSampler
 from tests.sample.reference import (old_apply_filters, old_logprobs, old_rejection_sample, old_sample)
@@ -69,10 +69,10 @@ def test_seeded_rows_draw_the_old_tokens_and_consume_the_same_stream(V):
 
 
 def test_candidate_rows_keep_the_old_support_and_probabilities():
-    """Rows without a seed of their own are filtered on candidates (three topk levels, then a full sort):
+    """Rows without a seed of their own are filtered on candidates (top-k, 256 candidates, the whole row):
     on logits without ties they keep exactly the tokens the old filter kept, with its probabilities."""
     V, g = 32000, torch.Generator().manual_seed(3)
-    scales = [8.0, 3.0, 0.5, 0.01, 3.0, 1.0, 3.0, 1.0]  # peaked (level 256), 4096, flat (full sort)...
+    scales = [8.0, 3.0, 0.5, 0.01, 3.0, 1.0, 3.0, 1.0]  # peaked (256 candidates), wide, flat...
     params = [SamplingParams(top_p=0.9), SamplingParams(top_p=0.9), SamplingParams(top_p=0.9),
               SamplingParams(top_p=0.5, temperature=0.7), SamplingParams(top_k=40, top_p=0.8),
               SamplingParams(top_k=1000, min_p=0.1), SamplingParams(min_p=0.05, temperature=1.3),
@@ -82,7 +82,7 @@ def test_candidate_rows_keep_the_old_support_and_probabilities():
     assert batch.candidate_rows == list(range(len(params)))
     groups = candidate_filter(logits, *batch.select(batch.candidate_rows))
     sizes = {len(c.probs[0]) for _, c in groups}
-    assert {CANDIDATE_LEVELS[0], CANDIDATE_LEVELS[1], V} <= sizes  # every level was exercised
+    assert {1000, CANDIDATES, V} <= sizes  # every path was exercised (top-k: the largest k)
     got = filtered_probs(logits, batch)
     for i, p in enumerate(params):
         want = old_apply_filters(logits[i], p).softmax(-1)
