@@ -4,9 +4,9 @@ from __future__ import annotations
 from moeserve.sample.draw import SamplingError, draw
 from moeserve.sample.filters import apply_filters
 from moeserve.sample.logprobs import TokenLogprobs
-from moeserve.sample.processors import LogitsRows, _apply_penalties, _apply_token_masks, apply_logits_processors
+from moeserve.sample.processors import LogitsRows, _apply_penalties, apply_logits_processors
 from moeserve.sample.sampler import Sampler
 from moeserve.sample.step import non_finite_rows
 
 __all__ = ["SamplingError", "draw", "apply_filters", "TokenLogprobs", "LogitsRows", "apply_logits_processors",
-           "Sampler", "non_finite_rows", "_apply_penalties", "_apply_token_masks"]
+           "Sampler", "non_finite_rows", "_apply_penalties"]

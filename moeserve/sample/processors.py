@@ -30,44 +30,69 @@ class LogitsRows:
 def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> None:
     """In place, before sampling: OpenAI's logit_bias; min_tokens (vLLM): the stop
     tokens (EOS unless ignore_eos, and stop_token_ids) are masked while the output is shorter than min_tokens;
-    then vLLM's repetition, frequency and presence penalties, for all the step's penalised rows at once.
-    Logprobs stay those of the raw model output (the caller keeps a copy), as vLLM reports them."""
+    vLLM's allowed_token_ids and bad_words; then vLLM's repetition, frequency and presence penalties.
+    Logprobs stay those of the raw model output (the caller keeps a copy), as vLLM reports them.
+
+    Batched: the requests' entries are gathered first (Python lists), then each kind is one tensor op for
+    the step: one index_put_ adding every bias, one setting every masked (row, token) to -inf, one
+    masked_fill for the allowed_token_ids rows, one penalty pass. Each request's rows are its own, so the
+    order across requests does not matter; within a request the order is the per-request one's (bias, then
+    masks, then penalties), so the logits are the same bit for bit. A token id outside the vocabulary in
+    logit_bias raises (IndexError) as before; the caller retries request by request."""
+    V = logits.shape[-1]
     r = 0
     penalised: list[tuple[int, LogitsRows]] = []  # (first row, request)
+    bias_rows, bias_ids, bias_vals = [], [], []
+    masked_rows, masked_ids = [], []  # entries set to -inf: min_tokens' stop tokens, bad words
+    allowed_rows, allowed_ids = [], []  # rows restricted to allowed_token_ids, and each one's allowed ids
     for req in rows:
         p, n_rows, n_out = req.params, req.num_rows, len(req.output_ids)
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
-            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-            logits[r:r + n_rows, ids] += bias
+            ids, vals = list(p.logit_bias), list(p.logit_bias.values())
+            for j in range(n_rows):
+                bias_rows += [r + j] * len(ids)
+                bias_ids += ids
+                bias_vals += vals
         short = min(n_rows, p.min_tokens - n_out)
         if short > 0 and req.stop_ids:
-            ids = torch.tensor(sorted(t for t in req.stop_ids if t < logits.shape[-1]), dtype=torch.long,
-                               device=logits.device)
-            logits[r:r + short, ids] = float("-inf")
-        if p.has_token_masks:  # vLLM's allowed_token_ids and bad_words
-            _apply_token_masks(logits, r, req)
+            ids = sorted(t for t in req.stop_ids if t < V)
+            for j in range(short):
+                masked_rows += [r + j] * len(ids)
+                masked_ids += ids
+        if p.allowed_token_ids is not None:
+            ids = [t for t in p.allowed_token_ids if t < V]
+            allowed_rows += range(r, r + n_rows)
+            allowed_ids += [ids] * n_rows
+        if p.bad_words_token_ids:  # a word's last token where the tokens before it end the output so far
+            for j in range(n_rows):
+                seen = req.output_ids + req.draft_ids[:j]
+                for word in p.bad_words_token_ids:
+                    head = word[:-1]
+                    if word[-1] < V and (not head or seen[len(seen) - len(head):] == head):
+                        masked_rows.append(r + j)
+                        masked_ids.append(word[-1])
         if p.has_penalties:
             penalised.append((r, req))
         r += n_rows
+    dev = logits.device
+    if bias_rows:
+        logits.index_put_((_long(bias_rows, dev), _long(bias_ids, dev)),
+                          torch.tensor(bias_vals, dtype=logits.dtype, device=dev), accumulate=True)
+    if masked_rows:
+        logits.index_put_((_long(masked_rows, dev), _long(masked_ids, dev)),
+                          torch.tensor(float("-inf"), dtype=logits.dtype, device=dev))
+    if allowed_rows:
+        keep = torch.zeros(len(allowed_rows), V, dtype=torch.bool, device=dev)
+        keep[_long([k for k, ids in enumerate(allowed_ids) for _ in ids], dev),
+             _long([t for ids in allowed_ids for t in ids], dev)] = True
+        sel = _long(allowed_rows, dev)
+        logits[sel] = logits.index_select(0, sel).masked_fill(~keep, float("-inf"))
     if penalised:  # rows are disjoint: penalising after every request's bias and mask is the same order
         _apply_penalties(logits, penalised)
 
 
-def _apply_token_masks(logits: torch.Tensor, r: int, req: LogitsRows) -> None:
-    """vLLM's allowed_token_ids (every other token masked) and bad_words (a word's last token masked where
-    the tokens before it end the output so far: row j sees the outputs plus drafts 0..j-1)."""
-    p, V = req.params, logits.shape[-1]
-    if p.allowed_token_ids is not None:
-        keep = torch.zeros(V, dtype=torch.bool, device=logits.device)
-        keep[torch.tensor([t for t in p.allowed_token_ids if t < V], dtype=torch.long)] = True
-        logits[r:r + req.num_rows].masked_fill_(~keep, float("-inf"))
-    for j in range(req.num_rows):
-        seen = req.output_ids + req.draft_ids[:j]
-        for word in p.bad_words_token_ids or ():
-            head = word[:-1]
-            if word[-1] < V and (not head or seen[len(seen) - len(head):] == head):
-                logits[r + j, word[-1]] = float("-inf")
+def _long(xs: list[int], device) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(xs, dtype=np.int64)).to(device)
 
 
 def _ids(lists: list[list[int]], n: int) -> torch.Tensor:

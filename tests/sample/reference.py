@@ -77,3 +77,49 @@ def old_rejection_sample(logits: torch.Tensor, drafts: list[int], params: Sampli
         return out
     out.append(old_draw(probs[len(drafts)], generator))
     return out
+
+
+def old_apply_logits_processors(logits: torch.Tensor, rows) -> None:
+    """apply_logits_processors' request-by-request loop (bias, min_tokens and token masks per request),
+    with the dense per-request penalties of benchmarks/penalties.py."""
+    r = 0
+    for req in rows:
+        p, n_rows, n_out = req.params, req.num_rows, len(req.output_ids)
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            logits[r:r + n_rows, ids] += bias
+        short = min(n_rows, p.min_tokens - n_out)
+        if short > 0 and req.stop_ids:
+            ids = torch.tensor(sorted(t for t in req.stop_ids if t < logits.shape[-1]), dtype=torch.long)
+            logits[r:r + short, ids] = float("-inf")
+        if p.has_token_masks:
+            V = logits.shape[-1]
+            if p.allowed_token_ids is not None:
+                keep = torch.zeros(V, dtype=torch.bool)
+                keep[torch.tensor([t for t in p.allowed_token_ids if t < V], dtype=torch.long)] = True
+                logits[r:r + req.num_rows].masked_fill_(~keep, float("-inf"))
+            for j in range(req.num_rows):
+                seen = req.output_ids + req.draft_ids[:j]
+                for word in p.bad_words_token_ids or ():
+                    head = word[:-1]
+                    if word[-1] < V and (not head or seen[len(seen) - len(head):] == head):
+                        logits[r + j, word[-1]] = float("-inf")
+        if p.has_penalties:
+            _old_penalties(logits[r:r + n_rows], req)
+        r += n_rows
+
+
+def _old_penalties(logits: torch.Tensor, req) -> None:
+    p = req.params
+    generated = torch.tensor(req.output_ids + req.draft_ids, dtype=torch.long)
+    n_out = len(req.output_ids)
+    counts = torch.zeros(logits.shape, dtype=logits.dtype)
+    for j in range(logits.shape[0]):
+        counts[j].scatter_add_(0, generated[: n_out + j], torch.ones(n_out + j, dtype=logits.dtype))
+    if p.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[:, torch.tensor(req.prompt_ids, dtype=torch.long)] = True
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
+                                                   logits * p.repetition_penalty), logits))
+    logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
