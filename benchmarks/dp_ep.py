@@ -1,12 +1,15 @@
 """MoE communication of data-parallel attention + expert parallelism: alltoall vs allgather, D = 2 and 4.
 
 Usage: python benchmarks/dp_ep.py [--layouts 1 2 4] [--batch 8] [--prompt-len 32] [--new-tokens 32] [--dbo]
-(--dbo: each D > 1 layout also runs with --enable-dbo, two micro-batches per step; its row's ratio column
-compares with the same layout without it.)
+                                 [--shared-expert-ranks N]
+(--dbo: each D > 1 layout also runs with --enable-dbo, two micro-batches per step; --shared-expert-ranks N:
+each D > N + 1 layout also runs with the shared expert on N ranks of its own. Those rows' ratio column
+compares with the same layout without the option.)
 For each layout it runs the same greedy batch through LLM(...) and prints
   - decode tokens/s and its ratio to the single-process engine measured in the same run;
   - bytes sent per token per MoE layer by the MoE collectives, next to the formula:
-      alltoall:  tokens x top-k x hidden x bytes x 2 (dispatch + combine) x (W-1)/W (rows to other ranks)
+      alltoall:  tokens x top-k x hidden x bytes x 2 (dispatch + combine) x (W-1)/W (rows to other ranks);
+                 with shared-expert ranks top-k + 1 rows per token (the shared row travels too)
       allgather: tokens x hidden x bytes x (W-1) (gather) + the same for the reduce-scatter, plus the
                  routing weights/ids; independent of top-k, padded to the busiest rank;
   - the share of MoE/attention time per phase (attention, router, dispatch, experts, combine, shared).
@@ -31,10 +34,13 @@ MOE_KINDS = ("alltoall", "allgather", "reduce_scatter")  # the token payload col
 PHASES = ("attention", "router", "dispatch", "experts", "combine", "shared_experts")
 
 
-def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: int, dbo: bool = False) -> dict:
+def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: int, dbo: bool = False,
+        shared: int = 0) -> dict:
     from moeserve import LLM
 
     kw = dict(data_parallel_size=d, enable_expert_parallel=True, moe_comm=comm, enable_dbo=dbo) if d > 1 else {}
+    if shared:  # routed experts over the other D - shared ranks, with the fewest replicas that make them divide
+        kw.update(shared_expert_ranks=shared, num_redundant_experts=-SHRUNK["n_routed_experts"] % (d - shared))
     llm = LLM(path, dtype="bfloat16", max_num_seqs=batch, enable_prefix_caching=False, **kw)  # the same prompts run again: measure compute, not the prefix cache
     prompts = [[(7 * i + j) % (SHRUNK["vocab_size"] - 2) + 2 for j in range(prompt_len)] for i in range(batch)]
     drive(llm.engine, prompts, 2, "warm")  # warm-up
@@ -47,10 +53,10 @@ def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: i
     moe_layers = SHRUNK["num_hidden_layers"] - SHRUNK["first_k_dense_replace"]
     bytes_ = {k: after["bytes"].get(k, 0) - before["bytes"].get(k, 0) for k in after["bytes"]}
     secs = {k: after["seconds"].get(k, 0.0) - before["seconds"].get(k, 0.0) for k in PHASES}
-    return dict(layout=f"D={d} {comm}" + (" dbo" if dbo else ""), d=d, comm=comm, dbo=dbo,
-                decode_tps=batch * (new_tokens - 1) / decode_s,
+    return dict(layout=f"D={d} {comm}" + (" dbo" if dbo else "") + (f" shared{shared}" if shared else ""), d=d,
+                comm=comm, dbo=dbo, shared=shared, decode_tps=batch * (new_tokens - 1) / decode_s,
                 bytes_per_token_layer=sum(bytes_.get(k, 0) for k in MOE_KINDS) / (processed * moe_layers),
-                formula=formula(comm, d), seconds=secs, bytes=bytes_, tokens=tokens)
+                formula=formula(comm, d, shared), seconds=secs, bytes=bytes_, tokens=tokens)
 
 
 def drive(engine, prompts, new_tokens: int, tag: str) -> tuple[list[list[int]], float]:
@@ -82,9 +88,10 @@ def _stats(llm) -> dict:
     return {"bytes": dict(s.comm_bytes), "seconds": dict(s.phase_seconds)}
 
 
-def formula(comm: str, w: int) -> float:
-    """Expected bytes per token per MoE layer (uniform routing, BF16 rows, int32 slot ids not counted)."""
-    h, k, b = SHRUNK["hidden_size"], SHRUNK["num_experts_per_tok"], 2
+def formula(comm: str, w: int, shared: int = 0) -> float:
+    """Expected bytes per token per MoE layer (uniform routing, BF16 rows, int32 slot ids not counted). With
+    shared-expert ranks each token has one more pair; its fraction sent to other ranks is still (W-1)/W."""
+    h, k, b = SHRUNK["hidden_size"], SHRUNK["num_experts_per_tok"] + (1 if shared else 0), 2
     if w == 1:
         return 0.0
     if comm == "alltoall":
@@ -100,6 +107,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dbo", action="store_true", help="also run each D > 1 layout with --enable-dbo")
+    ap.add_argument("--shared-expert-ranks", type=int, default=0,
+                    help="also run each D > N + 1 layout with --shared-expert-ranks N")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the single-process engine (ranks get cpu_count / ranks each)")
     args = ap.parse_args()
@@ -112,18 +121,23 @@ def main() -> None:
             for dbo in ((False, True) if args.dbo and d > 1 else (False,)):
                 results.append(run(path, d, comm, args.batch, args.prompt_len, args.new_tokens, dbo))
                 print(f"done {results[-1]['layout']}", file=sys.stderr)
+            n = args.shared_expert_ranks
+            if n and d > n + 1:
+                results.append(run(path, d, comm, args.batch, args.prompt_len, args.new_tokens, shared=n))
+                print(f"done {results[-1]['layout']}", file=sys.stderr)
     base = next((r for r in results if r["d"] == 1), None)
-    print(f"{'layout':<16}{'decode tok/s':>13}{'vs D=1':>8}{'B/token/layer':>15}{'formula':>10}  phase share "
+    print(f"{'layout':<24}{'decode tok/s':>13}{'vs D=1':>8}{'B/token/layer':>15}{'formula':>10}  phase share "
           "(attention router dispatch experts combine shared)")
     for r in results:
         ref = base
-        if r["dbo"]:  # against the same layout without micro-batches
-            ref = next(x for x in results if x["d"] == r["d"] and x["comm"] == r["comm"] and not x["dbo"])
+        if r["dbo"] or r["shared"]:  # against the same layout without micro-batches / shared-expert ranks
+            ref = next(x for x in results if x["d"] == r["d"] and x["comm"] == r["comm"] and not x["dbo"]
+                       and not x["shared"])
         ratio = r["decode_tps"] / ref["decode_tps"] if ref else float("nan")
         tot = sum(r["seconds"].values()) or 1.0
         share = " ".join(f"{100 * r['seconds'][p] / tot:4.0f}%" for p in PHASES)
         same = "" if base is None or r["tokens"] == base["tokens"] else "  (tokens differ from D=1)"
-        print(f"{r['layout']:<16}{r['decode_tps']:>13.1f}{ratio:>8.2f}{r['bytes_per_token_layer']:>15.0f}"
+        print(f"{r['layout']:<24}{r['decode_tps']:>13.1f}{ratio:>8.2f}{r['bytes_per_token_layer']:>15.0f}"
               f"{r['formula']:>10.0f}  {share}{same}")
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "tokens"} for r in results], indent=1))

@@ -112,6 +112,7 @@ class ParallelConfig:
     moe_comm_dtype: str = "bfloat16"  # dispatch payload: activations as they are, or int8 + per-token scales
     flashcomm: str = "off"  # attention TP: "on" = ReduceScatter + AllGather, "int8" = INT8 AllGather
     num_redundant_experts: int = 0
+    shared_expert_ranks: int = 0  # EP ranks holding only the shared experts (layers/moe/placement.py)
     expert_placement: str | None = None  # JSON file with the logical->physical map
     expert_load_stats: str | None = None  # record per-expert routed pairs to this JSON (layers/moe/load_stats.py)
     enable_eplb: bool = False  # re-place experts while serving (layers/moe/eplb_online.py)
@@ -149,6 +150,16 @@ class ParallelConfig:
         _require(not self.enable_dbo or (self.tensor_parallel_size == 1 and self.flashcomm == "off"),
                  "--enable-dbo overlaps data-parallel ranks' MoE communication; it does not yet combine with "
                  "--tensor-parallel-size > 1 or --flashcomm")
+        _require(self.shared_expert_ranks >= 0, "--shared-expert-ranks must be >= 0")
+        _require(not self.shared_expert_ranks or (self.enable_expert_parallel and self.world_size > 1),
+                 "--shared-expert-ranks puts the shared experts on ranks of their own: it needs "
+                 "--enable-expert-parallel and --data-parallel-size > 1")
+        _require(not self.shared_expert_ranks or self.tensor_parallel_size == 1,
+                 "--shared-expert-ranks does not yet combine with --tensor-parallel-size > 1; use "
+                 "--data-parallel-size for the ranks")
+        _require(self.shared_expert_ranks < self.world_size,
+                 f"--shared-expert-ranks {self.shared_expert_ranks} leaves no rank for the routed experts: it must "
+                 f"be below the {self.world_size} EP ranks (--data-parallel-size)")
         _require(self.eplb_step_interval >= 1, f"--eplb-step-interval must be >= 1, got {self.eplb_step_interval}")
         _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
                  f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), got {self.node_rank}")
@@ -403,6 +414,15 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # vLLM's ops flags (docs/from-vllm.md)
+    enable_force_include_usage: bool = False  # every stream ends with a usage chunk
+    enable_request_id_headers: bool = False  # answers carry X-Request-Id (the request's, else a fresh one)
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
+    max_log_len: int | None = None  # --enable-log-requests: also the first N prompt characters and token ids
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
+    response_role: str = "assistant"  # the role of chat answers (with add_generation_prompt)
+    disable_uvicorn_access_log: bool = False
+    enable_prompt_tokens_details: bool | None = None  # None: moeserve's default (details always), False: none
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -418,6 +438,10 @@ class ServerConfig:
                  f"--engine-restart-backoff must be >= 0 seconds, got {self.engine_restart_backoff}")
         _require(self.engine_stall_timeout > 0,
                  f"--engine-stall-timeout must be > 0 seconds, got {self.engine_stall_timeout}")
+        _require(self.max_log_len is None or self.max_log_len >= 0,
+                 f"--max-log-len must be >= 0, got {self.max_log_len}")
+        _require(isinstance(self.response_role, str) and bool(self.response_role.strip()),
+                 f"--response-role must be a non-empty role name, got {self.response_role!r}")
         _require(self.max_num_queued_reqs is None or self.max_num_queued_reqs >= 1,
                  f"--max-num-queued-reqs must be >= 1, got {self.max_num_queued_reqs}")
         _require(self.uvicorn_log_level in ("critical", "error", "warning", "info", "debug", "trace"),

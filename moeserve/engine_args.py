@@ -110,6 +110,8 @@ ENGINE_HELP = {
     "moe_comm_dtype": "bfloat16|int8 payload of the MoE dispatch",
     "flashcomm": "off|on|int8: with TP, ReduceScatter + (INT8) AllGather instead of AllReduce",
     "num_redundant_experts": "extra routed-expert replicas (EPLB)",
+    "shared_expert_ranks": "N of the EP ranks hold only the shared experts (every token's shared-expert row is "
+                           "dispatched to them); the routed experts spread over the others",
     "expert_placement": "JSON file mapping logical experts to physical slots per layer (moeserve eplb -o)",
     "expert_load_stats": "record routed tokens per expert and MoE layer to this JSON file (PATH.rank<r> per rank)",
     "enable_eplb": "online EPLB: re-place (and replicate) experts from recent loads while serving",
@@ -212,6 +214,7 @@ class EngineArgs:
     moe_comm_dtype: str = "bfloat16"
     flashcomm: str = "off"
     num_redundant_experts: int = 0
+    shared_expert_ranks: int = 0
     expert_placement: str | None = None
     expert_load_stats: str | None = None
     enable_eplb: bool = False

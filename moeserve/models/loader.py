@@ -33,6 +33,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
                      r"(weight|weight_scale|weight_zero_point)$")  # scales: compressed-tensors INT8
 _FUSED_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_SHARED_EXPERT = re.compile(r"^(.*\.mlp)\.shared_experts\.")  # the MoE block owning a shared expert
 
 
 class CheckpointError(ValueError):
@@ -186,6 +187,8 @@ def load_named_tensors(model: torch.nn.Module, tensors) -> None:
     expert_modules = {n: m for n, m in modules.items() if isinstance(m, FusedExperts)}
     loaded: set[str] = set()
     for name, tensor in tensors:
+        if _on_shared_expert_ranks(name, modules):
+            continue
         if isinstance(tensor, Fp8Weight) and not _takes_fp8(name, modules, expert_modules):
             tensor = tensor.dequantize()
         if (em := _EXPERT.match(name)) and em.group(1) in expert_modules:
@@ -219,6 +222,13 @@ def load_named_tensors(model: torch.nn.Module, tensors) -> None:
         _copy(param, tensor, name)
         loaded.add(name)
     _check_complete(model, params, expert_modules, loaded)
+
+
+def _on_shared_expert_ranks(name: str, modules: dict) -> bool:
+    """A shared-expert tensor that this rank does not hold: with --shared-expert-ranks only those ranks do."""
+    m = _SHARED_EXPERT.match(name)
+    block = modules.get(m.group(1)) if m else None
+    return getattr(block, "shared_remote", False) and block.shared_experts is None
 
 
 def _takes_fp8(name: str, modules: dict, expert_modules: dict) -> bool:

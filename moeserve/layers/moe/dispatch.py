@@ -6,7 +6,9 @@ Every dispatcher has the same calls, so the MoE layer can overlap work (the shar
   out = dispatcher.combine(handle, experts)            # waits, runs the local experts, returns [T, H]
 combine is combine_finish(combine_start(handle, experts)): start waits for the rows, runs the experts and
 starts the way back; finish waits for it and sums.
-phys_ids are physical expert slots (placement.ExpertMap already chose a replica for each pair).
+phys_ids are physical expert slots (placement.ExpertMap already chose a replica for each pair); with
+--shared-expert-ranks one more column addresses each token's shared-expert rank (weight 1), and on that
+rank `experts` is the shared MLP (layers/moe/layer.py SharedExpertsAsSlot).
 
 - LocalDispatcher: one rank holds every slot.
 - AllToAllDispatcher: each (token, choice) pair's row goes to the rank owning its slot (all_to_all with
@@ -116,17 +118,18 @@ class AllToAllDispatcher(_Dispatcher):
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> _A2AHandle:
         with timed("dispatch"):
-            k, s, w = phys_ids.shape[1], self.placement.slots_per_rank, self.group.world_size
+            k, w = phys_ids.shape[1], self.group.world_size
             flat = phys_ids.reshape(-1)  # [T*k]
-            order = (flat // s).argsort(stable=True)  # pairs grouped by destination rank
-            send_counts_t = torch.bincount(flat // s, minlength=w)  # [W]
+            dest = self.placement.rank_of(flat)
+            order = dest.argsort(stable=True)  # pairs grouped by destination rank
+            send_counts_t = torch.bincount(dest, minlength=w)  # [W]
             recv_counts = self.group.exchange_counts(send_counts_t)
             send_counts = send_counts_t.tolist()
             rows = x[order // k]  # [T*k, H] in send order
             parts = [self.group.all_to_all(p, send_counts, recv_counts, async_op=True)
                      for p in self.codec.encode(rows)]
-            slots = self.group.all_to_all((flat[order] % s).to(torch.int32).contiguous(), send_counts,
-                                          recv_counts, async_op=True, kind="alltoall_meta")
+            slots = self.group.all_to_all(self.placement.local_slot(flat[order]).to(torch.int32).contiguous(),
+                                          send_counts, recv_counts, async_op=True, kind="alltoall_meta")
         return _A2AHandle(x, weights, order, send_counts, recv_counts, parts, slots)
 
     def combine_start(self, h: _A2AHandle, experts: FusedExperts) -> _A2AReturn:
@@ -202,9 +205,8 @@ class AllGatherDispatcher(_Dispatcher):
     def _local_slots(self, phys: torch.Tensor) -> torch.Tensor:
         if self.placement.experts_tp_sharded:
             return phys  # every slot is here (sliced); padding stays -1
-        s, r = self.placement.slots_per_rank, self.placement.rank
-        mine = (phys >= r * s) & (phys < (r + 1) * s)
-        return torch.where(mine, phys - r * s, torch.full_like(phys, -1))
+        mine = (phys >= 0) & (self.placement.rank_of(phys) == self.placement.rank)
+        return torch.where(mine, self.placement.local_slot(phys), torch.full_like(phys, -1))
 
 
 def _pad(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:

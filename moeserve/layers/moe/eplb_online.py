@@ -68,8 +68,9 @@ class OnlineEPLB:
             if not any(row):
                 continue
             old_map = list(old.phys_to_logical)
-            new_map = rebalance([float(x) for x in row], old.num_physical - self.num_experts, old.num_ranks)
-            was, now = imbalance(old_map, row, old.num_ranks), imbalance(new_map, row, old.num_ranks)
+            ranks = old.routed_ranks  # --shared-expert-ranks never take a routed expert
+            new_map = rebalance([float(x) for x in row], old.num_physical - self.num_experts, ranks)
+            was, now = imbalance(old_map, row, ranks), imbalance(new_map, row, ranks)
             if now >= was:  # no better than what runs (the same map included): moving weights buys nothing
                 continue
             before.append(was)
@@ -89,7 +90,7 @@ class OnlineEPLB:
     def _start_move(self, block: nn.Module, old: list[int], new: list[int], placement) -> "_Move":
         """Start moving every expert tensor of the block ([slots, ...] stacked) into the new slot order."""
         w, me = self.ep.world_size, self.ep.rank
-        s = len(old) // w
+        s = len(old) // placement.routed_ranks  # ranks past the routed ones hold the shared experts, no slot
         holders = {}  # expert -> lowest rank that held it
         for slot, e in enumerate(old):
             holders.setdefault(e, slot // s)
@@ -97,6 +98,8 @@ class OnlineEPLB:
 
         def remote(r: int) -> list[tuple[int, int]]:
             """(slot of rank r, expert) that rank r fetches from another rank, in slot order."""
+            if r >= placement.routed_ranks:
+                return []
             held = set(old[r * s:(r + 1) * s])
             return [(j, e) for j, e in enumerate(new[r * s:(r + 1) * s]) if e not in held]
 

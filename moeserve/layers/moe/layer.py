@@ -30,17 +30,33 @@ class MoE(nn.Module):
         comm, placement = current_layer_placement(layer_idx, arch.n_routed_experts)
         self.tp, ep = get_tp_group(), get_ep_group()
         sharded = placement.experts_tp_sharded
-        self.experts = FusedExperts(placement.slots_per_rank, arch.hidden_size, arch.moe_intermediate_size,
-                                    placement.local_slot_experts(), shard_rank=ep.rank if sharded else 0,
+        local_slots = placement.local_slot_experts()
+        self.experts = FusedExperts(len(local_slots), arch.hidden_size, arch.moe_intermediate_size,
+                                    local_slots, shard_rank=ep.rank if sharded else 0,
                                     num_shards=ep.world_size if sharded else 1)
         self.expert_map = ExpertMap(placement)
+        # --shared-expert-ranks: the shared experts live on those ranks only, as one more dispatch destination
+        self.shared_remote = placement.num_shared_ranks > 0
+        holds_shared = not self.shared_remote or placement.holds_shared
         self.shared_experts = (DenseMLP(arch.hidden_size, arch.moe_intermediate_size * arch.n_shared_experts)
-                               if arch.n_shared_experts else None)
+                               if arch.n_shared_experts and holds_shared else None)
+        self.placement = placement
         codec = make_codec(current_comm_dtype())
         self.dispatcher = make_dispatcher(comm, ep, placement, codec)
         mb1 = get_ep_group(micro_batch=1)  # --enable-dbo: micro-batch 1's own process group
         self.dispatchers = [self.dispatcher] + ([make_dispatcher(comm, mb1, placement, codec)] if mb1 is not ep else [])
         self.op_key = opaque.register(self)
+
+    @property
+    def local_shared(self) -> DenseMLP | None:
+        """The shared experts this rank adds to its own rows (None: none, or on --shared-expert-ranks)."""
+        return None if self.shared_remote else self.shared_experts
+
+    @property
+    def expert_compute(self):
+        """What the dispatcher runs on the rows this rank receives: its routed experts, or on a shared-expert
+        rank the shared MLP (a property: quantization may replace self.experts after construction)."""
+        return SharedExpertsAsSlot(self.shared_experts) if self.placement.holds_shared else self.experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling() and not self.routed_traceable():
@@ -57,20 +73,28 @@ class MoE(nn.Module):
         (single-rank) shared experts in the graph, dispatch -> experts -> combine in the op. One TP rank."""
         weights, expert_ids = self.gate(x)
         out = torch.ops.moeserve.moe_routed(x, weights, self.expert_map.to_physical(expert_ids), self.op_key)
-        if self.shared_experts is not None and isinstance(self.dispatcher, LocalDispatcher):
-            out = out + self.shared_experts(x)
+        if self.local_shared is not None and isinstance(self.dispatcher, LocalDispatcher):
+            out = out + self.local_shared(x)
         return out
 
     def routed_eager(self, rows: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> torch.Tensor:
         """moe_routed's body: as start/middle/finish without the router. With a transfer in flight the shared
         experts run under it here, as in middle()."""
-        handle = self.dispatcher.dispatch(rows, weights, phys_ids)
+        handle = self._dispatch(self.dispatcher, rows, weights, phys_ids)
         shared = None
-        if self.shared_experts is not None and not isinstance(self.dispatcher, LocalDispatcher):
+        if self.local_shared is not None and not isinstance(self.dispatcher, LocalDispatcher):
             with timed("shared_experts"):
-                shared = self.shared_experts(rows)
-        out = self.dispatcher.combine_finish(self.dispatcher.combine_start(handle, self.experts))
+                shared = self.local_shared(rows)
+        out = self.dispatcher.combine_finish(self.dispatcher.combine_start(handle, self.expert_compute))
         return out if shared is None else out + shared
+
+    def _dispatch(self, dispatcher, rows: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor):
+        """Start sending the (token, expert) pairs; with --shared-expert-ranks each token's shared-expert row
+        is one more pair (weight 1) to its shared rank."""
+        if self.shared_remote:
+            phys_ids = torch.cat([phys_ids, self.placement.shared_destinations(rows.shape[0], rows.device)], 1)
+            weights = torch.cat([weights, weights.new_ones(weights.shape[0], 1)], 1)
+        return dispatcher.dispatch(rows, weights, phys_ids)
 
     # The three stages, apart so that --enable-dbo can interleave two micro-batches (models/deepseek_v3.py):
     # start (route, start sending rows) | middle (shared experts, wait for rows, experts, start the way back)
@@ -85,15 +109,15 @@ class MoE(nn.Module):
                 recorder.record(self.layer_idx, expert_ids)
             phys_ids = self.expert_map.to_physical(expert_ids)  # [T_tp, k] physical slots
         dispatcher = self.dispatchers[min(micro_batch, len(self.dispatchers) - 1)]
-        return rows, sharded, dispatcher, dispatcher.dispatch(rows, weights, phys_ids)
+        return rows, sharded, dispatcher, self._dispatch(dispatcher, rows, weights, phys_ids)
 
     def middle(self, state: tuple) -> tuple:
         rows, sharded, dispatcher, handle = state
         shared = None
-        if self.shared_experts is not None:  # on this rank's rows while they travel
+        if self.local_shared is not None:  # on this rank's rows while they travel
             with timed("shared_experts"):
-                shared = self.shared_experts(rows)
-        return shared, sharded, dispatcher, dispatcher.combine_start(handle, self.experts)
+                shared = self.local_shared(rows)
+        return shared, sharded, dispatcher, dispatcher.combine_start(handle, self.expert_compute)
 
     def finish(self, state: tuple) -> torch.Tensor:
         shared, sharded, dispatcher, pending = state
@@ -101,3 +125,24 @@ class MoE(nn.Module):
         if shared is not None:
             out = out + shared
         return self.tp.all_gather_varlen(out) if sharded else out
+
+
+class SharedExpertsAsSlot:
+    """On a --shared-expert-ranks rank, what the dispatcher calls in place of the routed experts: the shared MLP
+    over the received rows whose slot is 0 (every row of an all-to-all; this rank's share of an all-gather),
+    weighted like an expert's output; rows addressed elsewhere (-1) come back 0."""
+
+    def __init__(self, mlp: DenseMLP) -> None:
+        self.mlp = mlp
+
+    def __call__(self, rows: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        w = self.mlp.down_proj.weight
+        # an INT8 dispatch payload decodes to float32: back to the model dtype (INT8 weights quantize any float)
+        x = rows if not w.is_floating_point() else rows.to(w.dtype)
+        mine = (slots >= 0).nonzero().squeeze(1)
+        if mine.numel() == rows.shape[0]:
+            return (self.mlp(x).float() * weights[:, None]).to(x.dtype)
+        out = torch.zeros_like(x)
+        if mine.numel():
+            out[mine] = (self.mlp(x[mine]).float() * weights[mine, None]).to(x.dtype)
+        return out

@@ -8,6 +8,11 @@ round-robin. The router output goes through this map; replication and rebalancin
 Without expert parallelism (W > 1) each rank holds every expert, TP-sharded: the map is the identity and
 every slot is local (experts_tp_sharded).
 
+--shared-expert-ranks N: the last N EP ranks hold the shared expert(s) and no routed slot; the P slots are
+split over the other W - N ranks. Each token's shared-expert row is one more dispatched pair, addressed to
+the physical id P + j of shared rank j (tokens spread over the N ranks round-robin), and comes back in the
+same combine with weight 1.
+
 --expert-placement FILE is JSON: {"default": [P logical ids], "layers": {"<decoder layer>": [P ids]}}
 (either key may be absent).
 """
@@ -28,21 +33,54 @@ class LayerPlacement:
     num_ranks: int  # EP ranks the slots are split over
     rank: int  # this rank
     experts_tp_sharded: bool = False  # every rank holds all experts (sliced); all slots are local
+    num_shared_ranks: int = 0  # the last ones of the num_ranks hold the shared experts, no routed slot
 
     @property
     def num_physical(self) -> int:
         return len(self.phys_to_logical)
 
     @property
+    def routed_ranks(self) -> int:
+        return self.num_ranks - self.num_shared_ranks
+
+    @property
     def slots_per_rank(self) -> int:
-        return self.num_physical if self.experts_tp_sharded else self.num_physical // self.num_ranks
+        """Routed slots of each routed-expert rank (a shared-expert rank holds none)."""
+        return self.num_physical if self.experts_tp_sharded else self.num_physical // self.routed_ranks
+
+    @property
+    def holds_shared(self) -> bool:
+        """Whether this rank is one of the --shared-expert-ranks."""
+        return self.num_shared_ranks > 0 and self.rank >= self.routed_ranks
 
     def local_slot_experts(self) -> list[int]:
         """Logical expert of each slot this rank holds."""
         if self.experts_tp_sharded:
             return list(self.phys_to_logical)
+        if self.holds_shared:
+            return []
         s = self.slots_per_rank
         return list(self.phys_to_logical[self.rank * s:(self.rank + 1) * s])
+
+    def rank_of(self, phys: torch.Tensor) -> torch.Tensor:
+        """EP rank holding each physical id (a routed slot, or P + j for shared-expert rank j)."""
+        p = self.num_physical
+        if not self.num_shared_ranks:
+            return phys // self.slots_per_rank
+        return torch.where(phys < p, phys.div(self.slots_per_rank, rounding_mode="floor"),
+                           self.routed_ranks + phys - p)
+
+    def local_slot(self, phys: torch.Tensor) -> torch.Tensor:
+        """Slot of each physical id on the rank holding it (0: a shared-expert rank's one destination)."""
+        if not self.num_shared_ranks:
+            return phys % self.slots_per_rank
+        return torch.where(phys < self.num_physical, phys % self.slots_per_rank, torch.zeros_like(phys))
+
+    def shared_destinations(self, num_tokens: int, device) -> torch.Tensor:
+        """[T, 1] physical ids of the shared-expert ranks this rank's tokens go to: round-robin, starting at
+        this rank's offset so that every shared rank gets a share of every rank's tokens."""
+        j = (torch.arange(num_tokens, device=device) + self.rank) % self.num_shared_ranks
+        return (self.num_physical + j)[:, None]
 
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """replicas [E, max_replicas] physical slots of each expert (padded), num_replicas [E]."""
@@ -88,9 +126,21 @@ class MoePlan:
         return self.layers[idx]
 
 
-def default_map(num_experts: int, redundant: int, num_ranks: int) -> list[int]:
-    """Experts in contiguous blocks per rank; rank r's replicas copy the next rank's experts."""
-    _require_even(num_experts, redundant, num_ranks)
+def default_map(num_experts: int, redundant: int, num_ranks: int, shared_ranks: int = 0) -> list[int]:
+    """Experts in contiguous blocks per rank. When experts and replicas each divide over the ranks, rank r's
+    replicas copy the next rank's experts; otherwise (e.g. 8 experts + 1 replica over 3 ranks) the replicas
+    copy experts 0, 1, ... after the last expert. num_ranks: the ranks holding routed experts (those besides
+    the shared_ranks)."""
+    total = num_experts + redundant
+    if total % num_ranks:
+        which = f"{num_ranks} EP ranks" if not shared_ranks else (
+            f"the {num_ranks} EP ranks besides --shared-expert-ranks {shared_ranks}")
+        raise ConfigError(
+            f"{num_experts} routed experts + {redundant} redundant do not spread evenly over {which}: choose "
+            f"--num-redundant-experts so that the sum divides by {num_ranks} (e.g. "
+            f"--num-redundant-experts {redundant + (-total) % num_ranks}), or give --expert-placement")
+    if num_experts % num_ranks or redundant % num_ranks:
+        return list(range(num_experts)) + [j % num_experts for j in range(redundant)]
     per, extra = num_experts // num_ranks, redundant // num_ranks
     slots: list[int] = []
     for r in range(num_ranks):
@@ -98,14 +148,6 @@ def default_map(num_experts: int, redundant: int, num_ranks: int) -> list[int]:
         nxt = (r + 1) % num_ranks
         slots += [nxt * per + j % per for j in range(extra)]
     return slots
-
-
-def _require_even(num_experts: int, redundant: int, num_ranks: int) -> None:
-    if num_experts % num_ranks or redundant % num_ranks:
-        raise ConfigError(
-            f"{num_experts} routed experts + {redundant} redundant do not spread evenly over {num_ranks} EP "
-            f"ranks: choose --num-redundant-experts as a multiple of {num_ranks} and a rank count dividing "
-            f"{num_experts}, or give --expert-placement")
 
 
 def validate_map(phys: list[int], num_experts: int, num_ranks: int, where: str) -> None:
@@ -124,7 +166,11 @@ def build_plan(parallel: ParallelConfig, arch, rank: int, mtp: bool = False) -> 
     """The MoePlan of `arch` for global rank `rank` (validates the whole map on every rank).
 
     mtp: also lay out the MTP layer (decoder index num_hidden_layers), whose MoE block is one more layer."""
-    world = parallel.world_size
+    world, shared = parallel.world_size, parallel.shared_expert_ranks
+    if shared and not arch.n_shared_experts:
+        raise ConfigError(f"--shared-expert-ranks {shared}: this model has no shared experts "
+                          "(n_shared_experts is 0); remove the flag")
+    routed_world = world - shared
     moe_layers = [i for i in range(arch.num_hidden_layers + int(mtp)) if arch.is_moe_layer(i)]
     e, r = arch.n_routed_experts or 0, parallel.num_redundant_experts
     if not moe_layers:
@@ -143,12 +189,12 @@ def build_plan(parallel: ParallelConfig, arch, rank: int, mtp: bool = False) -> 
         phys = file_maps.get(i, file_maps.get("default"))
         where = f"--expert-placement {parallel.expert_placement} layer {i}"
         if phys is None:
-            phys, where = default_map(e, r, world), "default placement"
+            phys, where = default_map(e, r, routed_world, shared), "default placement"
         elif r and len(phys) != e + r:
             raise ConfigError(f"{where}: {len(phys)} slots, but {e} experts + --num-redundant-experts {r} "
                               f"= {e + r}; make them agree")
-        validate_map(phys, e, world, where)
-        layers[i] = LayerPlacement(tuple(phys), world, rank)
+        validate_map(phys, e, routed_world, where)
+        layers[i] = LayerPlacement(tuple(phys), world, rank, num_shared_ranks=shared)
     return MoePlan("local" if world == 1 else parallel.resolved_moe_comm, layers, parallel.moe_comm_dtype)
 
 
