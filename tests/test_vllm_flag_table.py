@@ -104,10 +104,7 @@ def test_several_refused_flags_one_line_each(capsys):
 
 
 NO_EFFECT_ADDED = [n for n, d in table.TABLE.items() if d.decision == table.NO_EFFECT
-                   and n not in {"--async-scheduling", "--attention-backend", "--revision", "--download-dir",
-                                 "--max-log-len", "--enable-prompt-tokens-details", "--enable-force-include-usage",
-                                 "--enable-request-id-headers", "--disable-fastapi-docs",
-                                 "--disable-uvicorn-access-log"}]
+                   and n not in {"--async-scheduling", "--attention-backend"}]
 
 
 @pytest.mark.parametrize("name", NO_EFFECT_ADDED)

@@ -58,6 +58,16 @@ VLLM_FLAGS = [
     (["--compilation-config", '{"cudagraph_capture_sizes": [2, 4]}', "--cudagraph-capture-sizes", "2", "4"],
      {"config.model.decode_graph_sizes": (2, 4)}),
     (["--trust-remote-code"], {"engine.trust_remote_code": True}),
+    # vLLM's ops flags (tests/entrypoints/test_vllm_ops_flags.py runs them against a server)
+    (["--max-log-len", "100"], {"server.max_log_len": 100}),
+    (["--disable-uvicorn-access-log", "--uvicorn-log-level", "info"], {"server.disable_uvicorn_access_log": True}),
+    (["--enable-prompt-tokens-details"], {"server.enable_prompt_tokens_details": True}),
+    (["--no-enable-prompt-tokens-details"], {"server.enable_prompt_tokens_details": False}),
+    (["--enable-force-include-usage"], {"server.enable_force_include_usage": True}),
+    (["--enable-request-id-headers"], {"server.enable_request_id_headers": True}),
+    (["--disable-fastapi-docs"], {"server.disable_fastapi_docs": True}),
+    (["--response-role", "model"], {"server.response_role": "model"}),
+    (["--return-tokens-as-token-ids"], {"server.return_tokens_as_token_ids": True}),
     # vLLM's value spellings (issue 33): its connector name and keys, its EPLB example, its MTP keys
     (["--kv-transfer-config", '{"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": '
       '"cuda", "kv_connector_extra_config": {"backends": ["UCX"]}, "kv_load_failure_policy": "fail", '
@@ -104,9 +114,6 @@ REFUSED = [
     (["--hf-overrides", '{"num_hidden_layers": 2}'], "--hf-overrides"),
     (["--compilation-config", '{"cudagraph_capture_sizes": [4]}', "--cudagraph-capture-sizes", "1"],
      "--cudagraph-capture-sizes [1] disagrees with --compilation-config"),
-    (["--response-role", "user"], "--response-role"),
-    (["--return-tokens-as-token-ids"], "--return-tokens-as-token-ids is not supported yet"),
-    (["--disable-uvicorn-access-log", "--uvicorn-log-level", "info"], "--disable-uvicorn-access-log"),
 ]
 
 # vLLM recipe / ops flags accepted without effect: they parse, change neither config, and log why (INFO)
@@ -116,13 +123,6 @@ NO_EFFECT = [
     (["--attention-backend", "FLASHMLA"], "--attention-backend"),
     (["--tokenizer-mode", "slow"], "--tokenizer-mode"),
     (["--hf-overrides", "{}"], "--hf-overrides"),
-    (["--max-log-len", "100"], "--max-log-len"),
-    (["--disable-uvicorn-access-log"], "--disable-uvicorn-access-log"),
-    (["--enable-prompt-tokens-details"], "--enable-prompt-tokens-details"),
-    (["--enable-force-include-usage"], "--enable-force-include-usage"),
-    (["--enable-request-id-headers"], "--enable-request-id-headers"),
-    (["--disable-fastapi-docs"], "--disable-fastapi-docs"),
-    (["--response-role", "assistant"], None),
 ]
 
 

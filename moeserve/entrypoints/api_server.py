@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -83,6 +84,27 @@ def _json_body(model, defs: dict) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+class RequestIdHeader:
+    """--enable-request-id-headers (vLLM's): every answer carries X-Request-Id, the request's own when it sent
+    one, else a fresh uuid4 hex."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.datastructures import Headers, MutableHeaders
+        rid = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append("X-Request-Id", rid)
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_ready=None) -> FastAPI:
     cfg = spec.server
     name = cfg.served_model_name
@@ -102,13 +124,21 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
         await client.close()
 
     from moeserve import __version__
-    app = FastAPI(title="moeserve", version=__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
-                  openapi_url="/openapi.json")
+    docs = not cfg.disable_fastapi_docs  # --disable-fastapi-docs: no /docs, no /openapi.json (vLLM's)
+    app = FastAPI(title="moeserve", version=__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url=None, openapi_url="/openapi.json" if docs else None)
     _add_error_handlers(app, metrics)
     _add_schemas(app)
     # Added before add_vllm_routes' CORS middleware, so CORS wraps it (a browser can read a 401 or 413).
     app.add_middleware(RequestGuard, router=app.router, api_key=cfg.api_key,
                        max_body=cfg.max_request_body_size, on_error=metrics.http_error if metrics else None)
+    if cfg.enable_request_id_headers:  # outside the guard: its 401 / 413 answers carry the id too
+        app.add_middleware(RequestIdHeader)
+    for serving in (completions, chat):
+        serving.force_usage = cfg.enable_force_include_usage
+        serving.tokens_as_ids = cfg.return_tokens_as_token_ids
+        serving.prompt_details = cfg.enable_prompt_tokens_details
+    chat.response_role = cfg.response_role
     defs = app.state.body_schemas
     completions.model_aliases = chat.model_aliases = cfg.served_model_aliases
 
@@ -307,12 +337,14 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
     sock = spec.sock if spec.sock is not None else listen_socket(cfg.host, cfg.port)
     sock.setblocking(False)
     client.log_requests = cfg.enable_log_requests
+    client.max_log_len = cfg.max_log_len
     app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)
     # SIGTERM: uvicorn stops accepting and waits for the requests in flight (streams too); after
     # --shutdown-timeout those still running end with an error naming the shutdown (_draining_server); uvicorn
     # cancels only what is left GRACE_BACKSTOP_S later (a client that reads nothing)
-    config = uvicorn.Config(app, log_level=cfg.uvicorn_log_level, access_log=cfg.uvicorn_log_level in ("info", "debug",
-                            "trace"), timeout_graceful_shutdown=cfg.shutdown_timeout + GRACE_BACKSTOP_S,
+    access_log = cfg.uvicorn_log_level in ("info", "debug", "trace") and not cfg.disable_uvicorn_access_log
+    config = uvicorn.Config(app, log_level=cfg.uvicorn_log_level, access_log=access_log,
+                            timeout_graceful_shutdown=cfg.shutdown_timeout + GRACE_BACKSTOP_S,
                             timeout_keep_alive=30,
                             lifespan="on", root_path=cfg.root_path or "", ssl_keyfile=cfg.ssl_keyfile,
                             ssl_certfile=cfg.ssl_certfile, ssl_ca_certs=cfg.ssl_ca_certs, ssl_cert_reqs=cfg.ssl_cert_reqs)

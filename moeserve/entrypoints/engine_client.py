@@ -75,6 +75,7 @@ class EngineClient:
         self.metrics = metrics
         self.stall_timeout = stall_timeout
         self.processor = OutputProcessor(tokenizer)
+        self.tokenizer = tokenizer
         self.streams: dict[str, _Stream] = {}
         self.ctx = zmq.asyncio.Context()
         self.sock = self.monitor = None
@@ -88,6 +89,7 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self._reconnecting: asyncio.Task | None = None
         self.log_requests = False  # --enable-log-requests
+        self.max_log_len: int | None = None  # --max-log-len: the log also shows the first N prompt chars / ids
         self._core_stopping = False  # the core said goodbye: its disconnect is a shutdown, not a crash
         self._calls: dict[int, asyncio.Future] = {}  # utility calls waiting for the core's answer
         self._call_ids = 0
@@ -222,8 +224,15 @@ class EngineClient:
         if self.metrics:
             self.metrics.observe_request(params)
         if self.log_requests:
-            logger.info("Received request %s: prompt tokens: %d, params: %s", request_id, len(prompt_token_ids),
-                        _params_text(params))
+            if self.max_log_len is None:  # moeserve's default: no prompt text in the log
+                logger.info("Received request %s: prompt tokens: %d, params: %s", request_id,
+                            len(prompt_token_ids), _params_text(params))
+            else:  # vLLM's: the prompt and its token ids, each cut to --max-log-len
+                n = self.max_log_len
+                shown = prompt_token_ids[:n]
+                text = self.tokenizer.decode(shown)[:n] if self.tokenizer is not None else None
+                logger.info("Received request %s: prompt: %r, prompt tokens: %d, params: %s, prompt_token_ids: %s",
+                            request_id, text, len(prompt_token_ids), _params_text(params), shown)
         outcome = "abort"
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),

@@ -172,6 +172,7 @@ class _SamplingFields(_Strict):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     return_token_ids: bool = False  # the answer carries prompt_token_ids and each choice's token_ids
+    return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N" (None: the server's flag)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep this many prompt tokens (-1: the context)
     truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)  # --scheduling-policy priority: lower runs first

@@ -12,17 +12,6 @@ from moeserve.engine_args import EngineArgs
 from moeserve.entrypoints.vllm_flag_table import add_accepted_flags, check_accepted_flags
 
 
-# vLLM ops flags that change nothing here: flag -> why (logged once at INFO when given)
-_OPS_NOTES = {
-    "max_log_len": "the request log (--enable-log-requests) carries prompt lengths, never prompt text",
-    "enable_prompt_tokens_details": "usage always carries prompt_tokens_details.cached_tokens",
-    "enable_force_include_usage": "not implemented yet: streams carry usage when stream_options.include_usage "
-                                  "asks for it",
-    "enable_request_id_headers": "not implemented yet: answers carry no X-Request-Id header",
-    "disable_fastapi_docs": "not implemented yet: /docs and /openapi.json stay served",
-}
-
-
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API (default: the bundled model)",
                        allow_abbrev=False,  # an unknown vLLM flag must not match a longer one (-dc: -dcp)
@@ -82,17 +71,26 @@ def register(sub) -> None:
                    help="seconds before the first engine-core restart, doubled for each further one (max 30)")
     g.add_argument("--engine-stall-timeout", type=float, default=5.0, metavar="S",
                    help="/health answers 503 when the engine (or a DP rank with work) made no progress this long")
-    v = p.add_argument_group("vLLM ops flags (accepted so a vLLM recipe runs unchanged; docs/from-vllm.md)")
-    v.add_argument("--max-log-len", type=int, default=None, help="accepted; " + _OPS_NOTES["max_log_len"])
+    v = p.add_argument_group("vLLM ops flags (vLLM's meaning; docs/from-vllm.md)")
+    v.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests, also log the prompt and its token ids, each cut to this "
+                        "length (default: the log carries prompt lengths, never prompt text)")
     v.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
-                   help="no access log line per request (the default here unless --uvicorn-log-level info/debug)")
-    for name in ("enable_prompt_tokens_details", "enable_force_include_usage", "enable_request_id_headers",
-                 "disable_fastapi_docs"):
-        v.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=False, help="accepted; " + _OPS_NOTES[name])
+                   help="no access log line per request (there is none below --uvicorn-log-level info)")
+    v.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=None,
+                   help="usage carries prompt_tokens_details.cached_tokens (default: it always does here; "
+                        "--no-enable-prompt-tokens-details leaves it null, as vLLM without the flag)")
+    v.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
+                   help="every stream ends with a usage chunk, as if stream_options.include_usage were set")
+    v.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
+                   help="answers carry an X-Request-Id header: the request's own X-Request-Id, else a fresh id")
+    v.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
+                   help="serve no /docs and no /openapi.json")
     v.add_argument("--response-role", default="assistant",
-                   help="the role of chat answers: only assistant (vLLM's default) is supported")
+                   help="the role of chat answers to a generation prompt (with add_generation_prompt false: the "
+                        "role of the message continued)")
     v.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
-                   help="refused for now: logprobs name tokens by their text")
+                   help="logprobs name tokens as 'token_id:N' (a request's return_tokens_as_token_ids overrides)")
     v.add_argument("--headless", action="store_true",
                    help="vLLM's multi-node DP: this node runs DP ranks and no API server (in moeserve every node "
                         "but node 0 does; this checks the node is one)")
@@ -116,29 +114,23 @@ def _vllm_server_options(args) -> dict:
                 root_path=args.root_path, allow_credentials=args.allow_credentials, **lists)
 
 
-def _vllm_ops_flags(args) -> None:
-    """vLLM's ops flags: refuse what moeserve cannot do, log the ones without effect (INFO, once)."""
+def _vllm_ops_flags(args) -> dict:
+    """vLLM's ops flags, checked: the ServerConfig fields they set; the accepted-without-effect vLLM flags of
+    the table (vllm_flag_table.py) logged once at INFO."""
     import logging
 
-    log = logging.getLogger("moeserve")
-    if getattr(args, "response_role", "assistant") != "assistant":
-        raise ValueError(f"--response-role {args.response_role!r}: moeserve answers chat requests with role "
-                         "assistant only; drop the flag")
-    if getattr(args, "return_tokens_as_token_ids", False):
-        raise ValueError("--return-tokens-as-token-ids is not supported yet: logprobs name tokens by their text; "
-                         "drop the flag (return_token_ids in a request gives the token ids)")
-    if getattr(args, "disable_uvicorn_access_log", False):
-        if args.uvicorn_log_level in ("info", "debug", "trace"):
-            raise ValueError(f"--disable-uvicorn-access-log with --uvicorn-log-level {args.uvicorn_log_level}: "
-                             "moeserve logs access lines at that level; use --uvicorn-log-level warning (the "
-                             "default, no access log) instead")
-        log.info("--disable-uvicorn-access-log: there is no access log at --uvicorn-log-level %s",
-                 args.uvicorn_log_level)
-    check_accepted_flags(args, log)
-    for name, why in _OPS_NOTES.items():
-        if getattr(args, name, None) not in (None, False):
-            log.info("--%s is accepted but " + ("%s" if why.startswith("not ") else "has no effect here: %s"),
-                     name.replace("_", "-"), why)
+    if args.disable_uvicorn_access_log and args.uvicorn_log_level not in ("info", "debug", "trace"):
+        logging.getLogger("moeserve").info("--disable-uvicorn-access-log: there is no access log at "
+                                           "--uvicorn-log-level %s anyway", args.uvicorn_log_level)
+    if args.max_log_len is not None and not args.enable_log_requests:
+        logging.getLogger("moeserve").info("--max-log-len has no effect without --enable-log-requests")
+    check_accepted_flags(args, logging.getLogger("moeserve"))
+    return dict(enable_force_include_usage=args.enable_force_include_usage,
+                enable_request_id_headers=args.enable_request_id_headers,
+                disable_fastapi_docs=args.disable_fastapi_docs, max_log_len=args.max_log_len,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids, response_role=args.response_role,
+                disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+                enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def run(args) -> int:
@@ -158,7 +150,7 @@ def build_configs(args) -> tuple[EngineArgs, ServerConfig]:
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(f"two models given ({args.model_tag!r} and --model {args.model!r}); pass one")
-    _vllm_ops_flags(args)
+    ops = _vllm_ops_flags(args)
     engine_args = EngineArgs.from_cli(args, args.model_tag or args.model)
     given = args.model_tag or args.model
     engine_args.model = resolve_model_path(resolve_model(given, engine_args.revision, engine_args.download_dir))
@@ -186,5 +178,5 @@ def build_configs(args) -> tuple[EngineArgs, ServerConfig]:
                           max_engine_restarts=args.max_engine_restarts,
                           engine_restart_backoff=args.engine_restart_backoff,
                           engine_stall_timeout=args.engine_stall_timeout,
-                          **_vllm_server_options(args))
+                          **_vllm_server_options(args), **ops)
     return engine_args, server

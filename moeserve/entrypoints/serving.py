@@ -146,6 +146,12 @@ def sse(obj) -> str:
 class Serving:
     """Base of the completions and chat handlers."""
 
+    # vLLM's ops flags (ServerConfig; api_server.build_app sets the server's): usage on every stream, logprob
+    # tokens as "token_id:N", whether usage carries prompt_tokens_details (None: moeserve's default, always)
+    force_usage = False
+    tokens_as_ids = False
+    prompt_details: bool | None = None
+
     def __init__(self, client: EngineClient, tokenizer, model_name: str, max_model_len: int,
                  max_waiting_requests: int | None = None, default_sampling: dict | None = None) -> None:
         self.client, self.tokenizer = client, tokenizer
@@ -397,8 +403,19 @@ class Serving:
             out.append({str(t): {"logprob": v, "decoded_token": self.token_str(t)} for t, v in top.items()})
         return out
 
-    @staticmethod
-    def usage(num_prompt_tokens: int, children: list[Child]) -> dict:
+    def include_usage(self, req) -> bool:
+        """A stream's last chunk carries usage: stream_options.include_usage, or --enable-force-include-usage."""
+        return self.force_usage or req.include_usage
+
+    def as_token_ids(self, req) -> bool:
+        """Logprob tokens as "token_id:N": the request's return_tokens_as_token_ids, else the server's flag."""
+        asked = getattr(req, "return_tokens_as_token_ids", None)
+        return self.tokens_as_ids if asked is None else asked
+
+    def logprob_token(self, token_id: int, as_ids: bool) -> str:
+        return f"token_id:{token_id}" if as_ids else self.token_str(token_id)
+
+    def usage(self, num_prompt_tokens: int, children: list[Child]) -> dict:
         completion = sum(len(c.token_ids) for c in children)
         # Per prompt the most any of its n samples found cached (prompt_tokens counts each prompt once).
         cached: dict[int, int] = {}
@@ -406,7 +423,8 @@ class Serving:
             cached[id(c.prompt_ids)] = max(cached.get(id(c.prompt_ids), 0), c.num_cached_tokens)
         return {"prompt_tokens": num_prompt_tokens, "completion_tokens": completion,
                 "total_tokens": num_prompt_tokens + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
+                "prompt_tokens_details": None if self.prompt_details is False else
+                {"cached_tokens": sum(cached.values())}}
 
     @staticmethod
     def error_event(e: Exception) -> str:

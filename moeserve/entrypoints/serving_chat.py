@@ -12,6 +12,8 @@ from moeserve.entrypoints.tool_calls import StreamedContent, ToolCall, parse_dee
 
 
 class ChatServing(Serving):
+    response_role = "assistant"  # --response-role (api_server.build_app sets the server's)
+
     def __init__(self, *args, chat_template: str | None = None, auto_tools: bool = False,
                  reasoning_parser: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -69,7 +71,7 @@ class ChatServing(Serving):
                 if text is None and message["content"] == "":
                     message["content"] = None
             choices.append({"index": c.index, "message": message,
-                            "logprobs": self._logprobs(c.logprobs) if req.logprobs else None,
+                            "logprobs": self._logprobs(c.logprobs, self.as_token_ids(req)) if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": c.stop_reason,
                             **({"token_ids": c.token_ids} if req.return_token_ids else {})})
         return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
@@ -100,25 +102,29 @@ class ChatServing(Serving):
         "tool_calls", except for a named function, where OpenAI says "stop")."""
         # No text: a thinking request that stopped (EOS) before </think>, so the schema never applied.
         if mode == "named" and finish == "stop" and text:
-            return {"role": "assistant", "content": None,
+            return {"role": self.role(req), "content": None,
                     "tool_calls": [ToolCall(req.tool_choice.function.name, text).to_openai()]}, finish
         content, calls = self._calls(mode, text)
         if calls is None:
-            return {"role": "assistant", "content": content}, finish
-        return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}, \
+            return {"role": self.role(req), "content": content}, finish
+        return {"role": self.role(req), "content": content, "tool_calls": [c.to_openai() for c in calls]}, \
             "tool_calls" if finish == "stop" else finish
 
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        tok = self.token_str(token_id)
+    def _entry(self, token_id: int, logprob: float, as_ids: bool) -> dict:
+        tok = self.logprob_token(token_id, as_ids)
         return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
 
-    def _logprobs(self, lps) -> dict:
-        return {"content": [{**self._entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in lps]}
+    def _logprobs(self, lps, as_ids: bool = False) -> dict:
+        return {"content": [{**self._entry(lp.token_id, lp.logprob, as_ids),
+                             "top_logprobs": [self._entry(t, v, as_ids) for t, v in lp.top]} for lp in lps]}
+
+    def role(self, req) -> str:
+        """vLLM's: --response-role for a generation prompt, else the role of the message being continued."""
+        return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
     async def _chunks(self, req, rid, created, first, events, n, num_prompt, children, mode=None, think=False):
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        usage_null = {"usage": None} if req.include_usage else {}
+        usage_null = {"usage": None} if self.include_usage(req) else {}
         started: set[int] = set()
         # Tool modes: "named"/"required" outputs are JSON that becomes calls, sent when the choice ends;
         # "auto" streams content until DeepSeek's call marker, then holds the rest for the parser.
@@ -133,7 +139,7 @@ class ChatServing(Serving):
                 # ... and the response's first chunk the prompt_logprobs (a choice's first delta has them)
                 prompt = self._prompt_field(req, child) if not started else {}
                 started.add(child.index)
-                role = {"index": child.index, "delta": {"role": "assistant", "content": ""},
+                role = {"index": child.index, "delta": {"role": self.role(req), "content": ""},
                         "logprobs": None, "finish_reason": None}
                 yield sse({**head, "choices": [role], **prompt, **usage_null})
             text, out, reasoning = delta.text, {}, ""
@@ -155,13 +161,13 @@ class ChatServing(Serving):
             if reasoning:
                 out = {"reasoning_content": reasoning, **out}
             choice = {"index": child.index, "delta": out,
-                      "logprobs": self._logprobs(delta.logprobs) if req.logprobs else None,
+                      "logprobs": self._logprobs(delta.logprobs, self.as_token_ids(req)) if req.logprobs else None,
                       "finish_reason": finish}
             if delta.finished:
                 choice["stop_reason"] = delta.stop_reason
             yield sse({**head, "choices": [choice], **usage_null})
         else:
-            if req.include_usage:
+            if self.include_usage(req):
                 yield sse({**head, "choices": [], "usage": self.usage(num_prompt, children)})
         yield "data: [DONE]\n\n"
 

@@ -85,7 +85,7 @@ class CompletionServing(Serving):
         if req.logprobs is not None:
             # min: tokens that began a stop string later cut off start at the text's end
             offsets = [min(len(prefix) + o, len(text)) for o in c.text_offsets]
-            lp = self._logprobs(c.logprobs, offsets, self._echoed(req, c, prefix))
+            lp = self._logprobs(c.logprobs, offsets, self._echoed(req, c, prefix), self.as_token_ids(req))
         choice = {"index": c.index, "text": text, "logprobs": lp,
                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if req.prompt_logprobs is not None:
@@ -116,28 +116,29 @@ class CompletionServing(Serving):
         """Prompt entries carry max(prompt_logprobs, logprobs) alternatives, best first: keep n."""
         return [type(lp)(lp.token_id, lp.logprob, lp.top[:n]) for lp in lps]
 
-    def _logprobs(self, lps, offsets: list[int], echoed: tuple[list[int], list, list] | None = None) -> dict:
+    def _logprobs(self, lps, offsets: list[int], echoed: tuple[list[int], list, list] | None = None,
+                  as_ids: bool = False) -> dict:
         """OpenAI's legacy logprobs. text_offset: where each token starts in the choice's text, in characters
         (the output processor's offsets; for an echoed prompt, _prompt_offsets)."""
         tokens, token_lps, tops = [], [], []
         if echoed is not None:  # the prompt: its first token has no logprob (None), as OpenAI reports it
             ids, prompt_lps, prompt_offsets = echoed
             lps, offsets = list(prompt_lps) + list(lps), prompt_offsets + list(offsets)
-            tokens.append(self.token_str(ids[0]))
+            tokens.append(self.logprob_token(ids[0], as_ids))
             token_lps.append(None)
             tops.append(None)
         for lp in lps:
-            tok = self.token_str(lp.token_id)
+            tok = self.logprob_token(lp.token_id, as_ids)
             tokens.append(tok)
             token_lps.append(lp.logprob)
-            top = {self.token_str(t): v for t, v in lp.top}
+            top = {self.logprob_token(t, as_ids): v for t, v in lp.top}
             top.setdefault(tok, lp.logprob)
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": list(offsets)}
 
     async def _chunks(self, req, rid, created, texts, first, events, n, num_prompt, children):
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
-        usage_null = {"usage": None} if req.include_usage else {}
+        usage_null = {"usage": None} if self.include_usage(req) else {}
         echoed: set[int] = set()
         async for child, delta in self.merged(first, events, n):
             if isinstance(delta, Exception):
@@ -152,7 +153,7 @@ class CompletionServing(Serving):
                 first = delta.prompt_logprobs is not None
                 prompt_text = texts[child.index // req.n] if req.echo else ""
                 lp = self._logprobs(delta.logprobs, [len(prompt_text) + o for o in delta.text_offsets],
-                                    self._echoed(req, child, prompt_text) if first else None)
+                                    self._echoed(req, child, prompt_text) if first else None, self.as_token_ids(req))
             choice = {"index": child.index, "text": text, "logprobs": lp,
                       "finish_reason": delta.finish_reason if delta.finished else None,
                       "stop_reason": delta.stop_reason if delta.finished else None}
@@ -160,6 +161,6 @@ class CompletionServing(Serving):
                 choice["prompt_logprobs"] = self.prompt_logprobs_field(child, req.prompt_logprobs)
             yield sse({**head, "choices": [choice], **usage_null})
         else:
-            if req.include_usage:
+            if self.include_usage(req):
                 yield sse({**head, "choices": [], "usage": self.usage(num_prompt, children)})
         yield "data: [DONE]\n\n"

@@ -12,7 +12,6 @@ REFUSED = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty applies to beam search, which is not supported",
     "logprob_token_ids": "logprobs of chosen token ids are not supported; use logprobs / top_logprobs",
-    "return_tokens_as_token_ids": "token-id strings in logprobs are not supported; use return_token_ids",
     "return_token_offsets": "token offsets are not supported; completions' logprobs carry text_offset",
     "spaces_between_special_tokens": "detokenization always puts spaces between special tokens",
     "prompt_embeds": "prompt embeddings are not supported; send text or token ids",
@@ -38,7 +37,7 @@ REFUSED = {
 }
 # vLLM's defaults: a field at one of these asks for nothing
 DEFAULTS = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "return_token_offsets": (False,),
-            "return_tokens_as_token_ids": (False,), "spaces_between_special_tokens": (True,),
+            "spaces_between_special_tokens": (True,),
             "mm_payload": ("tensors",), "routed_experts_prompt_start": (0,), "include_reasoning": (True,),
             "return_prompt_text": (False,)}
 

@@ -55,17 +55,18 @@ _add(IMPLEMENTED, "", "--api-server-count -asc", "--config", "--chat-template", 
      "--shutdown-timeout", "--enable-log-requests", "--cudagraph-capture-sizes")
 _add(IMPLEMENTED, "accepted; moeserve implements DeepSeek V2/V3 itself and never runs code from a checkpoint",
      "--trust-remote-code")
-# ops flags (stage 4 of issue 33 makes them do what vLLM does)
-_add(NO_EFFECT, "the request log (--enable-log-requests) carries prompt lengths, never prompt text", "--max-log-len")
-_add(NO_EFFECT, "usage always carries prompt_tokens_details.cached_tokens", "--enable-prompt-tokens-details")
-_add(NO_EFFECT, "not implemented yet: streams carry usage when stream_options.include_usage asks",
-     "--enable-force-include-usage")
-_add(NO_EFFECT, "not implemented yet: no X-Request-Id response header", "--enable-request-id-headers")
-_add(NO_EFFECT, "not implemented yet: /docs and /openapi.json stay served", "--disable-fastapi-docs")
-_add(NO_EFFECT, "there is no access log at --uvicorn-log-level warning (the default)", "--disable-uvicorn-access-log")
-_add(REFUSED, "not implemented yet: logprobs name tokens by their text (return_token_ids in a request gives ids)",
+_add(IMPLEMENTED, "with --enable-log-requests the log shows the prompt and its token ids cut to N (without it "
+     "moeserve logs prompt lengths, never prompt text)", "--max-log-len")
+_add(IMPLEMENTED, "usage carries prompt_tokens_details.cached_tokens (here also without the flag; "
+     "--no-enable-prompt-tokens-details leaves it null)", "--enable-prompt-tokens-details")
+_add(IMPLEMENTED, "every stream ends with a usage chunk", "--enable-force-include-usage")
+_add(IMPLEMENTED, "answers carry X-Request-Id (the request's own, else a fresh uuid4 hex)",
+     "--enable-request-id-headers")
+_add(IMPLEMENTED, "no /docs, no /openapi.json", "--disable-fastapi-docs")
+_add(IMPLEMENTED, "no uvicorn access log line per request", "--disable-uvicorn-access-log")
+_add(IMPLEMENTED, "logprob tokens as \"token_id:N\" (a request's return_tokens_as_token_ids overrides)",
      "--return-tokens-as-token-ids")
-_add(IMPLEMENTED, "assistant only (vLLM's default); other roles are refused", "--response-role")
+_add(IMPLEMENTED, "the role of chat answers to a generation prompt", "--response-role")
 _add(IMPLEMENTED, "one key (vLLM takes several)", "--api-key")
 _add(IMPLEMENTED, "auto, bfloat16, float16 / half, float32 / float", "--dtype")
 _add(IMPLEMENTED, "a8w8 (INT8) and fp8 (block FP8); the checkpoint's own when not given", "--quantization -q")

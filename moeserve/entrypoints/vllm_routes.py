@@ -75,6 +75,9 @@ def add_vllm_routes(app: FastAPI, spec, client, chat, check_engine) -> None:
             check_engine()
             return await messages_serving.create(_json_body(await raw.body()), raw)
 
+    if cfg.disable_fastapi_docs:  # vLLM's --disable-fastapi-docs: neither page is served
+        return
+
     @app.get("/docs", include_in_schema=False)
     async def docs():
         from fastapi.openapi.docs import get_swagger_ui_html

@@ -16,10 +16,16 @@ READY = re.compile(r"ready on (https?://\S+) .*engine core pid (\d+), API server
 
 
 class ServerProcess:
-    def __init__(self, model: str, *args: str, timeout: float = 300.0) -> None:
+    def __init__(self, model: str, *args: str, timeout: float = 300.0, stdout_path: str | None = None) -> None:
+        """stdout_path: a file for the processes' stdout (uvicorn's access log goes there), else discarded."""
         env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
         cmd = [sys.executable, "-m", "moeserve.cli", "serve", model, "--port", "0", *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        out = open(stdout_path, "w") if stdout_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True, env=env)
+        finally:
+            if stdout_path:
+                out.close()
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.eof = threading.Event()  # stderr closed: the launcher and every process that shares it are gone
