@@ -50,16 +50,39 @@ def draw_exact(probs: torch.Tensor, generators: list[torch.Generator]) -> list[i
 
 def draw_candidates(c: Candidates, generator: torch.Generator) -> list[int | None]:
     """One token per row of c (None: that row cannot be sampled): token j with probability
-    c.probs[i, j] / c.probs[i].sum(), from one uniform per row of the shared generator."""
+    c.probs[i, j] / c.probs[i].sum(), from one uniform per row of the shared generator (inverse CDF; over
+    a whole vocabulary in two levels: blocks of BLOCK tokens, then the tokens of the chosen block)."""
     probs = c.probs
     bad = bad_rows(probs)
     n, K = probs.shape
     u = torch.rand(n, dtype=torch.float64, generator=generator)
-    cdf = probs.to(torch.float64).cumsum(-1)
-    target = (u * cdf[:, -1])[:, None]
-    pos = torch.searchsorted(cdf, target, right=True)[:, 0]
-    # u * total may round up to the total: never past the last token of nonzero probability
-    last = (K - 1) - (probs > 0).flip(-1).to(torch.uint8).argmax(-1)
-    pos = torch.minimum(pos, last)
+    if K <= 2 * BLOCK:
+        pos = _inverse_cdf(probs, u)
+    else:
+        nb = -(-K // BLOCK)
+        blocks = probs if K == nb * BLOCK else torch.nn.functional.pad(probs, (0, nb * BLOCK - K))
+        blocks = blocks.view(n, nb, BLOCK)
+        mass = blocks.sum(-1, dtype=torch.float64)  # [n, nb]
+        b = _inverse_cdf(mass, u)
+        cdf = mass.cumsum(-1)
+        below = (cdf.gather(1, b[:, None])[:, 0] - mass.gather(1, b[:, None])[:, 0]) / cdf[:, -1]
+        inner = blocks[torch.arange(n), b]  # [n, BLOCK] the chosen block
+        # u's position inside the chosen block, in [0, 1)
+        v = ((u - below) / (mass.gather(1, b[:, None])[:, 0] / cdf[:, -1])).clamp(0.0, 1.0 - 2**-53)
+        pos = b * BLOCK + _inverse_cdf(inner, v)
     tokens = (pos if c.ids is None else c.ids.gather(1, pos[:, None])[:, 0]).tolist()
     return [None if b else t for t, b in zip(tokens, bad)]
+
+
+BLOCK = 256
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column index per row of probs [n, K] (>= 0, each row with some mass) at the uniform u [n] (float64):
+    the first whose cumulative mass exceeds u x the row's total, never a column of probability 0."""
+    K = probs.shape[1]
+    cdf = probs.to(torch.float64).cumsum(-1)
+    pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # u * total may round up to the total: never past the last column of nonzero probability
+    last = (K - 1) - (probs > 0).flip(-1).to(torch.uint8).argmax(-1)
+    return torch.minimum(pos, last)

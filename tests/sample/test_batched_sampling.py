@@ -222,3 +222,24 @@ def test_flat_top_p_rows_bfloat16_radix_path_and_float_sort_path_agree():
     # same tokens as the radix path
     scaled = raw[:3] * (1 + 2**-20)
     assert torch.equal(_nucleus(scaled, (scaled / T[:3, None]).softmax(-1), T[:3], top_p[:3]), keep[:3])
+
+
+def test_two_level_draw_over_a_whole_vocabulary_follows_the_probabilities():
+    """Rows over a whole vocabulary draw in two levels (blocks, then a token of the block): the tokens
+    follow the row's probabilities, block edges and zeros included."""
+    from moeserve.sample.draw import BLOCK, draw_candidates
+    from moeserve.sample.filters import Candidates
+
+    V, N = 5000, 30000  # not a multiple of BLOCK: the last block is padded
+    tokens = [0, BLOCK - 1, BLOCK, 3 * BLOCK + 7, 4000, V - 1, 17, 2 * BLOCK - 1]
+    weights = torch.tensor([0.05, 0.2, 0.1, 0.15, 0.05, 0.25, 0.12, 0.08])
+    probs = torch.zeros(V)
+    probs[tokens] = weights * 3.0  # rows need not sum to 1
+    got = draw_candidates(Candidates(probs.expand(N, V).contiguous(), None), torch.Generator().manual_seed(3))
+    counts = torch.bincount(torch.tensor(got), minlength=V).float()
+    assert counts.sum() == N and counts[probs == 0].sum() == 0
+    expected = weights * N
+    chi2 = float(((counts[tokens] - expected) ** 2 / expected).sum())
+    assert chi2 < CHI2_CRIT_7DOF, chi2
+    shifted = torch.roll(weights, 1) * N  # the test has power: the same counts are far from other weights
+    assert float(((counts[tokens] - shifted) ** 2 / shifted).sum()) > 4 * CHI2_CRIT_7DOF
