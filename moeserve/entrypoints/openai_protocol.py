@@ -403,13 +403,21 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False  # the last (assistant) message is left open for the model to continue
     echo: bool = False  # vLLM's: with continue_final_message, the answer starts with that message's text
     add_special_tokens: bool = False  # the chat template writes BOS itself (vLLM's default)
+    # OpenAI's (LiteLLM sends it): passed to the chat template as vLLM does, with enable_thinking = not "none"
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     def template_kwargs(self) -> dict | None:
+        """The chat template's extra variables: chat_template_kwargs, and (vLLM's) reasoning_effort with
+        enable_thinking = reasoning_effort != "none" unless chat_template_kwargs sets enable_thinking."""
         taken = [k for k in self.chat_template_kwargs or {} if k in _RESERVED_TEMPLATE_KWARGS]
         if taken:
             raise APIError(f"chat_template_kwargs must not set {taken[0]!r} (a request field sets it)",
                            param="chat_template_kwargs")
-        return self.chat_template_kwargs
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
+        kwargs.setdefault("enable_thinking", self.reasoning_effort != "none")
+        return kwargs
 
     def tool_mode(self, auto_enabled: bool) -> str | None:
         """None (plain text), "named", "required" or "auto"; refuses what cannot be served."""

@@ -18,8 +18,9 @@ def thinks(parser: str | None, chat_template_kwargs: dict | None) -> bool:
     """Whether this request's output starts with reasoning."""
     if parser == "deepseek_r1":
         return True
-    if parser == "deepseek_v3":
-        return bool((chat_template_kwargs or {}).get("thinking"))
+    if parser == "deepseek_v3":  # vLLM's: thinking, or enable_thinking (which reasoning_effort sets)
+        kwargs = chat_template_kwargs or {}
+        return bool(kwargs.get("thinking") or kwargs.get("enable_thinking"))
     return False
 
 

@@ -47,7 +47,7 @@ class ChatServing(Serving):
         self.check_model(req.model)
         req.check()
         mode = req.tool_mode(self.auto_tools)
-        think = thinks(self.reasoning_parser, req.chat_template_kwargs)
+        think = thinks(self.reasoning_parser, req.template_kwargs())
         size = self.check_messages_size(req.messages)
         ids = await self.off_loop(self.render, req, size=size)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, chat_request_from
 
 SERVED = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-          "tools", "tool_choice", "metadata"}
+          "tools", "tool_choice", "metadata", "chat_template_kwargs"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -85,23 +85,38 @@ def _tools(body: dict) -> dict:
     return out
 
 
-def to_chat_request(body: dict) -> ChatCompletionRequest:
-    unknown = sorted(set(body) - SERVED)
+# /v1/messages/count_tokens (Anthropic's messages.count_tokens): what it reads of a body
+COUNT_SERVED = {"model", "messages", "system", "tools", "tool_choice", "chat_template_kwargs"}
+
+
+def to_chat_request(body: dict, count_only: bool = False) -> ChatCompletionRequest:
+    """The chat request a /v1/messages body is served by (count_only: a count_tokens body, no max_tokens)."""
+    where = "/v1/messages/count_tokens" if count_only else "/v1/messages"
+    unknown = sorted(set(body) - (COUNT_SERVED if count_only else SERVED))
     if unknown:
-        raise APIError(f"'{unknown[0]}' is not supported by /v1/messages", param=unknown[0])
+        raise APIError(f"'{unknown[0]}' is not supported by {where}", param=unknown[0])
+    if count_only:
+        body = {**body, "max_tokens": 1}
     if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
         raise APIError("'max_tokens' is required (an integer)", param="max_tokens")
     chat = {"model": body.get("model"), "messages": _messages(body), "max_tokens": body["max_tokens"],
             "stream": bool(body.get("stream")), **_tools(body)}
     if body.get("stop_sequences"):
         chat["stop"] = body["stop_sequences"]
-    return chat_request_from(chat, body, ("temperature", "top_p", "top_k"))
+    return chat_request_from(chat, body, ("temperature", "top_p", "top_k", "chat_template_kwargs"))
 
 
-def _stop(choice: dict) -> tuple[str, str | None]:
+def _stop(choice: dict, tool_used: bool = False) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) of a chat choice. As vLLM: tool_use whenever a tool was called
+    (a forced tool's chat finish_reason is "stop"), max_tokens when cut by the length."""
+    finish = choice.get("finish_reason")
+    if finish == "length":
+        return "max_tokens", None
+    if finish == "tool_calls" or tool_used:
+        return "tool_use", None
     if isinstance(choice.get("stop_reason"), str):
         return "stop_sequence", choice["stop_reason"]
-    return STOP_REASONS.get(choice.get("finish_reason"), "end_turn"), None
+    return STOP_REASONS.get(finish, "end_turn"), None
 
 
 class MessagesServing:
@@ -118,13 +133,22 @@ class MessagesServing:
             return answer
         return StreamingResponse(self._events(mid, answer.body_iterator), media_type="text/event-stream")
 
+    async def count_tokens(self, body: dict) -> JSONResponse:
+        """Anthropic's messages.count_tokens (as vLLM serves it): the prompt tokens the message would take,
+        rendered with the chat template, tools included."""
+        req = to_chat_request(body, count_only=True)
+        self.chat.check_model(req.model)
+        size = self.chat.check_messages_size(req.messages)
+        ids = await self.chat.off_loop(self.chat.render, req, size=size)
+        return JSONResponse({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})
+
     def _message(self, mid: str, chat: dict) -> dict:
         choice = chat["choices"][0]
         msg = choice["message"]
         content = [{"type": "text", "text": msg["content"]}] if msg.get("content") else []
         content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                      "input": json.loads(c["function"]["arguments"] or "{}")} for c in msg.get("tool_calls") or []]
-        reason, seq = _stop(choice)
+        reason, seq = _stop(choice, any(b["type"] == "tool_use" for b in content))
         u = chat["usage"]
         return {"id": mid, "type": "message", "role": "assistant", "model": self.chat.model_name, "content": content,
                 "stop_reason": reason, "stop_sequence": seq,
@@ -138,6 +162,7 @@ class MessagesServing:
                                               "model": self.chat.model_name, "stop_reason": None,
                                               "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}})
         index, text_open, reason, seq, usage = -1, False, "end_turn", None, {"output_tokens": 0}
+        tool_used = False
         async for raw in chunks:
             line = raw.strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -157,6 +182,7 @@ class MessagesServing:
                         yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
                     yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": delta["content"]})
                 for call in delta.get("tool_calls") or []:
+                    tool_used = True
                     if text_open:
                         yield event("content_block_stop", index=index)
                         text_open = False
@@ -167,7 +193,7 @@ class MessagesServing:
                         "type": "input_json_delta", "partial_json": call["function"]["arguments"]})
                     yield event("content_block_stop", index=index)
                 if choice.get("finish_reason"):
-                    reason, seq = _stop(choice)
+                    reason, seq = _stop(choice, tool_used)
         if text_open:
             yield event("content_block_stop", index=index)
         yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq}, usage=usage)

@@ -30,8 +30,6 @@ REFUSED = {
     "request_id": "caller-chosen request ids are not supported; the response's id names the request",
     "chat_template": "a per-request chat template is not accepted; start the server with --chat-template",
     "documents": "documents for the chat template are not supported",
-    "reasoning_effort": "reasoning_effort is not supported; DeepSeek models take chat_template_kwargs "
-                        "{\"thinking\": true}",
     "include_reasoning": "reasoning is always returned (reasoning_content) with --reasoning-parser",
     "return_prompt_text": "return_prompt_text is not supported",
 }

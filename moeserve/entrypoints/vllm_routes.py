@@ -32,7 +32,9 @@ def add_vllm_routes(app: FastAPI, spec, client, chat, check_engine) -> None:
                            allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
                            allow_credentials=cfg.allow_credentials)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    # one route per method: one route with both gave FastAPI's "Duplicate Operation ID" warning on /openapi.json
+    @app.get("/ping", operation_id="ping_get")
+    @app.post("/ping", operation_id="ping_post")
     async def ping():
         check_engine()
         return Response(status_code=200)
@@ -74,6 +76,11 @@ def add_vllm_routes(app: FastAPI, spec, client, chat, check_engine) -> None:
         async def messages(raw: Request):
             check_engine()
             return await messages_serving.create(_json_body(await raw.body()), raw)
+
+        @app.post("/v1/messages/count_tokens")
+        async def messages_count_tokens(raw: Request):
+            """Anthropic's messages.count_tokens: the prompt tokens of a /v1/messages body (no engine work)."""
+            return await messages_serving.count_tokens(_json_body(await raw.body()))
 
     if cfg.disable_fastapi_docs:  # vLLM's --disable-fastapi-docs: neither page is served
         return

@@ -19,13 +19,13 @@ from moeserve.entrypoints.vllm_fields import REFUSED
 FIELDS = json.load(open(os.path.join(os.path.dirname(__file__), "vllm_request_fields.json")))
 MODELS = {"CompletionRequest": CompletionRequest, "ChatCompletionRequest": ChatCompletionRequest}
 # a non-default value of each refused field, as a client would send it
-REFUSED_VALUES = {"use_beam_search": True, "length_penalty": 2.0, "logprob_token_ids": [1], "return_tokens_as_token_ids": True,
+REFUSED_VALUES = {"use_beam_search": True, "length_penalty": 2.0, "logprob_token_ids": [1],
                   "return_token_offsets": True, "spaces_between_special_tokens": False, "prompt_embeds": "AAAA",
                   "mm_payload": "raw", "return_mm_kwargs": True, "mm_processor_kwargs": {"a": 1},
                   "media_io_kwargs": {"a": 1}, "ec_transfer_params": {"a": 1}, "repetition_detection": {"a": 1},
                   "routed_experts_prompt_start": 3, "session_id": "s", "stream_interval": 4,
                   "thinking_token_budget": 10, "vllm_xargs": {"a": 1}, "watermarking": {"a": 1}, "request_id": "r1",
-                  "chat_template": "{{ 1 }}", "documents": [{"a": "b"}], "reasoning_effort": "low",
+                  "chat_template": "{{ 1 }}", "documents": [{"a": "b"}],
                   "include_reasoning": False, "return_prompt_text": True}
 
 
