@@ -5,14 +5,16 @@ Part 1 (always): B rows of float32 logits [B, --vocab] shaped like a model's (bf
 compute_logits gives them), B in --batches, every row with its own mix of parameters (MIX below: greedy,
 temperature, top-k, top-p, min-p, logprobs, a seed on 1 row in 8). Per batch: the old loop (copied below,
 unchanged but for the names) and Sampler are first checked to draw the same tokens for the seeded and
-greedy rows; then each is timed --repeats times, alternating, in this thread's CPU time; printed: the
-median ms per step, the spread (min..max as % of the median) and old / new.
+greedy rows; then each is timed --repeats times, alternating, in this thread's CPU time, with the new sampler
+also on the same rows without the seed ("new, no seed": every sampled row on the candidate path); printed:
+the median ms per step, the spread (min..max as % of the median) and the median of the per-repeat old / new.
 
 Part 2 (--decode): LLM on the V3-shaped checkpoint of benchmarks/decode_speed.py (compiled decode unless
---eager), --decode-batch requests of --prompt-len tokens, --new-tokens each (ignore_eos), once greedy and
-once with the same MIX of parameters (plus penalties), alternating --repeats times; decode tok/s = batch x
-(new - 1) / (generate time - the same prefill alone), thread CPU time; printed per repeat and as the
-median of the per-repeat ratios mixed / greedy.
+--eager), --decode-batch requests of --prompt-len tokens, --new-tokens each (ignore_eos), greedy, with the
+MIX of parameters plus penalties on 2 rows in 8 ("mixed"), and the same without the seed ("mixed-no-seed":
+every sampled row on the candidate path), alternating, --repeats times; decode tok/s = batch x (new - 1) /
+(generate time - the same prefill alone), thread CPU time; printed per repeat and as the median of the
+per-repeat ratios to greedy.
 
 Figures, never pass/fail. The machine may be shared: run it briefly (the defaults take about a minute for
 part 1 and a few minutes for part 2) and read the spread.
@@ -138,7 +140,7 @@ def sampler_part(a) -> None:
     g = torch.Generator().manual_seed(0)
     print(f"sampling per step: vocab {a.vocab}, float32 logits with bfloat16 values, {torch.get_num_threads()} "
           f"thread(s), thread CPU time, median of {a.repeats} (spread min..max)")
-    print(f"{'batch':>5} {'old ms':>20} {'new ms':>20} {'old/new':>8}")
+    print(f"{'batch':>5} {'old ms':>20} {'new ms':>20} {'old/new':>8} {'new, no seed ms':>20} {'old/new':>8}")
     for batch in a.batches:
         params = mixed_params(batch)
         logits = model_like_logits(batch, a.vocab, g)
@@ -151,17 +153,23 @@ def sampler_part(a) -> None:
         fixed = [i for i, p in enumerate(params) if p.seed is not None or p.greedy]
         if [want[i] for i in fixed] != [got[i] for i in fixed]:
             raise SystemExit(f"batch {batch}: seeded or greedy rows drew other tokens; not timing")
+        unseeded = mixed_params(batch, seeds=False)
         old_s, new_s = OldSampler(0), Sampler(0)
         old_g, new_g = gens(), gens()
-        old_s(logits, params, old_g), new_s(logits, params, new_g)  # warm-up
-        times = {"old": [], "new": []}
+        runs = (("old", old_s, params, old_g), ("new", new_s, params, new_g),
+                ("new, no seed", new_s, unseeded, [None] * batch))
+        for _, s, ps, gs in runs:  # warm-up
+            s(logits, ps, gs)
+        times = {name: [] for name, *_ in runs}
         for _ in range(a.repeats):
-            for name, s, gs in (("old", old_s, old_g), ("new", new_s, new_g)):
+            for name, s, ps, gs in runs:
                 t0 = CLOCK()
-                s(logits, params, gs)
+                s(logits, ps, gs)
                 times[name].append((CLOCK() - t0) * 1e3)
         ratio = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
-        print(f"{batch:>5} {spread(times['old']):>20} {spread(times['new']):>20} {ratio:>7.1f}x", flush=True)
+        ratio_ns = statistics.median(o / n for o, n in zip(times["old"], times["new, no seed"]))
+        print(f"{batch:>5} {spread(times['old']):>20} {spread(times['new']):>20} {ratio:>7.1f}x "
+              f"{spread(times['new, no seed']):>20} {ratio_ns:>7.1f}x", flush=True)
 
 
 def decode_part(a) -> None:
@@ -172,9 +180,13 @@ def decode_part(a) -> None:
     b = a.decode_batch
     llm = LLM(path, dtype="bfloat16", max_model_len=1024, max_num_seqs=b, max_num_batched_tokens=4096,
               enable_prefix_caching=False, enforce_eager=a.eager)
-    greedy = [SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)] * b
-    mixed = [SamplingParams(**{**p.__dict__, "max_tokens": a.new_tokens, "ignore_eos": True})
-             for p in mixed_params(b, penalties=True)]
+
+    def decoding(params):
+        return [SamplingParams(**{**p.__dict__, "max_tokens": a.new_tokens, "ignore_eos": True}) for p in params]
+
+    variants = {"greedy": decoding([SamplingParams(temperature=0)] * b),
+                "mixed": decoding(mixed_params(b, penalties=True)),  # MIX + penalties, a seed on 1 row in 8
+                "mixed-no-seed": decoding(mixed_params(b, seeds=False, penalties=True))}
     one = SamplingParams(temperature=0, max_tokens=1)
 
     def tps(params, salt):
@@ -186,17 +198,22 @@ def decode_part(a) -> None:
         llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         return b * (a.new_tokens - 1) / max(CLOCK() - t0 - prefill, 1e-9)
 
-    tps(greedy, 0), tps(mixed, 0)  # warm-up
-    ratios, runs = [], {"greedy": [], "mixed": []}
+    for params in variants.values():  # warm-up
+        tps(params, 0)
+    runs: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(a.repeats):
-        g, m = tps(greedy, r + 1), tps(mixed, r + 1)
-        runs["greedy"].append(g)
-        runs["mixed"].append(m)
-        ratios.append(m / g)
-        print(f"repeat {r}: greedy {g:7.1f} tok/s, mixed {m:7.1f} tok/s, mixed/greedy {m / g:.3f}", flush=True)
-    print(f"batch {b} decode ({'eager' if a.eager else 'compiled'}), {a.new_tokens} new tokens: "
-          f"greedy {spread(runs['greedy'])} tok/s, mixed {spread(runs['mixed'])} tok/s, mixed/greedy median "
-          f"{statistics.median(ratios):.3f} (per repeat {', '.join(f'{x:.3f}' for x in ratios)})")
+        for k, params in variants.items():
+            runs[k].append(tps(params, r + 1))
+        print(f"repeat {r}: " + ", ".join(f"{k} {runs[k][-1]:7.1f} tok/s" for k in variants)
+              + "".join(f", {k}/greedy {runs[k][-1] / runs['greedy'][-1]:.3f}" for k in variants if k != "greedy"),
+              flush=True)
+    print(f"batch {b} decode ({'eager' if a.eager else 'compiled'}), {a.new_tokens} new tokens, tok/s median "
+          f"(spread): " + ", ".join(f"{k} {spread(v)}" for k, v in runs.items()))
+    for k in variants:
+        if k != "greedy":
+            ratios = [m / g for m, g in zip(runs[k], runs["greedy"])]
+            print(f"  {k}/greedy: median {statistics.median(ratios):.3f} (per repeat "
+                  f"{', '.join(f'{x:.3f}' for x in ratios)})")
 
 
 def main() -> None:
