@@ -93,6 +93,7 @@ class SchedulerConfig:
 
 MOE_COMMS = ("auto", "alltoall", "allgather")
 MOE_COMM_DTYPES = ("bfloat16", "int8")
+MOE_COMM_HIERARCHIES = ("flat", "two-stage")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -110,6 +111,8 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     moe_comm: str = "auto"  # auto: alltoall with EP, allgather/reduce-scatter without
     moe_comm_dtype: str = "bfloat16"  # dispatch payload: activations as they are, or int8 + per-token scales
+    moe_comm_hierarchy: str = "flat"  # two-stage: allgather / reduce-scatter across nodes, then inside each
+    moe_node_size: int | None = None  # EP ranks per node for the MoE collectives (None: D x T / --nnodes)
     flashcomm: str = "off"  # attention TP: "on" = ReduceScatter + AllGather, "int8" = INT8 AllGather
     num_redundant_experts: int = 0
     shared_expert_ranks: int = 0  # EP ranks holding only the shared experts (layers/moe/placement.py)
@@ -131,6 +134,19 @@ class ParallelConfig:
         _require(self.moe_comm in MOE_COMMS, f"--moe-comm must be one of {', '.join(MOE_COMMS)}, got {self.moe_comm!r}")
         _require(self.moe_comm_dtype in MOE_COMM_DTYPES, f"--moe-comm-dtype must be one of "
                  f"{', '.join(MOE_COMM_DTYPES)}, got {self.moe_comm_dtype!r}")
+        _require(self.moe_comm_hierarchy in MOE_COMM_HIERARCHIES, f"--moe-comm-hierarchy must be one of "
+                 f"{', '.join(MOE_COMM_HIERARCHIES)}, got {self.moe_comm_hierarchy!r}")
+        node = self.moe_node_ranks
+        _require(self.moe_node_size is None or (node >= 1 and self.world_size % node == 0),
+                 f"--ranks-per-node {self.moe_node_size} must divide the {self.world_size} ranks "
+                 "(--data-parallel-size x --tensor-parallel-size)")
+        _require(self.moe_comm_hierarchy == "flat" or self.resolved_moe_comm == "allgather",
+                 "--moe-comm-hierarchy two-stage is built for --moe-comm allgather (gather across nodes, then "
+                 "inside each); add --moe-comm allgather")
+        _require(self.moe_comm_hierarchy == "flat" or 1 < node < self.world_size,
+                 "--moe-comm-hierarchy two-stage needs more than one node of more than one rank: use --nnodes > 1, "
+                 f"or --ranks-per-node N (N dividing the {self.world_size} ranks, 1 < N < {self.world_size}) to "
+                 "group the ranks of one machine into simulated nodes")
         _require(self.flashcomm in ("off", "on", "int8"),
                  f"--flashcomm must be one of off, on, int8, got {self.flashcomm!r}")
         _require(self.flashcomm == "off" or self.tensor_parallel_size > 1,
@@ -183,6 +199,11 @@ class ParallelConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    @property
+    def moe_node_ranks(self) -> int:
+        """Ranks per node as the MoE collectives see them: --ranks-per-node (simulated nodes), else the real."""
+        return self.moe_node_size if self.moe_node_size is not None else self.ranks_per_node
 
     @property
     def resolved_moe_comm(self) -> str:

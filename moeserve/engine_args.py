@@ -54,7 +54,8 @@ SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",),
                "gpu_memory_utilization": ("--device-memory-utilization",),
                "data_parallel_size_local": ("-dpl",), "data_parallel_start_rank": ("-dpr",),
                "data_parallel_address": ("-dpa",), "data_parallel_rpc_port": ("-dpp",),
-               "data_parallel_backend": ("-dpb",)}  # vLLM's
+               "data_parallel_backend": ("-dpb",),
+               "moe_node_size": ("--ranks-per-node",)}  # vLLM's short forms; --ranks-per-node is moeserve's
 
 
 def human_readable_int(text: str) -> int:
@@ -108,6 +109,11 @@ ENGINE_HELP = {
     "kv_transfer_config": 'prefill/decode disaggregation over NIXL as JSON, e.g. \'{"kv_connector": "nixl"}\'',
     "moe_comm": "auto|alltoall|allgather: how MoE layers move tokens between EP ranks",
     "moe_comm_dtype": "bfloat16|int8 payload of the MoE dispatch",
+    "moe_comm_hierarchy": "flat|two-stage: with --moe-comm allgather over several nodes, gather across nodes "
+                          "(one rank per node per group) then inside each node, and reduce-scatter the mirror way: "
+                          "inter-node links carry each byte once",
+    "moe_node_size": "EP ranks per node for the MoE collectives (default: D x T / --nnodes); on one machine it "
+                     "groups the ranks into simulated nodes",
     "flashcomm": "off|on|int8: with TP, ReduceScatter + (INT8) AllGather instead of AllReduce",
     "num_redundant_experts": "extra routed-expert replicas (EPLB)",
     "shared_expert_ranks": "N of the EP ranks hold only the shared experts (every token's shared-expert row is "
@@ -212,6 +218,8 @@ class EngineArgs:
     kv_transfer_config: dict | str | None = None  # JSON string on the CLI, a dict from LLM(...)
     moe_comm: str = "auto"
     moe_comm_dtype: str = "bfloat16"
+    moe_comm_hierarchy: str = "flat"
+    moe_node_size: int | None = None
     flashcomm: str = "off"
     num_redundant_experts: int = 0
     shared_expert_ranks: int = 0

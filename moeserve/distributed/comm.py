@@ -116,13 +116,13 @@ class GroupCoordinator:
         full = self.all_gather(padded).view(self.world_size, max(sizes), *x.shape[1:])
         return torch.cat([full[r, :n] for r, n in enumerate(sizes)])
 
-    def reduce_scatter(self, x: torch.Tensor, async_op: bool = False):
+    def reduce_scatter(self, x: torch.Tensor, async_op: bool = False, kind: str = "reduce_scatter"):
         """Sum x [W * n, ...] over ranks and keep this rank's [n, ...] share (and a work handle)."""
         if self.world_size == 1:
             return (x, None) if async_op else x
         assert x.shape[0] % self.world_size == 0 and x.is_contiguous()
         out = x.new_empty((x.shape[0] // self.world_size,) + tuple(x.shape[1:]))
-        STATS.add_bytes("reduce_scatter", _nbytes(x) * (self.world_size - 1) // self.world_size)
+        STATS.add_bytes(kind, _nbytes(x) * (self.world_size - 1) // self.world_size)
         work = dist.reduce_scatter_tensor(out, x, group=self.group, async_op=async_op)
         return (out, work) if async_op else out
 

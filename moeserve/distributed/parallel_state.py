@@ -72,6 +72,15 @@ def get_ep_group(micro_batch: int = 0) -> GroupCoordinator:
     return _group("ep") if micro_batch == 0 or "ep_mb1" not in _GROUPS else _group("ep_mb1")
 
 
+def get_ep_hierarchy(micro_batch: int = 0) -> tuple[GroupCoordinator, GroupCoordinator] | None:
+    """--moe-comm-hierarchy two-stage: (this rank's node group, its cross-node group of the ranks with the same
+    local index), or None for the flat schedule."""
+    mb = "_mb1" if micro_batch and "ep_node_mb1" in _GROUPS else ""
+    if "ep_node" + mb not in _GROUPS:
+        return None
+    return _GROUPS["ep_node" + mb], _GROUPS["ep_cross" + mb]
+
+
 def get_eplb_group() -> GroupCoordinator:
     """Online EPLB's weight transfers: a process group of their own (the EP ranks) when --enable-eplb, so they
     travel while the next step's MoE collectives run on the EP group."""
@@ -158,7 +167,14 @@ def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
         _GROUPS["eplb"] = GroupCoordinator("ep", world, rank, dist.new_group(world, timeout=timeout), device)
     if parallel.enable_dbo and len(world) > 1:
         _GROUPS["ep_mb1"] = GroupCoordinator("ep", world, rank, dist.new_group(world, timeout=timeout), device)
-    for name, groups in (("tp", tp_groups), ("dp", dp_groups)):
+    named = [("tp", tp_groups), ("dp", dp_groups)]
+    if parallel.moe_comm_hierarchy == "two-stage":  # the MoE collectives' node and cross-node groups
+        size = parallel.moe_node_ranks
+        nodes = [world[n:n + size] for n in range(0, len(world), size)]
+        cross = [[node[i] for node in nodes] for i in range(size)]  # one rank per node: the same local index
+        for mb in ("", "_mb1") if parallel.enable_dbo else ("",):  # DBO's micro-batch 1 talks on groups of its own
+            named += [("ep_node" + mb, nodes), ("ep_cross" + mb, cross)]
+    for name, groups in named:
         for ranks in groups:
             pg = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:

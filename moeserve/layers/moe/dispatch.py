@@ -14,7 +14,9 @@ rank `experts` is the shared MLP (layers/moe/layer.py SharedExpertsAsSlot).
 - AllToAllDispatcher: each (token, choice) pair's row goes to the rank owning its slot (all_to_all with
   per-rank split sizes), the expert outputs come back the same way and are weighted and summed here.
 - AllGatherDispatcher: all ranks' tokens are gathered, each rank computes the pairs whose slot it holds
-  (or, with TP-sharded experts, its intermediate slice of every pair) and reduce-scatter returns the sums.
+  (or, with TP-sharded experts, its intermediate slice of every pair) and reduce-scatter returns the sums;
+  TwoStageAllGatherDispatcher (--moe-comm-hierarchy two-stage) does both in two stages, across nodes and
+  inside them, so that inter-node links carry each byte once.
 Dispatch payloads go through a PayloadCodec: the identity, or Int8PayloadCodec (--moe-comm-dtype int8:
 int8 rows + one float32 scale per row, sent as two concurrent collectives, ~half the bytes). The way back
 (combine) always travels in the activation dtype.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.distributed.comm import GroupCoordinator, timed
+from moeserve.distributed.comm import STATS, GroupCoordinator, timed
 from moeserve.layers.moe.experts import FusedExperts
 from moeserve.layers.moe.placement import LayerPlacement
 
@@ -165,9 +167,14 @@ class _AGHandle:
 
 
 class AllGatherDispatcher(_Dispatcher):
-    def __init__(self, group: GroupCoordinator, placement: LayerPlacement, codec: PayloadCodec | None = None):
+    """Flat schedule: one all-gather over all EP ranks, one reduce-scatter back. node_size (ranks per node,
+    real or --ranks-per-node) only splits the byte counters by link class: moe_intra_node / moe_inter_node."""
+
+    def __init__(self, group: GroupCoordinator, placement: LayerPlacement, codec: PayloadCodec | None = None,
+                 node_size: int | None = None):
         self.group, self.placement = group, placement
         self.codec = codec or PayloadCodec()
+        self.node_size = node_size or group.world_size
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> _AGHandle:
         with timed("dispatch"):
@@ -176,15 +183,12 @@ class AllGatherDispatcher(_Dispatcher):
             width = int(sizes.max())
             padded = [_pad(p, width) for p in self.codec.encode(x)]
             meta = [_pad(weights, width), _pad(phys_ids, width, fill=-1)]
-            gathered = [self.group.all_gather(p, async_op=True) for p in padded + meta]
+            gathered = self._gather_start(padded + meta)
         return _AGHandle(x.dtype, t, width, gathered)
 
     def combine_start(self, h: _AGHandle, experts: FusedExperts) -> tuple:
         with timed("dispatch"):
-            for _, work in h.gathered:
-                if work is not None:
-                    work.wait()
-            tensors = [t for t, _ in h.gathered]
+            tensors = self._gather_finish(h.gathered)
             x = self.codec.decode(tensors[:-2])  # [W*width, H]
             weights, phys = tensors[-2], tensors[-1]  # [W*width, k]
         with timed("experts"):
@@ -193,7 +197,7 @@ class AllGatherDispatcher(_Dispatcher):
             rows = x.repeat_interleave(k, dim=0)
             partial = experts(rows, local.reshape(-1), weights.reshape(-1)).view(-1, k, x.shape[1]).sum(dim=1)
         with timed("combine"):
-            return self.group.reduce_scatter(partial.to(h.dtype).contiguous(), async_op=True), h.num_tokens
+            return self._scatter_start(partial.to(h.dtype).contiguous()), h.num_tokens
 
     def combine_finish(self, pending: tuple) -> torch.Tensor:
         (out, work), num_tokens = pending
@@ -202,11 +206,67 @@ class AllGatherDispatcher(_Dispatcher):
                 work.wait()
             return out[:num_tokens]
 
+    # The schedule: how the padded parts reach every rank and how the partial sums come back.
+    def _gather_start(self, parts: list[torch.Tensor]) -> list:
+        w, node = self.group.world_size, self.node_size
+        for p in parts:
+            _count_links(p, intra=node - 1, inter=w - node)
+        return [self.group.all_gather(p, async_op=True) for p in parts]
+
+    def _gather_finish(self, gathered: list) -> list[torch.Tensor]:
+        for _, work in gathered:
+            if work is not None:
+                work.wait()
+        return [t for t, _ in gathered]
+
+    def _scatter_start(self, partial: torch.Tensor) -> tuple:
+        w, node = self.group.world_size, self.node_size
+        _count_links(partial, intra=(node - 1) / w, inter=(w - node) / w)
+        return self.group.reduce_scatter(partial, async_op=True)
+
     def _local_slots(self, phys: torch.Tensor) -> torch.Tensor:
         if self.placement.experts_tp_sharded:
             return phys  # every slot is here (sliced); padding stays -1
         mine = (phys >= 0) & (self.placement.rank_of(phys) == self.placement.rank)
         return torch.where(mine, self.placement.local_slot(phys), torch.full_like(phys, -1))
+
+
+class TwoStageAllGatherDispatcher(AllGatherDispatcher):
+    """--moe-comm-hierarchy two-stage over M nodes of L ranks: the padded parts are gathered first across nodes
+    (cross group: the M ranks with this rank's local index), then inside the node, so each byte crosses to
+    another node once (inter-node bytes (M-1)/(W-L) of the flat gather's; intra-node ones grow to match). The
+    partial sums come back the mirror way: reduce-scatter inside the node, then across nodes. The gathered rows
+    are ordered (local index, node) instead of by rank, which nothing depends on: each row carries its routing."""
+
+    def __init__(self, group: GroupCoordinator, placement: LayerPlacement, codec: PayloadCodec | None,
+                 node: GroupCoordinator, cross: GroupCoordinator):
+        super().__init__(group, placement, codec, node.world_size)
+        self.node, self.cross = node, cross
+
+    def _gather_start(self, parts: list[torch.Tensor]) -> list:
+        for p in parts:
+            _count_links(p, intra=0, inter=self.cross.world_size - 1)
+        return [self.cross.all_gather(p, async_op=True) for p in parts]  # [M * width, ...] each
+
+    def _gather_finish(self, gathered: list) -> list[torch.Tensor]:
+        across = super()._gather_finish(gathered)
+        for t in across:
+            _count_links(t, intra=self.node.world_size - 1, inter=0)
+        return [self.node.all_gather(t) for t in across]  # [L * M * width, ...], (local index, node) order
+
+    def _scatter_start(self, partial: torch.Tensor) -> tuple:
+        nodes, size = self.cross.world_size, self.node.world_size
+        _count_links(partial, intra=(size - 1) / size, inter=0)
+        mine = self.node.reduce_scatter(partial)  # [M * width, H]: this local index's rows of every node
+        _count_links(mine, intra=0, inter=(nodes - 1) / nodes)
+        return self.cross.reduce_scatter(mine, async_op=True)  # [width, H]: this rank's own tokens
+
+
+def _count_links(t: torch.Tensor, intra: float, inter: float) -> None:
+    """Bytes this rank sends for a collective over tensor t, by link class: intra / inter times t's bytes."""
+    nbytes = t.numel() * t.element_size()
+    STATS.add_bytes("moe_intra_node", int(nbytes * intra))
+    STATS.add_bytes("moe_inter_node", int(nbytes * inter))
 
 
 def _pad(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
@@ -216,11 +276,16 @@ def _pad(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
 
 
 def make_dispatcher(comm: str, group: GroupCoordinator, placement: LayerPlacement,
-                    codec: PayloadCodec | None = None):
+                    codec: PayloadCodec | None = None, node_size: int | None = None,
+                    hierarchy: tuple[GroupCoordinator, GroupCoordinator] | None = None):
+    """hierarchy: (node, cross-node) groups of --moe-comm-hierarchy two-stage; node_size: ranks per node, for
+    the link-class byte counters of the flat schedule."""
     if comm == "local" or group.world_size == 1:
         return LocalDispatcher()  # nothing travels: the payload dtype does not apply
     if comm == "alltoall":
         return AllToAllDispatcher(group, placement, codec)
     if comm == "allgather":
-        return AllGatherDispatcher(group, placement, codec)
+        if hierarchy is not None:
+            return TwoStageAllGatherDispatcher(group, placement, codec, *hierarchy)
+        return AllGatherDispatcher(group, placement, codec, node_size)
     raise ValueError(f"unknown MoE communication {comm!r}")

@@ -11,13 +11,14 @@ from torch import nn
 
 from moeserve.distributed.comm import timed
 from moeserve.distributed.flashcomm import current_seq_parallel
-from moeserve.distributed.parallel_state import get_ep_group, get_tp_group
+from moeserve.distributed.parallel_state import get_ep_group, get_ep_hierarchy, get_tp_group
 from moeserve.layers.mlp import DenseMLP
 from moeserve.layers import opaque
 from moeserve.layers.moe.dispatch import LocalDispatcher, make_codec, make_dispatcher
 from moeserve.layers.moe.experts import FusedExperts
 from moeserve.layers.moe.load_stats import current_recorder
-from moeserve.layers.moe.placement import ExpertMap, current_comm_dtype, current_layer_placement
+from moeserve.layers.moe.placement import (ExpertMap, current_comm_dtype, current_layer_placement,
+                                           current_node_size)
 from moeserve.layers.moe.router import Router
 from moeserve.models.config import DeepseekArch
 
@@ -42,9 +43,11 @@ class MoE(nn.Module):
                                if arch.n_shared_experts and holds_shared else None)
         self.placement = placement
         codec = make_codec(current_comm_dtype())
-        self.dispatcher = make_dispatcher(comm, ep, placement, codec)
-        mb1 = get_ep_group(micro_batch=1)  # --enable-dbo: micro-batch 1's own process group
-        self.dispatchers = [self.dispatcher] + ([make_dispatcher(comm, mb1, placement, codec)] if mb1 is not ep else [])
+        node = current_node_size()
+        self.dispatcher = make_dispatcher(comm, ep, placement, codec, node, get_ep_hierarchy())
+        mb1 = get_ep_group(micro_batch=1)  # --enable-dbo: micro-batch 1's own process groups
+        self.dispatchers = [self.dispatcher] + (
+            [make_dispatcher(comm, mb1, placement, codec, node, get_ep_hierarchy(micro_batch=1))] if mb1 is not ep else [])
         self.op_key = opaque.register(self)
 
     @property

@@ -121,6 +121,7 @@ class MoePlan:
     comm: str  # "local", "alltoall" or "allgather"
     layers: dict[int, LayerPlacement]
     comm_dtype: str = "bfloat16"  # dispatch payload: "bfloat16" (activation dtype) or "int8" (+ scales)
+    node_size: int | None = None  # EP ranks per node (real or --ranks-per-node): link classes of the bytes
 
     def layer(self, idx: int) -> LayerPlacement:
         return self.layers[idx]
@@ -182,7 +183,7 @@ def build_plan(parallel: ParallelConfig, arch, rank: int, mtp: bool = False) -> 
                               "ranks; use --enable-expert-parallel or another --data/--tensor-parallel-size")
         ident = tuple(range(e))
         return MoePlan("allgather", {i: LayerPlacement(ident, world, rank, True) for i in moe_layers},
-                       parallel.moe_comm_dtype)
+                       parallel.moe_comm_dtype, parallel.moe_node_ranks)
     file_maps = _read_placement_file(parallel.expert_placement) if parallel.expert_placement else {}
     layers = {}
     for i in moe_layers:
@@ -195,7 +196,8 @@ def build_plan(parallel: ParallelConfig, arch, rank: int, mtp: bool = False) -> 
                               f"= {e + r}; make them agree")
         validate_map(phys, e, routed_world, where)
         layers[i] = LayerPlacement(tuple(phys), world, rank, num_shared_ranks=shared)
-    return MoePlan("local" if world == 1 else parallel.resolved_moe_comm, layers, parallel.moe_comm_dtype)
+    return MoePlan("local" if world == 1 else parallel.resolved_moe_comm, layers, parallel.moe_comm_dtype,
+                   parallel.moe_node_ranks)
 
 
 def _read_placement_file(path: str) -> dict:
@@ -243,6 +245,11 @@ def moe_plan_context(plan: MoePlan):
 def current_comm_dtype() -> str:
     plan = _CURRENT.get()
     return "bfloat16" if plan is None else plan.comm_dtype
+
+
+def current_node_size() -> int | None:
+    plan = _CURRENT.get()
+    return None if plan is None else plan.node_size
 
 
 def current_layer_placement(layer_idx: int, num_experts: int) -> tuple[str, LayerPlacement]:
