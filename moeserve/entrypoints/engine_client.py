@@ -66,6 +66,14 @@ def _params_text(params: SamplingParams) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in vars(params).items() if v != getattr(default, k, None))
 
 
+def admission_reason(out) -> str | None:
+    """The queue bound (vllm:admission_rejections' reason) an engine-core refusal names, if it is one."""
+    from moeserve.entrypoints.engine_core_proc import ADMISSION_FLAGS
+    if out.error_kind != "overloaded" or not out.error:
+        return None
+    return next((reason for reason, flag in ADMISSION_FLAGS.items() if flag in out.error), None)
+
+
 class EngineClient:
     def __init__(self, address: str, tokenizer, eos_token_ids: list[int], client_index: int = 0,
                  metrics=None, stall_timeout: float = 5.0) -> None:
@@ -314,6 +322,9 @@ class EngineClient:
                 if out.error:
                     self.processor.states.pop(out.request_id, None)
                     st.queue.put_nowait(EngineRequestError(out.error, out.error_kind or "invalid", out.retry_after_s))
+                    reason = admission_reason(out)
+                    if reason is not None and self.metrics:
+                        self.metrics.admission_rejected(reason)
                     continue
                 delta, hit_stop = self.processor.process(out)
                 if hit_stop:

@@ -33,6 +33,11 @@ KV_POLL_S = 0.002
 EXIT_RANK_DIED = 3  # the exit code when a DP/TP rank process died or stopped answering  # how often an engine with nothing to compute polls its KV transfers (PD)
 
 
+# The admission bounds this process enforces -> the flag its refusal names (vllm:admission_rejections' reason;
+# the API server reads the reason back from the message, engine_client.admission_reason)
+ADMISSION_FLAGS = {"max_num_queued_reqs": "(--max-num-queued-reqs)", "max_waiting_requests": "(--max-waiting-requests)"}
+
+
 class EngineCoreProc:
     def __init__(self, core, address: str, engine_index: int = 0, max_waiting_requests: int | None = None,
                  max_num_queued_reqs: int | None = None, log_stats: bool = True):
@@ -144,12 +149,12 @@ class EngineCoreProc:
     def _add(self, ident: bytes, req: EngineCoreRequest) -> None:
         if self.max_in_flight is not None and len(self.owner) >= self.max_in_flight:
             self._refuse(ident, req, f"the server is overloaded: {self.max_in_flight} requests are already in "
-                                     "flight (--max-num-queued-reqs); retry later")
+                                     f"flight {ADMISSION_FLAGS['max_num_queued_reqs']}; retry later")
             return
         if self.max_waiting is not None and self.core.num_waiting >= self.max_waiting:
             err = EngineCoreOutput(req.request_id, [], finish_reason="abort", error_kind="overloaded",
                                    error=f"the server is overloaded: {self.max_waiting} requests are already "
-                                         "waiting (--max-waiting-requests); retry later")
+                                         f"waiting {ADMISSION_FLAGS['max_waiting_requests']}; retry later")
             self._send(ident, MSG_OUTPUTS, EngineCoreOutputs([err], self.core.stats(), self.engine_index))
             return
         self.owner[req.request_id] = ident

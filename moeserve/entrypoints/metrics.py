@@ -35,6 +35,11 @@ REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+WAITING_REASONS = ("capacity", "deferred")  # vLLM's num_requests_waiting_by_reason
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's engine_sleep_state
+CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")  # vLLM's CacheHitSource
+# vLLM's admission_rejections reasons, and moeserve's own bound (--max-waiting-requests)
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "max_waiting_requests")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -123,6 +128,28 @@ class ServerMetrics:
         self.prefill_computed = histogram("vllm:request_prefill_kv_computed_tokens",
                                           "Histogram of new KV tokens computed during prefill "
                                           "(excluding cached tokens).", tokens)
+        # vLLM's: waiting requests by reason (all wait for capacity here: nothing defers a request), the
+        # engine's sleep state (`moeserve serve` never sleeps its engine: awake), cached prompt tokens by the
+        # tier that held them (the KV pool: device), admission rejections by the bound that refused them, the
+        # most tokens any of a request's n samples generated
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason. Reason "
+                          "labels: 'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient "
+                          "constraints. Sum of all reasons equals vllm:num_requests_waiting.",
+                          names + ["reason"], multiprocess_mode="mostrecent")
+        self.waiting_by_reason = {r: by_reason.labels(**self._labels, reason=r) for r in WAITING_REASONS}
+        sleep = Gauge("vllm:engine_sleep_state", "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 "
+                      "means engine is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
+                      "level 2.", names + ["sleep_state"], multiprocess_mode="mostrecent")
+        for state in SLEEP_STATES:
+            sleep.labels(**self._labels, sleep_state=state).set(1 if state == "awake" else 0)
+        cached_by_source = Counter("vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache tier "
+                                   "that supplied them.", names + ["source"])
+        self.cached_by_source = {s: cached_by_source.labels(**self._labels, source=s) for s in CACHE_HIT_SOURCES}
+        rejections = Counter("vllm:admission_rejections", "Number of admission attempts rejected by a queue limit, "
+                             "by reason.", ["model_name", "reason"])
+        self.admission_rejections = {r: rejections.labels(model_name=model_name, reason=r) for r in ADMISSION_REASONS}
+        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
+                                               "Histogram of maximum number of requested generation tokens.", tokens)
         self.spec = SpecDecodeMetrics(self._labels)
         # moeserve's own, beside vLLM's
         self.engine_alive = Gauge("moeserve:engine_alive", "1 while the engine core answers",
@@ -145,6 +172,8 @@ class ServerMetrics:
     def set_engine_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.waiting_by_reason["capacity"].set(stats.num_waiting)
+        self.waiting_by_reason["deferred"].set(0)
         self.kv_usage.set(stats.kv_cache_usage)
         if self.client_index == 0:
             if self._preemptions_seen is not None and stats.num_preemptions > self._preemptions_seen:
@@ -177,6 +206,7 @@ class ServerMetrics:
         self.prompt_tokens_cached.inc(st.num_cached)
         self.prompt_by_source["local_compute"].inc(computed)
         self.prompt_by_source["local_cache_hit"].inc(st.num_cached)
+        self.cached_by_source["device"].inc(st.num_cached)
 
     def observe_finished(self, st, outcome: str) -> None:
         """st: the engine client's per-request timing record (_Stream); outcome: stop, length, abort, error."""
@@ -197,6 +227,14 @@ class ServerMetrics:
                              ("inference", prefill + decode)):
             self.phases[phase].observe(value)
         self.tpot.observe(decode / (st.num_tokens - 1) if st.num_tokens > 1 else 0.0)
+
+    def observe_max_generation(self, num_tokens: int) -> None:
+        """A request (all its n samples) finished: the most tokens one of its samples generated (vLLM's)."""
+        self.max_generation_tokens.observe(num_tokens)
+
+    def admission_rejected(self, reason: str) -> None:
+        """The engine core refused a request at a queue bound (reason: one of ADMISSION_REASONS)."""
+        self.admission_rejections[reason].inc()
 
     def http_error(self, status: int) -> None:
         self.http_errors.labels(model_name=self._model, status=str(status)).inc()

@@ -103,6 +103,7 @@ class Child:
     slo_ms: tuple = (None, None)  # the request's (TTFT, TPOT) targets for SLO-aware admission
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list | None = None  # TokenLogprobsMsg per prompt token 1.. (prompt_logprobs requests)
+    siblings: dict | None = None  # the n samples of one prompt: {"left": unfinished, "max": most tokens}
     priority: int = 0  # --scheduling-policy priority: lower runs first
     cache_salt: str | None = None  # prefix-cache sharing only among requests with the same salt
 
@@ -245,11 +246,13 @@ class Serving:
         base = f"{prefix}-{uuid.uuid4().hex}"
         children = []
         for p, ids in enumerate(prompts):
+            siblings = {"left": params.n, "max": 0}
             for i in range(params.n):
                 child = params.for_sample(i)
                 children.append(Child(p * params.n + i, f"{base}-{p}-{i}", ids, child,
                                       kv_transfer_params=kv_transfer_params, slo_ms=getattr(req, "slo_ms", (None, None)),
-                                      priority=getattr(req, "priority", 0), cache_salt=getattr(req, "cache_salt", None)))
+                                      priority=getattr(req, "priority", 0), cache_salt=getattr(req, "cache_salt", None),
+                                      siblings=siblings))
         return children
 
     @staticmethod
@@ -294,9 +297,22 @@ class Serving:
             child.text_offsets.extend(delta.text_offsets)
             if delta.finished:
                 child.finish_reason, child.stop_reason = delta.finish_reason, delta.stop_reason
+                self._sample_finished(child)
             if sink is not None:
                 sink.put_nowait((child, delta))
         return child
+
+    def _sample_finished(self, child: Child) -> None:
+        """vllm:request_max_num_generation_tokens: once all n samples of a prompt finished, the most tokens one
+        of them generated (vLLM records it per request, its parallel samples together)."""
+        group = child.siblings
+        if group is None:
+            return
+        group["left"] -= 1
+        group["max"] = max(group["max"], len(child.token_ids))
+        metrics = getattr(self.client, "metrics", None)
+        if group["left"] == 0 and metrics is not None:
+            metrics.observe_max_generation(group["max"])
 
     async def collect(self, children: list[Child], raw: Request) -> list[Child]:
         """Run every child to the end; cancel all of them if one fails or the client disconnects."""

@@ -59,6 +59,9 @@ def test_full_waiting_queue_answers_503(server, model):
         with pytest.raises(openai.APIStatusError) as e:
             c.completions.create(model=model, prompt="y", max_tokens=2)
         assert e.value.status_code == 503 and "--max-waiting-requests" in e.value.message
+        # vLLM's vllm:admission_rejections, with moeserve's bound as the reason
+        assert server.wait_metric("vllm:admission_rejections_total", lambda v: v == 1) == 1
+        assert server.metric("vllm:admission_rejections_total", reason="max_waiting_requests") == 1
     waiting.join(120)  # the hung-up stream frees the slot, the waiting request runs to the end
     assert not waiting.is_alive()
     assert c.completions.create(model=model, prompt="y", max_tokens=2).usage.completion_tokens >= 1

@@ -78,3 +78,59 @@ def test_no_moeserve_duplicates_of_vllm_names(openai_server):
     ours = {n.split(":", 1)[1] for n in fams if n.startswith("moeserve:")}
     theirs = {n.split(":", 1)[1] for n in fams if n.startswith("vllm:")}
     assert not ours & theirs, ours & theirs
+
+
+def test_vllm_metrics_moeserve_lacked(openai_server, client, model):
+    """The metrics vLLM always exports that moeserve lacked (issue 33), with vLLM's labels and meaning."""
+    before = _families(openai_server)
+    assert before["vllm:engine_sleep_state"].type == "gauge"
+    sleep = {s.labels["sleep_state"]: s.value for s in before["vllm:engine_sleep_state"].samples}
+    assert sleep == {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    assert {s.labels["source"] for s in before["vllm:prompt_tokens_cached_by_source"].samples
+            if s.name.endswith("_total")} == {"device", "host", "p2p", "disk", "external_unspecified"}
+    assert {s.labels["reason"] for s in before["vllm:admission_rejections"].samples if s.name.endswith("_total")} \
+        >= {"max_num_queued_reqs", "max_num_queued_tokens"}
+    by_reason = {s.labels["reason"]: s.value for s in before["vllm:num_requests_waiting_by_reason"].samples}
+    assert set(by_reason) == {"capacity", "deferred"}
+    assert sum(by_reason.values()) == _sum(before["vllm:num_requests_waiting"])
+    cached0 = _sum(before["vllm:prompt_tokens_cached_by_source"], "_total", source="device")
+    count0 = _sum(before["vllm:request_max_num_generation_tokens"], "_count")
+    total0 = _sum(before["vllm:request_max_num_generation_tokens"], "_sum")
+    prompt = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"
+    # n=2 samples of one prompt, both to max_tokens: one observation of the larger count (vLLM's, per request)
+    client.completions.create(model=model, prompt=prompt, max_tokens=5, n=2, temperature=1.0, seed=3,
+                              extra_body={"ignore_eos": True})
+    again = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    fams = _families(openai_server)
+    assert _sum(fams["vllm:request_max_num_generation_tokens"], "_count") - count0 == 2
+    assert _sum(fams["vllm:request_max_num_generation_tokens"], "_sum") - total0 == 5 + 3
+    assert _buckets(fams["vllm:request_max_num_generation_tokens"]) == [1, 2, 5, 10, 20, 50, 100, 200]
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    assert _sum(fams["vllm:prompt_tokens_cached_by_source"], "_total", source="device") - cached0 >= cached
+    for s in fams["vllm:request_max_num_generation_tokens"].samples:
+        assert s.labels.get("model_name") == model and s.labels.get("engine") == "0"
+
+
+def test_admission_rejections_count_the_queue_bound(ckpt_dir):
+    """--max-num-queued-reqs 1 and four requests at once: those that come while another is in flight get a
+    503, each counted by vLLM's vllm:admission_rejections{reason="max_num_queued_reqs"}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.entrypoints.server import ServerProcess
+    server = ServerProcess(ckpt_dir("v3"), "--max-num-queued-reqs", "1", "--max-num-seqs", "1", "--max-model-len",
+                           "512", "--dtype", "float32", "--served-model-name", "m")
+    try:
+        body = {"model": "m", "prompt": "x", "max_tokens": 100, "ignore_eos": True}
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda _: httpx.post(server.base_url + "/completions", json=body, timeout=120),
+                                    range(4)))
+        refused = [r for r in answers if r.status_code == 503]
+        assert refused and all(r.status_code in (200, 503) for r in answers)
+        assert all("--max-num-queued-reqs" in r.json()["error"]["message"] for r in refused)
+        assert server.wait_metric("vllm:admission_rejections_total", lambda v: v == len(refused)) == len(refused)
+        assert server.metric("vllm:admission_rejections_total", reason="max_num_queued_reqs") == len(refused)
+        assert server.metric("vllm:admission_rejections_total", reason="max_num_queued_tokens") == 0
+    finally:
+        server.stop()
