@@ -46,6 +46,34 @@ MAX_BACKOFF_S = 30.0
 ENGINE_STOP_S = 10.0  # after SIGTERM, before SIGKILL
 
 
+def describe_config(config, server: ServerConfig, engine_args: EngineArgs) -> str:
+    """The resolved configuration in one line, as vLLM logs it at start ("Initializing a V1 LLM engine ... with
+    config: model=..., tensor_parallel_size=..."), with moeserve's layout terms (EP, MoE transport, nodes)."""
+    from moeserve import __version__
+
+    m, c, s, p, q = config.model, config.cache, config.scheduler, config.parallel, config.quant
+    spec = config.speculative
+    kvt = config.kv_transfer
+    pool = (f"{c.num_kv_blocks} blocks" if c.num_kv_blocks else f"{c.kv_cache_memory} bytes" if c.kv_cache_memory
+            else f"gpu_memory_utilization {c.gpu_memory_utilization}" if c.gpu_memory_utilization else "default")
+    fields = {
+        "model": repr(m.model), "served_model_name": list(server.served_model_names),
+        "tokenizer": repr(m.tokenizer or m.model), "dtype": m.dtype, "max_seq_len": s.max_model_len,
+        "quantization": q.method, "checkpoint_format": q.checkpoint_format, "kv_cache_dtype": c.cache_dtype,
+        "tensor_parallel_size": p.tensor_parallel_size, "data_parallel_size": p.data_parallel_size,
+        "enable_expert_parallel": p.enable_expert_parallel, "moe_comm": p.resolved_moe_comm,
+        "nnodes": p.nnodes, "node_rank": p.node_rank,
+        "speculative_config": f"{spec.method}(num_speculative_tokens={spec.num_speculative_tokens})" if spec else None,
+        "kv_transfer_config": f"{kvt.kv_connector}({kvt.kv_role})" if kvt else None,
+        "enforce_eager": m.enforce_eager, "decode_graph_sizes": m.decode_graph_sizes,
+        "block_size": c.block_size, "kv_pool": pool, "enable_prefix_caching": c.enable_prefix_caching,
+        "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+        "enable_chunked_prefill": s.enable_chunked_prefill, "scheduling_policy": s.policy,
+        "enable_eplb": p.enable_eplb, "num_redundant_experts": p.num_redundant_experts, "seed": m.seed,
+    }
+    return f"Initializing moeserve {__version__} engine with config: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+
+
 class Deployment:
     def __init__(self, engine_args: EngineArgs, server: ServerConfig, ready_timeout: float = 600.0) -> None:
         from moeserve.engine.launch import TorchrunEnv, check_parallel_layout, needs_ranks
@@ -65,6 +93,7 @@ class Deployment:
                              "detokenize); use it with LLM(skip_tokenizer_init=True)")
         if needs_ranks(self.config.parallel, TorchrunEnv.detect()):
             check_parallel_layout(self.config, arch)  # here, not as a failure in the engine-core process
+        logger.info("%s", describe_config(self.config, server, engine_args))
         tokenizer_path = self.config.model.tokenizer or path
         eos = eos_token_ids(load_tokenizer(tokenizer_path), arch.eos_token_ids, read_generation_config(path))
         self.listener = _listen(server.host, server.port)

@@ -104,5 +104,10 @@ def test_the_mtp_recipe_serves_by_its_id(hub):
         assert r.json()["model"] == REPO and r.json()["usage"]["completion_tokens"] == 8
         assert server.wait_metric("vllm:spec_decode_num_drafts_total", lambda v: v > 0) > 0
         assert any("--trust-remote-code has no effect here" in line for line in server.lines)
+        # the resolved configuration at start, as vLLM logs it
+        (start,) = [line for line in server.lines if "engine with config: " in line]
+        for words in (f"served_model_name=['{REPO}']", "speculative_config=mtp(num_speculative_tokens=1)",
+                      "tensor_parallel_size=1", "data_parallel_size=1", "max_seq_len=1024", "quantization=None"):
+            assert words in start, start
     finally:
         server.stop()
