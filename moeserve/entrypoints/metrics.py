@@ -53,14 +53,34 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         scale *= 10
 
 
+# vLLM 0.32's CacheConfig.metrics_info() keys, in its order, with vLLM's defaults: what moeserve does not have
+# (Mamba state, sliding windows, offloading, layouts) reports the value vLLM reports for a model without it
+VLLM_CACHE_INFO_DEFAULTS = {
+    "block_size": "16", "user_specified_block_size": "True", "kv_cache_layout": "None", "prefix_match_unit": "None",
+    "gpu_memory_utilization": "None", "cache_dtype": "auto", "is_attention_free": "False",
+    "num_gpu_blocks_override": "None", "sliding_window": "None", "enable_prefix_caching": "True",
+    "prefix_caching_hash_algo": "sha256", "prefix_cache_retention_interval": "0", "kv_cache_dtype_skip_layers": "[]",
+    "mamba_page_size_padded": "None", "skip_page_size_padded": "None", "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "mamba_cache_mode": "none",
+    "enable_mamba_shared_prefix_checkpoint": "False", "replayssm_buffer_len": "16", "use_replayssm": "False",
+    "use_kda_recoverssm": "False", "num_gpu_blocks": "None", "num_cpu_blocks": "None",
+    "effective_attention_block_size": "None", "kv_cache_size_tokens": "None", "kv_cache_max_concurrency": "None",
+    "hash_block_size": "None", "cache_hit_alignment_tokens": "None", "kv_sharing_fast_prefill": "False",
+    "swa_bounded_replay": "True", "kv_cache_memory_bytes": "None", "kv_offloading_size": "None",
+    "kv_offloading_backend": "native", "_block_size_resolved": "True",
+}
+
+
 def cache_config_info(config) -> dict[str, str]:
-    """The labels of vllm:cache_config_info from an EngineConfig (vLLM's CacheConfig field names)."""
+    """The labels of vllm:cache_config_info from an EngineConfig: vLLM's 36 CacheConfig keys, moeserve's values
+    where it has the setting (the pool's size in blocks is added when the engine is ready)."""
     c = config.cache
-    return {"block_size": str(c.block_size), "cache_dtype": getattr(c, "cache_dtype", "auto"),
-            "enable_prefix_caching": str(c.enable_prefix_caching),
+    return {**VLLM_CACHE_INFO_DEFAULTS, "block_size": str(c.block_size),
+            "cache_dtype": getattr(c, "cache_dtype", "auto"), "enable_prefix_caching": str(c.enable_prefix_caching),
             "gpu_memory_utilization": str(c.gpu_memory_utilization),
-            "kv_cache_memory_bytes": str(c.kv_cache_memory),
-            "num_gpu_blocks_override": str(c.num_kv_blocks)}
+            "kv_cache_memory_bytes": str(c.kv_cache_memory), "num_gpu_blocks_override": str(c.num_kv_blocks),
+            "effective_attention_block_size": str(c.block_size), "hash_block_size": str(c.block_size),
+            "cache_hit_alignment_tokens": str(c.block_size), "num_cpu_blocks": "0"}
 
 
 class ServerMetrics:
@@ -70,6 +90,7 @@ class ServerMetrics:
         self._model = model_name
         self._labels = {"model_name": model_name, "engine": "0"}  # one engine front (DP ranks summed)
         self._cache_info = {k: str(v) for k, v in (cache_info or {}).items()}
+        self._max_model_len = max_model_len
         self._cache_config_gauge: Gauge | None = None
         names = list(self._labels)
         gauge = {"multiprocess_mode": "mostrecent", "labelnames": names}
@@ -163,7 +184,9 @@ class ServerMetrics:
 
     def engine_ready(self, num_kv_blocks: int) -> None:
         """vllm:cache_config_info: a gauge at 1 whose labels are the cache configuration (as vLLM's)."""
-        info = {**self._cache_info, "num_gpu_blocks": str(num_kv_blocks), "engine": "0"}
+        tokens = num_kv_blocks * int(self._cache_info.get("block_size", "16"))
+        info = {**self._cache_info, "num_gpu_blocks": str(num_kv_blocks), "kv_cache_size_tokens": str(tokens),
+                "kv_cache_max_concurrency": str(round(tokens / self._max_model_len, 2)), "engine": "0"}
         if self._cache_config_gauge is None:  # once per process: a restarted engine core is ready again
             self._cache_config_gauge = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                              list(info), multiprocess_mode="mostrecent")

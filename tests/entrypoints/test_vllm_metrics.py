@@ -3,6 +3,7 @@ buckets.py), so dashboards, aiperf and vLLM-aware routers that scrape vLLM read 
 from __future__ import annotations
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 # name -> prometheus type, as vLLM exposes them (families, without _total/_bucket suffixes)
@@ -24,6 +25,19 @@ TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                    240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+# captured from vLLM 0.32: CacheConfig(block_size=16).metrics_info().keys()
+VLLM_CACHE_INFO_KEYS = (
+    "block_size", "user_specified_block_size", "kv_cache_layout", "prefix_match_unit", "gpu_memory_utilization",
+    "cache_dtype", "is_attention_free", "num_gpu_blocks_override", "sliding_window", "enable_prefix_caching",
+    "prefix_caching_hash_algo", "prefix_cache_retention_interval", "kv_cache_dtype_skip_layers",
+    "mamba_page_size_padded", "skip_page_size_padded", "mamba_block_size", "mamba_cache_dtype",
+    "mamba_ssm_cache_dtype", "mamba_cache_mode", "enable_mamba_shared_prefix_checkpoint", "replayssm_buffer_len",
+    "use_replayssm", "use_kda_recoverssm", "num_gpu_blocks", "num_cpu_blocks", "effective_attention_block_size",
+    "kv_cache_size_tokens", "kv_cache_max_concurrency", "hash_block_size", "cache_hit_alignment_tokens",
+    "kv_sharing_fast_prefill", "swa_bounded_replay", "kv_cache_memory_bytes", "kv_offloading_size",
+    "kv_offloading_backend", "_block_size_resolved")
 
 
 def _families(server) -> dict:
@@ -69,6 +83,11 @@ def test_vllm_names_labels_and_buckets(openai_server, client, model):
     assert _sum(fams["vllm:iteration_tokens_total"], "_sum") - it_before >= r.usage.completion_tokens
     info = [s.labels for s in fams["vllm:cache_config_info"].samples]
     assert info and info[0]["block_size"] == "16" and int(info[0]["num_gpu_blocks"]) > 0
+    # vLLM's 36 CacheConfig labels (its CacheConfig(block_size=16).metrics_info() keys), and engine
+    assert set(info[0]) == set(VLLM_CACHE_INFO_KEYS) | {"engine"} and len(VLLM_CACHE_INFO_KEYS) == 36
+    assert int(info[0]["kv_cache_size_tokens"]) == 16 * int(info[0]["num_gpu_blocks"])
+    assert float(info[0]["kv_cache_max_concurrency"]) == pytest.approx(int(info[0]["kv_cache_size_tokens"]) / 256,
+                                                                       abs=0.01)
     assert "moeserve:engine_alive" in fams  # moeserve's own beside vLLM's
 
 
