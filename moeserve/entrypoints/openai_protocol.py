@@ -6,6 +6,7 @@ gives the same messages offline and online.
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import Literal
@@ -17,6 +18,8 @@ from moeserve.engine.slo import MAX_SLO_MS
 from moeserve.sampling_params import SamplingParams, SamplingParamsError
 from moeserve.structured.params import StructuredOutputsParams, compile_params
 from moeserve.structured.regex import PatternError
+
+_log = logging.getLogger("moeserve.requests")
 
 MAX_N = 128  # choices per request; each one is a separate engine request
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,18}", re.ASCII)  # a logit_bias key: ASCII digits, no sign or leading 0
@@ -121,6 +124,18 @@ class _Strict(BaseModel):
     def _null_is_omitted(cls, data):
         # The OpenAI API lets clients send null for any optional field: it means "use the default".
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data, handler):
+        """vLLM's: the fields a request sent that no model field reads (OpenAI's store, metadata,
+        service_tier, a client's own extras) are ignored, and named in one DEBUG line per request."""
+        result = handler(data)
+        if isinstance(data, dict):
+            ignored = sorted(set(data) - set(cls.model_fields))
+            if ignored:
+                _log.debug("The following fields were present in the request but ignored: %s", ignored)
+        return result
 
 
 class StreamOptions(_Strict):
@@ -437,6 +452,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError("\"auto\" tool choice needs a server started with --enable-auto-tool-choice and "
                            "--tool-call-parser; or send tool_choice \"required\", \"none\" or a named function",
                            param="tool_choice")
+        if choice == "auto" and not self.parallel_tool_calls:
+            _log.debug("parallel_tool_calls false is ignored with tool_choice auto: every call the model writes "
+                       "is returned (vLLM's)")
         return choice
 
     def tool_dicts(self) -> list[dict] | None:

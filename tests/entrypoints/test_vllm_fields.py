@@ -135,3 +135,23 @@ def test_echo_with_max_tokens_zero_scores_the_prompt(client, model):
     assert len(c.logprobs.tokens) == r.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="echo"):
         client.completions.create(model=model, prompt="x", max_tokens=0)
+
+
+def test_ignored_fields_are_named_at_debug(caplog):
+    """vLLM's: fields no model field reads (OpenAI's store, metadata, service_tier, a client's extras) are ignored
+    and named in one DEBUG line per request; parallel_tool_calls false with auto tools too."""
+    import logging
+    body = {"messages": [{"role": "user", "content": "hi"}], "store": True, "metadata": {"a": "b"},
+            "service_tier": "auto", "x_client_extra": 1, "max_tokens": 2}
+    with caplog.at_level(logging.DEBUG, logger="moeserve.requests"):
+        ChatCompletionRequest.model_validate(body)
+    lines = [r.getMessage() for r in caplog.records if "present in the request but ignored" in r.getMessage()]
+    assert len(lines) == 1 and all(k in lines[0] for k in ("store", "metadata", "service_tier", "x_client_extra"))
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="moeserve.requests"):
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                              "parallel_tool_calls": False}).tool_mode(True)
+    assert not any("present in the request but ignored" in r.getMessage() for r in caplog.records)
+    assert any("parallel_tool_calls false is ignored" in r.getMessage() for r in caplog.records)
