@@ -16,6 +16,10 @@ every sampled row on the candidate path), alternating, --repeats times; decode t
 (generate time - the same prefill alone), thread CPU time; printed per repeat and as the median of the
 per-repeat ratios to greedy.
 
+Part 2 also runs on an older tree (the old sampler in the engine), e.g. the commit before moeserve/sample:
+`git archive 22b2f4d | tar -x -C /tmp/old && cp benchmarks/sampling.py /tmp/old/benchmarks/ && cd /tmp/old &&
+python benchmarks/sampling.py --decode-only` (a plain export; the script imports the tree it sits in).
+
 Figures, never pass/fail. The machine may be shared: run it briefly (the defaults take about a minute for
 part 1 and a few minutes for part 2) and read the spread.
 
@@ -34,7 +38,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moeserve.sample import Sampler  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 
 CLOCK = time.thread_time
@@ -137,6 +140,8 @@ def model_like_logits(batch: int, vocab: int, g: torch.Generator) -> torch.Tenso
 
 
 def sampler_part(a) -> None:
+    from moeserve.sample import Sampler  # here: part 2 alone also runs on a tree from before moeserve/sample
+
     g = torch.Generator().manual_seed(0)
     print(f"sampling per step: vocab {a.vocab}, float32 logits with bfloat16 values, {torch.get_num_threads()} "
           f"thread(s), thread CPU time, median of {a.repeats} (spread min..max)")
