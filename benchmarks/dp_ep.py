@@ -1,12 +1,14 @@
 """MoE communication of data-parallel attention + expert parallelism: alltoall vs allgather, D = 2 and 4.
 
 Usage: python benchmarks/dp_ep.py [--layouts 1 2 4] [--batch 8] [--prompt-len 32] [--new-tokens 32] [--dbo]
-                                 [--shared-expert-ranks N] [--two-stage L]
+                                 [--shared-expert-ranks N] [--two-stage L] [--pipeline-chunks K ...]
 (--dbo: each D > 1 layout also runs with --enable-dbo, two micro-batches per step; --shared-expert-ranks N:
 each D > N + 1 layout also runs with the shared expert on N ranks of its own; --two-stage L: each allgather
 layout with D > L also runs with --moe-comm-hierarchy two-stage over simulated nodes of L ranks. Those rows'
 ratio column compares with the same layout without the option; the inter-node column is the bytes per token
-per MoE layer that crossed (simulated) nodes of L ranks.)
+per MoE layer that crossed (simulated) nodes of L ranks. --pipeline-chunks K ...: each D > 1 layout also runs
+with --moe-pipeline-chunks K for each K > 1 given; the overlap column is the share of the experts' time that
+ran with another chunk's transfer still in flight.)
 For each layout it runs the same greedy batch through LLM(...) and prints
   - decode tokens/s and its ratio to the single-process engine measured in the same run;
   - bytes sent per token per MoE layer by the MoE collectives, next to the formula:
@@ -37,10 +39,12 @@ PHASES = ("attention", "router", "dispatch", "experts", "combine", "shared_exper
 
 
 def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: int, dbo: bool = False,
-        shared: int = 0, node: int | None = None, two_stage: bool = False) -> dict:
+        shared: int = 0, node: int | None = None, two_stage: bool = False, chunks: int = 1) -> dict:
     from moeserve import LLM
 
     kw = dict(data_parallel_size=d, enable_expert_parallel=True, moe_comm=comm, enable_dbo=dbo) if d > 1 else {}
+    if chunks > 1:
+        kw.update(moe_pipeline_chunks=chunks)
     if node and d > 1:  # the node size counts bytes by link class; two-stage also changes the schedule
         kw.update(moe_node_size=node, moe_comm_hierarchy="two-stage" if two_stage else "flat")
     if shared:  # routed experts over the other D - shared ranks, with the fewest replicas that make them divide
@@ -57,8 +61,11 @@ def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: i
     moe_layers = SHRUNK["num_hidden_layers"] - SHRUNK["first_k_dense_replace"]
     bytes_ = {k: after["bytes"].get(k, 0) - before["bytes"].get(k, 0) for k in after["bytes"]}
     secs = {k: after["seconds"].get(k, 0.0) - before["seconds"].get(k, 0.0) for k in PHASES}
+    overlap = after["seconds"].get("moe_overlap", 0.0) - before["seconds"].get("moe_overlap", 0.0)
     return dict(layout=f"D={d} {comm}" + (" dbo" if dbo else "") + (f" shared{shared}" if shared else "")
-                + (" two-stage" if two_stage else ""), d=d, comm=comm, dbo=dbo, shared=shared, two_stage=two_stage,
+                + (" two-stage" if two_stage else "") + (f" K={chunks}" if chunks > 1 else ""), d=d, comm=comm,
+                dbo=dbo, shared=shared, two_stage=two_stage, chunks=chunks,
+                overlap_share=overlap / secs["experts"] if secs["experts"] else 0.0,
                 decode_tps=batch * (new_tokens - 1) / decode_s,
                 inter_node_per_token_layer=bytes_.get("moe_inter_node", 0) / (processed * moe_layers),
                 bytes_per_token_layer=sum(bytes_.get(k, 0) for k in MOE_KINDS) / (processed * moe_layers),
@@ -115,6 +122,8 @@ def main() -> None:
     ap.add_argument("--dbo", action="store_true", help="also run each D > 1 layout with --enable-dbo")
     ap.add_argument("--shared-expert-ranks", type=int, default=0,
                     help="also run each D > N + 1 layout with --shared-expert-ranks N")
+    ap.add_argument("--pipeline-chunks", type=int, nargs="+", default=[], metavar="K",
+                    help="also run each D > 1 layout with --moe-pipeline-chunks K")
     ap.add_argument("--two-stage", type=int, default=None, metavar="L",
                     help="simulated nodes of L ranks: also run each allgather layout with D > L two-stage")
     ap.add_argument("--threads", type=int, default=1,
@@ -134,25 +143,29 @@ def main() -> None:
                 results.append(run(path, d, comm, args.batch, args.prompt_len, args.new_tokens, node=node,
                                    two_stage=True))
                 print(f"done {results[-1]['layout']}", file=sys.stderr)
+            for k in (k for k in args.pipeline_chunks if k > 1 and d > 1):
+                results.append(run(path, d, comm, args.batch, args.prompt_len, args.new_tokens, chunks=k))
+                print(f"done {results[-1]['layout']}", file=sys.stderr)
             n = args.shared_expert_ranks
             if n and d > n + 1:
                 results.append(run(path, d, comm, args.batch, args.prompt_len, args.new_tokens, shared=n))
                 print(f"done {results[-1]['layout']}", file=sys.stderr)
     base = next((r for r in results if r["d"] == 1), None)
     print(f"{'layout':<28}{'decode tok/s':>13}{'vs D=1':>8}{'B/token/layer':>15}{'formula':>10}{'inter-node':>11}"
-          "  phase share "
+          f"{'overlap':>8}  phase share "
           "(attention router dispatch experts combine shared)")
     for r in results:
         ref = base
-        if r["dbo"] or r["shared"] or r["two_stage"]:  # against the same layout without the option
+        if r["dbo"] or r["shared"] or r["two_stage"] or r["chunks"] > 1:  # against the layout without the option
             ref = next(x for x in results if x["d"] == r["d"] and x["comm"] == r["comm"] and not x["dbo"]
-                       and not x["shared"] and not x["two_stage"])
+                       and not x["shared"] and not x["two_stage"] and x["chunks"] == 1)
         ratio = r["decode_tps"] / ref["decode_tps"] if ref else float("nan")
         tot = sum(r["seconds"].values()) or 1.0
         share = " ".join(f"{100 * r['seconds'][p] / tot:4.0f}%" for p in PHASES)
         same = "" if base is None or r["tokens"] == base["tokens"] else "  (tokens differ from D=1)"
         print(f"{r['layout']:<28}{r['decode_tps']:>13.1f}{ratio:>8.2f}{r['bytes_per_token_layer']:>15.0f}"
-              f"{r['formula']:>10.0f}{r['inter_node_per_token_layer']:>11.0f}  {share}{same}")
+              f"{r['formula']:>10.0f}{r['inter_node_per_token_layer']:>11.0f}{100 * r['overlap_share']:>7.0f}%"
+              f"  {share}{same}")
     if args.json:
         print(json.dumps([{k: v for k, v in r.items() if k != "tokens"} for r in results], indent=1))
 

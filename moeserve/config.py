@@ -113,6 +113,7 @@ class ParallelConfig:
     moe_comm_dtype: str = "bfloat16"  # dispatch payload: activations as they are, or int8 + per-token scales
     moe_comm_hierarchy: str = "flat"  # two-stage: allgather / reduce-scatter across nodes, then inside each
     moe_node_size: int | None = None  # EP ranks per node for the MoE collectives (None: D x T / --nnodes)
+    moe_pipeline_chunks: int = 1  # dispatch -> experts -> combine over this many chunks of tokens, overlapped
     flashcomm: str = "off"  # attention TP: "on" = ReduceScatter + AllGather, "int8" = INT8 AllGather
     num_redundant_experts: int = 0
     shared_expert_ranks: int = 0  # EP ranks holding only the shared experts (layers/moe/placement.py)
@@ -147,6 +148,10 @@ class ParallelConfig:
                  "--moe-comm-hierarchy two-stage needs more than one node of more than one rank: use --nnodes > 1, "
                  f"or --ranks-per-node N (N dividing the {self.world_size} ranks, 1 < N < {self.world_size}) to "
                  "group the ranks of one machine into simulated nodes")
+        _require(self.moe_pipeline_chunks >= 1, f"--moe-pipeline-chunks must be >= 1, got {self.moe_pipeline_chunks}")
+        _require(self.moe_pipeline_chunks == 1 or self.world_size > 1,
+                 "--moe-pipeline-chunks overlaps the MoE transfers between ranks with the experts' compute: it "
+                 "needs --data-parallel-size x --tensor-parallel-size > 1")
         _require(self.flashcomm in ("off", "on", "int8"),
                  f"--flashcomm must be one of off, on, int8, got {self.flashcomm!r}")
         _require(self.flashcomm == "off" or self.tensor_parallel_size > 1,

@@ -114,6 +114,8 @@ ENGINE_HELP = {
                           "inter-node links carry each byte once",
     "moe_node_size": "EP ranks per node for the MoE collectives (default: D x T / --nnodes); on one machine it "
                      "groups the ranks into simulated nodes",
+    "moe_pipeline_chunks": "K > 1: each MoE layer's dispatch -> experts -> combine over K chunks of tokens, later "
+                           "chunks' transfers in flight while a chunk computes",
     "flashcomm": "off|on|int8: with TP, ReduceScatter + (INT8) AllGather instead of AllReduce",
     "num_redundant_experts": "extra routed-expert replicas (EPLB)",
     "shared_expert_ranks": "N of the EP ranks hold only the shared experts (every token's shared-expert row is "
@@ -220,6 +222,7 @@ class EngineArgs:
     moe_comm_dtype: str = "bfloat16"
     moe_comm_hierarchy: str = "flat"
     moe_node_size: int | None = None
+    moe_pipeline_chunks: int = 1
     flashcomm: str = "off"
     num_redundant_experts: int = 0
     shared_expert_ranks: int = 0

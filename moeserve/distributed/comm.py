@@ -139,13 +139,15 @@ class GroupCoordinator:
                                       group=self.group, async_op=async_op)
         return (out, work) if async_op else out
 
-    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
-        """send_counts [W] rows this rank sends to each rank -> rows it will receive from each."""
+    def exchange_counts(self, send_counts: torch.Tensor) -> list:
+        """send_counts [W] rows this rank sends to each rank -> rows it will receive from each; or [C, W] for
+        C chunks at once (one collective) -> [C][W]."""
         if self.world_size == 1:
             return send_counts.tolist()
-        recv = self.all_to_all(send_counts.to(self.device).contiguous(), [1] * self.world_size,
-                               [1] * self.world_size, kind="counts")
-        return recv.tolist()
+        per_rank = send_counts.reshape(-1, self.world_size).t().contiguous()  # [W, C]: row r goes to rank r
+        recv = self.all_to_all(per_rank.to(self.device), [1] * self.world_size, [1] * self.world_size,
+                               kind="counts")  # [W, C]: row r came from rank r
+        return recv.t().tolist() if send_counts.dim() == 2 else recv.view(-1).tolist()
 
     def broadcast_bytes(self, payload: bytes | None, src: int = 0) -> bytes:
         """Send a msgspec-encoded message from group rank src to all (length first, then the bytes)."""

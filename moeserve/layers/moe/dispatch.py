@@ -23,6 +23,7 @@ int8 rows + one float32 scale per row, sent as two concurrent collectives, ~half
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -119,14 +120,24 @@ class AllToAllDispatcher(_Dispatcher):
         self.codec = codec or PayloadCodec()
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> _A2AHandle:
+        return self.dispatch_chunks([(x, weights, phys_ids)])[0]
+
+    def dispatch_chunks(self, chunks: list[tuple]) -> list[_A2AHandle]:
+        """Start the transfers of several (x, weights, phys_ids) chunks: one exchange of all their split sizes
+        (a blocking collective), then every chunk's rows in flight at once."""
         with timed("dispatch"):
-            k, w = phys_ids.shape[1], self.group.world_size
-            flat = phys_ids.reshape(-1)  # [T*k]
-            dest = self.placement.rank_of(flat)
+            w = self.group.world_size
+            dests = [self.placement.rank_of(p.reshape(-1)) for _, _, p in chunks]
+            sends = torch.stack([torch.bincount(d, minlength=w) for d in dests])  # [C, W]
+            recvs = self.group.exchange_counts(sends)
+            return [self._send(x, weights, phys_ids, dest, send.tolist(), recv)
+                    for (x, weights, phys_ids), dest, send, recv in zip(chunks, dests, sends, recvs)]
+
+    def _send(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor, dest: torch.Tensor,
+              send_counts: list[int], recv_counts: list[int]) -> _A2AHandle:
+        with timed("dispatch"):
+            k, flat = phys_ids.shape[1], phys_ids.reshape(-1)  # [T*k]
             order = dest.argsort(stable=True)  # pairs grouped by destination rank
-            send_counts_t = torch.bincount(dest, minlength=w)  # [W]
-            recv_counts = self.group.exchange_counts(send_counts_t)
-            send_counts = send_counts_t.tolist()
             rows = x[order // k]  # [T*k, H] in send order
             parts = [self.group.all_to_all(p, send_counts, recv_counts, async_op=True)
                      for p in self.codec.encode(rows)]
@@ -177,14 +188,20 @@ class AllGatherDispatcher(_Dispatcher):
         self.node_size = node_size or group.world_size
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> _AGHandle:
+        return self.dispatch_chunks([(x, weights, phys_ids)])[0]
+
+    def dispatch_chunks(self, chunks: list[tuple]) -> list[_AGHandle]:
+        """Start gathering several (x, weights, phys_ids) chunks: one all-gather of every chunk's row count
+        (blocking), then each chunk padded to its busiest rank and all of them in flight at once."""
         with timed("dispatch"):
-            t = x.shape[0]
-            sizes = self.group.all_gather(torch.tensor([t], device=self.group.device), kind="counts")
-            width = int(sizes.max())
-            padded = [_pad(p, width) for p in self.codec.encode(x)]
-            meta = [_pad(weights, width), _pad(phys_ids, width, fill=-1)]
-            gathered = self._gather_start(padded + meta)
-        return _AGHandle(x.dtype, t, width, gathered)
+            counts = torch.tensor([x.shape[0] for x, _, _ in chunks], device=self.group.device)
+            widths = self.group.all_gather(counts, kind="counts").view(-1, len(chunks)).amax(dim=0).tolist()
+            handles = []
+            for (x, weights, phys_ids), width in zip(chunks, widths):
+                padded = [_pad(p, width) for p in self.codec.encode(x)]
+                meta = [_pad(weights, width), _pad(phys_ids, width, fill=-1)]
+                handles.append(_AGHandle(x.dtype, x.shape[0], width, self._gather_start(padded + meta)))
+            return handles
 
     def combine_start(self, h: _AGHandle, experts: FusedExperts) -> tuple:
         with timed("dispatch"):
@@ -262,6 +279,47 @@ class TwoStageAllGatherDispatcher(AllGatherDispatcher):
         return self.cross.reduce_scatter(mine, async_op=True)  # [width, H]: this rank's own tokens
 
 
+class PipelinedDispatcher(_Dispatcher):
+    """--moe-pipeline-chunks K: the tokens split into K chunks (in order; some may be empty, every rank
+    issues K of everything), all chunks' transfers started at dispatch, then chunk by chunk: wait for its rows,
+    run the experts, start its way back, while the later chunks' rows and the earlier chunks' results are
+    still in flight. The time the experts ran with another chunk's transfer still in flight is added to the
+    phase timer "moe_overlap"."""
+
+    def __init__(self, inner: "AllToAllDispatcher | AllGatherDispatcher", chunks: int) -> None:
+        self.inner, self.chunks = inner, chunks
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> list:
+        parts = zip(x.tensor_split(self.chunks), weights.tensor_split(self.chunks), phys_ids.tensor_split(self.chunks))
+        return self.inner.dispatch_chunks([tuple(t.contiguous() for t in p) for p in parts])
+
+    def combine_start(self, handles: list, experts: FusedExperts) -> list:
+        pending = []
+        for i, h in enumerate(handles):
+            t0 = time.perf_counter()
+            pending.append(self.inner.combine_start(h, experts))
+            later = handles[i + 1:] + [p for p in pending[:-1]]
+            if any(_in_flight(x) for x in later):  # this chunk's compute ran under another's transfer
+                STATS.add_time("moe_overlap", time.perf_counter() - t0)
+        return pending
+
+    def combine_finish(self, pending: list) -> torch.Tensor:
+        return torch.cat([self.inner.combine_finish(p) for p in pending])
+
+
+def _in_flight(x) -> bool:
+    """Whether a transfer of a chunk (its dispatch handle or its pending way back) is still running."""
+    if isinstance(x, _A2AHandle):
+        transfers = x.parts + [x.slots]
+    elif isinstance(x, _A2AReturn):
+        transfers = [x.back]
+    elif isinstance(x, _AGHandle):
+        transfers = x.gathered
+    else:  # the allgather dispatchers' pending combine: ((out, work), num_tokens)
+        transfers = [x[0]]
+    return any(work is not None and not work.is_completed() for _, work in transfers)
+
+
 def _count_links(t: torch.Tensor, intra: float, inter: float) -> None:
     """Bytes this rank sends for a collective over tensor t, by link class: intra / inter times t's bytes."""
     nbytes = t.numel() * t.element_size()
@@ -277,15 +335,16 @@ def _pad(t: torch.Tensor, rows: int, fill=0) -> torch.Tensor:
 
 def make_dispatcher(comm: str, group: GroupCoordinator, placement: LayerPlacement,
                     codec: PayloadCodec | None = None, node_size: int | None = None,
-                    hierarchy: tuple[GroupCoordinator, GroupCoordinator] | None = None):
+                    hierarchy: tuple[GroupCoordinator, GroupCoordinator] | None = None, chunks: int = 1):
     """hierarchy: (node, cross-node) groups of --moe-comm-hierarchy two-stage; node_size: ranks per node, for
-    the link-class byte counters of the flat schedule."""
+    the link-class byte counters of the flat schedule; chunks: --moe-pipeline-chunks."""
     if comm == "local" or group.world_size == 1:
         return LocalDispatcher()  # nothing travels: the payload dtype does not apply
     if comm == "alltoall":
-        return AllToAllDispatcher(group, placement, codec)
-    if comm == "allgather":
-        if hierarchy is not None:
-            return TwoStageAllGatherDispatcher(group, placement, codec, *hierarchy)
-        return AllGatherDispatcher(group, placement, codec, node_size)
-    raise ValueError(f"unknown MoE communication {comm!r}")
+        inner = AllToAllDispatcher(group, placement, codec)
+    elif comm == "allgather":
+        inner = (TwoStageAllGatherDispatcher(group, placement, codec, *hierarchy) if hierarchy is not None
+                 else AllGatherDispatcher(group, placement, codec, node_size))
+    else:
+        raise ValueError(f"unknown MoE communication {comm!r}")
+    return PipelinedDispatcher(inner, chunks) if chunks > 1 else inner

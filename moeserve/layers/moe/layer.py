@@ -18,7 +18,7 @@ from moeserve.layers.moe.dispatch import LocalDispatcher, make_codec, make_dispa
 from moeserve.layers.moe.experts import FusedExperts
 from moeserve.layers.moe.load_stats import current_recorder
 from moeserve.layers.moe.placement import (ExpertMap, current_comm_dtype, current_layer_placement,
-                                           current_node_size)
+                                           current_node_size, current_pipeline_chunks)
 from moeserve.layers.moe.router import Router
 from moeserve.models.config import DeepseekArch
 
@@ -43,11 +43,12 @@ class MoE(nn.Module):
                                if arch.n_shared_experts and holds_shared else None)
         self.placement = placement
         codec = make_codec(current_comm_dtype())
-        node = current_node_size()
-        self.dispatcher = make_dispatcher(comm, ep, placement, codec, node, get_ep_hierarchy())
+        node, chunks = current_node_size(), current_pipeline_chunks()
+        self.dispatcher = make_dispatcher(comm, ep, placement, codec, node, get_ep_hierarchy(), chunks)
         mb1 = get_ep_group(micro_batch=1)  # --enable-dbo: micro-batch 1's own process groups
         self.dispatchers = [self.dispatcher] + (
-            [make_dispatcher(comm, mb1, placement, codec, node, get_ep_hierarchy(micro_batch=1))] if mb1 is not ep else [])
+            [make_dispatcher(comm, mb1, placement, codec, node, get_ep_hierarchy(micro_batch=1), chunks)]
+            if mb1 is not ep else [])
         self.op_key = opaque.register(self)
 
     @property

@@ -122,6 +122,7 @@ class MoePlan:
     layers: dict[int, LayerPlacement]
     comm_dtype: str = "bfloat16"  # dispatch payload: "bfloat16" (activation dtype) or "int8" (+ scales)
     node_size: int | None = None  # EP ranks per node (real or --ranks-per-node): link classes of the bytes
+    pipeline_chunks: int = 1  # --moe-pipeline-chunks
 
     def layer(self, idx: int) -> LayerPlacement:
         return self.layers[idx]
@@ -183,7 +184,7 @@ def build_plan(parallel: ParallelConfig, arch, rank: int, mtp: bool = False) -> 
                               "ranks; use --enable-expert-parallel or another --data/--tensor-parallel-size")
         ident = tuple(range(e))
         return MoePlan("allgather", {i: LayerPlacement(ident, world, rank, True) for i in moe_layers},
-                       parallel.moe_comm_dtype, parallel.moe_node_ranks)
+                       parallel.moe_comm_dtype, parallel.moe_node_ranks, parallel.moe_pipeline_chunks)
     file_maps = _read_placement_file(parallel.expert_placement) if parallel.expert_placement else {}
     layers = {}
     for i in moe_layers:
@@ -197,7 +198,7 @@ def build_plan(parallel: ParallelConfig, arch, rank: int, mtp: bool = False) -> 
         validate_map(phys, e, routed_world, where)
         layers[i] = LayerPlacement(tuple(phys), world, rank, num_shared_ranks=shared)
     return MoePlan("local" if world == 1 else parallel.resolved_moe_comm, layers, parallel.moe_comm_dtype,
-                   parallel.moe_node_ranks)
+                   parallel.moe_node_ranks, parallel.moe_pipeline_chunks)
 
 
 def _read_placement_file(path: str) -> dict:
@@ -250,6 +251,11 @@ def current_comm_dtype() -> str:
 def current_node_size() -> int | None:
     plan = _CURRENT.get()
     return None if plan is None else plan.node_size
+
+
+def current_pipeline_chunks() -> int:
+    plan = _CURRENT.get()
+    return 1 if plan is None else plan.pipeline_chunks
 
 
 def current_layer_placement(layer_idx: int, num_experts: int) -> tuple[str, LayerPlacement]:
