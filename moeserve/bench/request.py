@@ -24,6 +24,7 @@ class RequestResult:
     text: str = ""
     error: str = ""
     start: float = 0.0
+    queue_time: float = 0.0  # seconds it waited for a --max-concurrency slot before it was sent (vLLM's)
 
 
 def _payload(endpoint: str, model: str, prompt: str, max_tokens: int, extra: dict) -> dict:

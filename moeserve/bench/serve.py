@@ -44,8 +44,10 @@ async def run_requests(url: str, model: str, samples, rate: float, max_concurren
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits) as client:
         async def one(s) -> RequestResult:
+            arrival = time.perf_counter()
             async with sem:
                 r = await send(client, url, model, s.prompt, s.prompt_len, s.expected_output_len, extra, headers)
+            r.queue_time = max(0.0, r.start - arrival)
             bar.update(1)
             return r
 

