@@ -261,6 +261,9 @@ def _add_error_handlers(app: FastAPI, metrics) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
+        if "/v1/messages" in request.url.path:  # Anthropic's shape, as vLLM serves it there
+            body = {"type": "error", "error": {"type": e.body()["error"]["type"], "message": e.message}}
+            return answer(e.status, body, e.headers)
         return answer(e.status, e.body(), e.headers)
 
     @app.exception_handler(StarletteHTTPException)

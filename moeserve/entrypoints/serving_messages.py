@@ -9,6 +9,7 @@ _delta / _stop, message_delta and message_stop events.
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 
 from fastapi import Request
@@ -17,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, chat_request_from
 
 SERVED = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-          "tools", "tool_choice", "metadata", "chat_template_kwargs"}
+          "tools", "tool_choice", "metadata", "chat_template_kwargs", "thinking"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -86,7 +87,28 @@ def _tools(body: dict) -> dict:
 
 
 # /v1/messages/count_tokens (Anthropic's messages.count_tokens): what it reads of a body
-COUNT_SERVED = {"model", "messages", "system", "tools", "tool_choice", "chat_template_kwargs"}
+COUNT_SERVED = {"model", "messages", "system", "tools", "tool_choice", "chat_template_kwargs", "thinking"}
+_log = logging.getLogger("moeserve.requests")
+
+
+def _thinking(body: dict) -> dict:
+    """Anthropic's `thinking` as vLLM maps it: disabled -> reasoning_effort "none" (enable_thinking false for
+    the chat template); enabled (budget_tokens >= 1024) and adaptive are accepted, the budget is not enforced
+    (a DEBUG line says so). The reasoning a --reasoning-parser splits off comes back as thinking blocks."""
+    t = body.get("thinking")
+    if t is None:
+        return {}
+    kind = t.get("type") if isinstance(t, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise APIError("thinking.type must be enabled, disabled or adaptive", param="thinking")
+    if kind == "disabled":
+        return {"reasoning_effort": "none"}
+    if kind == "enabled":
+        budget = t.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
+            raise APIError("thinking.budget_tokens must be an integer >= 1024", param="thinking.budget_tokens")
+        _log.debug("thinking.budget_tokens %d is not enforced: thinking ends when the model ends it", budget)
+    return {}
 
 
 def to_chat_request(body: dict, count_only: bool = False) -> ChatCompletionRequest:
@@ -100,7 +122,7 @@ def to_chat_request(body: dict, count_only: bool = False) -> ChatCompletionReque
     if not isinstance(body.get("max_tokens"), int) or isinstance(body.get("max_tokens"), bool):
         raise APIError("'max_tokens' is required (an integer)", param="max_tokens")
     chat = {"model": body.get("model"), "messages": _messages(body), "max_tokens": body["max_tokens"],
-            "stream": bool(body.get("stream")), **_tools(body)}
+            "stream": bool(body.get("stream")), **_tools(body), **_thinking(body)}
     if body.get("stop_sequences"):
         chat["stop"] = body["stop_sequences"]
     return chat_request_from(chat, body, ("temperature", "top_p", "top_k", "chat_template_kwargs"))
@@ -145,7 +167,9 @@ class MessagesServing:
     def _message(self, mid: str, chat: dict) -> dict:
         choice = chat["choices"][0]
         msg = choice["message"]
-        content = [{"type": "text", "text": msg["content"]}] if msg.get("content") else []
+        content = [{"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""}] \
+            if msg.get("reasoning_content") else []
+        content += [{"type": "text", "text": msg["content"]}] if msg.get("content") else []
         content += [{"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                      "input": json.loads(c["function"]["arguments"] or "{}")} for c in msg.get("tool_calls") or []]
         reason, seq = _stop(choice, any(b["type"] == "tool_use" for b in content))
@@ -161,7 +185,7 @@ class MessagesServing:
         yield event("message_start", message={"id": mid, "type": "message", "role": "assistant", "content": [],
                                               "model": self.chat.model_name, "stop_reason": None,
                                               "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}})
-        index, text_open, reason, seq, usage = -1, False, "end_turn", None, {"output_tokens": 0}
+        index, open_kind, reason, seq, usage = -1, None, "end_turn", None, {"output_tokens": 0}
         tool_used = False
         async for raw in chunks:
             line = raw.strip()
@@ -176,16 +200,27 @@ class MessagesServing:
                          "output_tokens": chunk["usage"]["completion_tokens"]}
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta") or {}
+                if delta.get("reasoning_content"):
+                    if open_kind != "thinking":
+                        if open_kind is not None:
+                            yield event("content_block_stop", index=index)
+                        index, open_kind = index + 1, "thinking"
+                        yield event("content_block_start", index=index,
+                                    content_block={"type": "thinking", "thinking": "", "signature": ""})
+                    yield event("content_block_delta", index=index,
+                                delta={"type": "thinking_delta", "thinking": delta["reasoning_content"]})
                 if delta.get("content"):
-                    if not text_open:
-                        index, text_open = index + 1, True
+                    if open_kind != "text":
+                        if open_kind is not None:
+                            yield event("content_block_stop", index=index)
+                        index, open_kind = index + 1, "text"
                         yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
                     yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": delta["content"]})
                 for call in delta.get("tool_calls") or []:
                     tool_used = True
-                    if text_open:
+                    if open_kind is not None:
                         yield event("content_block_stop", index=index)
-                        text_open = False
+                        open_kind = None
                     index += 1
                     yield event("content_block_start", index=index, content_block={
                         "type": "tool_use", "id": call.get("id"), "name": call["function"]["name"], "input": {}})
@@ -194,7 +229,7 @@ class MessagesServing:
                     yield event("content_block_stop", index=index)
                 if choice.get("finish_reason"):
                     reason, seq = _stop(choice, tool_used)
-        if text_open:
+        if open_kind is not None:
             yield event("content_block_stop", index=index)
         yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq}, usage=usage)
         yield event("message_stop")

@@ -118,3 +118,41 @@ def test_openapi_json_without_warning(server):
     r = httpx.get(server.url + "/openapi.json", timeout=30)
     assert r.status_code == 200 and "/v1/messages/count_tokens" in r.json()["paths"]
     assert not any("Warning" in line or "Duplicate Operation ID" in line for line in server.lines[mark:])
+
+
+def test_anthropic_thinking(server, anthropic_client):
+    """thinking disabled: reasoning_effort none for the template (vLLM's mapping); enabled with a budget is
+    accepted; the reasoning the parser splits off comes back as thinking blocks, streamed as thinking_delta."""
+    msg = anthropic_client.messages.create(model="m", max_tokens=3, messages=MESSAGES,
+                                           thinking={"type": "disabled"}, extra_body={"temperature": 0})
+    assert all(b.type == "text" for b in msg.content)
+    count = anthropic_client.messages.count_tokens(model="m", messages=MESSAGES, thinking={"type": "disabled"})
+    plain = anthropic_client.messages.count_tokens(model="m", messages=MESSAGES)
+    assert count.input_tokens != plain.input_tokens  # the template printed effort=none thinking=False
+    kw = dict(model="m", max_tokens=6, messages=MESSAGES, thinking={"type": "enabled", "budget_tokens": 2048},
+              extra_body={"temperature": 0, "chat_template_kwargs": {"thinking": True}})
+    msg = anthropic_client.messages.create(**kw)
+    assert msg.content[0].type == "thinking" and msg.content[0].thinking
+    with anthropic_client.messages.stream(**kw) as stream:
+        kinds = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert "thinking" in kinds and final.content[0].type == "thinking"
+    assert final.content[0].thinking == msg.content[0].thinking
+    r = httpx.post(server.url + "/v1/messages", json={**{k: v for k, v in kw.items() if k != "extra_body"},
+                                                      "thinking": {"type": "enabled", "budget_tokens": 5}}, timeout=30)
+    assert r.status_code == 400 and "budget_tokens" in r.text
+
+
+def test_anthropic_error_body(server, anthropic_client):
+    """Errors on /v1/messages in Anthropic's shape, as vLLM serves them; the anthropic client reads them."""
+    anthropic = pytest.importorskip("anthropic")
+    r = httpx.post(server.url + "/v1/messages", json={"model": "nope", "max_tokens": 2, "messages": MESSAGES},
+                   timeout=30)
+    body = r.json()
+    assert r.status_code == 400 and body["type"] == "error" and "does not exist" in body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        anthropic_client.messages.create(model="nope", max_tokens=2, messages=MESSAGES)
+    assert "does not exist" in str(e.value)
+    # the OpenAI routes keep OpenAI's shape
+    r = httpx.post(server.base_url + "/chat/completions", json={"model": "nope", "messages": MESSAGES}, timeout=30)
+    assert "type" not in r.json() and r.json()["error"]["code"] == "model_not_found"
