@@ -7,8 +7,9 @@ each D > N + 1 layout also runs with the shared expert on N ranks of its own; --
 layout with D > L also runs with --moe-comm-hierarchy two-stage over simulated nodes of L ranks. Those rows'
 ratio column compares with the same layout without the option; the inter-node column is the bytes per token
 per MoE layer that crossed (simulated) nodes of L ranks. --pipeline-chunks K ...: each D > 1 layout also runs
-with --moe-pipeline-chunks K for each K > 1 given; the overlap column is the share of the experts' time that
-ran with another chunk's transfer still in flight.)
+with --moe-pipeline-chunks K for each K > 1 given; the overlap column is the share of the MoE communication
+and expert time (dispatch + experts + combine phases) spent on a chunk while another chunk's transfer was
+still in flight.)
 For each layout it runs the same greedy batch through LLM(...) and prints
   - decode tokens/s and its ratio to the single-process engine measured in the same run;
   - bytes sent per token per MoE layer by the MoE collectives, next to the formula:
@@ -65,7 +66,7 @@ def run(path: str, d: int, comm: str, batch: int, prompt_len: int, new_tokens: i
     return dict(layout=f"D={d} {comm}" + (" dbo" if dbo else "") + (f" shared{shared}" if shared else "")
                 + (" two-stage" if two_stage else "") + (f" K={chunks}" if chunks > 1 else ""), d=d, comm=comm,
                 dbo=dbo, shared=shared, two_stage=two_stage, chunks=chunks,
-                overlap_share=overlap / secs["experts"] if secs["experts"] else 0.0,
+                overlap_share=overlap / moe_s if (moe_s := secs["dispatch"] + secs["experts"] + secs["combine"]) else 0.0,
                 decode_tps=batch * (new_tokens - 1) / decode_s,
                 inter_node_per_token_layer=bytes_.get("moe_inter_node", 0) / (processed * moe_layers),
                 bytes_per_token_layer=sum(bytes_.get(k, 0) for k in MOE_KINDS) / (processed * moe_layers),

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeserve import LLM, SamplingParams
-from moeserve.layers import sampler
 from moeserve.layers.sampler import LogitsRows, apply_logits_processors
+from moeserve.sample import processors  # where apply_logits_processors finds the penalty code
 from moeserve.sampling_params import SamplingParamsError
 
 PROMPT = [5, 17, 99, 200, 3, 45, 67, 8, 9, 10]
@@ -111,7 +111,7 @@ def test_requests_without_penalties_cost_nothing(monkeypatch):
     """A step where no request has penalties never reaches the penalty code; with penalised requests
     beside them, their rows stay bit for bit as they were."""
     calls = []
-    monkeypatch.setattr(sampler, "_apply_penalties", lambda *a: calls.append(a))
+    monkeypatch.setattr(processors, "_apply_penalties", lambda *a: calls.append(a))
     logits = torch.randn(3, 10)
     apply_logits_processors(logits, [LogitsRows(SamplingParams(logit_bias={2: 1.0}), set(), [1], [3, 3], []),
                                      LogitsRows(SamplingParams(min_tokens=4), {0}, [1], [], [4])])

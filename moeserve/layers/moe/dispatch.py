@@ -283,8 +283,8 @@ class PipelinedDispatcher(_Dispatcher):
     """--moe-pipeline-chunks K: the tokens split into K chunks (in order; some may be empty, every rank
     issues K of everything), all chunks' transfers started at dispatch, then chunk by chunk: wait for its rows,
     run the experts, start its way back, while the later chunks' rows and the earlier chunks' results are
-    still in flight. The time the experts ran with another chunk's transfer still in flight is added to the
-    phase timer "moe_overlap"."""
+    still in flight. The time spent on a chunk (waiting for its rows, its experts, starting its way back)
+    while another chunk's transfer was still in flight is added to the phase timer "moe_overlap"."""
 
     def __init__(self, inner: "AllToAllDispatcher | AllGatherDispatcher", chunks: int) -> None:
         self.inner, self.chunks = inner, chunks
