@@ -143,7 +143,7 @@ def test_unsupported_architecture(ckpt_dir, tmp_path):
 
 
 def test_not_a_checkpoint_folder(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not a local checkpoint folder"):
+    with pytest.raises(FileNotFoundError, match="is neither a local folder nor a Hugging Face repo id"):
         LLM(str(tmp_path / "nope"))
 
 
