@@ -84,6 +84,25 @@ def _json_body(model, defs: dict) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
+# vLLM's http_* metrics come from prometheus-fastapi-instrumentator on every route but these
+HTTP_METRICS_EXCLUDED = ["/metrics", "/health", "/load", "/ping", "/version", "/server_info"]
+
+
+def _http_metrics(app: FastAPI, index: int) -> bool:
+    """vLLM's http_requests_total, http_request_duration_seconds, http_request_size_bytes, ... (handler, method,
+    status labels) from the maintained instrumentator vLLM uses; its values go to the multiprocess directory
+    with the rest, so /metrics of any API server sums them. Installed with `pip install moeserve[metrics]`."""
+    try:
+        from prometheus_fastapi_instrumentator import Instrumentator
+    except ImportError:
+        if index == 0:
+            logging.getLogger("moeserve").info("no http_* metrics: prometheus-fastapi-instrumentator is not "
+                                               "installed (pip install 'moeserve[metrics]')")
+        return False
+    Instrumentator(excluded_handlers=HTTP_METRICS_EXCLUDED).add().instrument(app)
+    return True
+
+
 class RequestIdHeader:
     """--enable-request-id-headers (vLLM's): every answer carries X-Request-Id, the request's own when it sent
     one, else a fresh uuid4 hex."""
@@ -132,6 +151,7 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
     # Added before add_vllm_routes' CORS middleware, so CORS wraps it (a browser can read a 401 or 413).
     app.add_middleware(RequestGuard, router=app.router, api_key=cfg.api_key,
                        max_body=cfg.max_request_body_size, on_error=metrics.http_error if metrics else None)
+    _http_metrics(app, spec.index)
     if cfg.enable_request_id_headers:  # outside the guard: its 401 / 413 answers carry the id too
         app.add_middleware(RequestIdHeader)
     for serving in (completions, chat):

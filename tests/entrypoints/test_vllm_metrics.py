@@ -153,3 +153,21 @@ def test_admission_rejections_count_the_queue_bound(ckpt_dir):
         assert server.metric("vllm:admission_rejections_total", reason="max_num_queued_tokens") == 0
     finally:
         server.stop()
+
+
+def test_http_metrics_from_the_instrumentator(openai_server, client, model):
+    """vLLM's http_* metrics (prometheus-fastapi-instrumentator), summed over both API servers, probes excluded."""
+    pytest.importorskip("prometheus_fastapi_instrumentator")
+    before = _families(openai_server)
+    n0 = _sum(before["http_requests"], "_total", handler="/v1/completions", status="2xx") \
+        if "http_requests" in before else 0.0
+    for _ in range(3):
+        client.completions.create(model=model, prompt="hi", max_tokens=1)
+    httpx.get(openai_server.url + "/health", timeout=10)
+    fams = _families(openai_server)
+    for name, kind in (("http_requests", "counter"), ("http_request_duration_seconds", "histogram"),
+                       ("http_request_duration_highr_seconds", "histogram"), ("http_request_size_bytes", "summary"),
+                       ("http_response_size_bytes", "summary")):
+        assert name in fams and fams[name].type == kind, name
+    assert _sum(fams["http_requests"], "_total", handler="/v1/completions", method="POST", status="2xx") - n0 == 3
+    assert not [s for s in fams["http_requests"].samples if s.labels.get("handler") in ("/health", "/metrics")]
