@@ -107,6 +107,16 @@ def moe_gather(hw: Hardware, ranks: int, total_bytes: float, kind: str) -> float
     return _hier_payload(hw, ranks, total_bytes) + floor * 1e-6
 
 
+def hier_gather_bytes(ranks: int, domain: int, total_bytes: float) -> tuple[float, float]:
+    """(in-domain, out-of-domain) bytes one card sends in a hierarchical allgather of `total_bytes` (each card
+    contributes 1/ranks) over domains of `domain` cards: out of the domain once per other domain, then shared
+    inside it. The engine's --moe-comm-hierarchy two-stage schedule moves exactly these (its byte counters
+    moe_intra_node / moe_inter_node; tests/distributed/test_two_stage_collectives.py checks them against this),
+    and so does its reduce-scatter, the mirror."""
+    s = min(domain, ranks)
+    return total_bytes * (s - 1) / s, total_bytes * (ranks - s) / (ranks * s)
+
+
 def _hier_payload(hw: Hardware, ranks: int, total_bytes: float) -> float:
     """Payload seconds of a hierarchical allgather: the scale-out phase (each card fetches 1/S of the
     outside data over its NIC) feeds the scale-up phase (the domain shares it), so the two are sequential,
@@ -114,8 +124,9 @@ def _hier_payload(hw: Hardware, ranks: int, total_bytes: float) -> float:
     decode) the shorter phase hides behind the longer one but for one round: max + min / R."""
     s = min(hw.scale_up_domain, ranks)
     up, out = _bw(hw)
-    t_up = total_bytes * (s - 1) / s / up
-    t_out = total_bytes * (ranks - s) / (ranks * s) / out
+    in_domain, out_domain = hier_gather_bytes(ranks, s, total_bytes)
+    t_up = in_domain / up
+    t_out = out_domain / out
     rounds = max(1, math.ceil(ranks / s) - 1)
     return max(t_up, t_out) + min(t_up, t_out) / rounds
 

@@ -13,6 +13,7 @@ from moeserve.distributed.parallel_state import (destroy_distributed, get_ep_gro
                                                  init_distributed)
 from moeserve.layers.moe.dispatch import AllGatherDispatcher, LocalDispatcher, make_dispatcher
 from moeserve.layers.moe.placement import ExpertMap, LayerPlacement, default_map
+from moeserve.planner.comm import hier_gather_bytes
 from tests.distributed.test_dispatch import E, H, K, full_experts, local_experts
 
 WORLD, NODE = 4, 2
@@ -87,6 +88,9 @@ def test_bytes_per_link_class_match_the_formula(results):
         # the same total either way; the collectives' own counters agree with the link classes
         assert flat["moe_intra_node"] + flat["moe_inter_node"] == two["moe_intra_node"] + two["moe_inter_node"]
         assert two["allgather"] + two["reduce_scatter"] == two["moe_intra_node"] + two["moe_inter_node"]
+        # the planner prices the allgather MoE layer with the same per-link-class bytes
+        gather, scatter = hier_gather_bytes(WORLD, NODE, WORLD * n), hier_gather_bytes(WORLD, NODE, WORLD * m)
+        assert (two["moe_intra_node"], two["moe_inter_node"]) == tuple(g + r for g, r in zip(gather, scatter))
 
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61)), [7, 8, 9, 10, 11], [42] * 9]
