@@ -171,3 +171,35 @@ def test_http_metrics_from_the_instrumentator(openai_server, client, model):
         assert name in fams and fams[name].type == kind, name
     assert _sum(fams["http_requests"], "_total", handler="/v1/completions", method="POST", status="2xx") - n0 == 3
     assert not [s for s in fams["http_requests"].samples if s.labels.get("handler") in ("/health", "/metrics")]
+
+
+def test_grafana_dashboard_queries_name_exported_metrics(openai_server, client, model):
+    """moeserve/entrypoints/grafana_dashboard.json: every metric its queries (and its model_name variable) name
+    is a sample /metrics exports, with the labels the queries group by."""
+    import importlib.util
+    import json
+    import os
+    import re
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "moeserve", "entrypoints", "grafana_dashboard.json")
+    dash = json.load(open(path))
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [v["definition"] for v in dash["templating"]["list"] if "definition" in v]
+    assert len(exprs) >= 30
+    client.completions.create(model=model, prompt="hello there", max_tokens=2)
+    httpx.post(openai_server.base_url + "/completions", json={"model": "nope", "prompt": "x"}, timeout=10)  # a 400
+    text = httpx.get(openai_server.url + "/metrics", timeout=10).text
+    samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples}
+    has_http = importlib.util.find_spec("prometheus_fastapi_instrumentator") is not None
+    named = set()
+    for expr in exprs:
+        for name in re.findall(r"\b(?:vllm:|moeserve:|http_)[A-Za-z0-9_:]+", expr):
+            if name.startswith("http_") and not has_http:
+                continue
+            named.add(name)
+            assert name in samples, f"{name} (in {expr!r}) is not exported"
+        for label in re.findall(r"by\s*\(([^)]*)\)", expr):
+            for lbl in (x.strip() for x in label.split(",")):
+                if lbl != "le":
+                    assert any(lbl in s.labels for n, s in samples.items() if n in expr), (lbl, expr)
+    assert {"vllm:e2e_request_latency_seconds_bucket", "vllm:num_requests_waiting_by_reason",
+            "vllm:request_max_num_generation_tokens_bucket"} <= named
