@@ -545,6 +545,8 @@ class EngineArgs:
 
     def _kv_transfer(self) -> "KVTransferConfig | None":
         kvt = KVTransferConfig.from_value(_vllm_kv_transfer(self.kv_transfer_config))
+        _require(kvt is None or nixl_installed(), "--kv-transfer-config: prefill/decode disaggregation moves KV "
+                 "over NIXL, which is not installed: pip install 'moeserve[pd]' (nixl-cu12; nixl-cu13 for CUDA 13)")
         # Each DP rank's own agent serves its KV; TP peers would each need theirs, and every node its address.
         _require(kvt is None or (self.tensor_parallel_size == self.nnodes == 1),
                  "--kv-transfer-config works with --data-parallel-size N but not yet with --tensor-parallel-size "
@@ -576,6 +578,20 @@ _CPU_GRAPHS_ARE_COMPILED = True
 
 
 VLLM_DP_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # the meta package, or a CUDA-variant wheel on its own
+
+
+def nixl_installed() -> bool:
+    """Whether NIXL's Python package is importable (looked up, not imported: that waits for PD's agent)."""
+    import importlib.util
+
+    for name in NIXL_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (import blocked)
+            continue
+    return False
 
 
 def _note_once(key: str, message: str, *args) -> None:

@@ -258,3 +258,18 @@ def test_vllm_config_keys_without_effect_are_accepted_and_logged(argv, logged, c
         _config(argv)
     for words in logged:
         assert words in caplog.text
+
+
+def test_pd_without_nixl_names_the_extra(tmp_path):
+    """--kv-transfer-config where NIXL cannot be imported: a config error naming `pip install 'moeserve[pd]'`
+    (a fresh process with the NIXL packages blocked from import), not a failure in the engine process."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "for n in ('nixl', 'nixl_cu13', 'nixl_cu12'): sys.modules[n] = None\n"
+            "from moeserve.cli import main\n"
+            "sys.exit(main(['serve', '--kv-transfer-config', "
+            "'{\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\", \"kv_secret\": \"0123456789abcdef01\"}']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "NIXL, which is not installed: pip install 'moeserve[pd]'" in run.stderr
