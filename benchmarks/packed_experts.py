@@ -1,13 +1,15 @@
 """Routed BF16 experts of one MoE layer at decode sizes: torch._grouped_mm on the stacked weights (the path
 without packing) against the per-expert GEMMs on oneDNN-packed copies (layers/moe/experts.py packed_forward).
 
-Usage: python benchmarks/packed_experts.py [--batches 1 8 32 64] [--repeats 7] [--threads 1]
+Usage: python benchmarks/packed_experts.py [--batches 1 8 32 64] [--repeats 7] [--threads 1] [--gathered]
 
 The decode_speed checkpoint's expert shapes (64 experts, hidden 1024, moe_intermediate 256, top-6). Per decode
 batch B: B tokens each routed to 6 distinct experts drawn at random (seeded), so the rows per expert vary as
 they do in a real step. Two layers' worth of weights are alternated so the weights come from memory, not cache.
 Per batch: milliseconds per layer (median of --repeats, CPU time of this thread, with the spread), the ratio
 grouped / packed, and the largest difference between the two outputs (BF16 rounding of different GEMM kernels).
+--gathered adds the compiled graphs' few-row path (FusedExperts.gathered_forward through torch.compile: each row
+reads its expert's weights) and the ratio packed / gathered, which sets FusedExperts.GATHER_ROWS_PER_SLOT.
 """
 from __future__ import annotations
 
@@ -55,11 +57,13 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--gathered", action="store_true", help="also time the compiled gathered path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     grouped = [layer(s, packed=False) for s in (1, 2)]
     packed = [layer(s, packed=True) for s in (1, 2)]
-    print(f"{'batch':>5s} {'rows':>5s} {'grouped ms':>18s} {'packed ms':>18s} {'ratio':>6s} max|diff|")
+    print(f"{'batch':>5s} {'rows':>5s} {'grouped ms':>18s} {'packed ms':>18s} {'ratio':>6s} max|diff|"
+          + ("  gathered ms (packed/gathered)" if args.gathered else ""))
     g = torch.Generator().manual_seed(0)
     for b in args.batches:
         ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(b)]).view(-1)
@@ -72,8 +76,20 @@ def main() -> None:
             a += per_layer_ms(grouped, x, ids, w, 1)
             p += per_layer_ms(packed, x, ids, w, 1)
         ratios = sorted(x / y for x, y in zip(a, p))
+        extra = ""
+        if args.gathered:
+            fn = torch.compile(lambda ex, *t: ex.gathered_forward(*t), fullgraph=True, dynamic=False)
+            for ex in packed:
+                fn(ex, x, ids, w)  # compile, then warm
+            gt = []
+            for _ in range(args.repeats):
+                t0 = time.thread_time()
+                for ex in packed:
+                    fn(ex, x, ids, w)
+                gt.append((time.thread_time() - t0) / len(packed) * 1e3)
+            extra = f"  {spread(gt)} ({statistics.median(p) / statistics.median(gt):.2f})"
         print(f"{b:5d} {ids.numel():5d} {spread(a):>18s} {spread(p):>18s} {statistics.median(ratios):6.2f} "
-              f"{diff:.2e}  (per-repeat ratios {ratios[0]:.2f}-{ratios[-1]:.2f})", flush=True)
+              f"{diff:.2e}  (per-repeat ratios {ratios[0]:.2f}-{ratios[-1]:.2f}){extra}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ def expert_packing_enabled() -> bool:
 
 class FusedExperts(nn.Module):
     CHECKPOINT_LEAVES = ("weight",)  # per expert projection, what a checkpoint must provide
+    # A compiled graph gathers each row's expert weights (gathered_forward) up to this many rows per slot,
+    # above it GEMMs per expert: measured crossover ~2.5 rows per slot (benchmarks/packed_experts.py --gathered)
+    GATHER_ROWS_PER_SLOT = 2
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int,
                  slot_experts: list[int] | None = None, shard_rank: int = 0, num_shards: int = 1) -> None:
@@ -102,7 +105,7 @@ class FusedExperts(nn.Module):
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         compiling = torch.compiler.is_compiling()
-        if compiling and x.shape[0] <= self.num_local_experts:
+        if compiling and x.shape[0] <= self.GATHER_ROWS_PER_SLOT * self.num_local_experts:
             return self.gathered_forward(x, expert_ids, weights)
         if self.packed is not None:  # a host sync for the group bounds: an opaque op in a compiled graph
             if compiling:
