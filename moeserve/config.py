@@ -115,6 +115,7 @@ class ParallelConfig:
     moe_node_size: int | None = None  # EP ranks per node for the MoE collectives (None: D x T / --nnodes)
     moe_pipeline_chunks: int = 1  # dispatch -> experts -> combine over this many chunks of tokens, overlapped
     flashcomm: str = "off"  # attention TP: "on" = ReduceScatter + AllGather, "int8" = INT8 AllGather
+    attention_tp_dp_switch: bool = False  # TP attention: low-rank projections on the token shard, then gather
     num_redundant_experts: int = 0
     shared_expert_ranks: int = 0  # EP ranks holding only the shared experts (layers/moe/placement.py)
     expert_placement: str | None = None  # JSON file with the logical->physical map
@@ -154,6 +155,9 @@ class ParallelConfig:
                  "needs --data-parallel-size x --tensor-parallel-size > 1")
         _require(self.flashcomm in ("off", "on", "int8"),
                  f"--flashcomm must be one of off, on, int8, got {self.flashcomm!r}")
+        _require(not self.attention_tp_dp_switch or self.tensor_parallel_size > 1,
+                 "--attention-tp-dp-switch switches attention between token shards and head shards of the TP "
+                 "group: it needs --tensor-parallel-size > 1")
         _require(self.flashcomm == "off" or self.tensor_parallel_size > 1,
                  f"--flashcomm {self.flashcomm} shards attention's tensor parallelism: it needs "
                  "--tensor-parallel-size > 1")
@@ -204,6 +208,11 @@ class ParallelConfig:
     @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
+
+    @property
+    def token_sharding(self) -> str:
+        """FlashComm's mode of the residual stream: --flashcomm, or "on" when the TP<->DP switch needs it."""
+        return "on" if self.flashcomm == "off" and self.attention_tp_dp_switch else self.flashcomm
 
     @property
     def moe_node_ranks(self) -> int:

@@ -117,6 +117,9 @@ ENGINE_HELP = {
     "moe_pipeline_chunks": "K > 1: each MoE layer's dispatch -> experts -> combine over K chunks of tokens, later "
                            "chunks' transfers in flight while a chunk computes",
     "flashcomm": "off|on|int8: with TP, ReduceScatter + (INT8) AllGather instead of AllReduce",
+    "attention_tp_dp_switch": "with TP: q_a / kv_a projections on each rank's token shard, one all-gather of the "
+                              "projected query and latent, head-parallel attention, reduce-scatter back (turns "
+                              "on --flashcomm's token sharding)",
     "num_redundant_experts": "extra routed-expert replicas (EPLB)",
     "shared_expert_ranks": "N of the EP ranks hold only the shared experts (every token's shared-expert row is "
                            "dispatched to them); the routed experts spread over the others",
@@ -224,6 +227,7 @@ class EngineArgs:
     moe_node_size: int | None = None
     moe_pipeline_chunks: int = 1
     flashcomm: str = "off"
+    attention_tp_dp_switch: bool = False
     num_redundant_experts: int = 0
     shared_expert_ranks: int = 0
     expert_placement: str | None = None

@@ -47,6 +47,7 @@ class RankInfo:
 
 _GROUPS: dict[str, GroupCoordinator] = {}
 _FLASHCOMM = ["off"]  # --flashcomm of this rank's grid (layers/models ask get_flashcomm())
+_TP_DP_SWITCH = [False]  # --attention-tp-dp-switch
 
 
 def _group(name: str) -> GroupCoordinator:
@@ -89,6 +90,10 @@ def get_eplb_group() -> GroupCoordinator:
 
 def get_flashcomm() -> str:
     return _FLASHCOMM[0]
+
+
+def get_attention_tp_dp_switch() -> bool:
+    return _TP_DP_SWITCH[0]
 
 
 def is_initialized() -> bool:
@@ -160,7 +165,8 @@ def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
     # Every rank must create every group, in the same order (torch.distributed.new_group is collective).
     tp_groups = [[dp * t + i for i in range(t)] for dp in range(d)]
     dp_groups = [[dp * t + i for dp in range(d)] for i in range(t)]
-    _FLASHCOMM[0] = parallel.flashcomm
+    _FLASHCOMM[0] = parallel.token_sharding
+    _TP_DP_SWITCH[0] = parallel.attention_tp_dp_switch
     _GROUPS["world"] = GroupCoordinator("world", world, rank, dist.group.WORLD, device)
     _GROUPS["ep"] = GroupCoordinator("ep", world, rank, dist.group.WORLD, device)
     if parallel.enable_eplb and len(world) > 1:
@@ -184,6 +190,7 @@ def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
 
 
 def destroy_distributed() -> None:
+    _TP_DP_SWITCH[0] = False
     _GROUPS.clear()
     _FLASHCOMM[0] = "off"
     if dist.is_initialized():

@@ -59,7 +59,7 @@ def why_eager(config, arch, device: torch.device) -> str | None:
         return f"no {device.type} graphs yet"
     if par.tensor_parallel_size > 1:
         return "tensor parallelism (its collectives are not in the graph)"
-    if par.flashcomm != "off":
+    if par.token_sharding != "off":
         return "--flashcomm"
     if par.enable_dbo:
         return "--enable-dbo"

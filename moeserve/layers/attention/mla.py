@@ -17,7 +17,7 @@ from torch import nn
 
 from moeserve.distributed.comm import timed
 from moeserve.distributed.flashcomm import current_seq_parallel
-from moeserve.distributed.parallel_state import get_tp_group
+from moeserve.distributed.parallel_state import get_attention_tp_dp_switch, get_tp_group
 from moeserve.layers.attention import amla
 from moeserve.layers.attention.kv_dtype import gather_cache, gather_decode_context, write_cache
 from moeserve.layers import opaque
@@ -75,15 +75,38 @@ class MLAttention(nn.Module):
         with timed("attention"):
             if sp is None:
                 return self.tp.all_reduce(self._attend(x, positions))
+            if self.tp_dp_switch:  # TP<->DP switch: the low-rank projections on the shard, then gather them
+                return sp.reduce_scatter(self._attend_switched(x, positions, sp))
             # FlashComm: x is this rank's token shard (normed); gather all tokens, scatter the sums back
             return sp.reduce_scatter(self._attend(sp.gather(x), positions))
+
+    @property
+    def tp_dp_switch(self) -> bool:
+        """--attention-tp-dp-switch applies to the q_lora models (V3; V2-Lite's q_proj needs the hidden)."""
+        return get_attention_tp_dp_switch() and hasattr(self, "q_a_proj")
 
     def _attend(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """This rank's heads; o_proj's partial output (summed over the TP group by the caller)."""
         q = self._queries(x)
-        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.dr], dim=-1)
-        latent = self.kv_a_layernorm(latent)
+        return self._attend_projected(q, self.kv_a_layernorm(latent), k_pe, positions)
+
+    def _attend_switched(self, x: torch.Tensor, positions: torch.Tensor, sp) -> torch.Tensor:
+        """Data-parallel up to the low-rank projections, head-parallel after: x is this rank's token shard;
+        q_a (+ its norm) and kv_a (+ the latent's norm) run on it alone, one all-gather brings every rank all
+        tokens' [q_lora + kv_lora + rope] values (V3: 2112 per token where FlashComm gathers 7168), and
+        q_b / attention / o_proj run on this rank's heads for all tokens."""
+        q_lat = self.q_a_layernorm(self.q_a_proj(x))  # [n_r, q_lora]
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.dr], dim=-1)
+        full = sp.gather(torch.cat([q_lat, self.kv_a_layernorm(latent), k_pe], dim=-1))  # [T, q_lora + C + dr]
+        q_lat, latent, k_pe = full.split([q_lat.shape[-1], self.kv_lora_rank, self.dr], dim=-1)
+        q = self.q_b_proj(q_lat).view(full.shape[0], self.num_heads, self.dn + self.dr)
+        return self._attend_projected(q, latent, k_pe, positions)
+
+    def _attend_projected(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                          positions: torch.Tensor) -> torch.Tensor:
+        """q [T, heads, dn + dr], normed latent [T, C], k_pe [T, dr] (not yet rotated) -> o_proj partial."""
+        q_nope, q_pe = q.split([self.dn, self.dr], dim=-1)
         q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
         new_kv = torch.cat([latent, k_pe], dim=-1)  # [T, C + dr]
         if torch.compiler.is_compiling():  # the cache and the metadata stay outside the graph (layers/opaque.py)
