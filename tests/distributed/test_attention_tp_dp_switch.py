@@ -81,3 +81,19 @@ def test_switch_needs_tensor_parallelism():
     with pytest.raises(ConfigError, match="--attention-tp-dp-switch .*--tensor-parallel-size > 1"):
         ParallelConfig(attention_tp_dp_switch=True)
     assert ParallelConfig(tensor_parallel_size=2, attention_tp_dp_switch=True).token_sharding == "on"
+
+
+def test_int8_gather_error_within_the_codec_bound():
+    """The INT8 gather quantizes each token's [q_lora | kv_lora | rope] row with one scale (amax / 127): every
+    value comes back within half a step, scale / 2, even where the parts' magnitudes differ."""
+    import torch
+
+    from moeserve.layers.quant import quantize_per_token
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.cat([torch.randn(16, 48, generator=g), torch.randn(16, 32, generator=g) * 0.1,
+                      torch.randn(16, 8, generator=g) * 30], dim=-1)
+    q, scale = quantize_per_token(rows)
+    err = (q.float() * scale - rows).abs()
+    assert (err <= scale / 2 * (1 + 1e-6)).all()
+    assert torch.allclose(scale, rows.abs().amax(dim=-1, keepdim=True) / 127)
