@@ -264,28 +264,53 @@ class StructuredOutputManager:
         self._table: TokenTable | None = None
         self._masks: MaskCache | None = None
         self._grammars: OrderedDict[tuple, TokenGrammar] = OrderedDict()
+        self._tok = tokenizer
+        self._guidance = None  # llguidance's view of the tokenizer (structured/guidance.py), built on first use
+        self._checked: OrderedDict[tuple, object] = OrderedDict()  # spec -> GuidanceGrammar as sent
 
     def table(self) -> TokenTable:
         if self._table is None:
-            tok = self._tokenizer
-            if tok is None:
-                from moeserve.tokenizer import load_tokenizer
-                tok = load_tokenizer(self.tokenizer_path)
+            tok = self.tokenizer()
             self._table = TokenTable(token_bytes(tok, self.vocab_size))
             self._masks = MaskCache(self._table.vocab_size)
         return self._table
 
-    def matcher(self, params: StructuredOutputsParams, compiled: bytes | None = None) -> GrammarMatcher:
-        """The request's matcher; compiled: its automaton as sent (DFA.to_bytes), loaded when this spec is not
-        cached here (without it the spec is compiled, which only processes that may compile do)."""
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from moeserve.tokenizer import load_tokenizer
+            self._tokenizer = load_tokenizer(self.tokenizer_path)
+        return self._tokenizer
+
+    def matcher(self, params: StructuredOutputsParams, compiled: bytes | None = None):
+        """The request's matcher (a GrammarMatcher, or a GuidanceMatcher for an llguidance grammar);
+        compiled: what the builder sent (DFA.to_bytes or GuidanceGrammar.to_bytes), loaded when this spec is
+        not cached here (without it the spec is compiled, which only processes that may compile do)."""
+        from moeserve.structured import guidance
+        after = params.after.encode("utf-8") if params.after else None
         key = params.key
+        dfa = None
+        if compiled is not None and compiled.startswith(guidance.WIRE_MAGIC) or \
+                compiled is None and key not in self._grammars:
+            held = self._checked.get(key)
+            if held is None or compiled is not None and held.to_bytes() != compiled:
+                held = guidance.GuidanceGrammar.from_bytes(compiled) if compiled is not None \
+                    else compile_params(params)
+            if isinstance(held, guidance.GuidanceGrammar):
+                self._checked[key] = held
+                self._checked.move_to_end(key)
+                if len(self._checked) > 64:
+                    self._checked.popitem(last=False)
+                if self._guidance is None:
+                    self._guidance = guidance.GuidanceVocab(self.tokenizer(), self.table().pieces)
+                return guidance.GuidanceMatcher(self._guidance, held, after)
+            dfa = held  # a DFA: the builtin backend compiled it here (only where that is allowed)
         grammar = self._grammars.get(key)
         if grammar is None:
-            dfa = DFA.from_bytes(compiled) if compiled is not None else compile_params(params)
+            dfa = dfa or (DFA.from_bytes(compiled) if compiled is not None else compile_params(params))
             grammar = TokenGrammar(dfa, self.table(), self._masks)
             self._grammars[key] = grammar
             if len(self._grammars) > 16:  # each holds its mask cache
                 self._grammars.popitem(last=False)
         else:
             self._grammars.move_to_end(key)
-        return GrammarMatcher(grammar, params.after.encode("utf-8") if params.after else None)
+        return GrammarMatcher(grammar, after)

@@ -1,21 +1,33 @@
-"""What a request's output must look like (vLLM's StructuredOutputsParams), and its compiled byte automaton.
+"""What a request's output must look like (vLLM's StructuredOutputsParams), and its compiled form.
 
 Exactly one of: `json` (a JSON Schema, dict or JSON text), `regex`, `choice` (a list of exact strings),
-`json_object` (any JSON object, OpenAI's response_format json_object). `grammar` (EBNF / Lark) is refused.
-Compilation to a byte DFA needs no tokenizer, so the API server compiles to validate (a bad pattern is a
-400 there) and sends the automaton with the request (structured_dfa); engine processes never compile.
+`json_object` (any JSON object, OpenAI's response_format json_object), `grammar` (Lark or GBNF / EBNF),
+`structural_tag` (vLLM's {triggers, structures}). Two backends (BACKEND, from MOESERVE_STRUCTURED_BACKEND):
+"llguidance" (the default; structured/guidance.py) checks the spec as an llguidance grammar; "builtin" (the
+hand-written engine: regex.py, automaton.py, json_schema.py, grammar.py) compiles it to a byte DFA and refuses
+grammar and structural_tag. Neither needs a tokenizer, so the API server compiles to validate (a bad spec is a
+400 there) and sends the result with the request (structured_dfa); engine processes never compile.
 """
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from threading import Lock
+from typing import TYPE_CHECKING
 
 from moeserve.structured.automaton import DFA, compile_dfa
 from moeserve.structured.json_schema import json_object, schema_to_pattern
 from moeserve.structured.regex import Alt, PatternError, literal, parse
 
+if TYPE_CHECKING:
+    from moeserve.structured.guidance import GuidanceGrammar
+
+BACKENDS = ("llguidance", "builtin")
+BACKEND = os.environ.get("MOESERVE_STRUCTURED_BACKEND", "llguidance")
+if BACKEND not in BACKENDS:
+    raise ValueError(f"MOESERVE_STRUCTURED_BACKEND must be one of {', '.join(BACKENDS)}, not {BACKEND!r}")
 MAX_CHOICES = 1_000
 COMPILE_CACHE_STATES = 200_000  # the LRU holds automata up to this many states in all
 
@@ -27,6 +39,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     json_object: bool | None = None
     grammar: str | None = None
+    structural_tag: str | dict | None = None
     # The pattern applies to the text after this one (a reasoning model's "</think>"; the server sets it
     # with --reasoning-parser); before it the output is free. Not part of the compiled pattern.
     after: str | None = None
@@ -37,14 +50,23 @@ class StructuredOutputsParams:
                 self.json = json.dumps(self.json)  # one canonical, serialisable form; key order kept
             except (RecursionError, ValueError, TypeError) as e:
                 raise PatternError(f"the JSON schema cannot be written as JSON: {type(e).__name__}: {e}") from None
-        given = [k for k in ("json", "regex", "choice", "json_object", "grammar")
+        if isinstance(self.structural_tag, dict):
+            try:
+                self.structural_tag = json.dumps(self.structural_tag)
+            except (RecursionError, ValueError, TypeError) as e:
+                raise PatternError(f"the structural_tag cannot be written as JSON: {type(e).__name__}: {e}") from None
+        given = [k for k in ("json", "regex", "choice", "json_object", "grammar", "structural_tag")
                  if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise PatternError("structured outputs take exactly one of json, regex, choice, json_object"
-                               + (f"; got {', '.join(given)}" if given else ""))
-        if self.grammar is not None:
-            raise PatternError("grammar-based structured output (EBNF / Lark) is not supported; use a JSON "
-                               "schema, a regex or a choice list")
+            raise PatternError("structured outputs take exactly one of json, regex, choice, json_object, grammar, "
+                               "structural_tag" + (f"; got {', '.join(given)}" if given else ""))
+        if (self.grammar is not None or self.structural_tag is not None) and BACKEND == "builtin":
+            raise PatternError("grammar-based structured output (EBNF / Lark, structural_tag) needs the llguidance "
+                               "backend (MOESERVE_STRUCTURED_BACKEND=builtin refuses it); use a JSON schema, a regex "
+                               "or a choice list")
+        for k in ("grammar", "structural_tag"):
+            if getattr(self, k) is not None and (not isinstance(getattr(self, k), str) or not getattr(self, k)):
+                raise PatternError(f"{k} must be a non-empty string")
         if self.regex is not None and not isinstance(self.regex, str):  # a list would be an unhashable cache key
             raise PatternError(f"regex must be a string, got {type(self.regex).__name__}")
         if self.json is not None and not isinstance(self.json, str):
@@ -63,7 +85,9 @@ class StructuredOutputsParams:
     def key(self) -> tuple:
         return ("json", self.json) if self.json is not None else \
             ("regex", self.regex) if self.regex is not None else \
-            ("choice", tuple(self.choice)) if self.choice is not None else ("json_object",)
+            ("choice", tuple(self.choice)) if self.choice is not None else \
+            ("grammar", self.grammar) if self.grammar is not None else \
+            ("structural_tag", self.structural_tag) if self.structural_tag is not None else ("json_object",)
 
     def describe(self) -> str:
         return self.key[0]
@@ -88,10 +112,10 @@ def compiling_allowed() -> bool:
     return _compile_here
 
 
-def compile_params(p: StructuredOutputsParams) -> DFA:
-    """The byte DFA the output must match as a whole (kept on p, and LRU-cached by the spec). Raises
-    PatternError."""
-    key = p.key
+def compile_params(p: StructuredOutputsParams) -> "DFA | GuidanceGrammar":
+    """What the output must match as a whole (kept on p, and LRU-cached by the spec): a checked llguidance
+    grammar, or with the builtin backend a byte DFA. Raises PatternError."""
+    key = (BACKEND, *p.key)
     held = p.__dict__.get("_compiled")
     if held is not None and held[0] == key:
         return held[1]
@@ -120,6 +144,14 @@ def _compile_cached(p: StructuredOutputsParams, key: tuple) -> DFA:
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
+    if BACKEND == "llguidance":
+        from moeserve.structured.guidance import compile_grammar
+        compiled = compile_grammar(p)
+        with _lock:
+            _cache[key] = compiled
+            while len(_cache) > 1 and sum(d.num_states for d in _cache.values()) > COMPILE_CACHE_STATES:
+                _cache.popitem(last=False)
+        return compiled
     try:
         if p.json is not None:
             node = schema_to_pattern(p.json)

@@ -64,7 +64,7 @@ def test_the_engine_loads_the_sent_automaton_and_never_compiles(llm):
     assert not so_params._cache  # nothing was compiled while the engine ran
 
 
-def test_round_trip_and_damaged_automata_are_refused(llm):
+def test_round_trip_and_damaged_automata_are_refused(llm, builtin):
     dfa = compile_params(SO(regex=r"[a-f]{2,4}-\d"))
     back = DFA.from_bytes(dfa.to_bytes())
     assert back.transitions == dfa.transitions and back.accepting == dfa.accepting and back.fullmatch(b"abc-1")

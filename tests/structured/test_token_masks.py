@@ -12,6 +12,11 @@ from moeserve.structured.params import StructuredOutputsParams as SO, compile_pa
 from tests.checkpoints import tokenizer as tiny_tokenizer
 
 
+@pytest.fixture(autouse=True)
+def _builtin(builtin):  # these test the hand-written engine's byte tables; test_guidance.py the default one
+    pass
+
+
 @pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()

@@ -1,0 +1,236 @@
+"""The llguidance backend (the default): its token masks against the hand-written engine's DFA as an oracle,
+drafts / end tokens / a thinking marker as GrammarMatcher has them, and what only it supports through the real
+engine (numeric bounds, Lark and GBNF grammars, structural_tag) and a real server (openai's .parse() of a
+pydantic model with bounded fields)."""
+import json
+import random
+import re
+
+import jsonschema
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from moeserve import LLM, SamplingParams
+from moeserve.sampling_params import SamplingParamsError
+from moeserve.structured import params as so_params
+from moeserve.structured.grammar import StructuredOutputManager, token_bytes
+from moeserve.structured.guidance import GuidanceGrammar, GuidanceMatcher, ascii_classes
+from moeserve.structured.params import StructuredOutputsParams as SO, compile_params
+from tests.checkpoints import tokenizer as tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def manager(tok):
+    return StructuredOutputManager("unused", len(tok) + 3, tokenizer=tok)  # a padded model vocabulary
+
+
+def _dfa(spec: SO):
+    saved, so_params.BACKEND = so_params.BACKEND, "builtin"
+    try:
+        return compile_params(SO(**{k: v for k, v in vars(spec).items() if not k.startswith("_")}))
+    finally:
+        so_params.BACKEND = saved
+
+
+@pytest.mark.parametrize("spec,exact", [
+    (SO(regex=r"(\d+|[a-z ]+)é?"), True), (SO(regex=r"[a-f]{2,6}-\d{2}"), True),
+    (SO(regex=r"\w+@[\w.]+\.(com|org)"), True), (SO(choice=["hi there", "hello", "hé"]), False)])
+def test_masks_equal_the_dfa_per_token_check(tok, manager, spec, exact):
+    """Along random valid outputs, every row allows exactly the tokens whose bytes keep the output a
+    prefix of a match (the hand-written DFA decides), and the end token exactly where it matches. Where
+    the grammar forces the next bytes (the rest of a choice's literal) llguidance allows only the
+    tokens of their canonical tokenization ("he" + "ll", never "he" + "l"): a subset, never empty."""
+    assert isinstance(compile_params(spec), GuidanceGrammar)
+    dfa = _dfa(spec)
+    pieces = token_bytes(tok, len(tok) + 3)
+    eos = tok.eos_token_id
+    rng = random.Random(0)
+    m = manager.matcher(spec, compile_params(spec).to_bytes())
+    for _ in range(6):
+        out, state = [], 1
+        for _ in range(12):
+            row = m.row_masks(out, [], [eos])[0]
+            want = [p is not None and dfa.step(state, p) != 0 for p in pieces]
+            want[eos] = bool(dfa.accepting[state])
+            if exact:
+                assert row.tolist() == want, (spec, out)
+            else:
+                assert row[eos] == want[eos] and all(want[t] for t in row.nonzero().flatten().tolist())
+                assert row.any() == any(want), (spec, out)
+            choices = [t for t, ok in enumerate(row.tolist()) if ok and t != eos]
+            if not choices:
+                break
+            t = rng.choice(choices)
+            out.append(t)
+            state = dfa.step(state, pieces[t])
+
+
+def test_rows_follow_the_drafts_and_end_tokens_need_a_match(tok, manager):
+    pieces = token_bytes(tok, len(tok))
+    ids = {p: i for i, p in enumerate(pieces) if p in (b"a", b"b", b"c", b"x")}
+    eos = tok.eos_token_id
+    m = manager.matcher(SO(choice=["ab", "abc"]))
+    rows = m.row_masks([ids[b"a"]], [ids[b"b"], ids[b"x"], ids[b"c"]], [eos])
+    assert rows.shape == (4, len(tok) + 3)
+    assert rows[0, ids[b"b"]] and not rows[0, eos]  # after "a": "b", not the end
+    assert rows[1, ids[b"c"]] and rows[1, eos]  # after "ab": "c" or the end
+    assert torch.equal(rows[2], rows[1]) and torch.equal(rows[3], rows[1])  # draft "x" breaks: never used
+    # drafts were rolled back: the same output gives the same first row again
+    assert torch.equal(m.row_masks([ids[b"a"]], [], [eos])[0], rows[0])
+    assert m.row_masks([ids[b"a"], ids[b"b"], ids[b"c"]], [], [eos])[0].nonzero().flatten().tolist() == [eos]
+    # a shorter output (a preempted request recomputed) starts again from the output tokens
+    assert m.row_masks([ids[b"a"]], [], [eos])[0, ids[b"b"]]
+    # past the end (ignore_eos sampled EOS): only the fallback is left
+    done = [ids[b"a"], ids[b"b"], ids[b"c"], eos]
+    assert m.row_masks(done, [], [], [eos])[0].nonzero().flatten().tolist() == [eos]
+
+
+def test_a_stop_token_with_text_is_allowed_only_where_its_text_completes_a_match(tok, manager):
+    pieces = token_bytes(tok, len(tok))
+    ids = {p: i for i, p in enumerate(pieces) if p in (b"a", b"b", b"c")}
+    m = manager.matcher(SO(choice=["ab", "abc"]))
+    rows = m.row_masks([ids[b"a"]], [], [ids[b"b"], ids[b"c"]])  # stop_token_ids with text
+    assert rows[0, ids[b"b"]] and not rows[0, ids[b"c"]]  # "ab" matches, "ac" does not
+
+
+def test_after_a_marker_the_pattern_applies(tok, manager):
+    pieces = token_bytes(tok, len(tok))
+    ids = {p: i for i, p in enumerate(pieces) if p in (b"a", b"<", b"/", b"x", b"y", b"e", b"s", b">")}
+    m = manager.matcher(SO(choice=["yes", "no"], after="</x>"))
+    eos = tok.eos_token_id
+    thinking = [ids[b"a"], ids[b"<"], ids[b"/"]]
+    assert m.row_masks(thinking, [], [eos]) is None  # free text
+    rows = m.row_masks(thinking, [ids[b"x"], ids[b">"], ids[b"y"]], [eos])
+    assert rows[0].all() and rows[1].all()  # "a</x" still thinking
+    assert rows[2, ids[b"y"]] and not rows[2, ids[b"a"]] and not rows[2, eos]
+    assert rows[3, ids[b"e"]] and not rows[3, ids[b"y"]]
+    after = thinking + [ids[b"x"], ids[b">"], ids[b"y"], ids[b"e"], ids[b"s"]]
+    assert m.row_masks(after, [], [eos])[0].nonzero().flatten().tolist() == [eos]
+
+
+def test_the_wire_form_round_trips_and_junk_is_refused():
+    g = compile_params(SO(grammar='start: "a" /[0-9]+/'))
+    back = GuidanceGrammar.from_bytes(g.to_bytes())
+    assert back.grammar == g.grammar and back.fullmatch(b"a12") and not back.fullmatch(b"b")
+    with pytest.raises(ValueError):
+        GuidanceGrammar.from_bytes(b"junk" + g.to_bytes())
+
+
+def test_regex_classes_are_ascii_and_nesting_is_bounded():
+    assert ascii_classes(r"[\d.]+\s\W") == r"[0-9.]+[ \t\n\r\f\v][^0-9A-Za-z_]"
+    g = compile_params(SO(regex=r"\d{2}"))
+    assert g.fullmatch(b"12") and not g.fullmatch("١٢".encode())  # Arabic-Indic digits are not \d here
+    with pytest.raises(SamplingParamsError, match="nested more than 50"):
+        SamplingParams(structured_outputs=SO(regex="(" * 51 + "a" + ")" * 51))
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems"),  # not enforceable: refused, not dropped
+    (dict(json={"if": {"type": "integer"}, "then": {"minimum": 3}}), "if"),
+    (dict(grammar="start: foo"), "foo"), (dict(grammar="root ::= 'a'"), "GBNF|Lark|name"),
+    (dict(json={"type": "integer", "minimum": 5, "maximum": 3}), "minimum"),
+    (dict(structural_tag={"triggers": ["<f"], "structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}]}),
+     "triggers"),
+])
+def test_what_it_cannot_do_is_refused_naming_it(kw, words):
+    with pytest.raises(SamplingParamsError, match=words):
+        SamplingParams(structured_outputs=SO(**kw))
+
+
+def test_the_builtin_backend_refuses_grammars(builtin):
+    with pytest.raises(ValueError, match="llguidance"):
+        SO(grammar='start: "a"')
+
+
+# --- through the real engine ---------------------------------------------------------------------------
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61))]
+BOUNDED = {"type": "object", "properties": {
+    "rating": {"type": "integer", "minimum": 1, "maximum": 9},
+    "score": {"type": "number", "exclusiveMinimum": 0, "maximum": 1.5},
+    "tags": {"type": "array", "items": {"$ref": "#/$defs/Tag"}, "maxItems": 2}},
+    "required": ["rating", "score"], "$defs": {"Tag": {"enum": ["a", "b"]}}}
+LARK = r'''
+start: "(" expr ")"
+expr: NUM | NUM OP expr
+OP: "+" | "*"
+NUM: /[1-9][0-9]{0,2}/
+'''
+GBNF = r'''root ::= "<" word ("," word){0,3} ">"
+word ::= [a-d]+'''
+
+
+@pytest.fixture(scope="module")
+def llm(mtp_ckpt_dir):
+    return LLM(mtp_ckpt_dir("v3"), dtype="float32", enable_prefix_caching=False)
+
+
+@pytest.mark.parametrize("spec,check", [
+    (SO(json=BOUNDED), lambda t: jsonschema.validate(json.loads(t), BOUNDED) is None),
+    (SO(grammar=LARK), lambda t: re.fullmatch(r"\([1-9]\d{0,2}([+*][1-9]\d{0,2})*\)", t)),
+    (SO(grammar=GBNF), lambda t: re.fullmatch(r"<[a-d]+(,[a-d]+){0,3}>", t)),
+], ids=["numeric-bounds", "lark", "gbnf"])
+def test_sampled_outputs_match_through_the_engine(llm, spec, check):
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=3, n=6, max_tokens=120, structured_outputs=spec)
+    for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params):
+        for c in o.outputs:
+            assert c.finish_reason == "stop" and check(c.text), c.text
+
+
+def test_structural_tag_masks_only_inside_the_tag(tok, manager):
+    tag = {"triggers": ["<f"], "structures": [{"begin": "<f>", "end": "</f>", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 5}}, "required": ["n"]}}]}
+    pieces = token_bytes(tok, len(tok))
+    one = {p: i for i, p in enumerate(pieces) if p and len(p) == 1}
+    m = manager.matcher(SO(structural_tag=tag))
+    free = [one[b] for b in (b"a", b" ", b"x")]
+    assert m.row_masks(free, [], [tok.eos_token_id])[0].sum() > len(tok) // 2  # free text, may end
+    inside = free + [one[b"<"], one[b"f"], one[b">"], one[b"{"], one[b'"'], one[b"n"], one[b'"'], one[b":"]]
+    row = m.row_masks(inside, [], [tok.eos_token_id])[0]
+    assert sorted(pieces[t] for t in row.nonzero().flatten().tolist()) == [b"2", b"3", b"4", b"5"]
+
+
+def test_structural_tag_through_the_engine(llm):
+    tag = {"triggers": ["<f>"], "structures": [{"begin": "<f>", "end": "</f>", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 5}}, "required": ["n"]}}]}
+    params = SamplingParams(temperature=1.0, seed=1, n=8, max_tokens=60, structured_outputs=SO(structural_tag=tag))
+    for c in llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0].outputs:
+        for body in re.findall(r"<f>(.*?)</f>", c.text, re.S):
+            assert 2 <= json.loads(body)["n"] <= 5, c.text
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_is_lossless_under_a_grammar(mtp_ckpt_dir, llm, k):
+    spec = SO(grammar=LARK)
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=spec)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+    mtp = LLM(mtp_ckpt_dir("v3"), dtype="float32", enable_prefix_caching=False,
+              speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    got = [o.outputs[0].token_ids for o in mtp.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+    assert got == want and mtp.engine.stats().spec_num_draft_tokens > 0
+
+
+# --- through a real server ------------------------------------------------------------------------------
+
+class Review(BaseModel):
+    stars: int = Field(ge=1, le=9)
+    ratio: float = Field(gt=0, le=1)
+    verdict: str = Field(max_length=12)
+
+
+def test_openai_parse_of_a_bounded_pydantic_model(openai_server):
+    import openai
+    client = openai.OpenAI(base_url=openai_server.base_url, api_key="x")
+    model = client.models.list().data[0].id
+    for seed in range(3):
+        done = client.chat.completions.parse(model=model, messages=[{"role": "user", "content": "rate it"}],
+                                             response_format=Review, max_tokens=80, seed=seed, temperature=1.0)
+        msg = done.choices[0].message
+        assert done.choices[0].finish_reason == "stop" and isinstance(msg.parsed, Review), msg.content
+        assert 1 <= msg.parsed.stars <= 9 and 0 < msg.parsed.ratio <= 1
