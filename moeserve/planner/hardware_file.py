@@ -141,16 +141,27 @@ def _merge_ranges(base: dict | None, values: dict | None, ranges: dict | None) -
     return out
 
 
+def _merge_entries(base: dict | None, extra: dict | None) -> dict:
+    """Named entries (devices, systems, collective tables, per-device factors) merged field by field: a
+    file that restates one field of a built-in entry changes that field only; new names are added whole."""
+    out = dict(base or {})
+    for name, fields in (extra or {}).items():
+        old = out.get(name)
+        out[name] = {**old, **fields} if isinstance(old, dict) and isinstance(fields, dict) else fields
+    return out
+
+
 def merge(base: dict, extra: dict) -> dict:
-    """base with the user file's devices/systems added and its efficiency factors overriding."""
+    """base with the user file's devices/systems added or changed field by field, and its efficiency factors
+    overriding."""
     out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
     for section in ("devices", "systems", "collectives"):
-        out.setdefault(section, {}).update(extra.get(section) or {})
+        out[section] = _merge_entries(out.get(section), extra.get(section))
     eff = extra.get("efficiency") or {}
     out["efficiency"]["default"] = {**out["efficiency"]["default"], **(eff.get("default") or {})}
     out["efficiency"]["ranges"] = _merge_ranges(out["efficiency"].get("ranges"), eff.get("default"),
                                                 eff.get("ranges"))
-    out["efficiency"]["devices"] = {**(out["efficiency"].get("devices") or {}), **(eff.get("devices") or {})}
+    out["efficiency"]["devices"] = _merge_entries(out["efficiency"].get("devices"), eff.get("devices"))
     profiles = dict(out["efficiency"].get("profiles") or {})
     for name, vals in (eff.get("profiles") or {}).items():
         old = profiles.get(name) or {}

@@ -48,6 +48,23 @@ def test_user_file_adds_and_overrides(tmp_path):
     assert HardwareDB(y).get("big-h100").scale_up_domain == 72
 
 
+def test_user_file_merges_built_in_entries_field_by_field(tmp_path):
+    """Restating one field of a built-in device, system or per-device efficiency entry changes that field
+    and nothing else (it used to replace the whole entry)."""
+    base = HardwareDB().get("h100")
+    f = tmp_path / "hw.yaml"
+    f.write_text("devices:\n  h100:\n    hbm_tbps: 4.0\n"
+                 "systems:\n  hgx-h100:\n    scale_up_domain: 16\n"
+                 "efficiency:\n  devices:\n    h100:\n      link: 0.5\n")
+    db = HardwareDB(f)
+    hw, system = db.get("h100"), db.get("hgx-h100")
+    assert hw.hbm_tbps == 4.0 and hw.bf16_tflops == base.bf16_tflops and hw.hbm_gib == base.hbm_gib
+    assert system.scale_up_domain == 16 and system.hbm_tbps == 4.0
+    assert hw.eff.link == 0.5
+    for field in ("gemm", "attention", "attention_memory", "memory", "mla_min_rows", "link_out"):
+        assert getattr(hw.eff, field) == getattr(base.eff, field), field
+
+
 def test_overrides_and_unknown():
     hw = load_hardware("h100").with_overrides(scale_out_gbps=100, gemm=0.5, scale_up_gbps=None)
     assert hw.scale_out_gbps == 100 and hw.eff.gemm == 0.5 and hw.scale_up_gbps == 450
