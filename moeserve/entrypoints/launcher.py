@@ -13,7 +13,10 @@ Lifecycle:
        --engine-restart-backoff); the API servers reconnect on their own and serve again. More than
        --max-engine-restarts deaths in a row (without a minute of service between them) stop the
        deployment with exit code 1, for an outer supervisor;
-     - an API server exits: the deployment stops (exit code 1);
+     - an API server exits (a crash, kill -9): its own connections end; the others keep serving on the shared
+       listening socket (the launcher keeps a copy of it, so the port never closes) and the launcher starts
+       a replacement with the same index after the same backoff as the engine core; more than
+       --max-engine-restarts deaths of one API server in a row stop the deployment (exit code 1);
      - SIGTERM/SIGINT: a graceful stop (Deployment.shutdown): the API servers stop accepting and finish the
        requests in flight (streams too) within --shutdown-timeout; those still running then end with an
        error naming the shutdown (a stream: an error event and [DONE]; else a 503); then the engine core stops.
@@ -112,18 +115,15 @@ class Deployment:
         self.engine = None
         self.engine_started = 0.0
         self.api_servers: list = []
+        self.api_started: dict[int, float] = {}  # API server index -> when it started
+        self.api_deaths: dict[int, int] = {}  # API server index -> deaths in a row
 
     def start(self) -> None:
         metrics_dir = os.path.join(self.tmpdir, "metrics")
         os.makedirs(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the spawned API servers
         self._start_engine()
-        ready = [self.ctx.Event() for _ in range(self.server.api_server_count)]
-        for i, ev in enumerate(ready):
-            p = self.ctx.Process(target=run_api_server, name=f"moeserve-api-server-{i}",
-                                 args=(ApiServerSpec(index=i, sock=self.listener, **self.spec), ev))
-            p.start()
-            self.api_servers.append(p)
+        ready = [self._spawn_api_server(i) for i in range(self.server.api_server_count)]
         for i, (p, ev) in enumerate(zip(self.api_servers, ready)):
             self._wait_ready(ev, p, f"API server {i}")
             logger.info("API server %d pid=%d ready", i, p.pid)
@@ -132,8 +132,21 @@ class Deployment:
         # the deployment's life, a launcher that did not exit normally (a kill, a second signal) left them
         # to the tracker's "leaked semaphore objects" warning. They are needed only until ready.
         ready = ev = None
-        # The API servers hold their own copies; without ours, their closing it stops new connections.
-        self.listener.close()
+        # The listening socket stays open here too (never accepted on): a replacement API server gets it, and
+        # the port stays open while one is down. shutdown() closes it first.
+
+    def _spawn_api_server(self, index: int):
+        """Start API server `index` (at start-up, or replacing one that died); returns its ready event."""
+        ready = self.ctx.Event()
+        p = self.ctx.Process(target=run_api_server, name=f"moeserve-api-server-{index}",
+                             args=(ApiServerSpec(index=index, sock=self.listener, **self.spec), ready))
+        p.start()
+        if index < len(self.api_servers):
+            self.api_servers[index] = p
+        else:
+            self.api_servers.append(p)
+        self.api_started[index] = time.monotonic()
+        return ready
 
     def _start_engine(self) -> None:
         ready = self.ctx.Event()
@@ -161,11 +174,9 @@ class Deployment:
         deaths = 0  # engine-core deaths in a row
         while True:
             multiprocessing.connection.wait([p.sentinel for p in self.api_servers] + [self.engine.sentinel])
-            dead = [i for i, p in enumerate(self.api_servers) if not p.is_alive()]
-            if dead:
-                logger.error("API server %d exited (code %s); stopping", dead[0],
-                             self.api_servers[dead[0]].exitcode)
-                return 1
+            for i in [i for i, p in enumerate(self.api_servers) if not p.is_alive()]:
+                if not self._restart_api_server(i):
+                    return 1
             if self.engine.is_alive():
                 continue
             self.engine.join()
@@ -174,6 +185,38 @@ class Deployment:
             deaths += 1
             if not self._restart_engine(deaths):
                 return 1
+
+    def _restart_api_server(self, index: int) -> bool:
+        """Replace API server `index` after the engine core's backoff; False when its restarts are spent.
+        The others keep serving meanwhile; the dead one's requests were its own connections' (the engine core
+        drops a client it cannot reach, with its requests)."""
+        dead = self.api_servers[index]
+        dead.join()
+        _forget_metrics_of(dead.pid)
+        deaths = 1 if time.monotonic() - self.api_started.get(index, 0.0) > HEALTHY_RUN_S else \
+            self.api_deaths.get(index, 0) + 1
+        self.api_deaths[index] = deaths
+        limit = self.server.max_engine_restarts
+        if deaths > limit:
+            logger.error("API server %d exited (code %s) %d times in a row; giving up after --max-engine-restarts "
+                         "%d and stopping the deployment", index, dead.exitcode, deaths, limit)
+            return False
+        delay = min(MAX_BACKOFF_S, self.server.engine_restart_backoff * 2 ** (deaths - 1))
+        logger.error("API server %d (pid %d) exited (code %s); the other API servers keep serving; starting a "
+                     "replacement in %.1f s (restart %d of at most %d in a row)", index, dead.pid, dead.exitcode,
+                     delay, deaths, limit)
+        time.sleep(delay)
+        ready = self._spawn_api_server(index)
+        try:
+            self._wait_ready(ready, self.api_servers[index], f"API server {index}")
+        except RuntimeError as e:
+            logger.error("restarting API server %d failed: %s", index, e)
+            self._stop(self.api_servers[index], 0.0)
+            return self._restart_api_server(index)
+        finally:
+            ready = None  # its semaphores: see start()
+        logger.info("API server %d is back (pid %d)", index, self.api_servers[index].pid)
+        return True
 
     def _restart_engine(self, deaths: int) -> bool:
         """Start the engine core again after a backoff, until it is ready or the restarts are spent."""
@@ -201,6 +244,8 @@ class Deployment:
     def shutdown(self, graceful: bool = True) -> None:
         """Stop accepting, let the API servers finish what they serve (--shutdown-timeout), then stop the
         engine core. A second signal meanwhile (KeyboardInterrupt) stops everything at once."""
+        # ours first: once the API servers close theirs, new connections are refused, not left in the backlog
+        self.listener.close()
         try:
             if graceful:
                 # their own limit is --shutdown-timeout + GRACE_BACKSTOP_S; then a little to close
@@ -212,7 +257,6 @@ class Deployment:
                 self._stop(p, 0.0)
             if self.engine is not None:
                 self._stop(self.engine, ENGINE_STOP_S)
-            self.listener.close()
             shutil.rmtree(self.tmpdir, ignore_errors=True)
 
     def _stop_api_servers(self, timeout: float) -> None:
@@ -231,6 +275,15 @@ class Deployment:
         if proc.is_alive():
             proc.kill()
         proc.join()
+
+
+def _forget_metrics_of(pid: int) -> None:
+    """A dead API server's live gauges leave the multiprocess metrics (its counters keep counting)."""
+    try:
+        from prometheus_client import multiprocess
+        multiprocess.mark_process_dead(pid)
+    except (ImportError, OSError, KeyError):
+        pass
 
 
 def _listen(host: str, port: int) -> socket.socket:
