@@ -226,6 +226,13 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple], errors: dict[in
     """In place: logits [sum rows, V]; rows = (matcher or None, output_ids, draft_ids, end_ids, fallback_ids)
     per request (see GrammarMatcher.row_masks). A request whose mask fails gets its message in errors[i]
     (its rows are left as they were; without errors the exception propagates)."""
+    from moeserve.structured.guidance import GuidanceMatcher, prefetch_masks
+    guided = [(m, out) for m, out, *_ in rows if isinstance(m, GuidanceMatcher)]
+    if len(guided) > 1:
+        try:
+            prefetch_masks(guided)
+        except Exception:  # noqa: BLE001 - each request's row_masks below computes (and reports) its own
+            pass
     r = 0
     for i, (matcher, output_ids, draft_ids, end_ids, fallback_ids) in enumerate(rows):
         n = len(draft_ids) + 1
@@ -301,7 +308,7 @@ class StructuredOutputManager:
                 if len(self._checked) > 64:
                     self._checked.popitem(last=False)
                 if self._guidance is None:
-                    self._guidance = guidance.GuidanceVocab(self.tokenizer(), self.table().pieces)
+                    self._guidance = guidance.GuidanceVocab.from_hf(self.tokenizer(), self.table().pieces)
                 return guidance.GuidanceMatcher(self._guidance, held, after)
             dfa = held  # a DFA: the builtin backend compiled it here (only where that is allowed)
         grammar = self._grammars.get(key)
