@@ -234,3 +234,19 @@ def test_openai_parse_of_a_bounded_pydantic_model(openai_server):
         msg = done.choices[0].message
         assert done.choices[0].finish_reason == "stop" and isinstance(msg.parsed, Review), msg.content
         assert 1 <= msg.parsed.stars <= 9 and 0 < msg.parsed.ratio <= 1
+
+
+class Pick(BaseModel):
+    digit: int = Field(ge=1, le=9)
+    word: str = Field(max_length=10)
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output_of_a_bounded_model(openai_server, method):
+    pytest.importorskip("langchain_openai")  # installed in this repository's test environment
+    from langchain_openai import ChatOpenAI
+    import openai
+    model = openai.OpenAI(base_url=openai_server.base_url, api_key="x").models.list().data[0].id
+    chat = ChatOpenAI(model=model, base_url=openai_server.base_url, api_key="x", max_tokens=40, temperature=1.0)
+    got = chat.with_structured_output(Pick, method=method).invoke("pick a digit")
+    assert isinstance(got, Pick) and 1 <= got.digit <= 9
