@@ -129,6 +129,7 @@ class ParallelConfig:
     master_port: int | None = None  # None: a free port (single node only)
     distributed_backend: str = "auto"
     distributed_timeout: float = 60.0  # seconds before a stuck collective / dead rank is an error
+    stall_timeout: float = 5.0  # seconds without progress before a stopped rank is dead (--engine-stall-timeout)
 
     def __post_init__(self) -> None:
         _require(self.data_parallel_size >= 1, "--data-parallel-size must be >= 1")
@@ -200,6 +201,7 @@ class ParallelConfig:
                  + (" (the front end listens on --master-port + 1)" if self.nnodes > 1 else "")
                  + f", got {self.master_port}")
         _require(self.distributed_timeout > 0, "--distributed-timeout must be > 0 seconds")
+        _require(self.stall_timeout > 0, f"--engine-stall-timeout must be > 0 seconds, got {self.stall_timeout}")
 
     @property
     def world_size(self) -> int:

@@ -522,7 +522,8 @@ class EngineArgs:
 
     def _parallel_fields(self) -> dict:
         """ParallelConfig's fields, with vLLM's --all2all-backend and --eplb-config translated."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ParallelConfig)
+                  if hasattr(self, f.name)}  # stall_timeout comes from the server's --engine-stall-timeout
         if self.all2all_backend is not None:
             b = self.all2all_backend
             _require(b in ALL2ALL_BACKENDS, f"--all2all-backend must be one of {', '.join(ALL2ALL_BACKENDS)}, "

@@ -51,6 +51,7 @@ class DPEngineClient:
         self.config = dataclasses.replace(config, parallel=parallel)  # keeps quant, speculative, ...
         self.dp_size, self.tp_size = parallel.data_parallel_size, parallel.tensor_parallel_size
         self.timeout = parallel.distributed_timeout
+        self.stall_timeout = parallel.stall_timeout
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         host, port = zmq_addr.removeprefix("tcp://").rsplit(":", 1)
@@ -133,7 +134,14 @@ class DPEngineClient:
                 outputs.append(out)
         if heard or not self.router:  # every step reports, so a long chunked prefill is progress too
             self._last_progress = time.monotonic()
-        elif time.monotonic() - self._last_progress > self.timeout:
+        elif (silent := time.monotonic() - self._last_progress) > self.stall_timeout and self.ranks.stopped():
+            # a stopped rank (SIGSTOP) never resumes by itself: dead now, not after the gloo timeout; a rank
+            # that is merely slow (a long step) is not stopped, and only --distributed-timeout ends that
+            r, t = self.ranks.stopped()[0], self.tp_size
+            self._fail(f"rank {r} (dp {r // t}, tp {r % t}) is stopped (SIGSTOP or a debugger) and no rank "
+                       f"progressed for {silent:.1f} s (--engine-stall-timeout {self.stall_timeout:g}); "
+                       "the engine stopped")
+        elif silent > self.timeout:
             self._fail(f"no report from any rank for {self.timeout:.0f} s (--distributed-timeout) while "
                        f"{len(self.router)} request(s) are unfinished")
         return outputs

@@ -174,6 +174,20 @@ class LocalRanks:
         """rank -> exit code of local ranks that have exited."""
         return {r: p.poll() for r, p in self.procs.items() if p.poll() is not None}
 
+    def stopped(self) -> list[int]:
+        """Local ranks whose process is stopped (SIGSTOP, a debugger): state T or t in /proc/PID/stat. Empty
+        where /proc is not there (not Linux)."""
+        out = []
+        for rank, p in self.procs.items():
+            try:
+                with open(f"/proc/{p.pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]  # after "pid (comm)"
+            except (OSError, IndexError):
+                continue
+            if state in ("T", "t"):
+                out.append(rank)
+        return out
+
     def join(self, timeout: float | None = None) -> None:
         """Wait for the ranks, at most `timeout` seconds in all."""
         deadline = None if timeout is None else time.monotonic() + timeout

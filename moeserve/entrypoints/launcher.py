@@ -90,7 +90,10 @@ class Deployment:
         self.ready_timeout = ready_timeout
         path = engine_args.model
         arch = DeepseekArch.from_pretrained(path)
-        self.config = resolve_engine_config(engine_args, arch.max_position_embeddings)
+        config = resolve_engine_config(engine_args, arch.max_position_embeddings)
+        # the engine core declares a stopped rank dead after the server's --engine-stall-timeout
+        self.config = dataclasses.replace(config, parallel=dataclasses.replace(
+            config.parallel, stall_timeout=server.engine_stall_timeout))
         if self.config.model.skip_tokenizer_init:
             raise ValueError("--skip-tokenizer-init is not supported by `moeserve serve` yet (its API servers "
                              "detokenize); use it with LLM(skip_tokenizer_init=True)")
