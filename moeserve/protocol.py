@@ -130,6 +130,7 @@ MSG_ADD = b"A"  # client -> core: EngineCoreRequest
 MSG_ABORT = b"X"  # client -> core: EngineCoreAbort
 MSG_OUTPUTS = b"O"  # core -> client: EngineCoreOutputs
 MSG_GOODBYE = b"G"  # either way, empty: the sender stops cleanly (a shutdown, not a crash)
+MSG_FATAL = b"F"  # core -> client, UTF-8 text: why the core stops now (a rank died or stopped); a crash
 MSG_UTILITY = b"U"  # client -> core: EngineCoreUtility;  core -> client: EngineCoreUtilityResult
 UTILITY_CALLS = ("reset_prefix_cache",)  # what EngineCoreUtility may call on the engine
 

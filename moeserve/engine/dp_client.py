@@ -138,6 +138,7 @@ class DPEngineClient:
             # a stopped rank (SIGSTOP) never resumes by itself: dead now, not after the gloo timeout; a rank
             # that is merely slow (a long step) is not stopped, and only --distributed-timeout ends that
             r, t = self.ranks.stopped()[0], self.tp_size
+            self.ranks.kill()  # the others wait in a collective with it: no clean exit to wait for
             self._fail(f"rank {r} (dp {r // t}, tp {r % t}) is stopped (SIGSTOP or a debugger) and no rank "
                        f"progressed for {silent:.1f} s (--engine-stall-timeout {self.stall_timeout:g}); "
                        "the engine stopped")

@@ -23,7 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from moeserve.engine.output_processor import Delta, OutputProcessor
-from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_GOODBYE, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, EngineCoreAbort,
+from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_FATAL, MSG_GOODBYE, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, EngineCoreAbort,
                                EngineCoreHello, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                EngineCoreUtility, EngineCoreUtilityResult, EngineStats)
 from moeserve.sampling_params import SamplingParams
@@ -99,6 +99,7 @@ class EngineClient:
         self.log_requests = False  # --enable-log-requests
         self.max_log_len: int | None = None  # --max-log-len: the log also shows the first N prompt chars / ids
         self._core_stopping = False  # the core said goodbye: its disconnect is a shutdown, not a crash
+        self._core_fatal: str | None = None  # what the core said before it died (MSG_FATAL)
         self._calls: dict[int, asyncio.Future] = {}  # utility calls waiting for the core's answer
         self._call_ids = 0
 
@@ -115,6 +116,7 @@ class EngineClient:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.sock.connect(self.address)
         self._core_stopping = False  # a new core: its disconnect is a crash again until it says goodbye
+        self._core_fatal = None
 
     async def start(self, timeout: float = 60.0) -> None:
         if not await self._handshake(timeout):
@@ -296,6 +298,10 @@ class EngineClient:
             kind, payload = await self.sock.recv_multipart()
             if kind == MSG_GOODBYE:
                 self._core_stopping = True
+                continue
+            if kind == MSG_FATAL:  # the core is about to exit and says why: that is what requests are told
+                self._core_fatal = payload.decode(errors="replace")
+                self._mark_dead(f"the engine core stopped: {self._core_fatal}")
                 continue
             if kind == MSG_UTILITY:
                 answer = msgspec.msgpack.decode(payload, type=EngineCoreUtilityResult)

@@ -21,7 +21,7 @@ import time
 import msgspec
 import zmq
 
-from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_GOODBYE, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, UTILITY_CALLS,
+from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_FATAL, MSG_GOODBYE, MSG_HELLO, MSG_OUTPUTS, MSG_UTILITY, UTILITY_CALLS,
                                EngineCoreAbort,
                                EngineCoreHello, EngineCoreOutput, EngineCoreOutputs, EngineCoreReady,
                                EngineCoreRequest, EngineCoreUtility, EngineCoreUtilityResult)
@@ -193,6 +193,14 @@ class EngineCoreProc:
                 self._started.discard(out.request_id)
         self.stats_logger.count(prompt, generated)
 
+    def tell_clients_why(self, reason: str) -> None:
+        """Before dying: the API servers pass the reason (which rank, how) to the requests they end."""
+        for ident in list(self.clients):
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.send_multipart([ident, MSG_FATAL, reason.encode()], zmq.NOBLOCK)
+        self.sock.close(linger=1000)  # up to 1 s to deliver them before the process exits
+        self.ctx.term()
+
     def _say_goodbye(self) -> None:
         """A clean stop: tell the API servers first, so they log it as such and not as a crash."""
         for ident in list(self.clients):
@@ -265,6 +273,7 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
         proc.run()
     except EngineDeadError as e:  # a rank died or hung: the message names it; the launcher restarts us
         logger.error("engine core %d stops: %s", engine_index, e)
+        proc.tell_clients_why(str(e))
         raise SystemExit(EXIT_RANK_DIED) from None
     core.flush_stats()  # --expert-load-stats: the last counts
     logger.info("engine core %d stopped", engine_index)
