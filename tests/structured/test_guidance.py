@@ -250,3 +250,38 @@ def test_langchain_with_structured_output_of_a_bounded_model(openai_server, meth
     chat = ChatOpenAI(model=model, base_url=openai_server.base_url, api_key="x", max_tokens=40, temperature=1.0)
     got = chat.with_structured_output(Pick, method=method).invoke("pick a digit")
     assert isinstance(got, Pick) and 1 <= got.digit <= 9
+
+
+# vLLM's structured-output examples (examples/offline_inference/structured_outputs.py, as its docs give them)
+SQL_GBNF = """
+root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 "
+"""
+
+
+CAR = {"type": "object", "properties": {
+    "brand": {"type": "string", "title": "Brand"}, "model": {"type": "string", "title": "Model"},
+    "car_type": {"$ref": "#/$defs/CarType"}}, "required": ["brand", "model", "car_type"],
+    "$defs": {"CarType": {"enum": ["sedan", "SUV", "Truck", "Coupe"], "title": "CarType", "type": "string"}}}
+
+
+@pytest.mark.parametrize("spec,check", [
+    (SO(choice=["Positive", "Negative"]), lambda t: t in ("Positive", "Negative")),
+    (SO(regex=r"\w+@\w+\.com\n"), lambda t: re.fullmatch(r"[0-9A-Za-z_]+@[0-9A-Za-z_]+\.com\n", t)),
+    (SO(json=CAR), lambda t: jsonschema.validate(json.loads(t), CAR) is None),
+    (SO(grammar=SQL_GBNF), lambda t: re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", t)),
+], ids=["choice", "regex", "json", "grammar"])
+def test_vllm_examples(llm, spec, check):
+    """Outputs that end match; ones cut by max_tokens (the random model writes long strings) are a prefix of
+    a match, by the hand-written DFA (GBNF aside: it has none, and those outputs end)."""
+    params = SamplingParams(temperature=0.8, seed=0, n=4, max_tokens=100, structured_outputs=spec)
+    dfa = _dfa(spec) if spec.grammar is None else None
+    for c in llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)[0].outputs:
+        if c.finish_reason == "stop" or dfa is None:
+            assert c.finish_reason == "stop" and check(c.text), c.text
+        else:
+            assert c.finish_reason == "length" and dfa.step(1, c.text.encode()) != 0, c.text
