@@ -285,3 +285,19 @@ def test_vllm_examples(llm, spec, check):
             assert c.finish_reason == "stop" and check(c.text), c.text
         else:
             assert c.finish_reason == "length" and dfa.step(1, c.text.encode()) != 0, c.text
+
+
+@pytest.mark.parametrize("extra", [{"guided_grammar": GBNF}, {"structured_outputs": {"grammar": LARK}},
+                                   {"guided_json": {"type": "integer", "minimum": 3, "maximum": 7}}],
+                         ids=["guided_grammar", "structured_outputs.grammar", "bounded-integer"])
+def test_grammar_and_bounds_over_http(openai_server, extra):
+    import httpx
+    body = {"prompt": "x", "max_tokens": 60, "temperature": 1.0, "seed": 0, "n": 3, **extra}
+    r = httpx.post(f"{openai_server.base_url}/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        assert c["finish_reason"] == "stop", c
+        t = c["text"]
+        assert (re.fullmatch(r"<[a-d]+(,[a-d]+){0,3}>", t) if "guided_grammar" in extra else
+                re.fullmatch(r"\([1-9]\d{0,2}([+*][1-9]\d{0,2})*\)", t) if "structured_outputs" in extra else
+                3 <= int(t) <= 7), t
