@@ -8,12 +8,13 @@ from moeserve.config import ParallelConfig
 from moeserve.distributed import comm
 from moeserve.distributed.parallel_state import destroy_distributed, get_ep_group, init_distributed
 from moeserve.layers.mlp import DenseMLP
-from moeserve.layers.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalDispatcher
+from moeserve.layers.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, Int8PayloadCodec, LocalDispatcher
 from moeserve.layers.moe.layer import SharedExpertsAsSlot
 from moeserve.layers.moe.placement import ExpertMap, LayerPlacement, default_map
 from tests.distributed.test_dispatch import E, H, I, K, full_experts, local_experts
 
 WORLD, SHARED = 3, 1
+CASES = ("alltoall", "allgather", "alltoall-int8", "allgather-int8")
 TOKENS = {0: 5, 1: 3, 2: 4}  # the shared rank has requests of its own too (attention is DP everywhere)
 
 
@@ -49,11 +50,15 @@ def pairs(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 def run_case(rank: int, case: str):
     full, mlp = full_experts(), shared_mlp()
     x, w, ids = tokens(rank)
+    int8 = case.endswith("-int8")
+    codec = Int8PayloadCodec() if int8 else None
     with torch.no_grad():
-        want = LocalDispatcher().combine(LocalDispatcher().dispatch(x, w, ids), full) + mlp(x)
+        # the INT8 payload: routed and shared experts alike see the rows as the codec rounds them
+        seen = codec.decode(codec.encode(x)) if int8 else x
+        want = LocalDispatcher().combine(LocalDispatcher().dispatch(seen, w, ids), full) + mlp(seen)
         pl = placement_of(rank)
         compute = SharedExpertsAsSlot(mlp) if pl.holds_shared else local_experts(full, pl, 1, rank)
-        d = (AllToAllDispatcher if case == "alltoall" else AllGatherDispatcher)(get_ep_group(), pl)
+        d = (AllToAllDispatcher if case.startswith("alltoall") else AllGatherDispatcher)(get_ep_group(), pl, codec)
         phys, weights = pairs(rank)
         comm.STATS.reset()
         got = d.combine(d.dispatch(x, weights, phys), compute)
@@ -65,7 +70,7 @@ def rank_main(rank: int, port: int, results) -> None:
     init_distributed(ParallelConfig(data_parallel_size=WORLD, enable_expert_parallel=True,
                                     shared_expert_ranks=SHARED), rank, f"tcp://127.0.0.1:{port}")
     try:
-        for case in ("alltoall", "allgather"):
+        for case in CASES:
             results[(case, rank)] = run_case(rank, case)
     finally:
         destroy_distributed()
@@ -80,7 +85,7 @@ def results():
         return dict(shared)
 
 
-@pytest.mark.parametrize("case", ["alltoall", "allgather"])
+@pytest.mark.parametrize("case", CASES)
 def test_routed_and_shared_rows_in_one_dispatch_match_local(results, case):
     assert all(results[(case, r)][0] for r in range(WORLD))
 
