@@ -175,6 +175,8 @@ class EngineClient:
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is not None:
             return
+        if self._core_fatal:  # the core said why before it went (MSG_FATAL)
+            reason = f"the engine core stopped: {self._core_fatal}"
         self.dead_reason = reason
         if self._core_stopping:
             logger.info("engine core stopped; answering 503 until it is back or this server stops")
@@ -299,9 +301,8 @@ class EngineClient:
             if kind == MSG_GOODBYE:
                 self._core_stopping = True
                 continue
-            if kind == MSG_FATAL:  # the core is about to exit and says why: that is what requests are told
-                self._core_fatal = payload.decode(errors="replace")
-                self._mark_dead(f"the engine core stopped: {self._core_fatal}")
+            if kind == MSG_FATAL:  # the core is about to exit and says why: what requests are told when its
+                self._core_fatal = payload.decode(errors="replace")  # disconnect is seen (_watch)
                 continue
             if kind == MSG_UTILITY:
                 answer = msgspec.msgpack.decode(payload, type=EngineCoreUtilityResult)
