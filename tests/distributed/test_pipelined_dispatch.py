@@ -114,3 +114,13 @@ def test_pipeline_flags_are_checked(ckpt_dir):
         LLM(ckpt_dir("v3"), moe_pipeline_chunks=0)
     with pytest.raises(ConfigError, match="--moe-pipeline-chunks overlaps"):
         LLM(ckpt_dir("v3"), moe_pipeline_chunks=2)
+
+
+def test_engine_pipelined_two_stage_on_2x2_simulated_nodes_with_dbo(ckpt_dir):
+    """Issue 36's layout for both stages at once: DP=4 as 2 nodes x 2, two-stage allgather, K=2, DBO."""
+    path = ckpt_dir("v3")
+    want = generate(LLM(path, dtype="float32"))
+    got = generate(LLM(path, dtype="float32", data_parallel_size=4, enable_expert_parallel=True,
+                       moe_comm="allgather", moe_comm_hierarchy="two-stage", moe_node_size=2,
+                       moe_pipeline_chunks=2, enable_dbo=True, distributed_timeout=30))
+    assert got == want
