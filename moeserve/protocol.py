@@ -22,6 +22,10 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # sampling_params.structured_outputs compiled (structured/automaton.py DFA.to_bytes): the builder (API
     # server, LLM) compiles, so the engine's loop never does
     structured_dfa: bytes | None = None
+    # A request resumed after an engine restart (entrypoints/engine_client.py): the tokens it generated
+    # before. They follow the prompt and count as output (max_tokens, min_tokens, penalties, grammar, the
+    # seed's position), so it continues exactly where it stopped; its KV is recomputed like a preemption's.
+    output_token_ids: list[int] = []
 
 
 class TokenLogprobsMsg(msgspec.Struct, array_like=True):

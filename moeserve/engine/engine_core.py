@@ -60,7 +60,8 @@ class EngineCore:
         try:
             request = Request(req.request_id, list(req.prompt_token_ids), req.sampling_params,
                               eos_token_ids=list(req.eos_token_ids or self.arch.eos_token_ids),
-                              priority=req.priority, cache_salt=req.cache_salt)
+                              priority=req.priority, cache_salt=req.cache_salt,
+                              output_token_ids=list(req.output_token_ids))
             if req.priority and self.config.scheduler.policy != "priority":
                 raise RequestRejected(f"priority {req.priority} needs a server started with --scheduling-policy "
                                       "priority")

@@ -38,13 +38,21 @@ class StepSampler:
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def generator(self, req) -> torch.Generator | None:
+    def generator(self, req, vocab_size: int) -> torch.Generator | None:
         """The request's own generator (seeded requests), created at its first draw."""
         seed = req.sampling_params.seed
         if seed is None:
             return None
         if req.request_id not in self.generators:
-            self.generators[req.request_id] = torch.Generator().manual_seed(seed)
+            g = self.generators[req.request_id] = torch.Generator().manual_seed(seed)
+            if req.output_token_ids and self.rejection_sampler is None and not req.sampling_params.greedy:
+                # Resumed after an engine restart (protocol.EngineCoreRequest.output_token_ids): each earlier
+                # token drew one row of Exp(1) noise (draw.draw_exact); drawing them again puts the generator
+                # where the dead engine's was, so the seed gives the same tokens (not with MTP's rejection
+                # sampler, whose draws depend on the drafts: docs/serving.md).
+                row = torch.empty(vocab_size)
+                for _ in req.output_token_ids:
+                    row.exponential_(1, generator=g)
         return self.generators[req.request_id]
 
     def sample(self, hidden: torch.Tensor, sample_rows: list, result) -> None:
@@ -95,7 +103,7 @@ class StepSampler:
 
     def _draw(self, logits: torch.Tensor, raw: torch.Tensor, sample_rows: list, reqs: list, params: list,
               result) -> None:
-        gens = [self.generator(r) for r in reqs]
+        gens = [self.generator(r, logits.shape[-1]) for r in reqs]
         errors: dict[int, str] = {}
         if self.rejection_sampler is None:
             tokens, lps = self.sampler(logits, params, gens, raw, errors)
