@@ -1,8 +1,8 @@
 """Engine configuration: frozen dataclasses, one per concern, validated on construction.
 
 engine_args.py holds EngineArgs, the flags / LLM keywords that create_config() turns into the EngineConfig
-below; this module is plain data and imports no models/, layers/ or engine/ code (engine/resolve.py does the
-checkpoint lookups).
+below; this module is plain data and imports nothing of moeserve (engine/resolve.py does the checkpoint lookups,
+the registries check their own names: e.g. --reasoning-parser's choices come from entrypoints/reasoning.py).
 """
 from __future__ import annotations
 
@@ -25,10 +25,20 @@ ALL2ALL_BACKENDS = {"allgather_reducescatter": "allgather", "naive": "allgather"
                     "flashinfer_all2allv": "alltoall", "flashinfer_nvlink_two_sided": "alltoall",
                     "flashinfer_nvlink_one_sided": "alltoall"}
 QUANTIZATION_METHODS = ("a8w8", "fp8")
+MAX_SLO_MS = 1e9  # about 11.6 days: beyond that a latency target means nothing (and inf is refused)
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says what to change."""
+
+
+def check_slo_ms(value, name: str) -> float | None:
+    """A latency target in ms as given by a flag or a request field: None, or a finite number in (0, 1e9]."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SLO_MS:
+        raise ValueError(f"{name} must be a number of milliseconds in (0, {MAX_SLO_MS:g}], got {value!r}")
+    return float(value)
 
 
 def _require(ok: bool, message: str) -> None:
@@ -74,7 +84,6 @@ class SchedulerConfig:
     policy: str = "fcfs"  # --scheduling-policy: fcfs, or priority (lower request priority value first)
 
     def __post_init__(self) -> None:
-        from moeserve.engine.slo import check_slo_ms
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             try:
                 check_slo_ms(getattr(self, name), "--" + name.replace("_", "-"))
@@ -494,12 +503,6 @@ class ServerConfig:
                  f"--max-waiting-requests must be >= 1 (every request waits briefly before it runs), "
                  f"got {self.max_waiting_requests}")
         _require(self.api_key is None or bool(self.api_key), "--api-key must not be empty")
-        from moeserve.entrypoints.reasoning import REASONING_PARSERS
-        from moeserve.entrypoints.tool_calls import TOOL_CALL_PARSERS
-        _require(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
-                 f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
-        _require(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
-                 f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         _require(not self.enable_auto_tool_choice or self.tool_call_parser is not None,
                  "--enable-auto-tool-choice needs --tool-call-parser (e.g. deepseek_v3)")
         _require(self.log_level.lower() in ("debug", "info", "warning", "error"),

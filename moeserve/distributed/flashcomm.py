@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.distributed.comm import GroupCoordinator
+from moeserve.int8 import quantize_per_token
 from moeserve.scoped import Scoped
-from moeserve.layers.quant import quantize_per_token
 
 FLASHCOMM_MODES = ("off", "on", "int8")
 _CURRENT: Scoped["SeqParallel"] = Scoped("seq_parallel")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
-from moeserve.config import EngineConfig
+from moeserve.config import EngineConfig, check_slo_ms
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.request import Request, RequestStatus
@@ -66,7 +66,6 @@ class EngineCore:
                 raise RequestRejected(f"priority {req.priority} needs a server started with --scheduling-policy "
                                       "priority")
             self._check_vocab(request)
-            from moeserve.engine.slo import check_slo_ms
             request.slo_ttft_ms = check_slo_ms(req.slo_ttft_ms, "slo_ttft_ms")
             request.slo_tpot_ms = check_slo_ms(req.slo_tpot_ms, "slo_tpot_ms")
             self._check_logprobs(req.sampling_params)

@@ -1,50 +1,14 @@
-"""Memory before allocation: how much the weights and the KV pool need, checked against what the device has.
-
-A raw allocator traceback names neither the need nor the flag that changes it; these checks run before the
-allocation and say both. `--gpu-memory-utilization` (vLLM's) sizes the KV pool as the share of the device's
-memory left after the weights (on CPU the device is host RAM).
+"""Memory before allocation of the KV pool: `--gpu-memory-utilization` (vLLM's) sizes it as the share of the
+device's memory left after the weights (on CPU the device is host RAM); moeserve/device_memory.py has the
+device figures and the check that names the flag to change.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-GiB = 1 << 30
+from moeserve.device_memory import GiB, total_memory
+
 ACTIVATION_RESERVE = 0.05  # of the utilization budget, kept for activations and the sampler
-
-
-def total_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes an allocation can take now: CUDA's free memory, or the kernel's MemAvailable on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters (also on the meta device, before they exist)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def check_fits(need: int, device: torch.device, what: str, flags: str) -> None:
-    """Raise MemoryError naming the need, what is free and the flags that change the need."""
-    have = free_memory(device)
-    if need > have:
-        raise MemoryError(f"{what} needs {need / GiB:.2f} GiB but {device.type} memory has {have / GiB:.2f} GiB "
-                          f"free; {flags}")
 
 
 def blocks_for_utilization(utilization: float, weights: int, bytes_per_block: int, device: torch.device,

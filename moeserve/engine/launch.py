@@ -17,12 +17,14 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
-import moeserve
-
 from moeserve.config import ConfigError, EngineConfig, ParallelConfig
+
+# the folder holding the moeserve package: rank interpreters get it on PYTHONPATH (a checkout need not be installed)
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -159,7 +161,7 @@ class LocalRanks:
             return
         threads = max(1, (os.cpu_count() or 1) // p.ranks_per_node)
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(moeserve.__file__)))
+        root = str(PACKAGE_PARENT)
         env["PYTHONPATH"] = os.pathsep.join([root] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
         first = p.node_rank * p.ranks_per_node
         for rank in range(first, first + p.ranks_per_node):

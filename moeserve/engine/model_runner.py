@@ -25,7 +25,8 @@ from moeserve.models.registry import build_model
 from moeserve.sample.logprobs import TokenLogprobs
 from moeserve.sample.step import StepSampler
 
-from moeserve.engine.kv_memory import blocks_for_utilization, check_fits, module_bytes
+from moeserve.device_memory import check_fits, module_bytes
+from moeserve.engine.kv_memory import blocks_for_utilization
 from moeserve.layers.linear import packed_copy_bytes
 
 logger = logging.getLogger(__name__)

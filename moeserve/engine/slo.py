@@ -27,17 +27,7 @@ from typing import Callable
 
 from moeserve.engine.step_time import StepFeatures, StepTimeModel, chunk_pairs, features_of
 
-MAX_SLO_MS = 1e9  # about 11.6 days: beyond that a target means nothing (and inf is refused)
 EWMA = 0.05  # weight of the newest request in the running prompt / output length means
-
-
-def check_slo_ms(value, name: str) -> float | None:
-    """A target in ms as given by a flag or a request field: None, or a finite number in (0, 1e9]."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SLO_MS:
-        raise ValueError(f"{name} must be a number of milliseconds in (0, {MAX_SLO_MS:g}], got {value!r}")
-    return float(value)
 
 
 @dataclass

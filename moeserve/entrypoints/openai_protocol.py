@@ -14,7 +14,7 @@ from typing import Literal
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from moeserve.engine.slo import MAX_SLO_MS
+from moeserve.config import MAX_SLO_MS
 from moeserve.sampling_params import SamplingParams, SamplingParamsError
 from moeserve.structured.params import StructuredOutputsParams, compile_params
 from moeserve.structured.regex import PatternError

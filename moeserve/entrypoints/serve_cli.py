@@ -9,6 +9,8 @@ from moeserve.cli import HelpFormatter
 from moeserve.config_file import CONFIG_HELP
 from moeserve.config import DEFAULT_MAX_REQUEST_BODY, ServerConfig
 from moeserve.engine_args import EngineArgs
+from moeserve.entrypoints.reasoning import REASONING_PARSERS
+from moeserve.entrypoints.tool_calls import TOOL_CALL_PARSERS
 from moeserve.entrypoints.vllm_flag_table import add_accepted_flags, check_accepted_flags
 
 
@@ -56,9 +58,9 @@ def register(sub) -> None:
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                    help="serve tool_choice \"auto\": the model decides, --tool-call-parser reads its calls")
-    g.add_argument("--tool-call-parser", default=None,
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                    help="how the model writes tool calls: deepseek_v3, deepseek_v31 or deepseek_v32 (one parser reads DeepSeek V3 / R1, V3.1 and V3.2 DSML calls)")
-    g.add_argument("--reasoning-parser", default=None,
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split thinking into reasoning_content: deepseek_r1 (always thinks), deepseek_v3 "
                         "(V3.1: when chat_template_kwargs has thinking: true)")
     g.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY, metavar="BYTES",

@@ -22,40 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.int8 import QMAX, dequantize, quantize_per_channel, quantize_per_token  # noqa: F401 (A8W8's API)
 from moeserve.layers.moe.experts import FusedExperts, group_rows
 
-QMAX = 127  # symmetric range [-127, 127]; -128 unused so that negation is exact
-_EPS = 1e-12  # scale floor: an all-zero row quantizes to zeros instead of dividing by zero
 _FALLBACK_K_CHUNK = 1024  # 1024 * 128 * 128 = 2^24: float32 sums stay exact integers per chunk
 
 
 class QuantLoadError(ValueError):
     """A checkpoint tensor that cannot go into a quantized parameter; names the tensor."""
-
-
-def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., out, in] float -> (q int8 [..., out, in], scale float32 [..., out, 1]); w ~= q * scale."""
-    wf = w.float()
-    scale = (wf.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_(min=_EPS)
-    return torch.round(wf / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
-
-
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] float -> (q int8 [T, K], scale float32 [T, 1]), one dynamic scale per row (token).
-
-    The hot path, so few passes (measured: BF16 reductions are ~4x slower than float32 ones here, hence one
-    conversion first, into a private copy the later passes work on in place): one aminmax instead of an
-    abs() temporary, a multiply by the reciprocal, and no clamp (|x| * 127 / amax <= 127 up to one ulp,
-    which rounds to 127)."""
-    xf = x.to(torch.float32, copy=True)
-    lo, hi = torch.aminmax(xf, dim=-1, keepdim=True)
-    scale = torch.maximum(hi, lo.neg_()).div_(QMAX).clamp_(min=_EPS)
-    return xf.mul_(scale.reciprocal()).round_().to(torch.int8), scale
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q int8 [..., out, in] * scale [..., out, 1] -> dtype."""
-    return (q.float() * scale.float()).to(dtype)
 
 
 def _int_mm_runs(a: torch.Tensor, w: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-from moeserve.layers.quant import quantize_per_channel
+from moeserve.int8 import quantize_per_channel
 from moeserve.models.loader import iter_checkpoint
 from moeserve.models.quantization import CT_INPUTS, CT_WEIGHTS
 

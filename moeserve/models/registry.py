@@ -7,6 +7,7 @@ import os
 import torch
 
 from moeserve.config import QuantConfig
+from moeserve.device_memory import check_fits, module_bytes
 from moeserve.models.config import DeepseekArch
 from moeserve.models.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from moeserve.models.loader import LoadedCheckpoint, load_weights
@@ -50,7 +51,6 @@ def build_model(path: str, arch: DeepseekArch, dtype: torch.dtype, max_positions
     with torch.device("meta"), _default_dtype(dtype):
         model = cls(arch, max_positions)
         apply_quantization(model, quant or QuantConfig())
-    from moeserve.engine.kv_memory import check_fits, module_bytes
     check_fits(module_bytes(model), torch.device("cpu"), f"the weights ({arch.architecture}, {dtype})",
                "use a smaller --dtype, --quantization a8w8 or fp8, or more ranks (--tensor-parallel-size / "
                "--data-parallel-size with --enable-expert-parallel)")

@@ -9,7 +9,8 @@ from moeserve.config import ConfigError, SchedulerConfig
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.request import Request
 from moeserve.engine.scheduler import Scheduler
-from moeserve.engine.slo import SLOAdmission, check_slo_ms
+from moeserve.config import check_slo_ms
+from moeserve.engine.slo import SLOAdmission
 from moeserve.engine.step_time import StepFeatures, StepTimeModel, planner_prior
 from moeserve.models.default import default_model_path
 from moeserve.sampling_params import SamplingParams

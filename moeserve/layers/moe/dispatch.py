@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.distributed.comm import STATS, GroupCoordinator, timed
+from moeserve.int8 import quantize_per_token
 from moeserve.layers.moe.experts import FusedExperts
 from moeserve.layers.moe.placement import LayerPlacement
 
@@ -48,8 +49,6 @@ class Int8PayloadCodec(PayloadCodec):
     experts re-quantize to the same int8 values (same per-row scale), so INT8 dispatch == local INT8."""
 
     def encode(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        from moeserve.layers.quant import quantize_per_token
-
         q, scale = quantize_per_token(rows.reshape(-1, rows.shape[-1]))
         return [q.contiguous(), scale.contiguous()]
 
