@@ -38,9 +38,9 @@ def assumptions(points: int) -> list[dict]:
 def main() -> None:
     from moeserve.planner.analysis import decode_curve
     from moeserve.planner.calibrate import format_table, load_cases, validate
-    from moeserve.planner.deploy import Instance, Workload
-    from moeserve.planner.hardware import HardwareDB
-    from moeserve.planner.models import load_model
+    from moeserve.perf.deploy import Instance, Workload
+    from moeserve.perf.hardware import HardwareDB
+    from moeserve.perf.models import load_model
     from moeserve.planner.plots import plot_curves
 
     ap = argparse.ArgumentParser(description=__doc__)

@@ -2,7 +2,7 @@
 turn away (503 + Retry-After) a request whose TTFT target can no longer be met.
 
 The policy is CPU bookkeeping the Scheduler consults (design principle 2); it never sees tensors. Its
-predictions come from a StepTimeModel (engine/step_time.py: the planner's cost model calibrated online by
+predictions come from a StepTimeModel (engine/step_time.py: the cost model (moeserve/perf/, shared with the planner) calibrated online by
 the engine's measured steps):
 
   TPOT of a batch of B requests: a decode step of B at their mean context, plus the prefill work that

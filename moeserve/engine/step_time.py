@@ -1,8 +1,8 @@
-"""Step-time model of one engine: the planner's cost model as the prior, calibrated online by measured steps.
+"""Step-time model of one engine: the cost model (moeserve/perf/) as the prior, calibrated online by measured steps.
 
 A step's seconds are linear in five features of its batch (StepFeatures): a fixed cost, the decodes, their
 KV context (attention reads), the prefill tokens (GEMMs) and the prefill attention pairs (new x past).
-The prior weights are a least-squares fit of the planner's cost model (planner/step.py run_step) over a
+The prior weights are a least-squares fit of the cost model (perf/step.py run_step) over a
 grid of batches of the served model on a nominal device; every measured step then updates the weights by
 recursive least squares with forgetting, so the model follows this machine (and its load) within tens
 of steps. Pure CPU arithmetic on five numbers: the scheduler consults it every step.
@@ -13,6 +13,11 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
+
+from moeserve.perf.deploy import Instance
+from moeserve.perf.hardware import cpu_hardware
+from moeserve.perf.models import load_model
+from moeserve.perf.step import Batch, run_step
 
 logger = logging.getLogger(__name__)
 
@@ -126,9 +131,8 @@ NOMINAL_OVERHEAD_MS = 5.0
 
 
 def fit_prior(m, hw, inst) -> np.ndarray:
-    """Weights fitted to the planner's cost model (planner/step.py run_step) of model spec `m` on `hw`
+    """Weights fitted to the cost model (moeserve/perf/, shared with the planner) (perf/step.py run_step) of model spec `m` on `hw`
     with layout `inst`, over a grid of decode, prefill and mixed batches."""
-    from moeserve.planner.step import Batch, run_step
     rows, ys = [], []
     for seqs in (0, 1, 4, 16, 64):
         for ctx in (128.0, 1024.0):
@@ -149,9 +153,6 @@ def planner_prior(model_path: str | None) -> np.ndarray:
     if model_path is None:
         return fallback
     try:
-        from moeserve.planner.cpucheck import cpu_hardware
-        from moeserve.planner.deploy import Instance
-        from moeserve.planner.models import load_model
         return fit_prior(load_model(model_path), cpu_hardware(NOMINAL_PROFILE, NOMINAL_OVERHEAD_MS),
                          Instance(cards=1, quantization="bf16"))
     except (ValueError, KeyError, OSError) as err:  # a checkpoint the planner's presets do not describe

@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from moeserve.planner import comm
-from moeserve.planner.deploy import DoesNotFit, Instance, Workload
-from moeserve.planner.hardware import Hardware
+from moeserve.perf import comm
+from moeserve.perf.deploy import DoesNotFit, Instance, Workload
+from moeserve.perf.hardware import Hardware
 from moeserve.planner.memory import MemoryReport, memory_report, refusal_reason
-from moeserve.planner.models import ModelSpec
-from moeserve.planner.step import decode_step, prefill_step
+from moeserve.perf.models import ModelSpec
+from moeserve.perf.step import decode_step, prefill_step
 
 
 def band(fn, hw: Hardware) -> list[float] | None:

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from moeserve.planner import cases as case_files
 from moeserve.planner import explain
 from moeserve.planner.analysis import band, best_under_slo, decode_point, prefill_point
-from moeserve.planner.deploy import Instance, PlanError, Workload, fewest_redundant_slots
-from moeserve.planner.hardware import HardwareDB
-from moeserve.planner.models import check_context, load_model
+from moeserve.perf.deploy import Instance, PlanError, Workload, fewest_redundant_slots
+from moeserve.perf.hardware import HardwareDB
+from moeserve.perf.models import check_context, load_model
 
 
 def load_cases(path: str | None = None) -> dict:

@@ -13,7 +13,7 @@ field, never a traceback halfway through a validation run:
         kind: decode                # decode: tpot_ms + workload; prefill: requests + input_len
         tpot_ms: 50
         workload: {input_len: 2048, output_len: 2048}
-        instance: {cards: 32, quantization: fp8, ...}   # moeserve.planner.deploy.Instance fields
+        instance: {cards: 32, quantization: fp8, ...}   # moeserve.perf.deploy.Instance fields
         published: {metric: tok_s_card, value: 1850}    # decode: tok_s_card; prefill: ttft_ms or tok_s_card
     unlisted: [...]                 # optional, same shape: reported, not counted
 """
@@ -30,8 +30,8 @@ import yaml
 
 from moeserve.files import read_text
 from moeserve.planner.cli_args import MAX_INT
-from moeserve.planner.deploy import MAX_CARDS, Instance, PlanError, Workload
-from moeserve.planner.hardware import FIGURE_MAX, FIGURE_MIN
+from moeserve.perf.deploy import MAX_CARDS, Instance, PlanError, Workload
+from moeserve.perf.hardware import FIGURE_MAX, FIGURE_MIN
 
 CASE_FIELDS = {"id", "what", "model", "hardware", "kind", "tpot_ms", "workload", "requests", "input_len",
                "instance", "published", "handoff"}

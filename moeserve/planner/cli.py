@@ -6,12 +6,12 @@ import json
 import sys
 
 from moeserve.planner.cli_args import at_most, fraction, hit_rate, imbalance, nonneg_int, positive_float, positive_int
-from moeserve.planner.deploy import (FLASHCOMM, QUANT, KV_BYTES, MAX_CARDS, MOE_COMM, DoesNotFit, Instance,
+from moeserve.perf.deploy import (FLASHCOMM, QUANT, KV_BYTES, MAX_CARDS, MOE_COMM, DoesNotFit, Instance,
                                      Workload, fewest_redundant_slots)
 
 # --cards, --prefill-cards
 cards = at_most(MAX_CARDS, "the planner's limit on cards in a deployment")
-from moeserve.planner.hardware import PROFILES
+from moeserve.perf.hardware import PROFILES
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -67,9 +67,9 @@ def _ctx(args):
     """(model, hardware, instance, workload) from parsed args. Also sets args.load_skew: the --eplb-stats
     loads (or None), which give every other layout a command tries its own imbalance factor."""
     from moeserve.planner.eplb_stats import LoadSkew
-    from moeserve.planner.hardware import HardwareDB
+    from moeserve.perf.hardware import HardwareDB
     from moeserve.planner.memory import check_tp
-    from moeserve.planner.models import load_model
+    from moeserve.perf.models import load_model
     m = load_model(args.model)
     hw = HardwareDB(args.hardware_file, args.efficiency_profile).get(args.hardware).with_overrides(
         scale_up_domain=args.scale_up_domain, scale_up_gbps=args.scale_up_gbps,
@@ -100,7 +100,7 @@ def _ctx(args):
 
 def _check_lengths(m, args) -> None:
     """Prompt + output must fit the model's context window (prefill: the prompt alone)."""
-    from moeserve.planner.models import check_context
+    from moeserve.perf.models import check_context
     prefill = getattr(args, "plan_command", None) == "prefill"
     check_context(m, args.input_len, None if prefill else args.output_len, ("--input-len", "--output-len"))
 

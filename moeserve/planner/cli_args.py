@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from moeserve.planner.hardware import FIGURE_MAX, FIGURE_MIN
+from moeserve.perf.hardware import FIGURE_MAX, FIGURE_MIN
 
 
 # Above any count the planner can use; 10**400 overflowed the first float conversion (OverflowError).

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 
 from moeserve.planner.cli_args import at_most, positive_float, positive_int, positive_int_list
-from moeserve.planner.deploy import MAX_INSTANCES, DoesNotFit, PlanError, fewest_redundant_slots
+from moeserve.perf.deploy import MAX_INSTANCES, DoesNotFit, PlanError, fewest_redundant_slots
 from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit, cards
 
 
@@ -40,7 +40,7 @@ def _add_prefill_flags(p, title: str):
 def _prefill_instance(a, inst, m):
     """The prefill layout: --prefill-* flags, else the decode layout (MTP drafts kept: the prefill
     instance runs the MTP layer over the prompt for the decode instance)."""
-    from moeserve.planner.deploy import Instance
+    from moeserve.perf.deploy import Instance
     from moeserve.planner.memory import check_tp
     if a.prefill_tp is not None:
         check_tp(m, a.prefill_tp, "--prefill-tp")
@@ -300,7 +300,7 @@ def cmd_simulate(a):
 
 
 def args_validate(p):
-    from moeserve.planner.hardware import PROFILES
+    from moeserve.perf.hardware import PROFILES
     p.add_argument("--hardware-file", help="YAML/JSON with extra devices/systems/efficiency")
     p.add_argument("--efficiency-profile", choices=PROFILES, default=None,
                    help="profile for `predicted` (default end_to_end); rows also carry predicted_kernel")
@@ -344,14 +344,14 @@ def cmd_layers(a):
 
 
 def args_hardware(p):
-    from moeserve.planner.hardware import PROFILES
+    from moeserve.perf.hardware import PROFILES
     p.add_argument("--hardware-file")
     p.add_argument("--efficiency-profile", choices=PROFILES, default=None)
     p.add_argument("--json", action="store_true")
 
 
 def cmd_hardware(a):
-    from moeserve.planner.hardware import HardwareDB
+    from moeserve.perf.hardware import HardwareDB
     db = HardwareDB(a.hardware_file, a.efficiency_profile)
     hws = {n: db.get(n) for n in db.names()}
     obj = {n: {**{k: v for k, v in asdict(h).items() if k != "eff"}, "efficiency": asdict(h.eff)}

@@ -19,10 +19,10 @@ import time
 
 import torch
 
-from moeserve.planner.deploy import Instance
-from moeserve.planner.hardware import Efficiency, Hardware
-from moeserve.planner.models import load_model
-from moeserve.planner.step import decode_step
+from moeserve.perf.deploy import Instance
+from moeserve.perf.hardware import cpu_hardware
+from moeserve.perf.models import load_model
+from moeserve.perf.step import decode_step
 
 
 def measure_bandwidth(mb: int = 256, repeats: int = 5) -> float:
@@ -102,16 +102,6 @@ def profile(threads: int | None = None) -> dict:
             "gemm_stream_gbs": stream_bw / 1e9, "gemm_call_us": gemm_call * 1e6,
             "gemm_bf16_gflops": measure_gemm() / 1e9, "gemm_decode_gflops": measure_decode_gemm() / 1e9,
             "op_cost_us": measure_op_cost() * 1e6}
-
-
-def cpu_hardware(prof: dict, overhead_ms: float) -> Hardware:
-    eff = Efficiency(gemm=1.0, attention=1.0, memory=1.0, link=1.0, link_latency_us=0.0,
-                     step_overhead_ms=overhead_ms, memory_utilization=0.9,
-                     serving=1.0)  # measured rates and per-op cost stand in for the serving derating
-    rate = prof["gemm_decode_gflops"] / 1e3  # TFLOPS at decode shapes, not the 1024^3 peak
-    return Hardware(key="this-cpu", name="this CPU (measured)", bf16_tflops=rate, int8_tops=rate,
-                    fp8_tflops=None, hbm_gib=16, hbm_tbps=prof["gemm_stream_gbs"] / 1e3, scale_up_gbps=1.0,
-                    scale_out_gbps=1.0, scale_up_domain=1, eff=eff)
 
 
 def predict(prof: dict, batch: int, context: float, ops_per_step: float, gemms_per_step: float = 0.0) -> dict:

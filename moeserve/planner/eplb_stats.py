@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from moeserve.layers.moe.eplb import imbalance, rebalance
 from moeserve.layers.moe.load_stats import read_loads
-from moeserve.planner.deploy import Instance
+from moeserve.perf.deploy import Instance
 
 
 def rank_imbalance(loads: list[float], ranks: int) -> float:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from moeserve.planner.analysis import decode_point, kv_pull_ms, prefill_point
-from moeserve.planner.deploy import Instance, Workload, fewest_redundant_slots
-from moeserve.planner.hardware import TERMS, Hardware
+from moeserve.perf.deploy import Instance, Workload, fewest_redundant_slots
+from moeserve.perf.hardware import TERMS, Hardware
 from moeserve.planner.layers import layer_breakdown
-from moeserve.planner.models import load_model
+from moeserve.perf.models import load_model
 
 
 def with_terms(hw: Hardware, terms) -> Hardware:

@@ -4,10 +4,10 @@ kernels.md "Framework time per step"), and the step spread over its layers.
 """
 from __future__ import annotations
 
-from moeserve.planner import step as steps
-from moeserve.planner.deploy import Instance
-from moeserve.planner.hardware import Hardware
-from moeserve.planner.models import ModelSpec
+from moeserve.perf import step as steps
+from moeserve.perf.deploy import Instance
+from moeserve.perf.hardware import Hardware
+from moeserve.perf.models import ModelSpec
 
 
 def _us(ops) -> dict[str, float]:

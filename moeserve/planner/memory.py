@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeserve.planner.cost import ACT
-from moeserve.planner.deploy import DoesNotFit, Instance, PlanError
-from moeserve.planner.hardware import GIB, Hardware
-from moeserve.planner.models import ModelSpec
+from moeserve.perf.cost import ACT
+from moeserve.perf.deploy import DoesNotFit, Instance, PlanError
+from moeserve.perf.hardware import GIB, Hardware
+from moeserve.perf.models import ModelSpec
 
 
 @dataclass(frozen=True)

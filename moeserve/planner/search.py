@@ -11,9 +11,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, replace
 
 from moeserve.planner.analysis import band, best_under_slo, kv_pull_ms, prefill_point
-from moeserve.planner.deploy import DoesNotFit, Instance, PlanError, Workload, fewest_redundant_slots
-from moeserve.planner.hardware import Hardware
-from moeserve.planner.models import ModelSpec
+from moeserve.perf.deploy import DoesNotFit, Instance, PlanError, Workload, fewest_redundant_slots
+from moeserve.perf.hardware import Hardware
+from moeserve.perf.models import ModelSpec
 
 SIZES = (8, 16, 24, 32, 48, 64, 72, 96, 128, 144, 160, 192, 256, 288, 320, 384)
 TPS = (1, 2, 4, 8)

@@ -5,16 +5,16 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import asdict
 
-from moeserve.planner.deploy import DoesNotFit, Instance, Workload
-from moeserve.planner.hardware import Hardware
-from moeserve.planner.models import ModelSpec
+from moeserve.perf.deploy import DoesNotFit, Instance, Workload
+from moeserve.perf.hardware import Hardware
+from moeserve.perf.models import ModelSpec
 from moeserve.planner.sim_report import analytic_steady_state, decode_capacity, summarize
 from moeserve.planner.simulate import PROXIES, run, run_pd
 
 
 def default_rate(m, hw, inst, wl, role: str) -> float:
     """80% of capacity (requests/s): decode at its memory-limited batch, plus prefill when unified."""
-    from moeserve.planner.step import prefill_step
+    from moeserve.perf.step import prefill_step
     per_req = 1.0 / decode_capacity(m, hw, inst, wl)
     if role == "unified":
         c = wl.cached_prompt_tokens

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from moeserve.planner.analysis import decode_memory, decode_point
-from moeserve.planner.deploy import Instance, Workload
-from moeserve.planner.hardware import Hardware
-from moeserve.planner.models import ModelSpec
+from moeserve.perf.deploy import Instance, Workload
+from moeserve.perf.hardware import Hardware
+from moeserve.perf.models import ModelSpec
 
 
 def percentile(xs: list[float], p: float) -> float:

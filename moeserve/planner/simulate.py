@@ -28,11 +28,11 @@ from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.request import Request
 from moeserve.engine.scheduler import RequestRejected, Scheduler
 from moeserve.planner.analysis import decode_memory
-from moeserve.planner.deploy import DoesNotFit, Instance, PlanError, Workload
-from moeserve.planner.hardware import Hardware
+from moeserve.perf.deploy import DoesNotFit, Instance, PlanError, Workload
+from moeserve.perf.hardware import Hardware
 from moeserve.planner.memory import memory_report
-from moeserve.planner.models import ModelSpec
-from moeserve.planner.step import Batch, run_step
+from moeserve.perf.models import ModelSpec
+from moeserve.perf.step import Batch, run_step
 from moeserve.sampling_params import SamplingParams
 
 

@@ -13,7 +13,7 @@ from moeserve.distributed.parallel_state import (destroy_distributed, get_ep_gro
                                                  init_distributed)
 from moeserve.layers.moe.dispatch import AllGatherDispatcher, LocalDispatcher, make_dispatcher
 from moeserve.layers.moe.placement import ExpertMap, LayerPlacement, default_map
-from moeserve.planner.comm import hier_gather_bytes
+from moeserve.perf.comm import hier_gather_bytes
 from tests.distributed.test_dispatch import E, H, K, full_experts, local_experts
 
 WORLD, NODE = 4, 2

@@ -1,6 +1,6 @@
 """A toy device with round numbers so hand-computed costs are easy to check."""
-from moeserve.planner.hardware import Efficiency, Hardware
-from moeserve.planner.models import ModelSpec
+from moeserve.perf.hardware import Efficiency, Hardware
+from moeserve.perf.models import ModelSpec
 
 TOY_EFF = Efficiency(gemm=0.5, attention=0.25, memory=0.5, link=0.5, link_latency_us=10.0,
                      step_overhead_ms=1.0, memory_utilization=0.9)

@@ -8,10 +8,10 @@ from hypothesis import given, settings, strategies as st
 from moeserve.planner.analysis import band, best_under_slo
 from moeserve.planner.calibrate import feasibility, format_feasibility, validate
 from moeserve.planner.cli import main
-from moeserve.planner.deploy import Instance, Workload
-from moeserve.planner.hardware import HardwareDB, load_hardware
-from moeserve.planner.models import load_model
-from moeserve.planner.step import decode_step, prefill_step
+from moeserve.perf.deploy import Instance, Workload
+from moeserve.perf.hardware import HardwareDB, load_hardware
+from moeserve.perf.models import load_model
+from moeserve.perf.step import decode_step, prefill_step
 
 V3 = load_model("deepseek-v3")
 # The default (Ascend, CANN) factors' documented ranges; NVIDIA devices set their own measured factors,

@@ -5,7 +5,7 @@ import pytest
 
 from moeserve.planner.calibrate import load_cases, validate
 from moeserve.planner.cli import main
-from moeserve.planner.hardware import HardwareDB
+from moeserve.perf.hardware import HardwareDB
 
 PUBLISHED = {"cloudmatrix384-decode": 1920, "a2-decode-2k2k": 808, "a2-decode-1k2k": 808,
              "a2-prefill-ttft": 631, "a2-prefill-throughput": 1622}
@@ -47,7 +47,7 @@ def test_cases_use_only_layout_fields():
 
 def test_no_end_to_end_factor_only_terms():
     """No profile stretches the operators: end_to_end pays every documented term, kernel none."""
-    from moeserve.planner.hardware import TERMS
+    from moeserve.perf.hardware import TERMS
     raw = HardwareDB().raw["efficiency"]
     assert raw["default_profile"] == "end_to_end"
     assert all(p["serving"] == 1.0 for p in raw["profiles"].values())

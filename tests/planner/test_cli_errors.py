@@ -142,9 +142,9 @@ def test_tp_must_divide_the_attention_heads(argv, flag, capsys):
 
 
 def test_library_refuses_tp_that_does_not_divide_the_heads():
-    from moeserve.planner.deploy import Instance, PlanError
+    from moeserve.perf.deploy import Instance, PlanError
     from moeserve.planner.memory import weights_per_card
-    from moeserve.planner.models import load_model
+    from moeserve.perf.models import load_model
     with pytest.raises(PlanError, match="attention heads"):
         weights_per_card(load_model("deepseek-v3"), Instance(cards=256, tp=256))
 
@@ -290,7 +290,7 @@ def test_simulate_on_a_huge_memory_device_caps_its_kv_pool(tmp_path, capsys):
     ("hidden_size", 10 ** 400, ["hidden_size", "2147483647"]),  # OverflowError: int too large to convert to float
 ])
 def test_model_config_with_huge_counts_is_refused(field, value, words, tmp_path, capsys):
-    from moeserve.planner.models import _preset_table
+    from moeserve.perf.models import _preset_table
     cfg = {**_preset_table()["deepseek-v3"], field: value}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))

@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from moeserve.planner import comm
-from moeserve.planner.hardware import load_hardware
+from moeserve.perf import comm
+from moeserve.perf.hardware import load_hardware
 from tests.planner.helpers import TOY_HW as HW
 
 # hardware.md: DeepEP low-latency on H800 + 400G IB, 128 tokens x top-8, FP8 dispatch / BF16 combine.

@@ -1,8 +1,8 @@
 """Each cost formula against a hand-computed case on the toy device (tests/planner/helpers.py)."""
 import pytest
 
-from moeserve.planner import cost, moe
-from moeserve.planner.deploy import Instance
+from moeserve.perf import cost, moe
+from moeserve.perf.deploy import Instance
 from tests.planner.helpers import TOY_HW as HW, TOY_MODEL as M
 
 
@@ -70,7 +70,7 @@ def test_dedicated_shared_ranks_take_the_slower_kind():
 
 
 def test_step_adds_mtp_and_overhead():
-    from moeserve.planner.step import decode_step
+    from moeserve.perf.step import decode_step
     base = decode_step(M, HW, Instance(cards=1, redundant_experts=0), 8, 100)
     mtp = decode_step(M, HW, Instance(cards=1, mtp_drafts=1), 8, 100)
     assert base.total == pytest.approx(sum(o.seconds for o in base.ops) + 1e-3)

@@ -6,7 +6,7 @@ import pytest
 from moeserve.config import ConfigError, ParallelConfig
 from moeserve.layers.moe.placement import build_plan
 from moeserve.models.config import DeepseekArch
-from moeserve.planner.deploy import Instance, PlanError
+from moeserve.perf.deploy import Instance, PlanError
 from tests.checkpoints import BASE
 
 ARCH = DeepseekArch.from_dict({**BASE, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],

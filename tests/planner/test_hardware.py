@@ -4,7 +4,7 @@ from importlib import resources
 
 import pytest
 
-from moeserve.planner.hardware import HardwareDB, load_hardware
+from moeserve.perf.hardware import HardwareDB, load_hardware
 
 REQUIRED = ["910b", "910c", "atlas-800i-a2", "cloudmatrix-384", "h100", "h800", "h200", "h20", "b200"]
 
@@ -17,7 +17,7 @@ def test_required_hardware_present():
 
 
 def test_every_constant_has_a_source_comment():
-    text = resources.files("moeserve.planner").joinpath("data/hardware.yaml").read_text()
+    text = resources.files("moeserve.perf").joinpath("data/hardware.yaml").read_text()
     block = None
     for line in text.splitlines():
         if re.match(r"^\w", line):

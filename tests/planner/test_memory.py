@@ -1,10 +1,10 @@
 import pytest
 
 from moeserve.planner.analysis import decode_memory, prefill_point, require_fits
-from moeserve.planner.deploy import Instance, PlanError, Workload
-from moeserve.planner.hardware import load_hardware
+from moeserve.perf.deploy import Instance, PlanError, Workload
+from moeserve.perf.hardware import load_hardware
 from moeserve.planner.memory import weights_per_card
-from moeserve.planner.models import load_model
+from moeserve.perf.models import load_model
 
 V3 = load_model("deepseek-v3")
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from moeserve.planner.models import from_hf_config, load_model, preset_names
+from moeserve.perf.models import from_hf_config, load_model, preset_names
 
 
 def test_deepseek_v3_counts_match_hardware_md():

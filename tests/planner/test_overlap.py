@@ -2,9 +2,9 @@
 first MoE collective, attention-weight prefetch, FlashComm, MoE permute traffic, MTP in prefill."""
 import pytest
 
-from moeserve.planner import cost, moe
-from moeserve.planner.deploy import Instance, PlanError
-from moeserve.planner.step import decode_step, prefill_step
+from moeserve.perf import cost, moe
+from moeserve.perf.deploy import Instance, PlanError
+from moeserve.perf.step import decode_step, prefill_step
 from tests.planner.helpers import TOY_HW as HW, TOY_MODEL as M
 
 H = M.hidden_size
@@ -76,8 +76,8 @@ def test_weight_prefetch_is_capped_by_the_published_gain_and_the_window():
 
 
 def test_weight_prefetch_does_nothing_when_projections_are_compute_bound():
-    from moeserve.planner.hardware import load_hardware
-    from moeserve.planner.models import load_model
+    from moeserve.perf.hardware import load_hardware
+    from moeserve.perf.models import load_model
     v3, a2 = load_model("deepseek-v3"), load_hardware("atlas-800i-a2")
     inst = Instance(cards=16, tp=2, moe_comm="allgather")
     # a 2K-token prefill: the projections' FLOPs outlast their weight reads

@@ -8,12 +8,12 @@ import pytest
 from moeserve.planner import simulate
 from moeserve.planner.analysis import prefill_point
 from moeserve.planner.cli import main
-from moeserve.planner.deploy import Instance, Workload
-from moeserve.planner.hardware import load_hardware
-from moeserve.planner.models import load_model
+from moeserve.perf.deploy import Instance, Workload
+from moeserve.perf.hardware import load_hardware
+from moeserve.perf.models import load_model
 from moeserve.planner.search import search
 from moeserve.planner.sim_report import summarize
-from moeserve.planner.step import prefill_step
+from moeserve.perf.step import prefill_step
 
 V3, LITE = load_model("deepseek-v3"), load_model("deepseek-v2-lite")
 H800, H100 = load_hardware("h800"), load_hardware("h100", profile="kernel")

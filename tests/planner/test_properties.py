@@ -1,10 +1,10 @@
 """Monotonicity properties of the cost model (hypothesis)."""
 from hypothesis import given, settings, strategies as st
 
-from moeserve.planner.deploy import Instance
-from moeserve.planner.hardware import load_hardware
-from moeserve.planner.models import load_model
-from moeserve.planner.step import decode_step, prefill_step
+from moeserve.perf.deploy import Instance
+from moeserve.perf.hardware import load_hardware
+from moeserve.perf.models import load_model
+from moeserve.perf.step import decode_step, prefill_step
 
 V3 = load_model("deepseek-v3")
 HW = load_hardware("hgx-h800")

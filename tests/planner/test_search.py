@@ -1,8 +1,8 @@
 import pytest
 
-from moeserve.planner.deploy import Instance, Workload
-from moeserve.planner.hardware import load_hardware
-from moeserve.planner.models import load_model
+from moeserve.perf.deploy import Instance, Workload
+from moeserve.perf.hardware import load_hardware
+from moeserve.perf.models import load_model
 from moeserve.planner.search import search, split, Candidate
 
 V3 = load_model("deepseek-v3")

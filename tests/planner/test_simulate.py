@@ -4,9 +4,9 @@ import pytest
 
 from moeserve.engine.scheduler import Scheduler
 from moeserve.planner import sim_plan, simulate
-from moeserve.planner.deploy import Instance, Workload
-from moeserve.planner.hardware import load_hardware
-from moeserve.planner.models import load_model
+from moeserve.perf.deploy import Instance, Workload
+from moeserve.perf.hardware import load_hardware
+from moeserve.perf.models import load_model
 from moeserve.planner.sim_report import analytic_steady_state, percentile, summarize
 
 LITE = load_model("deepseek-v2-lite")

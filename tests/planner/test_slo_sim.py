@@ -3,9 +3,9 @@ the engine's admission policy, its step-time model calibrated by the simulated (
 import pytest
 
 from moeserve.planner import simulate
-from moeserve.planner.deploy import Instance, Workload
-from moeserve.planner.hardware import load_hardware
-from moeserve.planner.models import load_model
+from moeserve.perf.deploy import Instance, Workload
+from moeserve.perf.hardware import load_hardware
+from moeserve.perf.models import load_model
 
 LITE = load_model("deepseek-v2-lite")
 H100 = load_hardware("h100", profile="kernel")

@@ -6,16 +6,16 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from moeserve.planner import comm, cost, moe
+from moeserve.perf import comm, cost, moe
 from moeserve.planner.analysis import decode_memory, decode_point
 from moeserve.planner.calibrate import leave_one_out, load_cases, validate
 from moeserve.planner.cli import main
-from moeserve.planner.deploy import Instance, Workload
+from moeserve.perf.deploy import Instance, Workload
 from moeserve.planner.explain import with_terms
-from moeserve.planner.hardware import TERMS, load_hardware
+from moeserve.perf.hardware import TERMS, load_hardware
 from moeserve.planner.layers import layer_breakdown
-from moeserve.planner.models import load_model
-from moeserve.planner.step import decode_step, prefill_step
+from moeserve.perf.models import load_model
+from moeserve.perf.step import decode_step, prefill_step
 
 V3 = load_model("deepseek-v3")
 # kernels.md: DeepEP low-latency on H800 + CX7 and CANN on the 910C die, 128 tokens per rank x top-8.
@@ -283,7 +283,7 @@ def test_a_users_collective_table_is_used(tmp_path):
     path.write_text("collectives:\n  slow: {tokens: 128, hidden: 7168, topk: 8, dispatch_bytes: 1, combine_bytes: 2, "
                     "up_gbps: 1000, out_gbps: 1000, domain: 8, points: {8: [500, 600]}}\n"
                     "systems:\n  slow-h800: {device: h800, collectives: slow}\n")
-    from moeserve.planner.hardware import HardwareDB
+    from moeserve.perf.hardware import HardwareDB
     hw = HardwareDB(str(path)).get("slow-h800")
     floor_d = 500 - 1024 * 7168 * 7 / 8 / 1000e3
     assert comm.floor_us(hw, 8, "dispatch") == pytest.approx(floor_d)

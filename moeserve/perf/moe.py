@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 
-from moeserve.planner import comm
-from moeserve.planner.cost import ACT, Op, gemm, gemm_roofline, roofline
-from moeserve.planner.deploy import Instance
-from moeserve.planner.hardware import Hardware
-from moeserve.planner.models import ModelSpec
+from moeserve.perf import comm
+from moeserve.perf.cost import ACT, Op, gemm, gemm_roofline, roofline
+from moeserve.perf.deploy import Instance
+from moeserve.perf.hardware import Hardware
+from moeserve.perf.models import ModelSpec
 
 
 def _scale_bytes(inst: Instance, hidden: int) -> float:

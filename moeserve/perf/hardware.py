@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from moeserve.planner.hardware_file import EFF_FIELDS, EFF_OPTIONAL, merge, number, read
+from moeserve.perf.hardware_file import EFF_FIELDS, EFF_OPTIONAL, merge, number, read
 
 GIB = 2 ** 30
 _EFF_KEYS = EFF_FIELDS + EFF_OPTIONAL  # the Efficiency fields, also what a --hardware-file may set
@@ -332,3 +332,15 @@ class HardwareDB:
 
 def load_hardware(name: str, extra_file: str | Path | None = None, profile: str | None = None) -> Hardware:
     return HardwareDB(extra_file, profile).get(name)
+
+
+def cpu_hardware(prof: dict, overhead_ms: float) -> Hardware:
+    """This CPU as a one-card device from measured rates (planner/cpucheck.py profile(): GFLOPS at decode
+    shapes, weight-streaming GB/s); the engine's step-time prior uses it with nominal rates."""
+    eff = Efficiency(gemm=1.0, attention=1.0, memory=1.0, link=1.0, link_latency_us=0.0,
+                     step_overhead_ms=overhead_ms, memory_utilization=0.9,
+                     serving=1.0)  # measured rates and per-op cost stand in for the serving derating
+    rate = prof["gemm_decode_gflops"] / 1e3  # TFLOPS at decode shapes, not the 1024^3 peak
+    return Hardware(key="this-cpu", name="this CPU (measured)", bf16_tflops=rate, int8_tops=rate,
+                    fp8_tflops=None, hbm_gib=16, hbm_tbps=prof["gemm_stream_gbs"] / 1e3, scale_up_gbps=1.0,
+                    scale_out_gbps=1.0, scale_up_domain=1, eff=eff)

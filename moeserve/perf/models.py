@@ -137,7 +137,7 @@ class ModelSpec:
 
 
 def _preset_table() -> dict:
-    text = resources.files("moeserve.planner").joinpath("data/models.yaml").read_text()
+    text = resources.files("moeserve.perf").joinpath("data/models.yaml").read_text()
     return yaml.safe_load(text)
 
 

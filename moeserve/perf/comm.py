@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from moeserve.planner.hardware import CollectiveTable, Hardware
+from moeserve.perf.hardware import CollectiveTable, Hardware
 
 KINDS = ("dispatch", "combine")
 

@@ -16,7 +16,7 @@ from moeserve.files import read_text
 def read(path: Path | None) -> dict:
     """The built-in table (path None) or a user file, as a checked mapping."""
     if path is None:
-        text = resources.files("moeserve.planner").joinpath("data/hardware.yaml").read_text()
+        text = resources.files("moeserve.perf").joinpath("data/hardware.yaml").read_text()
         return yaml.safe_load(text)
     text = read_text(path, f"--hardware-file {path}", "YAML or JSON")
     try:

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from moeserve.planner import comm
-from moeserve.planner.deploy import Instance
-from moeserve.planner.hardware import Hardware
-from moeserve.planner.models import ModelSpec
+from moeserve.perf import comm
+from moeserve.perf.deploy import Instance
+from moeserve.perf.hardware import Hardware
+from moeserve.perf.models import ModelSpec
 
 ACT = 2.0  # bytes per activation element between kernels (BF16)
 # bf16 passes over a [q, H] tensor per decoder layer outside GEMMs: 2 RMSNorms (read+write = 2 each),

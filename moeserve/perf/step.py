@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeserve.planner import cost, moe
-from moeserve.planner.cost import Op, Step
-from moeserve.planner.deploy import Instance
-from moeserve.planner.hardware import Hardware
-from moeserve.planner.models import ModelSpec
+from moeserve.perf import cost, moe
+from moeserve.perf.cost import Op, Step
+from moeserve.perf.deploy import Instance
+from moeserve.perf.hardware import Hardware
+from moeserve.perf.models import ModelSpec
 
 
 @dataclass(frozen=True)
