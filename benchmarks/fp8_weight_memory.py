@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from moeserve.config import QuantConfig
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 from moeserve.models.quantization import apply_quantization
 from moeserve.models.registry import MODEL_CLASSES, _default_dtype
 

@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     model = a.model or default_model_path()
-    from moeserve.models.config import DeepseekArch
+    from moeserve.arch import DeepseekArch
     vocab = DeepseekArch.from_pretrained(model).vocab_size
     lo, hi = (int(x) for x in a.prompt_len.split(","))
     rng = random.Random(a.seed)

@@ -1,5 +1,5 @@
 """Sampling penalties (repetition / frequency / presence): the batched implementation in
-moeserve/layers/sampler.py against the per-request loop it replaced, same process, same inputs.
+moeserve/sample/processors.py against the per-request loop it replaced, same process, same inputs.
 
 Each configuration: B requests, every one penalised (repetition_penalty 1.05..1.2, frequency_penalty 0.3,
 presence_penalty 0.2, varying by request), --prompt-len prompt tokens and --output-len generated tokens
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from moeserve.layers.sampler import LogitsRows, apply_logits_processors  # noqa: E402
+from moeserve.sample import LogitsRows, apply_logits_processors  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
 
 

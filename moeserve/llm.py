@@ -12,7 +12,7 @@ from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.request import RequestStatus
 from moeserve.engine.resolve import resolve_engine_config
 from moeserve.models.registry import resolve_model_path
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 from moeserve.outputs import CompletionOutput, Metric, RequestOutput, logprob_dict
 from moeserve.protocol import EngineCoreRequest
 from moeserve.sampling_params import SamplingParams

@@ -61,7 +61,7 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     phase_seconds: dict[str, float] = {}
     num_steps: int = 0
     num_dummy_steps: int = 0  # lockstep steps a rank ran with no work of its own
-    # Speculative decoding (MTP), cumulative counters; see spec/metrics.py for the derived rates.
+    # Speculative decoding (MTP), cumulative counters; see speculative/metrics.py for the derived rates.
     spec_num_drafts: int = 0  # request-steps that verified drafts
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0

@@ -105,7 +105,7 @@ class CompiledDecode:
         # the whole unrolled model per bucket: about #layers times less to trace and compile.
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
         self._layer = torch.compile(_run_layer, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
-        # The MTP layer (spec/mtp_model.py): its passes over decode rows take the same buckets.
+        # The MTP layer (speculative/mtp_model.py): its passes over decode rows take the same buckets.
         self._mtp = torch.compile(_run_mtp_layer, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
         self.mtp_layer: torch.nn.Module | None = None
         self.compiled: set[int] = set()  # buckets traced so far

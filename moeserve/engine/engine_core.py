@@ -13,7 +13,7 @@ from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.request import Request, RequestStatus
 from moeserve.engine.scheduler import RequestRejected, ScheduledRequest, Scheduler, SchedulerOutput
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 from moeserve.sampling_params import SamplingParams
 from moeserve.protocol import EngineCoreOutput, EngineCoreRequest, EngineStats, TokenLogprobsMsg
 

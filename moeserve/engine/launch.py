@@ -77,7 +77,7 @@ def check_parallel_layout(config: EngineConfig, arch) -> None:
     build_plan(parallel, arch, 0, mtp=config.speculative is not None)
     if config.speculative is not None:  # else every rank would load the model and then fail on its own
         from moeserve.models.loader import has_mtp_tensors
-        from moeserve.spec.mtp_model import missing_mtp_layer
+        from moeserve.speculative.mtp_model import missing_mtp_layer
 
         if arch.num_nextn_predict_layers < 1 or not has_mtp_tensors(config.model.model, arch.num_hidden_layers):
             raise ConfigError(missing_mtp_layer(arch))
@@ -103,7 +103,7 @@ def make_engine_core(config: EngineConfig, arch=None):
     shuts them down, then exits the process.
     """
     from moeserve.engine.engine_core import EngineCore
-    from moeserve.models.config import DeepseekArch
+    from moeserve.arch import DeepseekArch
 
     arch = arch or DeepseekArch.from_pretrained(config.model.model)
     torchrun = TorchrunEnv.detect()

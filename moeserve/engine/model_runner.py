@@ -3,7 +3,7 @@
 It turns a SchedulerOutput into the flat token batch and attention metadata, runs the model, and samples
 one token for every request that caught up this step. With speculative decoding (MTP) the batch also holds
 each request's drafts; the rejection sampler keeps a prefix of them and the MTP proposer drafts the next
-step's tokens from this step's hidden states (spec/).
+step's tokens from this step's hidden states (speculative/).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from moeserve.layers.attention.metadata import (AttentionMetadata, SeqSpan, atte
                                                 build_attention_metadata)
 from moeserve.layers.moe.load_stats import ExpertLoadRecorder, recording
 from moeserve.layers.moe.placement import build_plan, moe_plan_context
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 from moeserve.models.registry import build_model
 from moeserve.sample.logprobs import TokenLogprobs
 from moeserve.sample.step import StepSampler
@@ -106,7 +106,7 @@ class ModelRunner:
                                    speculative=config.speculative is not None)
         self.proposer = None
         if config.speculative is not None:
-            from moeserve.spec.proposer import MTPProposer
+            from moeserve.speculative.proposer import MTPProposer
             with moe_plan_context(self.moe_plan):
                 self.proposer = MTPProposer(self.model, self.checkpoint.mtp_weights, self.num_blocks,
                                             self.block_size, self.dtype, self.kv_caches, config.quant,

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from moeserve.config import SchedulerConfig, SpeculativeConfig
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.request import Request, RequestStatus
-from moeserve.spec.metrics import SpecDecodingStats
+from moeserve.speculative.metrics import SpecDecodingStats
 
 
 class RequestRejected(ValueError):

@@ -65,7 +65,7 @@ def run(args) -> int:
 def _check_lengths_fit(args) -> None:
     """Scored windows and greedy prompt + continuation are single sequences: each must be shorter than the
     context (the engine's limit), or the engine rejects a "prompt" the user never wrote."""
-    from moeserve.models.config import DeepseekArch
+    from moeserve.arch import DeepseekArch
     from moeserve.models.registry import resolve_model_path
 
     if args.max_model_len is not None:

@@ -83,7 +83,7 @@ class Deployment:
         from moeserve.engine.resolve import resolve_engine_config
         from moeserve.entrypoints.metrics import cache_config_info
         from moeserve.generation_defaults import default_sampling, read_generation_config
-        from moeserve.models.config import DeepseekArch
+        from moeserve.arch import DeepseekArch
         from moeserve.tokenizer import eos_token_ids, load_tokenizer
 
         self.engine_args, self.server = engine_args, server

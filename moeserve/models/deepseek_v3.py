@@ -18,7 +18,7 @@ from moeserve.layers.mlp import DenseMLP
 from moeserve.layers.moe.layer import MoE
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 
 
 class DecoderLayer(nn.Module):

@@ -158,7 +158,7 @@ def is_mtp_tensor(name: str, num_hidden_layers: int) -> bool:
 def load_weights(model: torch.nn.Module, path: str, keep_mtp: bool = False) -> LoadedCheckpoint:
     """Copy the checkpoint at `path` into `model` (built for the same config). Strict about gaps.
 
-    Tensors of layers >= num_hidden_layers (MTP) go to result.mtp_weights instead (see spec/mtp_model.py)
+    Tensors of layers >= num_hidden_layers (MTP) go to result.mtp_weights instead (see speculative/mtp_model.py)
     if keep_mtp; otherwise they are not read at all.
     """
     result = LoadedCheckpoint()

@@ -8,7 +8,7 @@ import torch
 
 from moeserve.config import QuantConfig
 from moeserve.device_memory import check_fits, module_bytes
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 from moeserve.models.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from moeserve.models.loader import LoadedCheckpoint, load_weights
 from moeserve.models.quantization import apply_quantization

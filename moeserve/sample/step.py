@@ -31,7 +31,7 @@ class StepSampler:
         self.sampler = Sampler(seed)
         self.rejection_sampler = None
         if speculative:
-            from moeserve.spec.verify import RejectionSampler
+            from moeserve.sample.rejection import RejectionSampler
             self.rejection_sampler = RejectionSampler(seed)
         self.generators: dict[str, torch.Generator] = {}
 

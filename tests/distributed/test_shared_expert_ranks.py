@@ -86,7 +86,7 @@ def test_plan_of_shared_expert_ranks_and_a_model_without_shared_experts(path):
 
     from moeserve.config import ParallelConfig
     from moeserve.layers.moe.placement import build_plan
-    from moeserve.models.config import DeepseekArch
+    from moeserve.arch import DeepseekArch
 
     arch = DeepseekArch.from_pretrained(path)
     parallel = ParallelConfig(data_parallel_size=4, shared_expert_ranks=1, num_redundant_experts=1, **EP)

@@ -93,7 +93,7 @@ def test_prompt_too_long_and_bad_token_ids(llm):
 
 
 def test_sampler_filters_match_definitions():
-    from moeserve.layers.sampler import apply_filters
+    from moeserve.sample import apply_filters
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     p = torch.softmax(logits, -1)

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeserve import LLM, SamplingParams
-from moeserve.layers.sampler import LogitsRows, apply_logits_processors
+from moeserve.sample import LogitsRows, apply_logits_processors
 from moeserve.sample import processors  # where apply_logits_processors finds the penalty code
 from moeserve.sampling_params import SamplingParamsError
 

@@ -14,7 +14,7 @@ from moeserve.cli import build_parser, vllm_argv
 from moeserve.config_file import expand_config_file
 from moeserve.engine.resolve import resolve_engine_config
 from moeserve.entrypoints.serve_cli import build_configs
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 from moeserve.models.default import default_model_path
 from tests.entrypoints.server import ServerProcess
 from tests.entrypoints.test_hf_model_ids import populate_hub_cache

@@ -10,7 +10,7 @@ from moeserve.config import ParallelConfig
 from moeserve.layers.moe.eplb import imbalance, rebalance, replica_counts
 from moeserve.layers.moe.load_stats import read_loads
 from moeserve.layers.moe.placement import build_plan, default_map
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61))]
 NEW = 6

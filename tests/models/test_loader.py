@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moeserve import LLM, SamplingParams
-from moeserve.models.config import UnsupportedModelError
+from moeserve.arch import UnsupportedModelError
 from moeserve.models.loader import CheckpointError, dequantize_fp8, load_weights
 from moeserve.models.registry import build_model
 from moeserve.tokenizer import load_tokenizer

@@ -5,7 +5,7 @@ import pytest
 
 from moeserve.config import ConfigError, ParallelConfig
 from moeserve.layers.moe.placement import build_plan
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 from moeserve.perf.deploy import Instance, PlanError
 from tests.checkpoints import BASE
 

@@ -7,7 +7,7 @@ import torch
 from moeserve.sample import SamplingBatch, Sampler, exact_filter, filtered_probs
 from moeserve.sample.filters import CANDIDATES, candidate_filter
 from moeserve.sampling_params import SamplingParams
-from moeserve.spec.verify import RejectionSampler
+from moeserve.sample.rejection import RejectionSampler
 from tests.sample.reference import (old_apply_filters, old_logprobs, old_rejection_sample, old_sample)
 
 CHI2_CRIT_7DOF = 24.3  # chi-square, 7 degrees of freedom, p = 1e-3

@@ -25,7 +25,7 @@ from moeserve.layers.attention.metadata import get_attention_metadata
 from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding, softmax_scale
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 
 
 class MLAttention(nn.Module):

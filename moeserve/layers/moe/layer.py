@@ -20,7 +20,7 @@ from moeserve.layers.moe.load_stats import current_recorder
 from moeserve.layers.moe.placement import (ExpertMap, current_comm_dtype, current_layer_placement,
                                            current_node_size, current_pipeline_chunks)
 from moeserve.layers.moe.router import Router
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 
 
 class MoE(nn.Module):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 
 
 class Router(nn.Module):

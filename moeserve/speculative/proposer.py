@@ -18,13 +18,16 @@ per step, empty ones included (execute_dummy on a rank without work), so the ran
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from moeserve.config import QuantConfig
-from moeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from moeserve.layers.attention.metadata import SeqSpan, attention_context, build_attention_metadata
-from moeserve.spec.mtp_model import build_mtp
+from moeserve.speculative.mtp_model import build_mtp
+
+if TYPE_CHECKING:  # annotations only: the engine's scheduler calls down into this module, never the reverse
+    from moeserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass

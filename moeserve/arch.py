@@ -1,4 +1,5 @@
-"""The architecture description read from a checkpoint's config.json (DeepseekV3/V2 family)."""
+"""DeepseekArch: the architecture read from a checkpoint's config.json (DeepseekV3/V2 family). Its own module below
+layers/ and models/, so layers read the architecture without importing the model package."""
 from __future__ import annotations
 
 import json

@@ -2,7 +2,7 @@
 import torch
 
 from moeserve.sampling_params import SamplingParams
-from moeserve.spec.verify import RejectionSampler, accept_greedy, rejection_sample
+from moeserve.sample.rejection import RejectionSampler, accept_greedy, rejection_sample
 
 V, N = 6, 12000
 CHI2_CRIT = 25.7  # chi-square, 5 degrees of freedom, p = 1e-4: a correct sampler fails this 1 time in 10^4

@@ -2,7 +2,7 @@
 
 The reference runs the whole sequence at once: the main model (transformers) gives h_i, the MTP block is
 transformers' DeepseekV3DecoderLayer with the test MTP weights, and the input projection / norms are the
-formula of spec/mtp_model.py. Equality at every step checks the MTP layer's paged KV cache across chunked
+formula of speculative/mtp_model.py. Equality at every step checks the MTP layer's paged KV cache across chunked
 prefill, rejected drafts and the k > 1 chain.
 """
 import pytest

@@ -20,7 +20,7 @@ from moeserve.layers.linear import Linear, packed_linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.config import QuantConfig
-from moeserve.models.config import DeepseekArch
+from moeserve.arch import DeepseekArch
 from moeserve.models.deepseek_v3 import DecoderLayer
 from moeserve.models.loader import CheckpointError, load_named_tensors
 from moeserve.models.quantization import apply_quantization
