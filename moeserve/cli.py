@@ -13,7 +13,7 @@ SUBCOMMANDS = [
     "moeserve.entrypoints.eval_quant_cli",
     "moeserve.entrypoints.eplb_cli",
     "moeserve.entrypoints.serve_cli",
-    "moeserve.disagg.proxy_cli",
+    "moeserve.entrypoints.pd_proxy_cli",
     "moeserve.bench.cli",
 ]
 

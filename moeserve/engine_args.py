@@ -676,7 +676,7 @@ def _same_model(model: str, args: "EngineArgs") -> bool:
         return False
     if model == args.model:
         return True
-    from moeserve.entrypoints.hf_model import resolve_model
+    from moeserve.hf_model import resolve_model
     try:
         path = resolve_model(model, args.revision, args.download_dir)
     except FileNotFoundError:

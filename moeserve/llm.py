@@ -7,7 +7,7 @@ import itertools
 from tqdm import tqdm
 
 from moeserve.engine_args import EngineArgs
-from moeserve.entrypoints.hf_model import resolve_model
+from moeserve.hf_model import resolve_model
 from moeserve.engine.output_processor import OutputProcessor
 from moeserve.engine.request import RequestStatus
 from moeserve.engine.resolve import resolve_engine_config

@@ -1,6 +1,6 @@
 """What prompt prefixes were sent to one place (a DP rank, a prefill instance): a bounded LRU of chained
 prefix hashes, the router's estimate of that place's prefix cache. Used by the DP router
-(engine/dp_balance.py) and the PD proxy (disagg/proxy.py)."""
+(engine/dp_balance.py) and the PD proxy (entrypoints/pd_proxy.py)."""
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -33,10 +33,10 @@ class EngineCore:
                                  hash_next_token=config.speculative is not None)
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, self._admission(config))
         self._pending: list[EngineCoreOutput] = []  # rejections and aborts reported on the next step
-        self.kv_transfer = None  # prefill/decode disaggregation (disagg/kv_transfer.py)
+        self.kv_transfer = None  # prefill/decode disaggregation (engine/kv_transfer.py)
         self.structured = None  # guided decoding: built on the first request that asks for it
         if config.kv_transfer is not None:
-            from moeserve.disagg.kv_transfer import KVTransfer
+            from moeserve.engine.kv_transfer import KVTransfer
             from moeserve.distributed.parallel_state import get_world_group
             world = get_world_group()
             self.kv_transfer = KVTransfer(config.kv_transfer, self.kv, self.runner.kv_tensors(), world.rank,

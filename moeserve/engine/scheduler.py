@@ -300,7 +300,7 @@ class Scheduler:
         if self.admission is not None:
             self.admission.finished(req, self.admission.clock(), aborted=status is RequestStatus.FINISHED_ABORTED)
         if req.hold_kv and status is not RequestStatus.FINISHED_ABORTED:
-            self.kv.hold(req)  # disagg/kv_transfer.py frees them once the decode instance pulled them
+            self.kv.hold(req)  # engine/kv_transfer.py frees them once the decode instance pulled them
         else:
             self.kv.free(req)
         self.requests.pop(req.request_id, None)

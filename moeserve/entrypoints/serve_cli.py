@@ -147,7 +147,7 @@ def run(args) -> int:
 
 def build_configs(args) -> tuple[EngineArgs, ServerConfig]:
     """The parsed flags -> (engine options, server options), checked."""
-    from moeserve.entrypoints.hf_model import resolve_model, served_model_names
+    from moeserve.hf_model import resolve_model, served_model_names
     from moeserve.models.registry import resolve_model_path
 
     if args.model_tag and args.model and args.model_tag != args.model:

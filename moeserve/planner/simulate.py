@@ -15,7 +15,7 @@ its own Scheduler. The proxy sends a prompt to the prefill instance with the sho
 (system-brief item 1) or round robin, and deals decode blocks round robin; inside an instance the engine's
 router picks the group. Prefill runs each prompt (to a first token nobody sees); the request then waits for
 the KV pull of its prompt but the last token and joins a decode group, whose first step computes that
-token and samples the first output token, as moeserve's decode engine does (disagg/kv_transfer.py).
+token and samples the first output token, as moeserve's decode engine does (engine/kv_transfer.py).
 """
 from __future__ import annotations
 

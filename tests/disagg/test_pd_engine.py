@@ -152,7 +152,7 @@ def resign(params, tokens, **changes):
 
 
 def test_unreachable_prefill_engine_and_bad_params_are_errors(engines, monkeypatch):
-    from moeserve.disagg import kv_transfer
+    from moeserve.engine import kv_transfer
     unified, prefill, decode = engines
     monkeypatch.setattr(kv_transfer, "METADATA_TIMEOUT_S", 0.5)
     prefill.add_request(EngineCoreRequest("xp", PROMPTS[0], greedy(1), [], kv_transfer_params=hold()))

@@ -366,7 +366,7 @@ def test_sixteen_concurrent_requests_through_the_proxy_equal_a_unified_server(pd
 
 
 def test_prefill_choice_weighs_the_prompt_prefix_an_instance_has_computed():
-    from moeserve.disagg.proxy import PREFIX_CHUNK_CHARS, Upstream, by_preference, prefix_hashes
+    from moeserve.entrypoints.pd_proxy import PREFIX_CHUNK_CHARS, Upstream, by_preference, prefix_hashes
     history = "x" * (3 * PREFIX_CHUNK_CHARS + 10)
     a, b = Upstream("http://a"), Upstream("http://b")
     a.remember(prefix_hashes(history))
@@ -382,7 +382,7 @@ def test_prefill_choice_weighs_the_prompt_prefix_an_instance_has_computed():
 def test_prefix_memory_evicts_tails_first_and_skips_error_answers(monkeypatch):
     import asyncio
 
-    from moeserve.disagg import proxy as P
+    from moeserve.entrypoints import pd_proxy as P
     monkeypatch.setattr(P, "MAX_PREFIX_CHUNKS", 4)
     up, long = P.Upstream("http://a"), P.prefix_hashes("x" * (10 * P.PREFIX_CHUNK_CHARS))
     up.remember(long)  # 10 chunks into room for 4: the head must stay (a headless chain never matches)

@@ -311,7 +311,7 @@ def test_the_proxy_routes_around_a_prefill_whose_engine_is_dead(keyed):
 def test_pulls_waiting_on_a_hung_prefill_fail_together(engines_pd, monkeypatch):
     """A prefill that accepts connections but never answers (hung): pulls that arrived at different times
     all fail when the first one's metadata wait runs out, in one step (they failed 10 s apart, one by one)."""
-    from moeserve.disagg import kv_transfer
+    from moeserve.engine import kv_transfer
     monkeypatch.setattr(kv_transfer, "METADATA_TIMEOUT_S", 1.0)
     monkeypatch.setattr(metadata, "IO_TIMEOUT_S", 0.3)
     prefill, decode = engines_pd

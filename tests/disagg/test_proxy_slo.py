@@ -5,7 +5,7 @@ import json
 
 import httpx
 
-from moeserve.disagg import proxy as P
+from moeserve.entrypoints import pd_proxy as P
 
 
 def _run(proxy, body):

@@ -114,7 +114,7 @@ def test_every_proxy_route_needs_the_key_and_every_post_the_body_limit():
     """The PD proxy's app, served on loopback; its instances are not needed (nothing gets that far)."""
     import uvicorn
 
-    from moeserve.disagg.proxy import Proxy, build_app
+    from moeserve.entrypoints.pd_proxy import Proxy, build_app
 
     app = build_app(Proxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], secret="guard-test-secret", api_key=KEY),
                     max_request_body_size=LIMIT)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from moeserve.cli import build_parser
-from moeserve.entrypoints.hf_model import resolve_model, served_model_names
+from moeserve.hf_model import resolve_model, served_model_names
 from moeserve.entrypoints.serve_cli import build_configs
 from tests.entrypoints.server import ServerProcess
 
@@ -147,7 +147,7 @@ def test_not_cached_and_online_it_tries_the_download(tmp_path):
     import sys
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_CACHE=str(tmp_path / "hub"))
-    code = ("from moeserve.entrypoints.hf_model import resolve_model\n"
+    code = ("from moeserve.hf_model import resolve_model\n"
             "try:\n    resolve_model('someone/Missing')\nexcept FileNotFoundError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
     assert "'someone/Missing' is not a local folder, not in HF_HUB_CACHE=" in out and "the download failed" in out

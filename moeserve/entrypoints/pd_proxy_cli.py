@@ -1,4 +1,4 @@
-"""`moeserve proxy --prefill URL... --decode URL...`: the PD front end (disagg/proxy.py)."""
+"""`moeserve proxy --prefill URL... --decode URL...`: the PD front end (entrypoints/pd_proxy.py)."""
 from __future__ import annotations
 
 import logging
@@ -32,7 +32,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import uvicorn
 
-    from moeserve.disagg.proxy import Proxy, build_app
+    from moeserve.entrypoints.pd_proxy import Proxy, build_app
     from moeserve.disagg.trust import resolve_secret
     from moeserve.entrypoints.api_server import listen_socket
 
