@@ -1,19 +1,17 @@
-"""Structured output: what guided decoding costs, same process; old (builtin, the hand-written DFA engine)
-vs new (llguidance, the default) in the same run, and xgrammar beside them.
+"""Structured output: what guided decoding costs, same process; llguidance (moeserve's engine) against xgrammar
+(vLLM's other backend) in the same run. The hand-written engine these replaced was removed (issue 40); its
+figures from the earlier run are in docs/structured-output.md.
 
 1. Engine decode on the model (default: the bundled one): --requests prompts, each --max-tokens sampled
    tokens (ignore_eos, so every mode emits the same number), unconstrained and with a regex and with
-   OpenAI's json_object mode. Prints ms per step and the ratio to unconstrained. The grammar's masks
-   are computed the first time a state is reached and cached, so the run is repeated and the best kept.
-2. Mask cost at DeepSeek-V3's vocabulary size (129280) on a synthetic byte-level vocabulary (the real
-   tokenizer is not on this machine): building the byte table, a state's first mask, applying a cached one.
-
-3. Old vs new (vs xgrammar, when installed) at --vocab on the same synthetic vocabulary: compile time of a
-   large JSON schema (API side; the engine side's per-request matcher beside it) and mask time per token at
-   batch 1 and 32 along random valid outputs (the same draws for each engine). Median of --repeats, [min, max].
+   OpenAI's json_object mode. Prints ms per step and the ratio to unconstrained; best of --repeats.
+2. llguidance vs xgrammar (when installed) at --vocab (default DeepSeek-V3's 129280) on a synthetic
+   byte-level vocabulary (the real tokenizer is not on this machine): compile time of a large JSON schema
+   (API side; the engine side's per-request matcher beside it) and mask time per token at batch 1 and 32
+   along random valid outputs (the same draws for each engine). Median of --repeats, [min, max].
 
 Figures, never pass/fail. Usage: python benchmarks/structured_output.py [--model PATH] [--requests 16]
-       [--parts engine,mask,compare]
+       [--parts engine,compare]
 """
 from __future__ import annotations
 
@@ -31,19 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def engine_part(a) -> None:
     from moeserve import LLM, SamplingParams, StructuredOutputsParams as SO
 
-    from moeserve.structured import params as so_params
-
     llm = LLM(a.model, max_num_seqs=a.requests)
     prompts = [[(31 * i + 7 * j) % 900 + 50 for j in range(16)] for i in range(a.requests)]
-    modes = [("unconstrained", None, None)] + [
-        (f"{label} ({backend})", spec, backend) for label, spec in
-        (("regex [a-z ,.]+", SO(regex="[a-z ,.]+")), ("json_object", SO(json_object=True)))
-        for backend in ("builtin", "llguidance")]
+    modes = [("unconstrained", None), ("regex [a-z ,.]+", SO(regex="[a-z ,.]+")), ("json_object", SO(json_object=True))]
     base = None
     print(f"engine: {a.requests} requests x {a.max_tokens} tokens, temperature 1, best of {a.repeats}")
-    for label, spec, backend in modes:
-        so_params.BACKEND = backend or so_params.BACKEND
-        spec = spec and SO(**{k: v for k, v in vars(spec).items() if not k.startswith("_")})
+    for label, spec in modes:
         params = SamplingParams(temperature=1.0, seed=0, max_tokens=a.max_tokens, ignore_eos=True,
                                 structured_outputs=spec)
         best = float("inf")
@@ -57,47 +48,7 @@ def engine_part(a) -> None:
         print(f"  {label:28s} {per_step:7.2f} ms/step  x{per_step / base:.2f}")
 
 
-def mask_part(a) -> None:
-    import torch
-    from moeserve.structured.automaton import compile_dfa
-    from moeserve.structured.grammar import GrammarMatcher, TokenGrammar, TokenTable
-    from moeserve.structured.json_schema import json_object
-
-    rng = random.Random(0)
-    alphabet = b'abcdefghijklmnopqrstuvwxyz   ,.:"{}[]0123456789ABCDEF\n'
-    pieces = [bytes([b]) for b in range(256)]
-    while len(pieces) < a.vocab:  # BPE-like lengths: mostly short, a long tail
-        n = min(64, int(rng.expovariate(1 / 5)) + 1)
-        pieces.append(bytes(rng.choice(alphabet) for _ in range(n)))
-    t = time.perf_counter()
-    table = TokenTable(pieces)
-    print(f"masks at vocab {a.vocab}: byte table built in {(time.perf_counter() - t) * 1e3:.0f} ms (once per engine)")
-    t = time.perf_counter()
-    dfa = compile_dfa(json_object())  # not compile_params: its cache holds the engine part's copy
-    print(f"  json_object automaton: {dfa.num_states} states, compiled in {(time.perf_counter() - t) * 1e3:.0f} ms "
-          "(cached per pattern)")
-    grammar = TokenGrammar(dfa, table)
-    states = list(range(1, min(dfa.num_states, 201)))
-    t = time.perf_counter()
-    for s in states:
-        grammar.allowed(s)
-    first = (time.perf_counter() - t) / len(states) * 1e3
-    logits = torch.randn(1, a.vocab)
-    matcher = GrammarMatcher(grammar)
-    t = time.perf_counter()
-    for _ in range(200):
-        mask = matcher.row_masks([], [], [1])
-        logits.masked_fill(~mask, float("-inf"))
-    cached = (time.perf_counter() - t) / 200 * 1e3
-    t = time.perf_counter()
-    for _ in range(200):
-        torch.multinomial(logits.softmax(-1), 1)
-    sample = (time.perf_counter() - t) / 200 * 1e3
-    print(f"  first mask of a state: {first:.2f} ms; a cached mask applied to one row: {cached:.3f} ms "
-          f"(sampling that row: {sample:.3f} ms)")
-
-
-# --- old vs new, same run ---------------------------------------------------------------------------------
+# --- llguidance vs xgrammar, same run -----------------------------------------------------------------------
 
 def synthetic_vocab(n: int) -> list[bytes]:
     """256 single bytes, then BPE-like pieces (mostly short, a long tail) of JSON-ish text; the last id is
@@ -115,8 +66,8 @@ def synthetic_vocab(n: int) -> list[bytes]:
 
 
 def big_schema(n_props: int = 60, n_enum: int = 500) -> dict:
-    """A wide schema the hand-written engine also takes (no numeric bounds): strings, integers, a big enum,
-    booleans, $ref'd objects, arrays."""
+    """A wide schema (no numeric bounds, as in the earlier run that measured the hand-written engine too):
+    strings, integers, a big enum, booleans, $ref'd objects, arrays."""
     kinds = [{"type": "string", "maxLength": 16}, {"type": "integer"},
              {"enum": [f"value-{i}" for i in range(n_enum)]}, {"type": "boolean"}, {"$ref": "#/$defs/Item"},
              {"type": "array", "items": {"type": "number"}, "maxItems": 4}]
@@ -124,28 +75,6 @@ def big_schema(n_props: int = 60, n_enum: int = 500) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "$defs": {"Item": {
         "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 8},
                                          "ok": {"type": "boolean"}}, "required": ["id", "name", "ok"]}}}
-
-
-class _Builtin:
-    name = "builtin"
-
-    def __init__(self, pieces):
-        from moeserve.structured.grammar import MaskCache, TokenTable
-        self.table = TokenTable(pieces)
-        self.cache = MaskCache(len(pieces))
-        self.eos = len(pieces) - 1
-
-    def compile(self, schema):  # API side: the byte DFA
-        from moeserve.structured.automaton import compile_dfa
-        from moeserve.structured.json_schema import schema_to_pattern
-        return compile_dfa(schema_to_pattern(json.dumps(schema)))
-
-    def matcher(self, compiled):  # engine side
-        from moeserve.structured.grammar import GrammarMatcher, TokenGrammar
-        if getattr(compiled, "_tg", None) is None:
-            compiled._tg = TokenGrammar(compiled, self.table, self.cache)
-        m = GrammarMatcher(compiled._tg)
-        return lambda out: m.row_masks(out, [], [self.eos])[0]
 
 
 class _Guidance:
@@ -225,7 +154,7 @@ def _median_spread(xs):
 
 
 def compile_times(a, engines, schema, label):
-    from moeserve.structured.regex import PatternError
+    from moeserve.structured.errors import PatternError
     print(f"compile a {len(json.dumps(schema))}-byte schema ({label}), median of {a.repeats} [min, max]:")
     compiled = {}
     for e in engines:
@@ -258,7 +187,7 @@ def compile_times(a, engines, schema, label):
 def compare_part(a) -> None:
     pieces = synthetic_vocab(a.vocab)
     engines = []
-    for cls in (_Builtin, _Guidance, _XGrammar):
+    for cls in (_Guidance, _XGrammar):
         t = time.perf_counter()
         try:
             e = cls(pieces)
@@ -276,7 +205,7 @@ def compare_part(a) -> None:
         base = None
         for e in engines:
             runs = []
-            for rep in range(a.repeats + 1):  # the first is a warm-up (the hand-written engine's mask cache)
+            for rep in range(a.repeats + 1):  # the first is a warm-up
                 rng = random.Random(rep)
                 ms = [e.matcher(compiled[e.name]) for _ in range(batch)]
                 outs = [[] for _ in range(batch)]
@@ -296,7 +225,7 @@ def compare_part(a) -> None:
                     runs.append(spent / (a.steps * batch))
             m, lo, hi = _median_spread(runs)
             base = base or m
-            print(f"  {e.name:10s} {m * 1e3:7.3f} ms [{lo * 1e3:.3f}, {hi * 1e3:.3f}]  x{m / base:.2f} of builtin")
+            print(f"  {e.name:10s} {m * 1e3:7.3f} ms [{lo * 1e3:.3f}, {hi * 1e3:.3f}]  x{m / base:.2f} of llguidance")
 
 
 def main() -> None:
@@ -307,15 +236,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--steps", type=int, default=48, help="decode steps of part 3")
-    ap.add_argument("--parts", default="engine,mask,compare")
+    ap.add_argument("--parts", default="engine,compare")
     a = ap.parse_args()
     import torch
     torch.set_num_threads(1)
     parts = a.parts.split(",")
     if "engine" in parts:
         engine_part(a)
-    if "mask" in parts:
-        mask_part(a)
     if "compare" in parts:
         compare_part(a)
 

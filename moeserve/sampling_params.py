@@ -181,7 +181,7 @@ class SamplingParams:
 
     def _validate_structured_outputs(self) -> None:
         from moeserve.structured.params import compile_params, compiling_allowed
-        from moeserve.structured.regex import PatternError
+        from moeserve.structured.errors import PatternError
         so = self.structured_outputs
         if so is None:
             return

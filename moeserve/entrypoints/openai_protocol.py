@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from moeserve.config import MAX_SLO_MS
 from moeserve.sampling_params import SamplingParams, SamplingParamsError
 from moeserve.structured.params import StructuredOutputsParams, compile_params
-from moeserve.structured.regex import PatternError
+from moeserve.structured.errors import PatternError
 
 _log = logging.getLogger("moeserve.requests")
 

@@ -1,4 +1,4 @@
-"""Structured output on llguidance (vLLM's `guidance` backend): the default engine.
+"""Structured output on llguidance (vLLM's `guidance` backend), moeserve's only grammar engine.
 
 API server / LLM side (compile_grammar): the request's spec becomes an llguidance grammar (JSON Schema,
 regex, choice, Lark or GBNF/EBNF grammar, json_object, structural_tag) and is validated there without a
@@ -8,8 +8,8 @@ beyond). What travels to the engine is the checked grammar (GuidanceGrammar.to_b
 Engine side (GuidanceMatcher): one llguidance matcher per request over the engine's tokenizer. llguidance
 has no ahead-of-time token-level compile: the matcher is built lazily from the checked grammar and each
 step's mask is computed from the parser state (Earley parser + lazily built lexer DFA), bounded per token by
-LIMITS' step fuel. The matcher's position is derived from the request's output tokens, as the hand-written
-engine's was: drafts are consumed and rolled back, a preempted request (fewer output tokens) starts again.
+LIMITS' step fuel. The matcher's position is derived from the request's output tokens: drafts are consumed
+and rolled back, a preempted request (fewer output tokens) starts again.
 """
 from __future__ import annotations
 
@@ -21,13 +21,17 @@ import numpy as np
 import torch
 
 from moeserve.markers import partial_marker_len
-from moeserve.structured.regex import PatternError
+from moeserve.structured.errors import PatternError
 
 WIRE_MAGIC = b"LLG1\n"
 MAX_SPEC_BYTES = 1 << 20  # the spec's text (schema, regex, grammar) as sent by the client
 MAX_NESTING = 50  # groups (regex) / brackets (grammar) nested deeper are refused: parsers recurse per level
 MAX_JSON_DEPTH = 128  # objects and arrays of a JSON schema nested deeper are refused (likewise)
 MAX_COMPILE_S = 2.0  # validating the grammar took longer: the engine's matcher would take as long on its loop
+# JSON takes at most one space between its tokens: both json.dumps styles ('{"a": 1}', '{"a":1}'), no blanks
+# before or after. Unbounded whitespace lets a model fill max_tokens with blanks. A schema's own "x-guidance"
+# options override these.
+JSON_OPTIONS = {"whitespace_flexible": False, "whitespace_pattern": " ?"}
 _LIMITS = dict(max_grammar_size=500_000, max_lexer_states=250_000, initial_lexer_fuel=1_000_000,
                step_lexer_fuel=200_000, step_max_items=50_000, max_items_in_row=2_000)
 
@@ -63,10 +67,6 @@ class GuidanceGrammar:
         self.grammar = grammar
         self.wire: bytes | None = None  # to_bytes(), kept once a request sent it (structured/params.py)
 
-    @property
-    def num_states(self) -> int:  # the compile cache's size measure: the grammar's length
-        return max(1, len(self.grammar) // 64)
-
     def fullmatch(self, text: bytes) -> bool:
         """Whether `text` as a whole matches (read byte by byte; for tests and tools, not the engine)."""
         import llguidance
@@ -88,9 +88,8 @@ class GuidanceGrammar:
 
 
 def _closed_objects(node, depth: int = 0):
-    """An object schema with `properties` and no `additionalProperties` takes no other keys, as the
-    hand-written engine read it (and vLLM with disable_additional_properties): a model would otherwise add
-    keys of its own. An explicit `additionalProperties` (true, or a schema) is kept."""
+    """An object schema with `properties` and no `additionalProperties` takes no other keys (as vLLM with
+    disable_additional_properties): a model would otherwise add keys of its own. An explicit `additionalProperties` (true, or a schema) is kept."""
     if depth > MAX_JSON_DEPTH:
         raise PatternError(f"the JSON schema is nested more than {MAX_JSON_DEPTH} levels (objects and arrays) deep")
     if isinstance(node, list):
@@ -112,9 +111,7 @@ def _json_grammar(schema) -> str:
         raise
     except ValueError as e:
         raise PatternError(f"the JSON schema is not JSON: {e}") from None
-    # Compact JSON (no free whitespace between tokens), as the hand-written engine wrote it: a model may
-    # otherwise fill max_tokens with whitespace.
-    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
 
 
 def _structural_tag(spec) -> str:
@@ -130,7 +127,7 @@ def _structural_tag(spec) -> str:
             schema = s["schema"]
             schema = _closed_objects(json.loads(schema) if isinstance(schema, str) else schema)
             if isinstance(schema, dict):
-                schema = {**schema, "x-guidance": {"whitespace_flexible": False, **schema.get("x-guidance", {})}}
+                schema = {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
             tags.append(llguidance.StructTag(trigger=trig, begin=s["begin"], grammar=schema, end=s["end"]))
     except PatternError:
         raise
@@ -187,7 +184,7 @@ _ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
 
 def ascii_classes(regex: str) -> str:
     """\\d \\w \\s (and \\D \\W \\S outside brackets) as ASCII classes: Rust's regex syntax, which
-    llguidance reads, makes them Unicode; JSON Schema's ECMA-262 and the hand-written engine read them as
+    llguidance reads, makes them Unicode; JSON Schema's ECMA-262 and Python's re with re.ASCII read them as
     ASCII ([0-9], not every script's digits)."""
     out, i, depth, groups = [], 0, 0, 0
     while i < len(regex):
@@ -274,7 +271,12 @@ class GuidanceVocab:
 
 
 class GuidanceMatcher:
-    """One request's llguidance matcher, with GrammarMatcher's interface (row_masks, sync)."""
+    """One request's llguidance matcher. Its position comes from the request's output tokens (sync), so a
+    preempted and recomputed request, or one whose drafts were rejected, needs no rollback of its own.
+
+    With `after` (a reasoning model's end of thinking, b"</think>"), the output is free until that text
+    appears and the grammar applies to what follows it; until then `text` holds the output's last bytes
+    (enough to find the marker across tokens)."""
 
     def __init__(self, vocab: GuidanceVocab, grammar: GuidanceGrammar, after: bytes | None = None) -> None:
         self.vocab, self.grammar, self.after = vocab, grammar, after
@@ -376,7 +378,12 @@ class GuidanceMatcher:
 
     def row_masks(self, output_ids: list[int], draft_ids: list[int], end_ids: list[int],
                   fallback_ids: list[int] = ()) -> torch.Tensor | None:
-        """bool [len(draft_ids) + 1, vocab], as GrammarMatcher.row_masks."""
+        """bool [len(draft_ids) + 1, vocab]: row j may follow output + drafts[:j]. end_ids (the request's
+        stop tokens) are allowed where they leave a match: a special one (EOS) where the output matches, one
+        with text (a stop_token_ids entry; its text stays in the output) where output + its text does.
+        fallback_ids (EOS) only where nothing else is (ignore_eos past the pattern's end). Rows after a
+        draft the grammar forbids repeat the row before (that draft is rejected, so they are never used).
+        None: no row is constrained yet (thinking)."""
         ends = [t for t in end_ids if 0 <= t < self.vocab.vocab_size]
         self.sync(output_ids)
         saved = (self.text, self.dead, self.pushed)

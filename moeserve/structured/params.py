@@ -2,10 +2,8 @@
 
 Exactly one of: `json` (a JSON Schema, dict or JSON text), `regex`, `choice` (a list of exact strings),
 `json_object` (any JSON object, OpenAI's response_format json_object), `grammar` (Lark or GBNF / EBNF),
-`structural_tag` (vLLM's {triggers, structures}). Two backends (BACKEND, from MOESERVE_STRUCTURED_BACKEND):
-"llguidance" (the default; structured/guidance.py) checks the spec as an llguidance grammar; "builtin" (the
-hand-written engine: regex.py, automaton.py, json_schema.py, grammar.py) compiles it to a byte DFA and refuses
-grammar and structural_tag. Neither needs a tokenizer, so the API server compiles to validate (a bad spec is a
+`structural_tag` (vLLM's {triggers, structures}). The spec is checked as an llguidance grammar
+(structured/guidance.py), which needs no tokenizer, so the API server compiles to validate (a bad spec is a
 400 there) and sends the result with the request (structured_dfa); engine processes never compile.
 """
 from __future__ import annotations
@@ -17,19 +15,19 @@ from dataclasses import dataclass
 from threading import Lock
 from typing import TYPE_CHECKING
 
-from moeserve.structured.automaton import DFA, compile_dfa
-from moeserve.structured.json_schema import json_object, schema_to_pattern
-from moeserve.structured.regex import Alt, PatternError, literal, parse
+from moeserve.structured.errors import PatternError
 
 if TYPE_CHECKING:
     from moeserve.structured.guidance import GuidanceGrammar
 
-BACKENDS = ("llguidance", "builtin")
-BACKEND = os.environ.get("MOESERVE_STRUCTURED_BACKEND", "llguidance")
-if BACKEND not in BACKENDS:
-    raise ValueError(f"MOESERVE_STRUCTURED_BACKEND must be one of {', '.join(BACKENDS)}, not {BACKEND!r}")
+# The hand-written engine ("builtin") was removed (issue 40): a server started with it set must not quietly run
+# another engine than the one asked for.
+if os.environ.get("MOESERVE_STRUCTURED_BACKEND", "llguidance") != "llguidance":
+    raise ValueError(f"MOESERVE_STRUCTURED_BACKEND={os.environ['MOESERVE_STRUCTURED_BACKEND']!r}: structured output "
+                     "runs on llguidance only (the hand-written 'builtin' engine was removed); unset the variable "
+                     "or set it to 'llguidance'")
 MAX_CHOICES = 1_000
-COMPILE_CACHE_STATES = 200_000  # the LRU holds automata up to this many states in all
+COMPILE_CACHE_BYTES = 16 << 20  # the LRU holds checked grammars up to this much grammar text in all
 
 
 @dataclass
@@ -60,10 +58,6 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise PatternError("structured outputs take exactly one of json, regex, choice, json_object, grammar, "
                                "structural_tag" + (f"; got {', '.join(given)}" if given else ""))
-        if (self.grammar is not None or self.structural_tag is not None) and BACKEND == "builtin":
-            raise PatternError("grammar-based structured output (EBNF / Lark, structural_tag) needs the llguidance "
-                               "backend (MOESERVE_STRUCTURED_BACKEND=builtin refuses it); use a JSON schema, a regex "
-                               "or a choice list")
         for k in ("grammar", "structural_tag"):
             if getattr(self, k) is not None and (not isinstance(getattr(self, k), str) or not getattr(self, k)):
                 raise PatternError(f"{k} must be a non-empty string")
@@ -95,9 +89,9 @@ class StructuredOutputsParams:
 
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
-_cache: OrderedDict[tuple, DFA] = OrderedDict()
+_cache: "OrderedDict[tuple, GuidanceGrammar]" = OrderedDict()
 _lock = Lock()  # the API server compiles from several request handlers
-_compile_here = True  # False in engine processes: automata arrive compiled (EngineCoreRequest.structured_dfa)
+_compile_here = True  # False in engine processes: grammars arrive checked (EngineCoreRequest.structured_dfa)
 
 
 def compile_in_this_process(allowed: bool) -> None:
@@ -112,60 +106,43 @@ def compiling_allowed() -> bool:
     return _compile_here
 
 
-def compile_params(p: StructuredOutputsParams) -> "DFA | GuidanceGrammar":
-    """What the output must match as a whole (kept on p, and LRU-cached by the spec): a checked llguidance
-    grammar, or with the builtin backend a byte DFA. Raises PatternError."""
-    key = (BACKEND, *p.key)
+def compile_params(p: StructuredOutputsParams) -> "GuidanceGrammar":
+    """What the output must match as a whole, as a checked llguidance grammar (kept on p, and LRU-cached by the
+    spec). Raises PatternError."""
+    key = p.key
     held = p.__dict__.get("_compiled")
     if held is not None and held[0] == key:
         return held[1]
     if not _compile_here:
         raise PatternError("structured outputs are not compiled in an engine process; the request must carry "
-                           "its compiled automaton (EngineCoreRequest.structured_dfa)")
-    dfa = _compile_cached(p, key)
-    p.__dict__["_compiled"] = (key, dfa)  # not a field: never encoded, compared or copied by replace()
-    return dfa
+                           "its checked grammar (EngineCoreRequest.structured_dfa)")
+    grammar = _compile_cached(p, key)
+    p.__dict__["_compiled"] = (key, grammar)  # not a field: never encoded, compared or copied by replace()
+    return grammar
 
 
 def structured_dfa(sampling_params) -> bytes | None:
-    """EngineCoreRequest.structured_dfa of a SamplingParams: its structured output's automaton as bytes
-    (compiled when the params were built; serialised once per automaton), None without one."""
+    """EngineCoreRequest.structured_dfa of a SamplingParams (the field keeps its old name): its structured
+    output's checked grammar as bytes (compiled when the params were built; serialised once per grammar), None
+    without one."""
     so = sampling_params.structured_outputs
     if so is None:
         return None
-    dfa = compile_params(so)
-    if dfa.wire is None:
-        dfa.wire = dfa.to_bytes()
-    return dfa.wire
+    grammar = compile_params(so)
+    if grammar.wire is None:
+        grammar.wire = grammar.to_bytes()
+    return grammar.wire
 
 
-def _compile_cached(p: StructuredOutputsParams, key: tuple) -> DFA:
+def _compile_cached(p: StructuredOutputsParams, key: tuple) -> "GuidanceGrammar":
+    from moeserve.structured.guidance import compile_grammar
     with _lock:
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    if BACKEND == "llguidance":
-        from moeserve.structured.guidance import compile_grammar
-        compiled = compile_grammar(p)
-        with _lock:
-            _cache[key] = compiled
-            while len(_cache) > 1 and sum(d.num_states for d in _cache.values()) > COMPILE_CACHE_STATES:
-                _cache.popitem(last=False)
-        return compiled
-    try:
-        if p.json is not None:
-            node = schema_to_pattern(p.json)
-        elif p.regex is not None:
-            node = parse(p.regex)
-        elif p.choice is not None:
-            node = Alt(tuple(literal(c) for c in p.choice))
-        else:
-            node = json_object()
-        dfa = compile_dfa(node)
-    except RecursionError:  # the parsers bound nesting; this is the backstop (a deep const value, ...)
-        raise PatternError(f"the {p.describe()} is nested too deeply to compile; flatten it") from None
+    compiled = compile_grammar(p)
     with _lock:
-        _cache[key] = dfa
-        while len(_cache) > 1 and sum(d.num_states for d in _cache.values()) > COMPILE_CACHE_STATES:
+        _cache[key] = compiled
+        while len(_cache) > 1 and sum(len(g.grammar) for g in _cache.values()) > COMPILE_CACHE_BYTES:
             _cache.popitem(last=False)
-    return dfa
+    return compiled

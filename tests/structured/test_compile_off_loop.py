@@ -1,6 +1,6 @@
-"""Structured-output patterns are compiled where the request is built (API server, LLM), never on the
-engine's loop: the request carries its automaton as bytes, an engine process refuses to compile, and what
-it loads is checked and bounded."""
+"""Structured-output specs are compiled where the request is built (API server, LLM), never on the engine's
+loop: the request carries its checked grammar as bytes, an engine process refuses to compile, and what it
+loads is checked and bounded."""
 from __future__ import annotations
 
 import json
@@ -10,12 +10,12 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.protocol import EngineCoreRequest
-from moeserve.structured import automaton
+from moeserve.structured import guidance
 from moeserve.structured import params as so_params
-from moeserve.structured.automaton import DFA
+from moeserve.structured.errors import PatternError
+from moeserve.structured.guidance import GuidanceGrammar
 from moeserve.structured.params import StructuredOutputsParams as SO
 from moeserve.structured.params import compile_params, structured_dfa
-from moeserve.structured.regex import PatternError
 
 ENUM = [f"value-{i}" for i in range(1000)]
 SCHEMA = {"type": "object", "properties": {"k": {"enum": ENUM}}, "required": ["k"]}
@@ -41,7 +41,7 @@ def wire(req: EngineCoreRequest) -> bytes:
     return msgspec.msgpack.encode(req)
 
 
-def test_the_engine_loads_the_sent_automaton_and_never_compiles(llm):
+def test_the_engine_loads_the_sent_grammar_and_never_compiles(llm):
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=SCHEMA))  # compiles here
     sent = wire(EngineCoreRequest("big", [5, 17, 99], params, [1], structured_dfa=structured_dfa(params)))
     other = SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(regex="[ab]{3}"))
@@ -60,27 +60,30 @@ def test_the_engine_loads_the_sent_automaton_and_never_compiles(llm):
     for rid in ("big", "again"):
         toks, err = got[rid]
         assert err is None and json.loads(llm.get_tokenizer().decode(toks, skip_special_tokens=True))["k"] in ENUM
-    assert got["bare"][0] == [] and "compiled automaton" in got["bare"][1]
+    assert got["bare"][0] == [] and "checked grammar" in got["bare"][1]
     assert not so_params._cache  # nothing was compiled while the engine ran
 
 
-def test_round_trip_and_damaged_automata_are_refused(llm, builtin):
-    dfa = compile_params(SO(regex=r"[a-f]{2,4}-\d"))
-    back = DFA.from_bytes(dfa.to_bytes())
-    assert back.transitions == dfa.transitions and back.accepting == dfa.accepting and back.fullmatch(b"abc-1")
-    data = bytearray(dfa.to_bytes())
-    out_of_range = bytes(data[:-4]) + (dfa.num_states).to_bytes(4, "little")
-    for bad in (bytes(data[:-1]), out_of_range, b"junk" + bytes(data)):
+def test_round_trip_and_damaged_grammars_are_refused(llm):
+    g = compile_params(SO(regex=r"[a-f]{2,4}-\d"))
+    back = GuidanceGrammar.from_bytes(g.to_bytes())
+    assert back.grammar == g.grammar and back.fullmatch(b"abc-1") and not back.fullmatch(b"abc-")
+    data = g.to_bytes()
+    for bad in (b"junk" + data, data[len(guidance.WIRE_MAGIC) - 1:], b"LLG1\n" + b"\xff" * 8,
+                guidance.WIRE_MAGIC + b"x" * (16 * guidance.MAX_SPEC_BYTES + 1)):
         with pytest.raises(ValueError):
-            DFA.from_bytes(bad)
+            GuidanceGrammar.from_bytes(bad)
     params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(regex=r"[a-f]{2,4}-\d"))
     llm.engine.structured = None
-    got = run(llm.engine, [EngineCoreRequest("damaged", [5, 6], params, [1], structured_dfa=out_of_range),
+    got = run(llm.engine, [EngineCoreRequest("damaged", [5, 6], params, [1], structured_dfa=data[:-3]),
                            EngineCoreRequest("fine", [5, 6], SamplingParams(temperature=0, max_tokens=4), [1])])
-    assert "out of range" in got["damaged"][1] and got["fine"][1] is None and len(got["fine"][0]) == 4
+    assert got["damaged"][0] == [] and got["damaged"][1], got["damaged"]
+    assert got["fine"][1] is None and len(got["fine"][0]) == 4
 
 
-def test_an_automaton_over_the_table_bound_is_a_pattern_error(monkeypatch):
-    monkeypatch.setattr(automaton, "MAX_TABLE_ENTRIES", 10_000)
-    with pytest.raises(PatternError, match="more than 10000 entries"):
-        automaton.compile_dfa(so_params.schema_to_pattern(json.dumps(SCHEMA)))
+def test_a_grammar_over_the_parser_limits_is_a_pattern_error(monkeypatch):
+    monkeypatch.setitem(guidance._LIMITS, "initial_lexer_fuel", 10)
+    so_params._cache.clear()
+    with pytest.raises(PatternError, match=r"the json is too large: initial lexer configuration \(grammar\) too big"):
+        compile_params(SO(json=SCHEMA))
+    so_params._cache.clear()

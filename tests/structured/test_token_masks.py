@@ -1,20 +1,16 @@
-"""Token masks: the vocabulary's bytes (byte-level BPE and SentencePiece), batched masks against a
-per-token check, and a request's rows with MTP drafts."""
+"""Token masks: the vocabulary's bytes (byte-level BPE and SentencePiece), llguidance's masks against a
+per-token check by independent oracles (the regex module, a choice's strings), and the engine's bounded
+grammar cache. A request's rows with MTP drafts, stop tokens and a thinking marker: test_guidance.py."""
 import random
 
 import pytest
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from moeserve.structured.grammar import GrammarMatcher, TokenGrammar, TokenTable, token_bytes
+from moeserve.structured.grammar import StructuredOutputManager, token_bytes
 from moeserve.structured.params import StructuredOutputsParams as SO, compile_params
 from tests.checkpoints import tokenizer as tiny_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def _builtin(builtin):  # these test the hand-written engine's byte tables; test_guidance.py the default one
-    pass
+from tests.structured.oracle import regex_full, regex_prefix
 
 
 @pytest.fixture(scope="module")
@@ -43,54 +39,47 @@ def test_sentencepiece_pieces_map_the_space_marker_and_byte_fallback():
     assert token_bytes(tok, 8) == [None, None, None, b"A", b"\xe2", b" hi", b"a", b" "]
 
 
-@pytest.mark.parametrize("spec", [SO(json_object=True), SO(regex=r"(\d+|[a-z ]+)é?"), SO(choice=["hi there", "hello"])])
-def test_batched_masks_equal_a_per_token_check(tok, spec):
-    pieces = token_bytes(tok, len(tok))
-    dfa = compile_params(spec)
-    grammar = TokenGrammar(dfa, TokenTable(pieces))
+@pytest.mark.parametrize("spec,exact", [
+    (SO(regex=r"(\d+|[a-z ]+)é?"), True), (SO(regex=r"[a-f]{2,6}-\d{2}"), True),
+    (SO(regex=r"\w+@[\w.]+\.(com|org)"), True), (SO(choice=["hi there", "hello", "hé"]), False)])
+def test_masks_equal_a_per_token_check(tok, spec, exact):
+    """Along random valid outputs, every row allows exactly the tokens whose bytes keep the output a prefix of
+    a match (the `regex` module's partial match decides; for a choice, a prefix of one of its strings), and
+    the end token exactly where the output matches. Where the grammar forces the next bytes (the rest of a
+    choice's literal) llguidance allows only the tokens of their canonical tokenization ("he" + "ll", never
+    "he" + "l"): a subset, never empty."""
+    if spec.regex is not None:
+        prefix = lambda text: regex_prefix(spec.regex, text, extra="é")  # noqa: E731
+        full = lambda text: regex_full(spec.regex, text)  # noqa: E731
+    else:
+        prefix = lambda text: any(c.encode().startswith(text) for c in spec.choice)  # noqa: E731
+        full = lambda text: text in [c.encode() for c in spec.choice]  # noqa: E731
+    manager = StructuredOutputManager("unused", len(tok) + 3, tokenizer=tok)  # a padded model vocabulary
+    pieces = token_bytes(tok, len(tok) + 3)
+    eos = tok.eos_token_id
     rng = random.Random(0)
-    for state in rng.sample(range(1, dfa.num_states), min(40, dfa.num_states - 1)) + [0]:
-        want = [p is not None and dfa.step(state, p) != 0 for p in pieces]
-        assert grammar.allowed(state).tolist() == want, state
+    m = manager.matcher(spec, compile_params(spec).to_bytes())
+    for _ in range(6):
+        out, text = [], b""
+        for _ in range(12):
+            row = m.row_masks(out, [], [eos])[0]
+            want = [p is not None and prefix(text + p) for p in pieces]
+            want[eos] = full(text)
+            if exact:
+                assert row.tolist() == want, (spec, text)
+            else:
+                assert row[eos] == want[eos] and all(want[t] for t in row.nonzero().flatten().tolist())
+                assert row.any() == any(want), (spec, text)
+            choices = [t for t, ok in enumerate(row.tolist()) if ok and t != eos]
+            if not choices:
+                break
+            t = rng.choice(choices)
+            out.append(t)
+            text += pieces[t]
 
 
-def test_rows_follow_the_drafts_and_end_tokens_need_a_match(tok):
-    pieces = token_bytes(tok, len(tok))
-    grammar = TokenGrammar(compile_params(SO(choice=["ab", "abc"])), TokenTable(pieces))
-    ids = {p: i for i, p in enumerate(pieces) if p in (b"a", b"b", b"c", b"x")}
-    eos = tok.eos_token_id
-    m = GrammarMatcher(grammar)
-    rows = m.row_masks([ids[b"a"]], [ids[b"b"], ids[b"x"], ids[b"c"]], [eos])
-    assert rows.shape == (4, len(pieces))
-    assert rows[0, ids[b"b"]] and not rows[0, eos]  # after "a": "b", not the end
-    assert rows[1, ids[b"c"]] and rows[1, eos]  # after "ab": "c" or the end
-    assert torch.equal(rows[2], rows[1]) and torch.equal(rows[3], rows[1])  # draft "x" breaks: never used
-    # the state comes from the output tokens, so a shorter output (drafts rejected) needs no rollback
-    assert m.row_masks([ids[b"a"], ids[b"b"], ids[b"c"]], [], [eos])[0].nonzero().flatten().tolist() == [eos]
-
-
-def test_after_a_marker_the_pattern_applies(tok):
-    pieces = token_bytes(tok, len(tok))
-    grammar = TokenGrammar(compile_params(SO(choice=["yes", "no"])), TokenTable(pieces))
-    ids = {p: i for i, p in enumerate(pieces) if p in (b"a", b"<", b"/", b"x", b"y", b"e", b"s", b">")}
-    m = GrammarMatcher(grammar, after=b"</x>")
-    eos = tok.eos_token_id
-    thinking = [ids[b"a"], ids[b"<"], ids[b"/"]]  # "a</": the marker is not complete yet
-    assert m.row_masks(thinking, [], [eos]) is None  # free text
-    rows = m.row_masks(thinking, [ids[b"x"], ids[b">"], ids[b"y"]], [eos])
-    assert rows[0].all() and rows[1].all()  # "a</x" still thinking
-    assert rows[2, ids[b"y"]] and not rows[2, ids[b"a"]] and not rows[2, eos]  # after "</x>": yes | no
-    assert rows[3, ids[b"e"]] and not rows[3, ids[b"y"]]
-    after = thinking + [ids[b"x"], ids[b">"], ids[b"y"], ids[b"e"], ids[b"s"]]
-    assert m.row_masks(after, [], [eos])[0].nonzero().flatten().tolist() == [eos]  # "yes": complete
-
-
-def test_masks_are_bounded_across_the_engines_grammars(tok, monkeypatch):
-    from moeserve.structured import grammar as g
-    monkeypatch.setattr(g, "MASK_CACHE_BYTES", len(tok) * 20)  # 20 masks in all
-    manager = g.StructuredOutputManager("unused", len(tok), tokenizer=tok)
-    matchers = [manager.matcher(SO(regex=f"[a-z]{{1,{n}}}x")) for n in range(10, 16)]
-    for m in matchers:  # each visits 11+ states: a budget per grammar would keep 6 x 16 masks
-        for state in range(1, m.grammar.dfa.num_states):
-            m.grammar.allowed(state)
-    assert len(manager._masks.masks) <= 20
+def test_the_engine_holds_a_bounded_number_of_grammars(tok):
+    manager = StructuredOutputManager("unused", len(tok), tokenizer=tok)
+    for n in range(70):
+        manager.matcher(SO(regex=f"[a-z]{{1,{n + 1}}}x"))
+    assert len(manager._checked) == 64 and len(manager._guidance.templates) <= 64
