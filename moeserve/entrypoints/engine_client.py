@@ -4,13 +4,19 @@ Lifecycle: start() says hello and waits for EngineCoreReady; then one task reads
 detokenizes them (OutputProcessor: text deltas, stop strings) and feeds each request's queue, and another
 watches the connection. generate() yields a request's Deltas; leaving it early (client gone, stop string)
 aborts the request in the core, which frees its KV blocks. When the core dies every waiting request gets
-EngineDeadError and new ones are refused at once, so nobody hangs; meanwhile a fresh socket says hello
-until the core the launcher restarts answers, and then requests are served again. A core that sends nothing
-(it heartbeats every 0.25 s) for --engine-stall-timeout counts as hung (stall_reason: /health 503).
+503 at once (EngineDeadError), while a fresh socket says hello until the core the launcher restarts answers.
+Requests in flight survive the restart: each stream keeps its EngineCoreRequest, and its tokens so far live
+in the OutputProcessor, so once the new core answers the request is sent again with them
+(EngineCoreRequest.output_token_ids) and its stream goes on where it stopped, no token lost or repeated (the
+detokenizer state, stop strings and logprob offsets simply continue). A request that was in flight during
+MAX_REQUEST_CRASHES engine deaths in a row is failed alone, in case it is what kills the engine. A core that
+sends nothing (it heartbeats every 0.25 s) for --engine-stall-timeout counts as hung (stall_reason: /health
+503).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -33,6 +39,12 @@ logger = logging.getLogger("moeserve.api")
 
 LIVENESS_CHECK_S = 0.5
 GOODBYE_LINGER_MS = 1000  # at most this long at close for the goodbye to reach the core
+# A request in flight during this many engine-core deaths in a row fails (with an error saying so) instead
+# of being resumed again: it may be what kills the core, and the launcher gives up after
+# --max-engine-restarts (3) deaths in a row. 1: no request is resumed (each death fails them, as before).
+MAX_REQUEST_CRASHES = int(os.environ.get("MOESERVE_MAX_REQUEST_CRASHES", "2"))
+# Deaths count as "in a row" unless the core served this long in between (the launcher's HEALTHY_RUN_S).
+CRASH_COUNT_RESET_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
@@ -58,6 +70,9 @@ class _Stream:
     num_tokens: int = 0
     num_cached: int = 0  # prompt tokens the prefix cache served (from the first output)
     queue_time: float = 0.0  # seconds in the engine's queue before the first step (from the first output)
+    request: EngineCoreRequest | None = None  # as sent: what a resume sends again, with the tokens so far
+    crashes: int = 0  # engine-core deaths in a row this request was in flight for
+    lost_at: float | None = None  # perf_counter() when its core died, until the new core's first output
 
 
 def _params_text(params: SamplingParams) -> str:
@@ -102,6 +117,7 @@ class EngineClient:
         self._core_fatal: str | None = None  # what the core said before it died (MSG_FATAL)
         self._calls: dict[int, asyncio.Future] = {}  # utility calls waiting for the core's answer
         self._call_ids = 0
+        self._up_since = time.monotonic()  # when the current core answered (the crash count's reset)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -178,19 +194,51 @@ class EngineClient:
         if self._core_fatal:  # the core said why before it went (MSG_FATAL)
             reason = f"the engine core stopped: {self._core_fatal}"
         self.dead_reason = reason
+        if time.monotonic() - self._up_since >= CRASH_COUNT_RESET_S:
+            for st in self.streams.values():
+                st.crashes = 0  # the core served a while: this death does not follow the last one
+        failed = 0
+        for rid, st in list(self.streams.items()):
+            why = self._not_resumable(st, reason)
+            if why is None:
+                st.crashes += 1
+                st.lost_at = time.perf_counter()
+                continue
+            failed += 1
+            st.queue.put_nowait(EngineDeadError(why))
+            self.processor.states.pop(rid, None)
         if self._core_stopping:
             logger.info("engine core stopped; answering 503 until it is back or this server stops")
         else:
-            logger.error("engine core is gone: %s; answering 503 until it is back", reason)
-        for rid, st in list(self.streams.items()):
-            st.queue.put_nowait(EngineDeadError(reason))
-            self.processor.states.pop(rid, None)
+            logger.error("engine core is gone: %s; answering 503 until it is back (%d requests in flight resume "
+                         "then, %d failed)", reason, len(self.streams) - failed, failed)
         if self.metrics:
             self.metrics.engine_alive.set(0)
         self._reconnecting = asyncio.create_task(self._reconnect())
 
+    def _not_resumable(self, st: _Stream, reason: str) -> str | None:
+        """Why a request in flight when the core died cannot wait for the next core (its error), or None."""
+        if self._core_stopping:  # a shutdown, not a crash: no core comes back
+            return reason
+        if st.request is None:  # not sent yet: generate() reports the failed send itself
+            return reason
+        if st.request.kv_transfer_params is not None:  # PD: the KV it was to pull (or hold) died with the core
+            self._count_not_resumed("disaggregated")
+            return f"{reason}; a prefill/decode-disaggregated request is not resumed on a restarted core"
+        if st.crashes + 1 >= MAX_REQUEST_CRASHES:
+            self._count_not_resumed("crash_limit")
+            return (f"{reason}; this request was in flight during {st.crashes + 1} engine-core deaths in a row, so "
+                    f"it is failed rather than resumed again, in case it is what kills the engine "
+                    f"(MOESERVE_MAX_REQUEST_CRASHES={MAX_REQUEST_CRASHES})")
+        return None
+
+    def _count_not_resumed(self, reason: str) -> None:
+        if self.metrics:
+            self.metrics.not_resumed[reason].inc()
+
     async def _reconnect(self) -> None:
-        """Wait for the launcher's new engine core (same address), then serve again."""
+        """Wait for the launcher's new engine core (same address), then serve again and resume the requests
+        that were in flight."""
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -199,10 +247,32 @@ class EngineClient:
             pass
         self.stats = EngineStats()
         self.dead_reason = None
+        self._up_since = time.monotonic()
         self._run()
+        resumed = await self._resume()
         if self.metrics:
             self.metrics.engine_alive.set(1)
-        logger.info("connected to the engine core again (pid %d)", self.ready.pid)
+        logger.info("connected to the engine core again (pid %d); %d requests in flight resumed", self.ready.pid,
+                    resumed)
+
+    async def _resume(self) -> int:
+        """Send every request that outlived its core to the new one, with the tokens it already streamed as
+        its output so far: the new core recomputes their KV (as for a preemption) and samples the next token
+        exactly where the dead one would have (greedy and seeded alike: protocol.EngineCoreRequest)."""
+        n = 0
+        for rid, st in list(self.streams.items()):
+            if self.dead_reason is not None:  # the new core died too: the next reconnect resumes the rest
+                break
+            state = self.processor.states.get(rid)
+            if st.lost_at is None or state is None:
+                continue
+            params = st.request.sampling_params
+            if state.token_ids and params.prompt_logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=None)  # the client has them already
+            req = msgspec.structs.replace(st.request, sampling_params=params, output_token_ids=list(state.token_ids))
+            await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
+            n += 1
+        return n
 
     async def _watch(self) -> None:
         """Death of the core: a socket disconnect, or its pid gone (it may die before we see the socket)."""
@@ -250,6 +320,7 @@ class EngineClient:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
                                     kv_transfer_params, *slo_ms, priority=priority, cache_salt=cache_salt,
                                     structured_dfa=structured_dfa(params))
+            st.request = req
             try:
                 await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
             except zmq.ZMQError as e:  # the socket was replaced under us: the core died this instant
@@ -326,6 +397,8 @@ class EngineClient:
                 st = self.streams.get(out.request_id)
                 if st is None or out.request_id not in self.processor.states:
                     continue  # finished or aborted here already
+                if st.lost_at is not None:
+                    self._resumed(st, out)
                 if out.error:
                     self.processor.states.pop(out.request_id, None)
                     st.queue.put_nowait(EngineRequestError(out.error, out.error_kind or "invalid", out.retry_after_s))
@@ -341,6 +414,14 @@ class EngineClient:
             if self.metrics:
                 self.metrics.observe_iteration(step_tokens)
             self.abort_nowait(aborts)
+
+    def _resumed(self, st: _Stream, out) -> None:
+        """The first output of a request resumed on a new core."""
+        if self.metrics:
+            self.metrics.observe_resumed(time.perf_counter() - st.lost_at)
+        st.lost_at = None
+        if st.first is not None:
+            out.num_cached_tokens = 0  # the new core's cache hits cover the tokens resent: not the prompt's
 
     def _record_timing(self, st: _Stream, out, now: float) -> int:
         """Timings and token counts of one output; returns the tokens the step computed for it (vLLM's

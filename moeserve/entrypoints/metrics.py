@@ -40,6 +40,7 @@ SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vLLM's engine_sl
 CACHE_HIT_SOURCES = ("device", "host", "p2p", "disk", "external_unspecified")  # vLLM's CacheHitSource
 # vLLM's admission_rejections reasons, and moeserve's own bound (--max-waiting-requests)
 ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens", "max_waiting_requests")
+NOT_RESUMED_REASONS = ("crash_limit", "disaggregated")  # moeserve:requests_not_resumed
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -177,6 +178,17 @@ class ServerMetrics:
                                   **gauge).labels(**self._labels)
         self.http_errors = Counter("moeserve:http_errors", "HTTP requests answered with an error",
                                    ["model_name", "status"])
+        # requests in flight when the engine core died (engine_client.py): resumed on the restarted core, the
+        # time from the death seen here to their first output there, and those failed instead (reason:
+        # crash_limit, MOESERVE_MAX_REQUEST_CRASHES; disaggregated, a PD request)
+        self.requests_resumed = counter("moeserve:requests_resumed",
+                                        "Requests in flight when the engine core died, resumed on its replacement")
+        self.resume_latency = histogram("moeserve:request_resume_latency_seconds",
+                                        "Seconds from the engine core's death to a resumed request's next output",
+                                        TTFT_BUCKETS)
+        not_resumed = Counter("moeserve:requests_not_resumed", "Requests in flight when the engine core died that "
+                              "were failed instead of resumed", names + ["reason"])
+        self.not_resumed = {r: not_resumed.labels(**self._labels, reason=r) for r in NOT_RESUMED_REASONS}
         self._preemptions_seen: int | None = None
         self.slo = SLOMetrics(model_name)
         self._prefix_seen = dict.fromkeys(self.prefix_cache, 0)  # the engine counts from its start
@@ -250,6 +262,12 @@ class ServerMetrics:
                              ("inference", prefill + decode)):
             self.phases[phase].observe(value)
         self.tpot.observe(decode / (st.num_tokens - 1) if st.num_tokens > 1 else 0.0)
+
+    def observe_resumed(self, seconds: float) -> None:
+        """A request that outlived its engine core had its first output from the new one, seconds after the
+        death was seen."""
+        self.requests_resumed.inc()
+        self.resume_latency.observe(seconds)
 
     def observe_max_generation(self, num_tokens: int) -> None:
         """A request (all its n samples) finished: the most tokens one of its samples generated (vLLM's)."""

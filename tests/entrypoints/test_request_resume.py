@@ -1,11 +1,19 @@
 """Requests survive an engine restart (issue 31): a request re-submitted with the tokens it generated so far
 (EngineCoreRequest.output_token_ids) continues exactly where it stopped, on a fresh engine core."""
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
 import pytest
 
 from moeserve.engine.engine_core import EngineCore
 from moeserve.engine_args import EngineArgs
 from moeserve.protocol import EngineCoreRequest
 from moeserve.sampling_params import SamplingParams
+from tests.entrypoints.server import ServerProcess
 
 PROMPT = [5, 17, 42, 7, 99, 3]
 
@@ -34,3 +42,69 @@ def test_a_resumed_request_continues_exactly(ckpt_dir, params):
         rest = _generate(EngineCore(args.create_config(256)),
                          EngineCoreRequest("a", PROMPT, sp, output_token_ids=whole[:cut]))
         assert whole[:cut] + rest == whole, cut
+
+
+# ---- a real server whose engine core is killed while streams are in flight -------------------------------
+PROMPTS = ["hello", "The capital of France", "1 2 3 4", "Once upon a time", "def f(x):", "zebra", "A B C",
+           "moeserve"]
+
+
+def _stream(url: str, model: str, i: int, out: dict) -> None:
+    """One greedy completion stream: its events (JSON or [DONE]) in out[i]."""
+    body = {"model": model, "prompt": PROMPTS[i], "max_tokens": 160, "ignore_eos": True, "stream": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    if i % 2:
+        body["logprobs"] = 1  # tokens and text offsets must continue across the restart too
+    events = out[i] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+
+
+def _answer(events: list) -> dict:
+    """What a client puts together from a stream: text, finish reason, usage, logprob tokens and offsets."""
+    chunks = [e for e in events if isinstance(e, dict) and e.get("choices")]
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0].get("logprobs")]
+    return {"text": "".join(c["choices"][0]["text"] for c in chunks),
+            "finish": chunks[-1]["choices"][0]["finish_reason"],
+            "usage": next(e["usage"] for e in events if isinstance(e, dict) and e.get("usage")),
+            "tokens": [t for lp in lps for t in lp["tokens"]],
+            "offsets": [o for lp in lps for o in lp["text_offset"]]}
+
+
+def _run_streams(url: str, model: str, fault=None) -> dict:
+    out: dict = {}
+    threads = [threading.Thread(target=_stream, args=(url, model, i, out)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    if fault is not None:
+        while not all(len(out.get(i, ())) >= 3 for i in range(len(PROMPTS))):  # every stream is running
+            assert all(t.is_alive() for t in threads), "a stream ended before the fault"
+            time.sleep(0.01)
+        fault()
+    for t in threads:
+        t.join(180)
+    return out
+
+
+def test_streams_survive_a_killed_engine_core(ckpt_dir):
+    s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32",
+                      "--engine-restart-backoff", "0.5")
+    try:
+        model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        reference = _run_streams(s.url, model)
+        killed = _run_streams(s.url, model, lambda: os.kill(s.engine_pid, signal.SIGKILL))
+        for i in range(len(PROMPTS)):
+            errors = [e for e in killed[i] if isinstance(e, dict) and "error" in e]
+            assert not errors and killed[i][-1] == "[DONE]", (i, errors, killed[i][-3:])
+            want, got = _answer(reference[i]), _answer(killed[i])
+            assert got == want, i
+            assert got["usage"]["completion_tokens"] == 160 and got["finish"] == "length"
+        assert any("requests in flight resumed" in line for line in s.lines), "".join(s.lines[-20:])
+        assert s.metric("moeserve:requests_resumed_total") == len(PROMPTS)
+        assert s.metric("moeserve:request_resume_latency_seconds_count") == len(PROMPTS)
+        assert s.metric("moeserve:requests_not_resumed_total") == 0
+    finally:
+        s.stop()

@@ -86,21 +86,21 @@ def test_engine_core_killed_gives_503_and_unhealthy_until_it_is_restarted(server
         lines = r.iter_lines()
         next(lines)
         os.kill(server.engine_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while httpx.get(server.url + "/health").status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert httpx.get(server.url + "/health").status_code == 503
         start = time.monotonic()
-        rest = list(lines)  # the in-flight stream must end (with an error event), not hang
-        assert time.monotonic() - start < 30
-    assert any('"engine_dead"' in line for line in rest)
-    deadline = time.monotonic() + 30
-    while httpx.get(server.url + "/health").status_code == 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert httpx.get(server.url + "/health").status_code == 503
-    start = time.monotonic()
-    with pytest.raises(openai.APIStatusError) as e:
-        c.completions.create(model=model, prompt="x", max_tokens=2)
-    assert e.value.status_code == 503 and time.monotonic() - start < 10
-    with pytest.raises(openai.APIStatusError) as e:
-        c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    assert e.value.status_code == 503
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model=model, prompt="x", max_tokens=2)
+        assert e.value.status_code == 503 and time.monotonic() - start < 10
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert e.value.status_code == 503
+        # the stream in flight waits for the new core and is resumed there (issue 31): it ends normally
+        rest = list(lines)
+    rest = [line for line in rest if line]
+    assert not any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]", rest[-3:]
     # --engine-restart-backoff 5: the launcher starts a new core, the API servers reconnect, service resumes
     deadline = time.monotonic() + 120
     while httpx.get(server.url + "/health").status_code != 200:
