@@ -1,7 +1,7 @@
 """moeserve: serve DeepSeek-V3-class MoE models, and plan their deployments."""
 from moeserve.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
+from moeserve.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "__version__"]
 

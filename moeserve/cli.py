@@ -5,6 +5,9 @@ import argparse
 import importlib
 import sys
 
+from moeserve.help_format import HelpFormatter
+from moeserve.version import __version__
+
 # module -> provides register(subparsers). One line per subsystem.
 SUBCOMMANDS = [
     "moeserve.entrypoints.generate_cli",
@@ -18,14 +21,6 @@ SUBCOMMANDS = [
 ]
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each default, unless the help text already says what it is ("(default: the bundled model)")."""
-
-    def _get_help_string(self, action):
-        help_text = action.help or ""
-        return help_text if "default:" in help_text else super()._get_help_string(action)
-
-
 class Parser(argparse.ArgumentParser):
     """argparse's errors (a missing value, a bad choice) in one line and a pointer to --help, not the usage
     (~65 lines for serve) before the line that matters. Subcommand parsers are of the same class."""
@@ -36,7 +31,7 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="moeserve", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"moeserve {_version()}")
+    parser.add_argument("--version", action="version", version=f"moeserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(sub)
@@ -56,11 +51,6 @@ def _defaults_in_help(parser: argparse.ArgumentParser) -> None:
                 _defaults_in_help(sub)
         elif action.option_strings and action.default is not argparse.SUPPRESS and not (action.help or "").strip():
             action.help = "(default: %(default)s)"
-
-
-def _version() -> str:
-    from moeserve import __version__
-    return __version__
 
 
 def _subparser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:

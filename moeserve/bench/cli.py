@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from moeserve.cli import HelpFormatter
+from moeserve.help_format import HelpFormatter
 
 
 class _Given(argparse.Action):

@@ -142,7 +142,7 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
         yield
         await client.close()
 
-    from moeserve import __version__
+    from moeserve.version import __version__
     docs = not cfg.disable_fastapi_docs  # --disable-fastapi-docs: no /docs, no /openapi.json (vLLM's)
     app = FastAPI(title="moeserve", version=__version__, lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url=None, openapi_url="/openapi.json" if docs else None)
@@ -180,7 +180,7 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
 
     @app.get("/version")
     async def version():
-        from moeserve import __version__
+        from moeserve.version import __version__
         return {"version": __version__}
 
     @app.get("/metrics")

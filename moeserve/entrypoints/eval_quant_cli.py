@@ -7,7 +7,7 @@ import os
 import sys
 import sysconfig
 
-from moeserve.cli import HelpFormatter
+from moeserve.help_format import HelpFormatter
 from moeserve.engine_args import EngineArgs
 
 DEFAULT_TEXT = os.path.join(sysconfig.get_paths()["stdlib"], "calendar.py")  # held out by the bundled model
@@ -32,7 +32,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from moeserve import LLM
+    from moeserve.llm import LLM
     from moeserve.quant_eval import evaluate
 
     for flag in ("max_text_tokens", "window", "num_prompts", "prompt_len", "num_tokens"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 import time
 
-from moeserve.cli import HelpFormatter
+from moeserve.help_format import HelpFormatter
 from moeserve.config_file import CONFIG_HELP
 from moeserve.engine_args import EngineArgs
 
@@ -52,7 +52,8 @@ def engine_args_for(args, num_prompts: int) -> EngineArgs:
 
 
 def run(args) -> int:
-    from moeserve import LLM, SamplingParams
+    from moeserve.llm import LLM
+    from moeserve.sampling_params import SamplingParams
 
     prompts = args.prompt or ["def fibonacci(n):"]
     llm = LLM(**vars(engine_args_for(args, len(prompts))))

@@ -52,7 +52,7 @@ ENGINE_STOP_S = 10.0  # after SIGTERM, before SIGKILL
 def describe_config(config, server: ServerConfig, engine_args: EngineArgs) -> str:
     """The resolved configuration in one line, as vLLM logs it at start ("Initializing a V1 LLM engine ... with
     config: model=..., tensor_parallel_size=..."), with moeserve's layout terms (EP, MoE transport, nodes)."""
-    from moeserve import __version__
+    from moeserve.version import __version__
 
     m, c, s, p, q = config.model, config.cache, config.scheduler, config.parallel, config.quant
     spec = config.speculative

@@ -7,7 +7,7 @@ import sys
 
 
 def register(sub) -> None:
-    from moeserve.cli import HelpFormatter
+    from moeserve.help_format import HelpFormatter
     from moeserve.config import DEFAULT_MAX_REQUEST_BODY
 
     p = sub.add_parser("proxy", help="one OpenAI endpoint over prefill and decode instances (PD disaggregation)",

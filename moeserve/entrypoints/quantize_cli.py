@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from moeserve.cli import HelpFormatter
+from moeserve.help_format import HelpFormatter
 from moeserve.engine_args import _parse_size
 
 

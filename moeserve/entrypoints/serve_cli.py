@@ -5,7 +5,7 @@ import argparse
 import json
 import os
 
-from moeserve.cli import HelpFormatter
+from moeserve.help_format import HelpFormatter
 from moeserve.config_file import CONFIG_HELP
 from moeserve.config import DEFAULT_MAX_REQUEST_BODY, ServerConfig
 from moeserve.engine_args import EngineArgs

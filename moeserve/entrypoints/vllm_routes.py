@@ -45,7 +45,7 @@ def add_vllm_routes(app: FastAPI, spec, client, chat, check_engine) -> None:
 
     @app.get("/server_info")
     async def server_info():
-        from moeserve import __version__
+        from moeserve.version import __version__
         ready = client.ready
         return {"version": __version__, "served_model_names": list(cfg.served_model_names),
                 "model": spec.model_path, "max_model_len": spec.max_model_len, "kv_role": spec.kv_role,

@@ -137,7 +137,8 @@ def count_ops(engine) -> tuple[int, int]:
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
                    checkpoint: str | None = None) -> list[dict]:
     """Median decode-step time of the CPU engine per batch size, on checkpoint (default: the bench model)."""
-    from moeserve import LLM, SamplingParams
+    from moeserve.llm import LLM
+    from moeserve.sampling_params import SamplingParams
     from moeserve.bench_model import bench_checkpoint
     from moeserve.protocol import EngineCoreRequest
 
