@@ -108,3 +108,51 @@ def test_streams_survive_a_killed_engine_core(ckpt_dir):
         assert s.metric("moeserve:requests_not_resumed_total") == 0
     finally:
         s.stop()
+
+
+def _core_pid(s: ServerProcess, after: int) -> int:
+    """The pid of the engine core the launcher started last, once it is not `after`."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        back = [line for line in s.lines if "the engine core is back" in line]
+        if back:
+            pid = int(back[-1].split("pid ")[1].split(")")[0])
+            if pid != after:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError("".join(s.lines[-20:]))
+
+
+def test_a_request_in_flight_during_two_deaths_in_a_row_is_failed_alone(ckpt_dir):
+    s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32",
+                      "--engine-restart-backoff", "0.5")
+    try:
+        model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        want: dict = {}
+        _stream(s.url, model, 1, want)  # stream 1 unfailed
+        out: dict = {}
+        a = threading.Thread(target=_stream, args=(s.url, model, 0, out))
+        a.start()
+        while len(out.get(0, ())) < 3:
+            time.sleep(0.01)
+        os.kill(s.engine_pid, signal.SIGKILL)  # death 1: stream 0 is resumed
+        second = _core_pid(s, s.engine_pid)
+        while not s.metric("moeserve:requests_resumed_total"):
+            time.sleep(0.05)
+        b = threading.Thread(target=_stream, args=(s.url, model, 1, out))  # on the second core only
+        b.start()
+        while len(out.get(1, ())) < 3:
+            time.sleep(0.01)
+        os.kill(second, signal.SIGKILL)  # death 2 in a row: stream 0 was in flight for both
+        a.join(120)
+        b.join(120)
+        errors = [e["error"] for e in out[0] if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and out[0][-1] == "[DONE]", out[0][-3:]
+        assert "MOESERVE_MAX_REQUEST_CRASHES=2" in errors[0]["message"], errors
+        assert errors[0]["code"] == "engine_dead"
+        assert not any(isinstance(e, dict) and "error" in e for e in out[1]) and out[1][-1] == "[DONE]"
+        assert _answer(out[1]) == _answer(want[1])  # resumed once: it finishes as an unfailed run
+        assert s.metric("moeserve:requests_not_resumed_total", reason="crash_limit") == 1
+        assert s.metric("moeserve:requests_resumed_total") == 2  # stream 0 after death 1, stream 1 after death 2
+    finally:
+        s.stop()
