@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from moeserve.markers import partial_marker_len
+from moeserve.structured import json_keywords
 from moeserve.structured.errors import PatternError
 
 WIRE_MAGIC = b"LLG1\n"
@@ -100,6 +101,7 @@ def _closed_objects(node, depth: int = 0):
            for k, v in node.items()}
     if "properties" in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
         out["additionalProperties"] = False
+    out = json_keywords.drop_noops(out)
     return out
 
 
@@ -172,11 +174,25 @@ def compile_grammar(p) -> GuidanceGrammar:
     err = llguidance.LLMatcher.validate_grammar(g, None, limits=limits())
     took = time.perf_counter() - t0
     if err:
-        raise PatternError(err if "limit" not in err.lower() else f"the {p.describe()} is too large: {err}")
+        raise PatternError(f"the {p.describe()} is too large: {err}" if "limit" in err.lower() else
+                           json_keywords.explain(err, _schemas(p)))
     if took > MAX_COMPILE_S:
         raise PatternError(f"the {p.describe()} is too complex: checking it took {took:.1f} s, more than the "
                            f"{MAX_COMPILE_S} s limit; simplify it")
     return GuidanceGrammar(g)
+
+
+def _schemas(p) -> list[tuple[str, object]]:
+    """The JSON schemas in a spec, with where they are (for error messages)."""
+    if p.json is not None:
+        return [("", p.json)]
+    if p.structural_tag is not None:
+        try:
+            tag = json.loads(p.structural_tag)
+            return [(f"structures[{i}].schema ", s.get("schema")) for i, s in enumerate(tag.get("structures", []))]
+        except (ValueError, AttributeError):
+            return []
+    return []
 
 
 _ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}

@@ -51,7 +51,12 @@ def test_completions_with_vllm_extras(client, model, extra, check):
 @pytest.mark.parametrize("body,param,words", [
     ({"guided_regex": "(a"}, "guided_regex", "unclosed group"),
     ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 3}}, "guided_json", "minimum (5) is greater"),
-    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "uniqueItems"),  # not enforceable
+    ({"guided_json": {"type": "array", "uniqueItems": True}}, "guided_json", "'uniqueItems' at #: remove it"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "integer", "if": {"minimum": 0}, "then": {"maximum": 9}}}}}, "response_format",
+     "'if' at #: write the cases as alternatives"),
+    ({"structured_outputs": {"json": {"type": "string", "not": {"const": "x"}}}}, "structured_outputs",
+     "'not' at #: list what is allowed instead"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "one structured-output constraint"),
     ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "Rule 'x' not found"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nope"}}}},

@@ -90,8 +90,13 @@ def test_regex_classes_are_ascii_and_nesting_is_bounded():
 
 
 @pytest.mark.parametrize("kw,words", [
-    (dict(json={"type": "array", "uniqueItems": True}), "uniqueItems"),  # not enforceable: refused, not dropped
-    (dict(json={"if": {"type": "integer"}, "then": {"minimum": 3}}), "if"),
+    # not enforceable: refused (never dropped), naming the keyword, where it is and what to write instead
+    (dict(json={"type": "array", "uniqueItems": True}), "'uniqueItems' at #: remove it and check"),
+    (dict(json={"properties": {"a": {"if": {"type": "integer"}, "then": {"minimum": 3}}}}),
+     "'if' at #/properties/a: write the cases as alternatives: \"anyOf\""),
+    (dict(json={"properties": {"not": {"type": "string", "not": {"const": "x"}}}}),
+     "'not' at #/properties/not: list what is allowed instead"),
+    (dict(json={"type": "array", "uniqueItems": True}), "x-guidance"),
     (dict(grammar="start: foo"), "foo"), (dict(grammar="root ::= 'a'"), "GBNF|Lark|name"),
     (dict(json={"type": "integer", "minimum": 5, "maximum": 3}), "minimum"),
     (dict(structural_tag={"triggers": ["<f"], "structures": [{"begin": "<g>", "schema": {}, "end": "</g>"}]}),
@@ -100,6 +105,12 @@ def test_regex_classes_are_ascii_and_nesting_is_bounded():
 def test_what_it_cannot_do_is_refused_naming_it(kw, words):
     with pytest.raises(SamplingParamsError, match=words):
         SamplingParams(structured_outputs=SO(**kw))
+
+
+def test_no_op_and_lenient_keywords_compile():
+    assert compile_params(SO(json={"type": "array", "items": {"type": "integer"}, "uniqueItems": False}))
+    lenient = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "x-guidance": {"lenient": True}}
+    assert compile_params(SO(json=lenient)).fullmatch(b"[1,1]")  # asked for: generated without it
 
 
 def test_the_removed_builtin_backend_is_a_clear_error():
