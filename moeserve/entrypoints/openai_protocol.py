@@ -239,9 +239,11 @@ class _SamplingFields(_Strict):
                     raise APIError("response_format json_schema needs {\"json_schema\": {\"name\": ..., "
                                    "\"schema\": {...}}}", param="response_format")
                 given.append(("response_format", {"json": spec["schema"]}))
+            elif kind == "structural_tag":
+                given.append(("response_format", {"structural_tag": _structural_tag_format(rf)}))
             else:
-                raise APIError(f"response_format type {kind!r} is not supported; use \"text\", \"json_object\" "
-                               "or \"json_schema\"", param="response_format")
+                raise APIError(f"response_format type {kind!r} is not supported; use \"text\", \"json_object\", "
+                               "\"json_schema\" or \"structural_tag\"", param="response_format")
         if self.structured_outputs is not None:
             given.append(("structured_outputs", self.structured_outputs))
         for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
@@ -263,7 +265,7 @@ class _SamplingFields(_Strict):
             try:
                 params = StructuredOutputsParams(**spec)
             except TypeError:  # an unknown key (only this call: a TypeError while compiling is another bug)
-                raise APIError(f"'{field}' takes the keys json, regex, choice, json_object; got "
+                raise APIError(f"'{field}' takes the keys json, regex, choice, json_object, grammar, structural_tag; got "
                                f"{sorted(spec)}", param=field) from None
             compile_params(params)
         except PatternError as e:
@@ -303,6 +305,19 @@ class _SamplingFields(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def _structural_tag_format(rf: dict) -> dict:
+    """vLLM's response_format {"type": "structural_tag", "triggers": [...], "structures": [{"begin", "schema",
+    "end"}]}. Its newer {"format": ...} shape is xgrammar's structural-tag language, which llguidance lacks."""
+    if "format" in rf and "structures" not in rf:
+        raise APIError("response_format structural_tag with \"format\" (xgrammar's structural tags) is not supported; "
+                       "give \"triggers\": [...] and \"structures\": [{\"begin\", \"schema\", \"end\"}] instead",
+                       param="response_format")
+    if not isinstance(rf.get("triggers"), list) or not isinstance(rf.get("structures"), list):
+        raise APIError("response_format structural_tag needs \"triggers\" (a list of strings) and \"structures\" "
+                       "(a list of {\"begin\", \"schema\", \"end\"})", param="response_format")
+    return {"triggers": rf["triggers"], "structures": rf["structures"]}
 
 
 class CompletionRequest(_SamplingFields):

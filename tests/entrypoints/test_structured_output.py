@@ -103,3 +103,44 @@ def test_allowed_token_ids_apply_with_structured_output(openai_server, model):
                                               "response_format": {"type": "json_object"}, "allowed_token_ids": [a]})
         assert r.status_code == 400, r.text
         assert "structured output together allow no token" in r.json()["error"]["message"], r.text
+
+
+# vLLM's response_format structural_tag: free text; each trigger ("e", frequent in this random model's output)
+# starts a section that must be the begin, JSON of the schema, then the end
+TAG = {"type": "structural_tag", "triggers": ["e"], "structures": [{"begin": "e=", "end": ";", "schema": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 5}}, "required": ["n"]}}]}
+
+
+def test_chat_response_format_structural_tag(openai_server, model):
+    r = httpx.post(f"{openai_server.base_url}/chat/completions", timeout=60, json={
+        "model": model, "messages": MESSAGES, "max_tokens": 60, "temperature": 1.0, "seed": 3, "n": 4,
+        "response_format": TAG})
+    assert r.status_code == 200, r.text
+    sections = 0
+    for c in r.json()["choices"]:
+        text = c["message"]["content"]
+        if c["finish_reason"] == "length":  # cut inside a section: drop the unfinished one
+            text = text[:text.rfind("e")] if text.count("e") > text.count(";") else text
+        bodies = re.findall(r"e=(.*?);", text, re.S)
+        assert "e" not in re.sub(r"e=.*?;", "", text, flags=re.S), text  # every "e" began a section
+        for body in bodies:
+            assert 2 <= json.loads(body)["n"] <= 5, text
+        sections += len(bodies)
+    assert sections, r.json()  # the trigger came up
+
+
+@pytest.mark.parametrize("rf,words", [
+    ({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": []}},
+     "\"format\" (xgrammar's structural tags) is not supported; give \"triggers\""),
+    ({"type": "structural_tag", "structures": []}, "needs \"triggers\""),
+    ({**TAG, "triggers": ["<g"]}, "starts with none of the triggers"),
+    ({"type": "structural_tag", "triggers": ["<f"], "structures": [{"begin": "<f>", "end": "</f>", "schema": {
+        "type": "array", "uniqueItems": True}}]}, "'uniqueItems' at structures[0].schema #"),
+    ({"type": "xml"}, "use \"text\", \"json_object\", \"json_schema\" or \"structural_tag\""),
+])
+def test_chat_response_format_structural_tag_errors(openai_server, model, rf, words):
+    r = httpx.post(f"{openai_server.base_url}/chat/completions", timeout=30, json={
+        "model": model, "messages": MESSAGES, "max_tokens": 5, "response_format": rf})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and words in err["message"], err
