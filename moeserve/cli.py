@@ -97,7 +97,7 @@ def vllm_argv(argv: list[str]) -> list[str]:
     vLLM integer (32k), else the text."""
     import json
 
-    from moeserve.engine_args import human_readable_int
+    from moeserve.engine_flags import human_readable_int
 
     out: list[str] = []
     merged: dict[str, dict] = {}

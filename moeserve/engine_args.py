@@ -1,19 +1,23 @@
 """EngineArgs: every field is both a CLI flag (`--max-num-seqs`, vLLM's spelling) and an
 `LLM(max_num_seqs=...)` keyword, as in vLLM; create_config() validates them into the frozen EngineConfig
-(config.py). Also the flag value syntax (sizes, 32k lengths) and the vLLM flags translated to ours."""
+(config.py). The flags' help and value syntax are in engine_flags.py; vLLM's JSON-valued flags translated to
+ours in vllm_values.py."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import numbers
-import re
 import typing
 from dataclasses import dataclass
 
 from moeserve.config import (ALL2ALL_BACKENDS, CacheConfig, ConfigError, EngineConfig, KVTransferConfig,
                              ModelConfig, ParallelConfig, QuantConfig, SchedulerConfig, SpeculativeConfig,
                              _parse_json_dict, _require, decode_graph_sizes_up_to)
+from moeserve.engine_flags import (DTYPE_ALIASES, ENGINE_HELP, SHORT_FLAGS, TOKENIZER_MODES, _parse_len, _parse_size,
+                                   human_readable_int)
+from moeserve.vllm_values import (_CPU_GRAPHS_ARE_COMPILED, COMPILATION_KEYS, COMPILATION_KEYS_IGNORED,
+                                  VLLM_DP_RPC_PORT, _eplb_fields, _vllm_kv_transfer, _vllm_speculative, nixl_installed,
+                                  note_once)
 
 
 def _check_field_types(args: "EngineArgs") -> None:
@@ -34,166 +38,6 @@ def _check_field_types(args: "EngineArgs") -> None:
             continue
         _require(ok, f"{f.name} (--{f.name.replace('_', '-')}) must be {want}, "
                      f"got {value!r} ({type(value).__name__})")
-
-
-def _parse_size(text: str) -> int:
-    """Bytes, optionally with a K/M/G suffix (powers of 1024): '512M', '2G', '1073741824'."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().rstrip("ib").rstrip("b") if text.strip().lower()[-1:] in "bB" else text.strip().lower()
-    try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M or 2G, got {text!r}") from None
-
-
-SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",), "enable_expert_parallel": ("-ep",),
-               "quantization": ("-q",), "speculative_config": ("-sc",),
-               "compilation_config": ("-O", "-cc"), "nnodes": ("-n",), "node_rank": ("-r",),
-               "gpu_memory_utilization": ("--device-memory-utilization",),
-               "data_parallel_size_local": ("-dpl",), "data_parallel_start_rank": ("-dpr",),
-               "data_parallel_address": ("-dpa",), "data_parallel_rpc_port": ("-dpp",),
-               "data_parallel_backend": ("-dpb",),
-               "moe_node_size": ("--ranks-per-node",)}  # vLLM's short forms; --ranks-per-node is moeserve's
-
-
-def human_readable_int(text: str) -> int:
-    """vLLM's integer syntax: 1000, 1k / 2m (powers of 10, decimals allowed: 25.6k) or 1K / 2M (powers of 2)."""
-    t = text.strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", t)
-    if m is None:
-        try:
-            return int(t)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 32k or 32K, got {text!r}") from None
-    number, suffix = m.groups()
-    if suffix.islower():
-        return int(float(number) * 10 ** (3 * "kmgt".index(suffix) + 3))
-    if "." in number:
-        raise argparse.ArgumentTypeError(f"{text!r}: no decimals with a binary suffix; did you mean "
-                                         f"{number}{suffix.lower()}?")
-    return int(number) << (10 * ("KMGT".index(suffix) + 1))
-
-
-def _parse_len(text: str) -> int | None:
-    """--max-model-len: an integer as above, or auto / -1 for the model's own maximum."""
-    return None if text.strip().lower() in ("auto", "-1") else human_readable_int(text)
-
-
-# One line per engine flag for --help (the formatter appends each default).
-ENGINE_HELP = {
-    "tokenizer": "tokenizer folder, if not the model's",
-    "dtype": "auto|float32|bfloat16|float16 (vLLM's half, float too) for weights and KV cache (auto: the "
-             "checkpoint's, BF16 for FP8)",
-    "seed": "seed of the sampler for requests without their own seed",
-    "max_model_len": "context length, >= 2 (None: the model's max_position_embeddings)",
-    "max_num_seqs": "running requests per step",
-    "max_num_batched_tokens": "tokens per step; longer prompts are prefilled in chunks",
-    "enable_chunked_prefill": "split prompts longer than the token budget over several steps",
-    "enable_prefix_caching": "reuse the KV cache of prompt prefixes computed before (automatic prefix caching)",
-    "slo_ttft_ms": "default time-to-first-token target: admission turns away (503) requests that cannot meet "
-                   "it (requests may set slo_ttft_ms themselves)",
-    "slo_tpot_ms": "default time-per-output-token target: requests are admitted only while the running batch "
-                   "keeps it (requests may set slo_tpot_ms themselves)",
-    "mla_decode": "standard|amla|amla-triton: MLA decode attention; amla rescales the online softmax by an integer "
-                  "add on the output's exponent bits (layers/attention/amla.py)",
-    "block_size": "tokens per KV-cache block",
-    "num_kv_blocks": "KV pool size in blocks (None: every sequence at full length, at most 2 GiB)",
-    "kv_cache_memory": "KV pool size in bytes, e.g. 512M or 2G (instead of --num-kv-blocks)",
-    "data_parallel_size": "attention data-parallel ranks (processes)",
-    "tensor_parallel_size": "attention tensor-parallel ranks inside each DP rank",
-    "enable_expert_parallel": "spread routed experts over all ranks instead of TP-sharding each one",
-    "quantization": "a8w8: INT8 weights and activations; fp8: block-FP8 weights (None: the checkpoint's own)",
-    "speculative_config": 'MTP drafts as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 1}\'',
-    "kv_transfer_config": 'prefill/decode disaggregation over NIXL as JSON, e.g. \'{"kv_connector": "nixl"}\'',
-    "moe_comm": "auto|alltoall|allgather: how MoE layers move tokens between EP ranks",
-    "moe_comm_dtype": "bfloat16|int8 payload of the MoE dispatch",
-    "moe_comm_hierarchy": "flat|two-stage: with --moe-comm allgather over several nodes, gather across nodes "
-                          "(one rank per node per group) then inside each node, and reduce-scatter the mirror way: "
-                          "inter-node links carry each byte once",
-    "moe_node_size": "EP ranks per node for the MoE collectives (default: D x T / --nnodes); on one machine it "
-                     "groups the ranks into simulated nodes",
-    "moe_pipeline_chunks": "K > 1: each MoE layer's dispatch -> experts -> combine over K chunks of tokens, later "
-                           "chunks' transfers in flight while a chunk computes",
-    "flashcomm": "off|on|int8: with TP, ReduceScatter + (INT8) AllGather instead of AllReduce",
-    "attention_tp_dp_switch": "with TP: q_a / kv_a projections on each rank's token shard, one all-gather of the "
-                              "projected query and latent, head-parallel attention, reduce-scatter back (turns "
-                              "on --flashcomm's token sharding)",
-    "num_redundant_experts": "extra routed-expert replicas (EPLB)",
-    "shared_expert_ranks": "N of the EP ranks hold only the shared experts (every token's shared-expert row is "
-                           "dispatched to them); the routed experts spread over the others",
-    "expert_placement": "JSON file mapping logical experts to physical slots per layer (moeserve eplb -o)",
-    "expert_load_stats": "record routed tokens per expert and MoE layer to this JSON file (PATH.rank<r> per rank)",
-    "enable_eplb": "online EPLB: re-place (and replicate) experts from recent loads while serving",
-    "enable_dbo": "dual-batch overlap: split every step into two micro-batches so that one's MoE "
-                  "dispatch/combine transfers run under the other's attention and experts (with EP over DP ranks)",
-    "eplb_step_interval": "steps between online EPLB rebalances",
-    "nnodes": "nodes of a multi-node run",
-    "node_rank": "this node's index",
-    "master_addr": "address of node 0 (torch.distributed rendezvous)",
-    "master_port": "rendezvous port (None: a free port on one node)",
-    "distributed_backend": "auto|gloo|nccl (auto: NCCL for CUDA, gloo otherwise)",
-    "distributed_timeout": "seconds a collective may wait before the engine reports a dead rank",
-    "kv_cache_dtype": "auto|bfloat16|float16|float32|fp8: KV-cache storage, the model dtype or FP8 e4m3 "
-                      "(half the bytes of BF16; attention upcasts what it reads)",
-    "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",
-    "gpu_memory_utilization": "share of the device's memory (host RAM on CPU) for weights + KV cache; the KV "
-                              "pool gets what the weights leave (None: --kv-cache-memory's default sizing)",
-    "load_format": "auto|safetensors|dummy (dummy: random weights of the checkpoint's shapes, for benchmarks)",
-    "enforce_eager": "run the model eagerly: no compiled or captured decode graphs",
-    "compilation_config": 'vLLM\'s compilation config as JSON or a level: \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\' '
-                          "picks the decode graph sizes, mode/level 0 (or `-O 0`) runs eagerly",
-    "skip_tokenizer_init": "load no tokenizer: prompts are token ids and outputs carry token ids, no text",
-    "max_logprobs": "the most logprobs / prompt_logprobs one request may ask for (0..20)",
-    "logprobs_mode": "raw_logprobs: log-softmax of the model's logits before any processor",
-    "scheduling_policy": "fcfs|priority (priority: lower request `priority` first, ties by arrival)",
-    "eplb_config": 'EPLB as JSON (vLLM\'s), e.g. \'{"step_interval": 3000, "num_redundant_experts": 0}\'',
-    "all2all_backend": "vLLM's MoE all2all backend: allgather_reducescatter/naive -> --moe-comm allgather, "
-                       "deepep_*/pplx/... -> --moe-comm alltoall",
-    "override_generation_config": 'JSON of sampling defaults over generation_config, e.g. \'{"temperature": 0.5}\'',
-    "disable_log_stats": "no periodic stats line in the log",
-    "generation_config": "auto|vllm|FOLDER: sampling defaults (temperature, top_p, top_k, min_p, "
-                         "repetition_penalty, max_new_tokens) from the model's (or FOLDER's) generation_config.json "
-                         "for requests that leave them unset; vllm: none",
-    # vLLM recipe flags (issue 33): accepted so a recipe runs unchanged; docs/from-vllm.md says what each does
-    "trust_remote_code": "accepted for vLLM recipes; moeserve implements DeepSeek V2/V3 itself and never runs "
-                         "code from a checkpoint, with or without this flag",
-    "async_scheduling": "accepted; no effect here (moeserve's engine schedules each step after the last one's "
-                        "outputs; an INFO line says so)",
-    "attention_backend": "accepted; no effect here (MLA attention is moeserve's own, see --mla-decode; an INFO "
-                         "line says so)",
-    "tokenizer_mode": "auto|hf|slow|deepseek_v32: accepted; moeserve always loads the checkpoint's own tokenizer "
-                      "(transformers AutoTokenizer); other modes are refused",
-    "revision": "the branch, tag or commit of a Hugging Face model id (no effect on a local folder)",
-    "download_dir": "the Hugging Face cache folder a model id is looked up in and downloaded to (default: "
-                    "HF_HUB_CACHE, else ~/.cache/huggingface/hub)",
-    "hf_overrides": "JSON over the checkpoint's config.json: only {} (nothing to override) is accepted for now; "
-                    "other values are refused",
-    "cudagraph_capture_sizes": "decode batch sizes to compile graphs for, e.g. 1 2 4 8 (the same as "
-                               "--compilation-config '{\"cudagraph_capture_sizes\": [...]}')",
-    # vLLM flags mapped onto moeserve's (vllm_flag_table.py)
-    "data_parallel_size_local": "vLLM's multi-node DP: DP ranks on this node -> --nnodes = --data-parallel-size / "
-                                "this",
-    "data_parallel_start_rank": "vLLM's multi-node DP: this node's first DP rank -> --node-rank = this / "
-                                "--data-parallel-size-local",
-    "data_parallel_address": "vLLM's multi-node DP: node 0's address -> --master-addr",
-    "data_parallel_rpc_port": "vLLM's multi-node DP: rendezvous port -> --master-port (vLLM's default 29550 when "
-                              "more than one node)",
-    "data_parallel_backend": "mp (moeserve spawns its rank processes); ray is refused",
-    "distributed_timeout_seconds": "vLLM's name for --distributed-timeout",
-    "cpu_distributed_timeout_seconds": "vLLM's name for --distributed-timeout (gloo groups)",
-    "max_cudagraph_capture_size": "the largest decode batch with a compiled graph (--compilation-config "
-                                  "max_cudagraph_capture_size)",
-    "optimization_level": "vLLM's -O level: 0 runs eagerly, 1-3 compile the decode step (--compilation-config mode)",
-    "num_gpu_blocks_override": "vLLM's name for --num-kv-blocks",
-    "spec_method": "vLLM's shorthand for --speculative-config method (mtp / deepseek_mtp)",
-    "spec_tokens": "vLLM's shorthand for --speculative-config num_speculative_tokens",
-}
-
-# vLLM's --dtype spellings -> moeserve's
-DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-TOKENIZER_MODES = ("auto", "hf", "slow", "deepseek_v32")
 
 
 @dataclass
@@ -377,9 +221,8 @@ class EngineArgs:
             "hf_overrides": (overrides == {}, "nothing to override"),
         }
         for name, (given, why) in notes.items():
-            if given and name not in _LOGGED_NOTES:
-                _LOGGED_NOTES.add(name)
-                logging.getLogger("moeserve").info("--%s has no effect here: %s", name.replace("_", "-"), why)
+            if given:
+                note_once(name, "--%s has no effect here: %s", name.replace("_", "-"), why)
 
     def _apply_vllm_mappings(self) -> None:
         """vLLM flags that are other names for moeserve's: set moeserve's field (an explicit one must agree)."""
@@ -566,198 +409,3 @@ class EngineArgs:
             except TrustError as e:
                 raise ConfigError(str(e)) from None
         return kvt
-
-
-
-
-# vLLM's CompilationConfig keys: the ones moeserve's decode graphs read, and the ones it accepts so that a
-# vLLM recipe runs unchanged although they name vLLM internals (its custom ops, fusion passes, splitting ops).
-COMPILATION_KEYS = ("mode", "level", "cudagraph_capture_sizes", "max_cudagraph_capture_size", "cudagraph_mode")
-COMPILATION_KEYS_IGNORED = ("backend", "custom_ops", "splitting_ops", "use_inductor", "compile_sizes",
-                            "inductor_compile_config", "inductor_passes", "pass_config", "full_cuda_graph",
-                            "use_cudagraph", "cudagraph_num_of_warmups", "debug_dump_path", "cache_dir",
-                            "compile_cache_save_format", "use_inductor_graph_partition", "dynamic_shapes_config")
-_LOGGED_NOTES: set[str] = set()  # recipe flags already logged as having no effect (once per process)
-# On CPU the decode graphs are inductor graphs, not captured CUDA graphs: cudagraph_mode NONE keeps them.
-_CPU_GRAPHS_ARE_COMPILED = True
-
-
-VLLM_DP_RPC_PORT = 29550  # vLLM's default --data-parallel-rpc-port
-NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # the meta package, or a CUDA-variant wheel on its own
-
-
-def nixl_installed() -> bool:
-    """Whether NIXL's Python package is importable (looked up, not imported: that waits for PD's agent)."""
-    import importlib.util
-
-    for name in NIXL_MODULES:
-        try:
-            if importlib.util.find_spec(name) is not None:
-                return True
-        except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (import blocked)
-            continue
-    return False
-
-
-def _note_once(key: str, message: str, *args) -> None:
-    """An INFO line for an accepted vLLM value that changes nothing here, once per process."""
-    if key not in _LOGGED_NOTES:
-        _LOGGED_NOTES.add(key)
-        logging.getLogger("moeserve").info(message, *args)
-
-
-# vLLM's SpeculativeConfig keys that change nothing for MTP drafts here -> why
-SPEC_KEYS_NO_EFFECT = {
-    "enforce_eager": "the MTP passes use the target's decode graphs (or run eagerly with it)",
-    "disable_padded_drafter_batch": "moeserve pads draft batches to the target's decode buckets",
-    "disable_eagle_block_drop": "an EAGLE option",
-    "use_local_argmax_reduction": "drafts are argmaxed over the whole vocabulary on each rank",
-    "index_share_for_mtp_iteration": "a sparse-attention indexer option (DeepSeek V3.2)",
-    "moe_backend": "the MTP layer's experts use the target's MoE path",
-    "attention_backend": "MLA attention is moeserve's own",
-    "max_model_len": "drafts stop at the target's --max-model-len",
-    "revision": "the MTP layers come from the model's own checkpoint",
-    "code_revision": "no code is run from a checkpoint",
-}
-# vLLM's keys with the values moeserve's MTP drafting matches
-SPEC_KEYS_FIXED = {"rejection_sample_method": ("standard",), "draft_sample_method": ("greedy",),
-                   "parallel_drafting": (False,)}
-
-
-def _vllm_speculative(value, args: "EngineArgs"):
-    """vLLM's --speculative-config keys onto moeserve's (method, num_speculative_tokens): a draft `model` that
-    is the target itself, `draft_tensor_parallel_size` / `tensor_parallel_size` of 1 or the target's TP (the
-    MTP layers run on the target's ranks), the target's `quantization`; the keys of SPEC_KEYS_NO_EFFECT are
-    logged as having no effect. Other values are refused naming the key."""
-    if value is None or not isinstance(value, (dict, str)):
-        return value
-    if isinstance(value, str):
-        value = _parse_json_dict(value, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}')
-    value = dict(value)
-    model = value.pop("model", None)
-    _require(model is None or _same_model(model, args),
-             f"--speculative-config model {model!r}: moeserve drafts with the checkpoint's own MTP layers, not a "
-             "separate draft model; drop \"model\" (or give the target model itself)")
-    for key in ("draft_tensor_parallel_size", "tensor_parallel_size"):
-        if key in value:
-            tp = value.pop(key)
-            _require(tp in (None, 1, args.tensor_parallel_size), f"--speculative-config {key} {tp!r}: the MTP "
-                     f"layers run on the target's ranks (--tensor-parallel-size {args.tensor_parallel_size}); "
-                     f"give 1 or {args.tensor_parallel_size}, or drop it")
-            if tp is not None:
-                _note_once(f"spec:{key}", "--speculative-config %s %s: the MTP layers run on the target's ranks "
-                           "(TP %s)", key, tp, args.tensor_parallel_size)
-    if "quantization" in value:
-        q = value.pop("quantization")
-        _require(q in (None, args.quantization), f"--speculative-config quantization {q!r}: the MTP layers are "
-                 f"quantized as the target is (--quantization {args.quantization}); drop it")
-    if "kv_cache_dtype" in value:
-        kv = value.pop("kv_cache_dtype")
-        _require(kv in (None, "auto", args.kv_cache_dtype), f"--speculative-config kv_cache_dtype {kv!r}: the "
-                 f"MTP layer's KV cache is stored as the target's (--kv-cache-dtype {args.kv_cache_dtype})")
-    for key, allowed in SPEC_KEYS_FIXED.items():
-        if key in value:
-            got = value.pop(key)
-            _require(got in allowed, f"--speculative-config {key} {got!r}: moeserve's MTP uses "
-                     f"{' / '.join(map(str, allowed))}")
-    for key, why in SPEC_KEYS_NO_EFFECT.items():
-        if key in value:
-            got = value.pop(key)
-            if got not in (None, False):
-                _note_once(f"spec:{key}", "--speculative-config %s has no effect here: %s", key, why)
-    return value
-
-
-def _same_model(model: str, args: "EngineArgs") -> bool:
-    """The speculative-config `model` names the target (as given, or resolving to the same folder)."""
-    import os
-
-    if args.model is None:
-        return False
-    if model == args.model:
-        return True
-    from moeserve.hf_model import resolve_model
-    try:
-        path = resolve_model(model, args.revision, args.download_dir)
-    except FileNotFoundError:
-        return False
-    return os.path.realpath(path) == os.path.realpath(args.model)
-
-
-# vLLM's connector names -> moeserve's; its KVTransferConfig keys without effect here -> why
-KV_CONNECTOR_NAMES = {"NixlConnector": "nixl", "nixl": "nixl"}
-KV_KEYS_NO_EFFECT = {
-    "kv_buffer_device": "NIXL reads and writes the KV pool in place (host memory here)",
-    "kv_buffer_size": "NIXL reads and writes the KV pool in place",
-    "kv_connector_extra_config": "moeserve's NIXL agent uses its UCX backend",
-    "enable_permute_local_kv": "the KV layout is the same on both sides",
-}
-
-
-def _vllm_kv_transfer(value):
-    """vLLM's --kv-transfer-config spellings: kv_connector NixlConnector, kv_load_failure_policy fail (what
-    moeserve does: the request fails), the keys of KV_KEYS_NO_EFFECT logged; other connectors refused."""
-    if value is None or not isinstance(value, (dict, str)):
-        return value
-    if isinstance(value, str):
-        value = _parse_json_dict(value, "--kv-transfer-config", '{"kv_connector": "NixlConnector", '
-                                                                '"kv_role": "kv_both"}')
-    value = dict(value)
-    if "kv_connector" in value:
-        name = value["kv_connector"]
-        _require(name in KV_CONNECTOR_NAMES, f"--kv-transfer-config kv_connector {name!r}: moeserve moves KV "
-                 "over NIXL only; use \"NixlConnector\" (or \"nixl\")")
-        value["kv_connector"] = KV_CONNECTOR_NAMES[name]
-    _require(value.pop("kv_connector_module_path", None) is None, "--kv-transfer-config kv_connector_module_path: "
-             "connectors are not loaded from modules (NIXL is built in); drop it")
-    policy = value.pop("kv_load_failure_policy", "fail")
-    _require(policy == "fail", f"--kv-transfer-config kv_load_failure_policy {policy!r}: a failed KV pull fails "
-             "its request here (vLLM's \"fail\"); recompute is not supported")
-    for key, why in KV_KEYS_NO_EFFECT.items():
-        if key in value:
-            got = value.pop(key)
-            if got not in (None, False, {}):
-                _note_once(f"kv:{key}", "--kv-transfer-config %s has no effect here: %s", key, why)
-    return value
-
-EPLB_KEYS = ("window_size", "step_interval", "num_redundant_experts", "log_balancedness", "use_async", "policy",
-             "log_balancedness_interval", "communicator", "enable_migration_batching")
-# vLLM's EPLB keys accepted without effect -> why
-EPLB_KEYS_NO_EFFECT = {
-    "window_size": "moeserve balances on the loads of every step since the last rebalance (the window is "
-                   "step_interval)",
-    "log_balancedness": "no balancedness line is logged; --expert-load-stats records per-expert loads",
-    "log_balancedness_interval": "no balancedness line is logged",
-    "use_async": "a rebalance runs between two steps",
-    "communicator": "experts move over the ranks' process group",
-    "enable_migration_batching": "a rebalance moves every expert at once",
-}
-
-
-def _eplb_fields(value: "dict | str", args: "EngineArgs") -> dict:
-    """vLLM's --eplb-config -> --eplb-step-interval / --num-redundant-experts (explicit flags must agree)."""
-    if isinstance(value, str):
-        value = _parse_json_dict(value, "--eplb-config", '{"step_interval": 3000, "num_redundant_experts": 32}')
-    _require(isinstance(value, dict), f"--eplb-config must be a JSON object / dict, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(EPLB_KEYS))
-    _require(not unknown, f"--eplb-config has unknown key(s) {', '.join(unknown)}; known: {', '.join(EPLB_KEYS)}")
-    interval = value.get("step_interval", args.eplb_step_interval)
-    window = value.get("window_size")
-    _require(window is None or (isinstance(window, int) and not isinstance(window, bool) and window > 0),
-             f"--eplb-config window_size must be a positive integer, got {window!r}")
-    _require(value.get("policy", "default") == "default", "--eplb-config policy: only \"default\" is supported")
-    for key, why in EPLB_KEYS_NO_EFFECT.items():
-        if value.get(key) not in (None, False) and not (key == "window_size" and window == interval) \
-                and not (key == "use_async" and value[key] is True):
-            _note_once(f"eplb:{key}", "--eplb-config %s has no effect here: %s", key, why)
-    out = {}
-    for key, field_name, default in (("step_interval", "eplb_step_interval", 3000),
-                                     ("num_redundant_experts", "num_redundant_experts", 0)):
-        if key in value:
-            given = getattr(args, field_name)
-            _require(given in (default, value[key]), f"--eplb-config {key} {value[key]} disagrees with "
-                     f"--{field_name.replace('_', '-')} {given}; pass one")
-            _require(isinstance(value[key], int) and not isinstance(value[key], bool),
-                     f"--eplb-config {key} must be an integer, got {value[key]!r}")
-            out[field_name] = value[key]
-    return out

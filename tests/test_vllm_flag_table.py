@@ -40,7 +40,8 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 # a value each implemented / mapped flag's parser accepts (others get "1")
 SAMPLE = {"--uvicorn-log-level": "info", "--log-level": "info", "--allowed-origins": '["x"]',
-          "--allowed-methods": '["GET"]', "--allowed-headers": '["x"]', "--max-model-len": "32k"}
+          "--allowed-methods": '["GET"]', "--allowed-headers": '["x"]', "--max-model-len": "32k",
+          "--tool-call-parser": "deepseek_v3", "--reasoning-parser": "deepseek_r1"}
 
 
 def test_the_fixture_is_vllms_full_list():
@@ -252,8 +253,8 @@ def test_vllm_argv_leaves_values_alone():
       "--speculative-config enforce_eager has no effect here"]),
 ])
 def test_vllm_config_keys_without_effect_are_accepted_and_logged(argv, logged, caplog, monkeypatch):
-    from moeserve import engine_args
-    monkeypatch.setattr(engine_args, "_LOGGED_NOTES", set())
+    from moeserve import vllm_values
+    monkeypatch.setattr(vllm_values, "_LOGGED_NOTES", set())
     with caplog.at_level(logging.INFO, logger="moeserve"):
         _config(argv)
     for words in logged:

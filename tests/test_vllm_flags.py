@@ -225,8 +225,8 @@ def test_dsml_tool_calls_parse():
 @pytest.mark.parametrize("flags,logged", NO_EFFECT, ids=[" ".join(f) for f, _ in NO_EFFECT])
 def test_recipe_flag_without_effect_is_accepted_and_logged(flags, logged, caplog, monkeypatch):
     import logging
-    from moeserve import engine_args
-    monkeypatch.setattr(engine_args, "_LOGGED_NOTES", set())
+    from moeserve import vllm_values
+    monkeypatch.setattr(vllm_values, "_LOGGED_NOTES", set())
     base = _configs([])
     with caplog.at_level(logging.INFO, logger="moeserve"):
         objs = _configs(flags)

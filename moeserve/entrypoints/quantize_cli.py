@@ -7,7 +7,7 @@ import sys
 import time
 
 from moeserve.help_format import HelpFormatter
-from moeserve.engine_args import _parse_size
+from moeserve.engine_flags import _parse_size
 
 
 def register(sub) -> None:
