@@ -1,7 +1,6 @@
 """Dispatchers over real gloo process groups (2 ranks) against LocalDispatcher, plus their byte counts."""
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moeserve.config import ParallelConfig
 from moeserve.distributed import comm
@@ -9,6 +8,7 @@ from moeserve.distributed.parallel_state import destroy_distributed, get_ep_grou
 from moeserve.layers.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalDispatcher
 from moeserve.layers.moe.experts import FusedExperts
 from moeserve.layers.moe.placement import ExpertMap, LayerPlacement, default_map
+from tests.distributed.gloo import spawn_ranks
 
 E, H, I, K = 8, 16, 8, 2
 TOKENS = {0: 5, 1: 0}  # rank 1 has no tokens at all: it still joins every collective
@@ -78,11 +78,7 @@ def rank_main(rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    from moeserve.engine.launch import free_port
-    with mp.Manager() as m:
-        shared = m.dict()
-        mp.spawn(rank_main, args=(free_port(), shared), nprocs=2)
-        return dict(shared)
+    return spawn_ranks(rank_main, 2)
 
 
 @pytest.mark.parametrize("case", CASES)

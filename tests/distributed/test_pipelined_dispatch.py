@@ -3,7 +3,6 @@ transfers in flight, over real gloo ranks: the result of the unchunked dispatche
 with empty chunks, one row and rows not divisible by K; the engine's greedy tokens of one process."""
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import ConfigError, ParallelConfig
@@ -12,6 +11,7 @@ from moeserve.distributed.parallel_state import destroy_distributed, get_ep_grou
 from moeserve.layers.moe.dispatch import Int8PayloadCodec, LocalDispatcher, PipelinedDispatcher, make_dispatcher
 from moeserve.layers.moe.placement import ExpertMap, LayerPlacement, default_map
 from tests.distributed.test_dispatch import E, H, K, full_experts, local_experts
+from tests.distributed.gloo import greedy_tokens, spawn_ranks
 
 ROWS = {0: [5, 1, 0], 1: [0, 7, 3]}  # per case: rank 0's and rank 1's tokens (one row, none, 7 for K = 3)
 CASES = [(comm_, codec, k) for comm_ in ("alltoall", "allgather") for codec in ("bf16", "int8") for k in (2, 3, 4)]
@@ -55,11 +55,7 @@ def rank_main(rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    from moeserve.engine.launch import free_port
-    with mp.Manager() as m:
-        shared = m.dict()
-        mp.spawn(rank_main, args=(free_port(), shared), nprocs=2)
-        return dict(shared)
+    return spawn_ranks(rank_main, 2)
 
 
 @pytest.mark.parametrize("comm_,codec,k", CASES)
@@ -77,11 +73,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def generate(llm):
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-    finally:
-        if hasattr(llm, "shutdown"):
-            llm.shutdown()
+    return greedy_tokens(llm, PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("layout", [

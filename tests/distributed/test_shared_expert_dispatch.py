@@ -2,7 +2,6 @@
 rows in one dispatch give the single-process result, and the bytes each rank sends match the formula."""
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moeserve.config import ParallelConfig
 from moeserve.distributed import comm
@@ -12,6 +11,7 @@ from moeserve.layers.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher
 from moeserve.layers.moe.layer import SharedExpertsAsSlot
 from moeserve.layers.moe.placement import ExpertMap, LayerPlacement, default_map
 from tests.distributed.test_dispatch import E, H, I, K, full_experts, local_experts
+from tests.distributed.gloo import spawn_ranks
 
 WORLD, SHARED = 3, 1
 CASES = ("alltoall", "allgather", "alltoall-int8", "allgather-int8")
@@ -78,11 +78,7 @@ def rank_main(rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    from moeserve.engine.launch import free_port
-    with mp.Manager() as m:
-        shared = m.dict()
-        mp.spawn(rank_main, args=(free_port(), shared), nprocs=WORLD)
-        return dict(shared)
+    return spawn_ranks(rank_main, WORLD)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -4,7 +4,6 @@ its bytes per link class match the formula (inter-node: 1/L of the flat schedule
 tokens equal one process's."""
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import ConfigError, ParallelConfig
@@ -15,6 +14,7 @@ from moeserve.layers.moe.dispatch import AllGatherDispatcher, LocalDispatcher, m
 from moeserve.layers.moe.placement import ExpertMap, LayerPlacement, default_map
 from moeserve.perf.comm import hier_gather_bytes
 from tests.distributed.test_dispatch import E, H, K, full_experts, local_experts
+from tests.distributed.gloo import greedy_tokens, spawn_ranks
 
 WORLD, NODE = 4, 2
 TOKENS = {0: 5, 1: 0, 2: 3, 3: 4}  # rank 1 has no tokens: it still joins every collective
@@ -59,11 +59,7 @@ def rank_main(rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    from moeserve.engine.launch import free_port
-    with mp.Manager() as m:
-        shared = m.dict()
-        mp.spawn(rank_main, args=(free_port(), shared), nprocs=WORLD)
-        return dict(shared)
+    return spawn_ranks(rank_main, WORLD)
 
 
 def test_two_stage_gives_the_flat_result(results):
@@ -98,11 +94,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def generate(llm):
-    try:
-        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-    finally:
-        if hasattr(llm, "shutdown"):
-            llm.shutdown()
+    return greedy_tokens(llm, PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("extra", [dict(), dict(enable_dbo=True), dict(shared_expert_ranks=1, data_parallel_size=4,

@@ -2,7 +2,6 @@
 to the single-process INT8 result; about half the dispatch bytes of BF16; the engine end to end."""
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import ConfigError, ParallelConfig
@@ -13,6 +12,7 @@ from moeserve.layers.moe.dispatch import (AllGatherDispatcher, AllToAllDispatche
 from moeserve.layers.moe.experts import FusedExperts
 from moeserve.layers.moe.placement import ExpertMap, LayerPlacement, default_map
 from moeserve.layers.quant import Int8FusedExperts
+from tests.distributed.gloo import spawn_ranks
 
 E, H, I, K = 8, 64, 16, 2
 TOKENS = {0: 6, 1: 3}
@@ -66,11 +66,7 @@ def rank_main(rank: int, port: int, results) -> None:
 
 @pytest.fixture(scope="module")
 def results():
-    from moeserve.engine.launch import free_port
-    with mp.Manager() as m:
-        shared = m.dict()
-        mp.spawn(rank_main, args=(free_port(), shared), nprocs=2)
-        return dict(shared)
+    return spawn_ranks(rank_main, 2)
 
 
 @pytest.mark.parametrize("mode", ["alltoall", "allgather"])
