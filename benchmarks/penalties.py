@@ -26,44 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moeserve.sample import LogitsRows, apply_logits_processors  # noqa: E402
 from moeserve.sampling_params import SamplingParams  # noqa: E402
+# BASELINE: the per-request loop before the batched rewrite (moeserve/layers/sampler.py at commit c4fa556), kept
+# once as the spec in tests/sample/reference.py (its token-mask branch is skipped for these requests)
+from tests.sample.reference import old_apply_logits_processors  # noqa: E402
 
 
-# ---- BASELINE: the per-request implementation before the batched rewrite (moeserve/layers/sampler.py at
-# commit c4fa556), copied unchanged except for the names. Kept here only to be measured against. ----
-
-def old_apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> None:
-    r = 0
-    for req in rows:
-        p, n_rows, n_out = req.params, req.num_rows, len(req.output_ids)
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
-            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-            logits[r:r + n_rows, ids] += bias
-        short = min(n_rows, p.min_tokens - n_out)
-        if short > 0 and req.stop_ids:
-            ids = torch.tensor(sorted(t for t in req.stop_ids if t < logits.shape[-1]), dtype=torch.long,
-                               device=logits.device)
-            logits[r:r + short, ids] = float("-inf")
-        if p.has_penalties:
-            old_apply_penalties(logits[r:r + n_rows], req)
-        r += n_rows
-
-
-def old_apply_penalties(logits: torch.Tensor, req: LogitsRows) -> None:
-    p = req.params
-    generated = torch.tensor(req.output_ids + req.draft_ids, dtype=torch.long)
-    n_out = len(req.output_ids)
-    counts = torch.zeros(logits.shape, dtype=logits.dtype)
-    for j in range(logits.shape[0]):
-        counts[j].scatter_add_(0, generated[: n_out + j], torch.ones(n_out + j, dtype=logits.dtype))
-    if p.repetition_penalty != 1.0:
-        seen = counts > 0
-        seen[:, torch.tensor(req.prompt_ids, dtype=torch.long)] = True
-        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
-                                                   logits * p.repetition_penalty), logits))
-    logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-
-# ---- end of BASELINE ----
 
 
 def make_rows(batch: int, a: argparse.Namespace, g: torch.Generator) -> list[LogitsRows]:

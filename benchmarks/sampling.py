@@ -39,70 +39,26 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from moeserve.sampling_params import SamplingParams  # noqa: E402
+from tests.sample.reference import old_logprobs, old_sample  # noqa: E402
 
 CLOCK = time.thread_time
 
 
-# ---- BASELINE: the per-request sampler before moeserve/sample/ (moeserve/layers/sampler.py at commit
-# 22b2f4d: apply_filters, draw, Sampler.__call__ and Sampler.logprobs), copied unchanged except for the
-# names. Kept here only to be measured against. ----
-
-def old_apply_filters(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    logits = torch.where(torch.isinf(logits), logits, logits / p.temperature)
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = logits.topk(p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= p.top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if p.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return logits
-
-
-def old_draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
-        raise ValueError("not finite")
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class OldSampler:
+    """BASELINE: the per-request sampler before moeserve/sample/ (moeserve/layers/sampler.py at commit 22b2f4d),
+    whose code tests/sample/reference.py keeps as the spec the batched sampler reproduces; this is only its
+    call shape (tokens, and logprobs skipped when no request asked, as the old code did)."""
+
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits, params, generators, raw_logits=None, errors=None):
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, p in enumerate(params):
-            if not p.greedy:
-                try:
-                    tokens[i] = old_draw(old_apply_filters(logits[i], p).softmax(-1), generators[i] or self.generator)
-                except ValueError as e:
-                    if errors is None:
-                        raise
-                    errors[i], tokens[i] = str(e), 0
-        return tokens, self.logprobs(logits if raw_logits is None else raw_logits, params, tokens)
+    def __call__(self, logits, params, generators):
+        tokens = old_sample(logits, params, generators, self.generator)
+        wants = any(p.logprobs is not None for p in params)
+        return tokens, old_logprobs(logits, params, tokens) if wants else [None] * len(params)
 
-    @staticmethod
-    def logprobs(logits, params, tokens):
-        want = [p.logprobs is not None for p in params]
-        if not any(want):
-            return [None] * len(params)
-        logp = logits.log_softmax(dim=-1)
-        out = []
-        for i, p in enumerate(params):
-            if not want[i]:
-                out.append(None)
-                continue
-            top = logp[i].topk(min(p.logprobs, logp.shape[-1])) if p.logprobs else None
-            pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-            out.append((tokens[i], float(logp[i, tokens[i]]), pairs))
-        return out
-
-# ---- end of BASELINE ----
 
 
 MIX = [  # one request's parameters per row, cycling; a seed on 1 row in 8
