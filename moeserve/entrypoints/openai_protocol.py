@@ -309,11 +309,10 @@ class _SamplingFields(_Strict):
 
 def _structural_tag_format(rf: dict) -> dict:
     """vLLM's response_format {"type": "structural_tag", "triggers": [...], "structures": [{"begin", "schema",
-    "end"}]}. Its newer {"format": ...} shape is xgrammar's structural-tag language, which llguidance lacks."""
+    "end"}]}, or its newer {"format": ...} (xgrammar's structural-tag language: structured/struct_tag.py takes
+    the triggered tags of JSON schemas, which is what llguidance can express)."""
     if "format" in rf and "structures" not in rf:
-        raise APIError("response_format structural_tag with \"format\" (xgrammar's structural tags) is not supported; "
-                       "give \"triggers\": [...] and \"structures\": [{\"begin\", \"schema\", \"end\"}] instead",
-                       param="response_format")
+        return {"format": rf["format"]}
     if not isinstance(rf.get("triggers"), list) or not isinstance(rf.get("structures"), list):
         raise APIError("response_format structural_tag needs \"triggers\" (a list of strings) and \"structures\" "
                        "(a list of {\"begin\", \"schema\", \"end\"})", param="response_format")

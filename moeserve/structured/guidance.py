@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from moeserve.markers import partial_marker_len
-from moeserve.structured import json_keywords
+from moeserve.structured import json_keywords, struct_tag
 from moeserve.structured.errors import PatternError
 
 WIRE_MAGIC = b"LLG1\n"
@@ -116,10 +116,17 @@ def _json_grammar(schema) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
 
 
+def _legacy_tag(tag):
+    """vLLM's {"format": ...} structural tag as the legacy {triggers, structures} llguidance takes."""
+    if isinstance(tag, dict) and "format" in tag and "structures" not in tag:
+        return struct_tag.legacy(tag["format"])
+    return tag
+
+
 def _structural_tag(spec) -> str:
     import llguidance
     try:
-        tag = json.loads(spec) if isinstance(spec, str) else spec
+        tag = _legacy_tag(json.loads(spec) if isinstance(spec, str) else spec)
         triggers = tag["triggers"]
         tags = []
         for s in tag["structures"]:
@@ -172,6 +179,8 @@ def compile_grammar(p) -> GuidanceGrammar:
     except Exception as e:  # noqa: BLE001 - llguidance's converters raise ValueError and friends
         raise PatternError(f"{type(e).__name__}: {e}") from None
     err = llguidance.LLMatcher.validate_grammar(g, None, limits=limits())
+    if not err and (p.regex is not None or p.grammar is not None):
+        err = _matches_nothing(g, p.describe())
     took = time.perf_counter() - t0
     if err:
         raise PatternError(f"the {p.describe()} is too large: {err}" if "limit" in err.lower() else
@@ -182,15 +191,26 @@ def compile_grammar(p) -> GuidanceGrammar:
     return GuidanceGrammar(g)
 
 
+def _matches_nothing(grammar: str, what: str) -> str:
+    """An error when the grammar matches no text at all (`[^\\s\\S]`): llguidance's matcher fails at its start,
+    which the engine would only find per request."""
+    import llguidance
+    m = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=limits())
+    if not m.is_error() and (any(m.compute_bitmask()) or m.is_accepting()) and not m.is_error():
+        return ""
+    first = m.get_error().splitlines()[0] if m.get_error() else ""
+    return f"the {what} matches no text" + (f" ({first})" if first and first != "NoExtensionBias" else "")
+
+
 def _schemas(p) -> list[tuple[str, object]]:
     """The JSON schemas in a spec, with where they are (for error messages)."""
     if p.json is not None:
         return [("", p.json)]
     if p.structural_tag is not None:
         try:
-            tag = json.loads(p.structural_tag)
+            tag = _legacy_tag(json.loads(p.structural_tag))
             return [(f"structures[{i}].schema ", s.get("schema")) for i, s in enumerate(tag.get("structures", []))]
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError):  # PatternError included
             return []
     return []
 
@@ -199,7 +219,7 @@ _ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": " \\t\\n\\r\\f\\v"}
 
 
 def ascii_classes(regex: str) -> str:
-    """\\d \\w \\s (and \\D \\W \\S outside brackets) as ASCII classes: Rust's regex syntax, which
+    """\\d \\w \\s and \\D \\W \\S as ASCII classes: Rust's regex syntax, which
     llguidance reads, makes them Unicode; JSON Schema's ECMA-262 and Python's re with re.ASCII read them as
     ASCII ([0-9], not every script's digits)."""
     out, i, depth, groups = [], 0, 0, 0
@@ -207,9 +227,9 @@ def ascii_classes(regex: str) -> str:
         c = regex[i]
         if c == "\\" and i + 1 < len(regex):
             e = regex[i + 1]
-            if e.lower() in _ASCII_CLASSES and (depth == 0 or e.islower()):
+            if e.lower() in _ASCII_CLASSES:  # inside brackets \D is a nested class: Rust takes [a[^0-9]]
                 cls = _ASCII_CLASSES[e.lower()]
-                out.append(cls if depth else f"[{'' if e.islower() else '^'}{cls}]")
+                out.append(cls if depth and e.islower() else f"[{'' if e.islower() else '^'}{cls}]")
             else:
                 out.append(regex[i:i + 2])
             i += 2

@@ -111,10 +111,17 @@ TAG = {"type": "structural_tag", "triggers": ["e"], "structures": [{"begin": "e=
     "type": "object", "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 5}}, "required": ["n"]}}]}
 
 
-def test_chat_response_format_structural_tag(openai_server, model):
+# the same as vLLM's newer shape (xgrammar's structural-tag language, the part llguidance can express)
+TAG_FORMAT = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["e"], "tags": [
+    {"type": "tag", "begin": "e=", "end": ";", "content": {"type": "json_schema",
+                                                          "json_schema": TAG["structures"][0]["schema"]}}]}}
+
+
+@pytest.mark.parametrize("rf", [TAG, TAG_FORMAT], ids=["triggers-structures", "format"])
+def test_chat_response_format_structural_tag(openai_server, model, rf):
     r = httpx.post(f"{openai_server.base_url}/chat/completions", timeout=60, json={
         "model": model, "messages": MESSAGES, "max_tokens": 60, "temperature": 1.0, "seed": 3, "n": 4,
-        "response_format": TAG})
+        "response_format": rf})
     assert r.status_code == 200, r.text
     sections = 0
     for c in r.json()["choices"]:
@@ -130,8 +137,8 @@ def test_chat_response_format_structural_tag(openai_server, model):
 
 
 @pytest.mark.parametrize("rf,words", [
-    ({"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": []}},
-     "\"format\" (xgrammar's structural tags) is not supported; give \"triggers\""),
+    ({"type": "structural_tag", "format": {"type": "sequence", "elements": []}},
+     "structural_tag format type 'sequence': only \"format\": {\"type\": \"triggered_tags\""),
     ({"type": "structural_tag", "structures": []}, "needs \"triggers\""),
     ({**TAG, "triggers": ["<g"]}, "starts with none of the triggers"),
     ({"type": "structural_tag", "triggers": ["<f"], "structures": [{"begin": "<f>", "end": "</f>", "schema": {

@@ -172,6 +172,22 @@ def test_structural_tag_masks_only_inside_the_tag(tok, manager):
     assert {p.removeprefix(b" ") for p in got} - {b""} == {b"2", b"3", b"4", b"5"} and b"  " not in got, got
 
 
+def test_structural_tag_format_is_the_legacy_tag():
+    """vLLM's newer {"format": triggered_tags of JSON schemas} is the same grammar as the legacy shape; what has
+    no llguidance equivalent is refused naming it."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    legacy = {"triggers": ["<f"], "structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}]}
+    fmt = {"format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+        {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</f>"}]}}
+    assert compile_params(SO(structural_tag=fmt)).grammar == compile_params(SO(structural_tag=legacy)).grammar
+    for bad, words in (({"type": "sequence", "elements": []}, "format type 'sequence'"),
+                       ({**fmt["format"], "at_least_one": True}, "'at_least_one' is not supported"),
+                       ({**fmt["format"], "tags": [{"begin": "<f>", "content": {"type": "regex", "pattern": "a"},
+                                                    "end": "</f>"}]}, "tags[0]: only")):
+        with pytest.raises(SamplingParamsError, match=re.escape(words)):
+            SamplingParams(structured_outputs=SO(structural_tag={"format": bad}))
+
+
 def test_structural_tag_through_the_engine(llm):
     tag = {"triggers": ["<f>"], "structures": [{"begin": "<f>", "end": "</f>", "schema": {
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 5}}, "required": ["n"]}}]}

@@ -11,8 +11,8 @@ from moeserve.structured.params import StructuredOutputsParams as SO, compile_pa
 PATTERNS = [r"a|b+c*", r"(ab|a)*b?", r"[a-c]{2,4}x", r"\d+(\.\d+)?", r"[^ab]*", r"(?:a|bc){0,3}$", r"^x.y",
             r"[\w-]+@[a-z]+\.com", r"é+|ü?", r"[α-ω]{1,2}", r"\u00e9\x41", r"(a|)+", r"a{3}", r"[-a]b", r"[a-]b",
             r"[]a]", r"\S\s\W", r"(?P<word>[a-c]+)\.", r"a{2,}?b", r"[^\n]+", r"(é|α|1){1,3}-", r"a|b$", r"[\d.é]+",
-            r".{0,2}", r"^ab$|^c$", r"(?i)a", r"a++"]
-ALPHABET = "abcx.y1-@éüαβω Aé\n{"
+            r".{0,2}", r"^ab$|^c$", r"(?i)a", r"a++", r"[\D]+", r"[a\S]{1,3}", r"[\W\d]+"]
+ALPHABET = "abcx.y1-@éüαβω Aé\n{١\u00a0"  # with a non-ASCII digit and space: \d \s are ASCII
 
 
 def fullmatch(pattern: str, text: str) -> bool:
@@ -39,6 +39,7 @@ def test_a_character_split_across_tokens_is_a_live_prefix():
     # Python reads \012 as octal and a{,3} as a{0,3}; JSON Schema reads a{,3} as text: refused, never guessed
     (r"\012", "backreferences"), (r"a{,3}", "valid decimal"), (r"\Aa\Z", "unrecognized escape"),
     ("(" * 51 + "a" + ")" * 51, "nested more than 50"),
+    (r"[^\s\S]", "the regex matches no text"), (r"a[^\s\S]", "matches no text"),
 ])
 def test_refusals_say_what(pattern, words):
     with pytest.raises(PatternError, match=re.escape(words)):
