@@ -3,7 +3,6 @@ form, refusals, and through the real engine (numeric bounds, Lark and GBNF gramm
 real server (openai's .parse() and LangChain of pydantic models with bounded fields). Masks against
 independent oracles: test_token_masks.py."""
 import json
-import random
 import re
 
 import jsonschema
@@ -14,7 +13,7 @@ from pydantic import BaseModel, Field
 from moeserve import LLM, SamplingParams
 from moeserve.sampling_params import SamplingParamsError
 from moeserve.structured.grammar import StructuredOutputManager, token_bytes
-from moeserve.structured.guidance import GuidanceGrammar, GuidanceMatcher, ascii_classes
+from moeserve.structured.guidance import GuidanceGrammar, ascii_classes
 from moeserve.structured.params import StructuredOutputsParams as SO, compile_params
 from tests.checkpoints import tokenizer as tiny_tokenizer
 from tests.structured.oracle import json_prefix, regex_prefix
