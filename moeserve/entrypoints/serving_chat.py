@@ -5,6 +5,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from moeserve.chat_template import ChatTemplateError, render, resolve_template
+from moeserve.entrypoints.chat_events import ChoiceDelta, ChoiceStarted, Failed, Usage
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest
 from moeserve.entrypoints.reasoning import THINK_END, StreamedReasoning, split_reasoning, thinks
 from moeserve.entrypoints.serving import Serving, sse
@@ -43,7 +44,9 @@ class ChatServing(Serving):
         self.check_text_size(size, "messages", "messages")
         return size
 
-    async def create(self, req: ChatCompletionRequest, raw: Request):
+    async def create(self, req: ChatCompletionRequest, raw: Request, encode=None):
+        """The chat answer: JSON, or a stream of the typed events written by encode(events) (default: chat
+        completion chunks; /v1/responses and /v1/messages pass their own)."""
         self.check_model(req.model)
         req.check()
         mode = req.tool_mode(self.auto_tools)
@@ -58,8 +61,10 @@ class ChatServing(Serving):
         children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream, req)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:
+            encode = encode or (lambda events: self._chat_sse(req, rid, created, events))
+
             def chunks(first, events, n):
-                return self._chunks(req, rid, created, first, events, n, len(ids), children, mode, think)
+                return encode(self._events(req, first, events, n, len(ids), children, mode, think))
             return await self.stream(children, raw, chunks)
         await self.collect(children, raw)
         choices = []
@@ -122,9 +127,8 @@ class ChatServing(Serving):
         """vLLM's: --response-role for a generation prompt, else the role of the message being continued."""
         return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
-    async def _chunks(self, req, rid, created, first, events, n, num_prompt, children, mode=None, think=False):
-        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
-        usage_null = {"usage": None} if self.include_usage(req) else {}
+    async def _events(self, req, first, events, n, num_prompt, children, mode=None, think=False):
+        """The merged children's engine deltas as typed chat events (chat_events.py)."""
         started: set[int] = set()
         # Tool modes: "named"/"required" outputs are JSON that becomes calls, sent when the choice ends;
         # "auto" streams content until DeepSeek's call marker, then holds the rest for the parser.
@@ -133,16 +137,13 @@ class ChatServing(Serving):
         thinking: dict[int, StreamedReasoning] = {}  # --reasoning-parser: text up to </think> is reasoning
         async for child, delta in self.merged(first, events, n):
             if isinstance(delta, Exception):
-                yield self.error_event(delta)
-                break
-            if child.index not in started:  # the first chunk of each choice carries the role
-                # ... and the response's first chunk the prompt_logprobs (a choice's first delta has them)
+                yield Failed(delta)
+                return
+            if child.index not in started:  # the response's first choice carries the prompt_logprobs
                 prompt = self._prompt_field(req, child) if not started else {}
                 started.add(child.index)
-                role = {"index": child.index, "delta": {"role": self.role(req), "content": ""},
-                        "logprobs": None, "finish_reason": None}
-                yield sse({**head, "choices": [role], **prompt, **usage_null})
-            text, out, reasoning = delta.text, {}, ""
+                yield ChoiceStarted(child.index, self.role(req), prompt)
+            text, calls, reasoning = delta.text, None, ""
             if think:
                 split = thinking.setdefault(child.index, StreamedReasoning())
                 reasoning, text = split.push(text)
@@ -155,33 +156,52 @@ class ChatServing(Serving):
                 text = auto.setdefault(child.index, StreamedContent()).push(text)
             finish = delta.finish_reason if delta.finished else None
             if delta.finished and mode is not None:
-                text, out, finish = self._final_delta(req, mode, child.index, held, auto, text, finish)
-            if text:
-                out = {"content": text, **out}
-            if reasoning:
-                out = {"reasoning_content": reasoning, **out}
-            choice = {"index": child.index, "delta": out,
-                      "logprobs": self._logprobs(delta.logprobs, self.as_token_ids(req)) if req.logprobs else None,
-                      "finish_reason": finish}
-            if delta.finished:
-                choice["stop_reason"] = delta.stop_reason
-            yield sse({**head, "choices": [choice], **usage_null})
-        else:
-            if self.include_usage(req):
-                yield sse({**head, "choices": [], "usage": self.usage(num_prompt, children)})
+                text, calls, finish = self._final_delta(req, mode, child.index, held, auto, text, finish)
+            yield ChoiceDelta(child.index, text, reasoning, calls, delta.logprobs if req.logprobs else None,
+                              delta.finished, finish, delta.stop_reason if delta.finished else None)
+        yield Usage(self.usage(num_prompt, children))
+
+    async def _chat_sse(self, req, rid: str, created: int, events):
+        """Typed chat events -> chat.completion.chunk SSE, [DONE] last."""
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        usage_null = {"usage": None} if self.include_usage(req) else {}
+        async for e in events:
+            if isinstance(e, Failed):
+                yield self.error_event(e.error)
+                break
+            if isinstance(e, ChoiceStarted):  # the first chunk of each choice carries the role
+                role = {"index": e.index, "delta": {"role": e.role, "content": ""}, "logprobs": None,
+                        "finish_reason": None}
+                yield sse({**head, "choices": [role], **e.prompt_logprobs, **usage_null})
+            elif isinstance(e, ChoiceDelta):
+                out = {}
+                if e.reasoning:
+                    out["reasoning_content"] = e.reasoning
+                if e.content:
+                    out["content"] = e.content
+                if e.tool_calls:
+                    out["tool_calls"] = e.tool_calls
+                choice = {"index": e.index, "delta": out,
+                          "logprobs": self._logprobs(e.logprobs, self.as_token_ids(req)) if req.logprobs else None,
+                          "finish_reason": e.finish_reason}
+                if e.finished:
+                    choice["stop_reason"] = e.stop_reason
+                yield sse({**head, "choices": [choice], **usage_null})
+            elif isinstance(e, Usage) and self.include_usage(req):
+                yield sse({**head, "choices": [], "usage": e.usage})
         yield "data: [DONE]\n\n"
 
     def _final_delta(self, req, mode, index, held, auto, text, finish):
-        """(content still to send, {"tool_calls": ...} or {}, finish_reason) when a tool-mode choice ends."""
+        """(content still to send, the tool_calls delta entries or None, finish_reason) when a tool-mode choice
+        ends."""
         if mode == "auto":
             rest, calls = auto.setdefault(index, StreamedContent()).finish()
             text += rest
             if not calls:
-                return text, {}, finish
-            return text, {"tool_calls": [c.to_openai(i) for i, c in enumerate(calls)]}, \
-                "tool_calls" if finish == "stop" else finish
+                return text, None, finish
+            return text, [c.to_openai(i) for i, c in enumerate(calls)], "tool_calls" if finish == "stop" else finish
         message, finish = self._message(req, mode, held.pop(index, ""), finish)
         calls = message.get("tool_calls")
         if not calls:
-            return message["content"] or "", {}, finish
-        return "", {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish
+            return message["content"] or "", None, finish
+        return "", [{"index": i, **c} for i, c in enumerate(calls)], finish

@@ -13,9 +13,11 @@ import logging
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from moeserve.entrypoints.chat_events import ChoiceDelta, Failed, Usage
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, chat_request_from
+from moeserve.entrypoints.serving import engine_error
 
 SERVED = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
           "tools", "tool_choice", "metadata", "chat_template_kwargs", "thinking"}
@@ -148,12 +150,10 @@ class MessagesServing:
     async def create(self, body: dict, raw: Request):
         req = to_chat_request(body)
         mid = f"msg_{uuid.uuid4().hex}"
-        answer = await self.chat.create(req, raw)
+        answer = await self.chat.create(req, raw, encode=lambda events: self._events(mid, events))
         if not req.stream:
             return JSONResponse(self._message(mid, json.loads(answer.body)))
-        if not isinstance(answer, StreamingResponse):
-            return answer
-        return StreamingResponse(self._events(mid, answer.body_iterator), media_type="text/event-stream")
+        return answer  # the Messages events, or an error found before the first token
 
     async def count_tokens(self, body: dict) -> JSONResponse:
         """Anthropic's messages.count_tokens (as vLLM serves it): the prompt tokens the message would take,
@@ -178,7 +178,8 @@ class MessagesServing:
                 "stop_reason": reason, "stop_sequence": seq,
                 "usage": {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"]}}
 
-    async def _events(self, mid: str, chunks):
+    async def _events(self, mid: str, events):
+        """Typed chat events (chat_events.py) -> Anthropic Messages events."""
         def event(kind: str, **data) -> str:
             return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
@@ -187,48 +188,44 @@ class MessagesServing:
                                               "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}})
         index, open_kind, reason, seq, usage = -1, None, "end_turn", None, {"output_tokens": 0}
         tool_used = False
-        async for raw in chunks:
-            line = raw.strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                yield event("error", error={"type": "api_error", "message": chunk["error"].get("message", "")})
+        async for e in events:
+            if isinstance(e, Failed):
+                error = engine_error(e.error).body()["error"]
+                yield event("error", error={"type": "api_error", "message": error.get("message", "")})
                 return
-            if chunk.get("usage"):
-                usage = {"input_tokens": chunk["usage"]["prompt_tokens"],
-                         "output_tokens": chunk["usage"]["completion_tokens"]}
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta") or {}
-                if delta.get("reasoning_content"):
-                    if open_kind != "thinking":
-                        if open_kind is not None:
-                            yield event("content_block_stop", index=index)
-                        index, open_kind = index + 1, "thinking"
-                        yield event("content_block_start", index=index,
-                                    content_block={"type": "thinking", "thinking": "", "signature": ""})
-                    yield event("content_block_delta", index=index,
-                                delta={"type": "thinking_delta", "thinking": delta["reasoning_content"]})
-                if delta.get("content"):
-                    if open_kind != "text":
-                        if open_kind is not None:
-                            yield event("content_block_stop", index=index)
-                        index, open_kind = index + 1, "text"
-                        yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
-                    yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": delta["content"]})
-                for call in delta.get("tool_calls") or []:
-                    tool_used = True
+            if isinstance(e, Usage):
+                usage = {"input_tokens": e.usage["prompt_tokens"], "output_tokens": e.usage["completion_tokens"]}
+            if not isinstance(e, ChoiceDelta):
+                continue
+            if e.reasoning:
+                if open_kind != "thinking":
                     if open_kind is not None:
                         yield event("content_block_stop", index=index)
-                        open_kind = None
-                    index += 1
-                    yield event("content_block_start", index=index, content_block={
-                        "type": "tool_use", "id": call.get("id"), "name": call["function"]["name"], "input": {}})
-                    yield event("content_block_delta", index=index, delta={
-                        "type": "input_json_delta", "partial_json": call["function"]["arguments"]})
+                    index, open_kind = index + 1, "thinking"
+                    yield event("content_block_start", index=index,
+                                content_block={"type": "thinking", "thinking": "", "signature": ""})
+                yield event("content_block_delta", index=index,
+                            delta={"type": "thinking_delta", "thinking": e.reasoning})
+            if e.content:
+                if open_kind != "text":
+                    if open_kind is not None:
+                        yield event("content_block_stop", index=index)
+                    index, open_kind = index + 1, "text"
+                    yield event("content_block_start", index=index, content_block={"type": "text", "text": ""})
+                yield event("content_block_delta", index=index, delta={"type": "text_delta", "text": e.content})
+            for call in e.tool_calls or []:
+                tool_used = True
+                if open_kind is not None:
                     yield event("content_block_stop", index=index)
-                if choice.get("finish_reason"):
-                    reason, seq = _stop(choice, tool_used)
+                    open_kind = None
+                index += 1
+                yield event("content_block_start", index=index, content_block={
+                    "type": "tool_use", "id": call.get("id"), "name": call["function"]["name"], "input": {}})
+                yield event("content_block_delta", index=index, delta={
+                    "type": "input_json_delta", "partial_json": call["function"]["arguments"]})
+                yield event("content_block_stop", index=index)
+            if e.finish_reason:
+                reason, seq = _stop({"finish_reason": e.finish_reason, "stop_reason": e.stop_reason}, tool_used)
         if open_kind is not None:
             yield event("content_block_stop", index=index)
         yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq}, usage=usage)

@@ -4,7 +4,7 @@ A request becomes a ChatCompletionRequest (instructions -> a system message, inp
 function tools -> chat tools, text.format -> response_format, max_output_tokens -> max_tokens), runs
 through ChatServing (templates, tool parsing, reasoning, structured output are the same code), and the
 chat answer becomes a Response object: reasoning, message and function_call output items. Streaming
-translates the chat chunks into the Responses events (response.created, response.output_item.added,
+writes the chat handler's typed events (chat_events.py) as the Responses events (response.created, response.output_item.added,
 response.output_text.delta, response.function_call_arguments.done, response.completed, ...) as they come.
 Stored responses (store, previous_response_id, background) are not kept: those are refused with a 400.
 """
@@ -15,9 +15,11 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
+from moeserve.entrypoints.chat_events import ChoiceDelta, Failed, Usage
 from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, chat_request_from
+from moeserve.entrypoints.serving import engine_error
 
 SERVED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
           "parallel_tool_calls", "stream", "text", "metadata", "user", "store", "truncation", "include",
@@ -145,13 +147,10 @@ class ResponsesServing:
         if req.n != 1:
             raise APIError("/v1/responses answers one output", param="n")
         rid, created = _ids("resp"), int(time.time())
-        answer = await self.chat.create(req, raw)
+        answer = await self.chat.create(req, raw, encode=lambda events: self._events(body, rid, created, events))
         if not req.stream:
             return JSONResponse(self._response(body, rid, created, json.loads(answer.body)))
-        if not isinstance(answer, StreamingResponse):
-            return answer  # an error found before the first token
-        return StreamingResponse(self._events(body, rid, created, answer.body_iterator),
-                                 media_type="text/event-stream")
+        return answer  # the Responses events, or an error found before the first token
 
     def _base(self, body: dict, rid: str, created: int, status: str) -> dict:
         return {"id": rid, "object": "response", "created_at": created, "status": status, "error": None,
@@ -206,8 +205,8 @@ class ResponsesServing:
         resp["usage"] = self._usage(chat.get("usage"))
         return resp
 
-    async def _events(self, body: dict, rid: str, created: int, chunks):
-        """Chat SSE chunks -> Responses events."""
+    async def _events(self, body: dict, rid: str, created: int, events):
+        """Typed chat events (chat_events.py) -> Responses events."""
         seq = iter(range(1 << 62))
         resp = self._base(body, rid, created, "in_progress")
 
@@ -234,56 +233,53 @@ class ResponsesServing:
             item["status"] = "completed"
             yield event("response.output_item.done", output_index=idx, item=item)
 
-        async for raw in chunks:
-            line = raw.strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: "):])
-            if "error" in chunk:
-                code = "server_shutdown" if chunk["error"].get("code") == "server_shutdown" else "server_error"
-                resp["status"], resp["error"] = "failed", {"code": code, "message": chunk["error"].get("message", "")}
+        async for e in events:
+            if isinstance(e, Failed):
+                error = engine_error(e.error).body()["error"]
+                code = "server_shutdown" if error.get("code") == "server_shutdown" else "server_error"
+                resp["status"], resp["error"] = "failed", {"code": code, "message": error.get("message", "")}
                 yield event("response.failed", response=resp)
                 return
-            if chunk.get("usage"):
-                resp["usage"] = self._usage(chunk["usage"])
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta") or {}
-                for kind, text in (("reasoning", delta.get("reasoning_content")), ("message", delta.get("content"))):
-                    if not text:
-                        continue
-                    if kind == "message" and "reasoning" in open_items:
-                        for e in close("reasoning"):
-                            yield e
-                    if kind not in open_items:
-                        item = self._message_item("", "in_progress") if kind == "message" else \
-                            {**self._reasoning_item(""), "status": "in_progress"}
-                        open_items[kind] = (len(resp["output"]), item)
-                        resp["output"].append(item)
-                        yield event("response.output_item.added", output_index=open_items[kind][0],
-                                    item={**item, "content": []})
-                        yield event("response.content_part.added", item_id=item["id"],
-                                    output_index=open_items[kind][0], content_index=0, part=dict(item["content"][0]))
-                    idx, item = open_items[kind]
-                    item["content"][0]["text"] += text
-                    name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-                    extra = {"logprobs": []} if kind == "message" else {}
-                    yield event(name, item_id=item["id"], output_index=idx, content_index=0, delta=text, **extra)
-                for call in delta.get("tool_calls") or []:
-                    for kind in list(open_items):
-                        for e in close(kind):
-                            yield e
-                    item = self._call_item(call)
-                    idx = len(resp["output"])
+            if isinstance(e, Usage):
+                resp["usage"] = self._usage(e.usage)
+            if not isinstance(e, ChoiceDelta):
+                continue
+            for kind, text in (("reasoning", e.reasoning), ("message", e.content)):
+                if not text:
+                    continue
+                if kind == "message" and "reasoning" in open_items:
+                    for done in close("reasoning"):
+                        yield done
+                if kind not in open_items:
+                    item = self._message_item("", "in_progress") if kind == "message" else \
+                        {**self._reasoning_item(""), "status": "in_progress"}
+                    open_items[kind] = (len(resp["output"]), item)
                     resp["output"].append(item)
-                    yield event("response.output_item.added", output_index=idx,
-                                item={**item, "arguments": "", "status": "in_progress"})
-                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
-                                delta=item["arguments"])
-                    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
-                                arguments=item["arguments"], name=item["name"])
-                    yield event("response.output_item.done", output_index=idx, item=item)
-                if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
+                    yield event("response.output_item.added", output_index=open_items[kind][0],
+                                item={**item, "content": []})
+                    yield event("response.content_part.added", item_id=item["id"],
+                                output_index=open_items[kind][0], content_index=0, part=dict(item["content"][0]))
+                idx, item = open_items[kind]
+                item["content"][0]["text"] += text
+                name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+                extra = {"logprobs": []} if kind == "message" else {}
+                yield event(name, item_id=item["id"], output_index=idx, content_index=0, delta=text, **extra)
+            for call in e.tool_calls or []:
+                for kind in list(open_items):
+                    for done in close(kind):
+                        yield done
+                item = self._call_item(call)
+                idx = len(resp["output"])
+                resp["output"].append(item)
+                yield event("response.output_item.added", output_index=idx,
+                            item={**item, "arguments": "", "status": "in_progress"})
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                            arguments=item["arguments"], name=item["name"])
+                yield event("response.output_item.done", output_index=idx, item=item)
+            if e.finish_reason:
+                finish = e.finish_reason
         for kind in list(open_items):
             for e in close(kind):
                 yield e
