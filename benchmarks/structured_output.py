@@ -82,7 +82,7 @@ class _Guidance:
 
     def __init__(self, pieces):
         import llguidance
-        from moeserve.structured.guidance import GuidanceVocab
+        from moeserve.structured.matcher import GuidanceVocab
 
         class Wrap:
             eos_token_id, bos_token_id, special_token_ids = len(pieces) - 1, None, [len(pieces) - 1]
@@ -103,14 +103,14 @@ class _Guidance:
         return compile_grammar(StructuredOutputsParams(json=schema))
 
     def matcher(self, compiled):
-        from moeserve.structured.guidance import GuidanceMatcher
+        from moeserve.structured.matcher import GuidanceMatcher
         m = GuidanceMatcher(self.vocab, compiled)
         row = lambda out: m.row_masks(out, [], [self.eos])[0]  # noqa: E731
         row.gm = m
         return row
 
     def step(self, ms, outs):  # as apply_grammar_masks: the batch's first rows on llguidance's thread pool
-        from moeserve.structured.guidance import prefetch_masks
+        from moeserve.structured.matcher import prefetch_masks
         if len(ms) > 1:
             prefetch_masks([(m.gm, o) for m, o in zip(ms, outs)])
         return [m(o) for m, o in zip(ms, outs)]

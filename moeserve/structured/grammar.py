@@ -1,5 +1,5 @@
 """The engine's side of structured output: the vocabulary's bytes, one llguidance matcher per request
-(structured/guidance.py) and the batch's masks applied to the logits rows (MTP drafts included).
+(structured/matcher.py) and the batch's masks applied to the logits rows (MTP drafts included).
 
 The grammar arrives checked with the request (EngineCoreRequest.structured_dfa); the engine builds llguidance's
 matcher from it once per grammar and copies it per request. Stop tokens (EOS, stop_token_ids) are allowed only
@@ -58,7 +58,7 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[tuple], errors: dict[in
     """In place: logits [sum rows, V]; rows = (matcher or None, output_ids, draft_ids, end_ids, fallback_ids)
     per request (see GuidanceMatcher.row_masks). A request whose mask fails gets its message in errors[i]
     (its rows are left as they were; without errors the exception propagates)."""
-    from moeserve.structured.guidance import prefetch_masks
+    from moeserve.structured.matcher import prefetch_masks
     guided = [(m, out) for m, out, *_ in rows if m is not None]
     if len(guided) > 1:
         try:
@@ -113,7 +113,7 @@ class StructuredOutputManager:
         """The request's GuidanceMatcher; compiled: what the builder sent (GuidanceGrammar.to_bytes), loaded
         when this spec is not held here (without it the spec is compiled, which only processes that may
         compile do)."""
-        from moeserve.structured import guidance
+        from moeserve.structured import guidance, matcher
         key = params.key
         held = self._checked.get(key)
         if held is None or compiled is not None and held.to_bytes() != compiled:
@@ -124,6 +124,6 @@ class StructuredOutputManager:
             self._checked.popitem(last=False)
         if self._guidance is None:
             tok = self.tokenizer()
-            self._guidance = guidance.GuidanceVocab.from_hf(tok, token_bytes(tok, self.vocab_size))
-        return guidance.GuidanceMatcher(self._guidance, held,
-                                        params.after.encode("utf-8") if params.after else None)
+            self._guidance = matcher.GuidanceVocab.from_hf(tok, token_bytes(tok, self.vocab_size))
+        return matcher.GuidanceMatcher(self._guidance, held,
+                                       params.after.encode("utf-8") if params.after else None)
