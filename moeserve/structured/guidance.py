@@ -183,11 +183,12 @@ def compile_grammar(p) -> GuidanceGrammar:
 
 
 def _matches_nothing(grammar: str, what: str) -> str:
-    """An error when the grammar matches no text at all (`[^\\s\\S]`): llguidance's matcher fails at its start,
-    which the engine would only find per request."""
+    """An error when the grammar matches no text at all (`[^\\s\\S]`): llguidance's matcher fails on its first
+    mask (not before), which the engine would only find per request."""
     import llguidance
     m = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0, limits=limits())
-    if not m.is_error() and (any(m.compute_bitmask()) or m.is_accepting()) and not m.is_error():
+    allowed = not m.is_error() and any(m.compute_bitmask())  # a byte, or the end (bit 256)
+    if allowed and not m.is_error():
         return ""
     first = m.get_error().splitlines()[0] if m.get_error() else ""
     return f"the {what} matches no text" + (f" ({first})" if first and first != "NoExtensionBias" else "")
