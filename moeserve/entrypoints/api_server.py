@@ -1,4 +1,6 @@
-"""One API-server process: FastAPI app with the OpenAI endpoints, talking to the engine core over ZMQ.
+"""One API-server process: the FastAPI app (one module of routes per API: routes_openai.py, routes_anthropic.py,
+routes_ops.py; one guard, one engine-alive dependency, one set of error handlers), talking to the engine
+core over ZMQ.
 
 Several of these run side by side (--api-server-count), all accepting on the one listening socket the
 launcher bound (the kernel hands each connection to one of them), each with its own tokenizer and
@@ -13,25 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import socket
-import time
 import uuid
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeserve.config import ServerConfig
 from moeserve.entrypoints.engine_client import EngineClient
 from moeserve.entrypoints.http_guard import RequestGuard
-from moeserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, TokenizeRequest, parse_json,
-                                                  validation_error)
+from moeserve.entrypoints.openai_protocol import APIError
+from moeserve.entrypoints.routes_anthropic import PREFIX as ANTHROPIC_PREFIX
+from moeserve.entrypoints.routes_anthropic import add_anthropic_routes
+from moeserve.entrypoints.routes_openai import add_openai_routes
+from moeserve.entrypoints.routes_ops import add_ops_routes
 from moeserve.entrypoints.serving import ClientDisconnected, end_grace_period
 from moeserve.entrypoints.serving_chat import ChatServing
 from moeserve.entrypoints.serving_completion import CompletionServing
@@ -72,16 +73,6 @@ def listen_socket(host: str, port: int) -> socket.socket:
         raise
     sock.setblocking(False)
     return sock
-
-
-def _json_body(model, defs: dict) -> dict:
-    """openapi_extra documenting a request body the handler parses itself (it reads raw bytes, for errors in
-    OpenAI's shape); the model's nested schemas go to components."""
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs.update(schema.pop("$defs", {}))
-    defs[model.__name__] = schema
-    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
 
 
 # vLLM's http_* metrics come from prometheus-fastapi-instrumentator on every route but these
@@ -148,7 +139,7 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
                   redoc_url=None, openapi_url="/openapi.json" if docs else None)
     _add_error_handlers(app, metrics)
     _add_schemas(app)
-    # Added before add_vllm_routes' CORS middleware, so CORS wraps it (a browser can read a 401 or 413).
+    # Added before the CORS middleware, so CORS wraps it (a browser can read a 401 or 413).
     app.add_middleware(RequestGuard, router=app.router, api_key=cfg.api_key,
                        max_body=cfg.max_request_body_size, on_error=metrics.http_error if metrics else None)
     _http_metrics(app, spec.index)
@@ -159,104 +150,23 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
         serving.tokens_as_ids = cfg.return_tokens_as_token_ids
         serving.prompt_details = cfg.enable_prompt_tokens_details
     chat.response_role = cfg.response_role
-    defs = app.state.body_schemas
     completions.model_aliases = chat.model_aliases = cfg.served_model_aliases
 
-    def check_engine() -> None:
+    def engine_alive() -> None:  # the dependency of every route that needs the engine
         if not client.healthy:
             raise APIError(f"the engine is not available ({client.dead_reason})", 503, code="engine_dead")
 
-    from moeserve.entrypoints.vllm_routes import add_vllm_routes
-    add_vllm_routes(app, spec, client, chat, check_engine)
-
-    @app.get("/health")
-    async def health():
-        """200 while the engine serves; 503 while it is gone (restarting) or hung (--engine-stall-timeout)."""
-        check_engine()
-        stalled = client.stall_reason()
-        if stalled:
-            raise APIError(f"the engine is not making progress: {stalled}", 503, code="engine_stalled")
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version():
-        from moeserve.version import __version__
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def metrics_endpoint():
-        from prometheus_client import CONTENT_TYPE_LATEST
-        from moeserve.entrypoints.metrics import render
-        return Response(render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": int(time.time()),
-                                            "owned_by": "moeserve", "root": spec.model_path,
-                                            "max_model_len": spec.max_model_len} for n in cfg.served_model_names]}
-
-    @app.post("/kv_transfer/release", openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": {"type": "object"}}}}})
-    async def release_kv(raw: Request):
-        """PD: free the KV a prefill answer said it holds, because no decode instance will pull it (the proxy
-        calls this when the decode instance refused the request or was unreachable). An abort of the
-        prefill's request id: the engine frees held blocks and ignores ids it holds nothing for. Only a
-        signed prefill answer of this deployment names what to free (disagg/trust.py)."""
-        from moeserve.disagg.params import KVTransferParamsError, held_request_id
-        check_engine()
-        if spec.kv_role not in ("kv_producer", "kv_both"):
-            raise APIError("this server holds no KV for decode instances: start it with --kv-transfer-config "
-                           "'{\"kv_connector\": \"nixl\", \"kv_role\": \"kv_producer\"}'", param="kv_transfer_params")
-        try:
-            rid = held_request_id(parse_json(await raw.body()), spec.kv_secret)
-        except KVTransferParamsError as e:
-            raise APIError(str(e), param="kv_transfer_params") from None
-        client.abort_nowait([rid])
-        return {"released": rid}
-
-    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest, defs))
-    async def create_completion(raw: Request):
-        check_engine()
-        return await completions.create(_parse(CompletionRequest, await raw.body()), raw)
-
-    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest, defs))
-    async def create_chat_completion(raw: Request):
-        check_engine()
-        return await chat.create(_parse(ChatCompletionRequest, await raw.body()), raw)
-
-    # vLLM's token endpoints: what the server would feed the engine, without running it.
-    @app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest, defs))
-    async def tokenize(raw: Request):
-        req = _parse(TokenizeRequest, await raw.body())
-        chat.check_model(req.model)
-        req.check()
-        if req.messages is not None:
-            size = chat.check_messages_size(req.messages)
-            ids = await chat.off_loop(chat.render_messages, req.messages, req.add_generation_prompt, size=size)
-        else:
-            chat.check_text_size(len(req.prompt))
-            ids = await chat.off_loop(functools.partial(tokenizer.encode, add_special_tokens=req.add_special_tokens),
-                                      req.prompt, size=len(req.prompt))
-        return {"count": len(ids), "max_model_len": spec.max_model_len, "tokens": ids}
-
-    @app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest, defs))
-    async def detokenize(raw: Request):
-        req = _parse(DetokenizeRequest, await raw.body())
-        chat.check_model(req.model)
-        try:
-            chat.check_token_ids(req.tokens)
-        except APIError as e:
-            raise APIError(str(e).replace("prompt token id", "token id"), param="tokens") from None
-        return {"prompt": await chat.off_loop(tokenizer.decode, req.tokens)}
-
+    if cfg.allowed_origins:  # CORS headers only when --allowed-origins names origins (vLLM sends `*` by default)
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.allowed_origins),
+                           allow_methods=list(cfg.allowed_methods), allow_headers=list(cfg.allowed_headers),
+                           allow_credentials=cfg.allow_credentials)
+    # One module per API, each adding its routes to this app (not include_router: FastAPI 0.165 nests an
+    # included router as one route, and the guard and its test enumerate the app's own routes).
+    add_openai_routes(app, spec, tokenizer, completions, chat, engine_alive, app.state.body_schemas)
+    add_anthropic_routes(app, chat, engine_alive)
+    add_ops_routes(app, spec, client, engine_alive)
     return app
-
-
-def _parse(model, body: bytes):
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise validation_error(e) from None
 
 
 def _add_schemas(app: FastAPI) -> None:
@@ -281,7 +191,7 @@ def _add_error_handlers(app: FastAPI, metrics) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        if "/v1/messages" in request.url.path:  # Anthropic's shape, as vLLM serves it there
+        if request.url.path.startswith(ANTHROPIC_PREFIX):  # Anthropic's shape, as vLLM serves it there
             body = {"type": "error", "error": {"type": e.body()["error"]["type"], "message": e.message}}
             return answer(e.status, body, e.headers)
         return answer(e.status, e.body(), e.headers)

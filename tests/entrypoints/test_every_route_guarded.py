@@ -133,3 +133,49 @@ def test_every_proxy_route_needs_the_key_and_every_post_the_body_limit():
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+# The routes that hand work to the engine (or report on it): with the engine gone each answers 503
+# engine_dead from the one engine-alive dependency; every other route still answers without it.
+ENGINE_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/health", "/ping",
+                 "/reset_prefix_cache", "/kv_transfer/release"}
+
+
+def test_every_engine_route_answers_503_while_the_engine_is_gone(ckpt_dir):
+    """The app as build_app makes it, in process (starlette's TestClient, no lifespan: no engine is started),
+    with its engine client in the state a dead core leaves it in."""
+    from starlette.testclient import TestClient
+
+    from moeserve.entrypoints.api_server import ApiServerSpec, build_app
+    from moeserve.entrypoints.engine_client import EngineClient
+    from moeserve.tokenizer import load_tokenizer
+
+    ckpt = ckpt_dir("v3")
+    spec = ApiServerSpec(index=0, server=ServerConfig(served_model_name="m"),
+                         engine_address="ipc:///nonexistent-moeserve-alive-test", model_path=ckpt,
+                         tokenizer_path=ckpt, eos_token_ids=[1], max_model_len=256)
+    tokenizer = load_tokenizer(ckpt)
+    client = EngineClient(spec.engine_address, tokenizer, [1])
+    try:
+        app = build_app(spec, tokenizer, client, None)
+        client.dead_reason = "the engine core exited (test)"
+        http = TestClient(app)
+        bodies = {"/v1/completions": {"model": "m", "prompt": "hi", "max_tokens": 2},
+                  "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                  "/v1/responses": {"model": "m", "input": "hi"},
+                  "/v1/messages": {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                  "/tokenize": {"model": "m", "prompt": "hi"}, "/detokenize": {"model": "m", "tokens": [5]},
+                  "/v1/messages/count_tokens": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+        table = routes(app)
+        assert ENGINE_ROUTES <= {path for _, path in table}
+        for method, path in table:
+            r = http.request(method, path, json=bodies.get(path, {}))
+            if path in ENGINE_ROUTES:
+                assert r.status_code == 503, (method, path, r.text)
+                error = r.json()["error"]  # Anthropic's shape under /v1/messages: no code
+                assert error.get("code", "engine_dead") == "engine_dead", (method, path, r.text)
+                assert "the engine core exited (test)" in error["message"], (method, path, r.text)
+            else:
+                assert r.status_code != 503, (method, path, r.text)
+    finally:
+        asyncio.run(client.close())
