@@ -16,7 +16,7 @@ from moeserve.arch import DeepseekArch
 from moeserve.outputs import CompletionOutput, Metric, RequestOutput, logprob_dict
 from moeserve.protocol import EngineCoreRequest
 from moeserve.sampling_params import SamplingParams
-from moeserve.structured.params import structured_dfa
+from moeserve.structured.params import structured_grammar
 from moeserve.generation_defaults import default_sampling, read_generation_config
 from moeserve.tokenizer import eos_token_ids, load_tokenizer
 
@@ -131,7 +131,7 @@ class LLM:
                 children[cid] = (ro, i)
                 processor.add(cid, child, len(ids))
                 pending.append(EngineCoreRequest(cid, ids, child, self.eos_token_ids,
-                                                 structured_dfa=structured_dfa(child)))
+                                                 structured_grammar=structured_grammar(child)))
         try:
             for req in pending:
                 self.engine.add_request(req)

@@ -19,9 +19,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     slo_tpot_ms: float | None = None
     priority: int = 0  # --scheduling-policy priority: lower runs first (vLLM's)
     cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
-    # sampling_params.structured_outputs compiled (structured/automaton.py DFA.to_bytes): the builder (API
-    # server, LLM) compiles, so the engine's loop never does
-    structured_dfa: bytes | None = None
+    # sampling_params.structured_outputs as the checked llguidance grammar (structured/guidance.py): the
+    # builder (API server, LLM) checks it, so the engine's loop never compiles a spec
+    structured_grammar: bytes | None = None
     # A request resumed after an engine restart (entrypoints/engine_client.py): the tokens it generated
     # before. They follow the prompt and count as output (max_tokens, min_tokens, penalties, grammar, the
     # seed's position), so it continues exactly where it stopped; its KV is recomputed like a preemption's.

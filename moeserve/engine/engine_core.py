@@ -74,7 +74,7 @@ class EngineCore:
                                       "(SLO-aware admission); omit them on this server")
             if req.sampling_params.structured_outputs is not None:
                 request.grammar = self._structured().matcher(req.sampling_params.structured_outputs,
-                                                             req.structured_dfa)
+                                                             req.structured_grammar)
             if req.kv_transfer_params is not None and self._add_disaggregated(request, req.kv_transfer_params):
                 return
             self.scheduler.add_request(request)

@@ -49,7 +49,7 @@ class Request:
     priority: int = 0  # --scheduling-policy priority: lower values are admitted first
     cache_salt: str | None = None  # prefix-cache blocks are shared only among requests with the same salt
     first_scheduled_time: float | None = None  # time.monotonic() of its first step (queue-time metric)
-    grammar: object = None  # structured output: a structured.grammar.GrammarMatcher, set by the engine core
+    grammar: object = None  # structured output: a structured.matcher.GuidanceMatcher, set by the engine core
     slo_ttft_ms: float | None = None  # this request's targets (engine/slo.py); None: the engine's default
     slo_tpot_ms: float | None = None
 

@@ -33,7 +33,7 @@ from moeserve.protocol import (MSG_ABORT, MSG_ADD, MSG_FATAL, MSG_GOODBYE, MSG_H
                                EngineCoreHello, EngineCoreOutputs, EngineCoreReady, EngineCoreRequest,
                                EngineCoreUtility, EngineCoreUtilityResult, EngineStats)
 from moeserve.sampling_params import SamplingParams
-from moeserve.structured.params import structured_dfa
+from moeserve.structured.params import structured_grammar
 
 logger = logging.getLogger("moeserve.api")
 
@@ -319,7 +319,7 @@ class EngineClient:
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),
                                     kv_transfer_params, *slo_ms, priority=priority, cache_salt=cache_salt,
-                                    structured_dfa=structured_dfa(params))
+                                    structured_grammar=structured_grammar(params))
             st.request = req
             try:
                 await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])

@@ -1,7 +1,7 @@
 """The engine's side of structured output: the vocabulary's bytes, one llguidance matcher per request
 (structured/matcher.py) and the batch's masks applied to the logits rows (MTP drafts included).
 
-The grammar arrives checked with the request (EngineCoreRequest.structured_dfa); the engine builds llguidance's
+The grammar arrives checked with the request (EngineCoreRequest.structured_grammar); the engine builds llguidance's
 matcher from it once per grammar and copies it per request. Stop tokens (EOS, stop_token_ids) are allowed only
 where the output so far matches the whole pattern.
 """

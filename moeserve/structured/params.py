@@ -4,7 +4,7 @@ Exactly one of: `json` (a JSON Schema, dict or JSON text), `regex`, `choice` (a 
 `json_object` (any JSON object, OpenAI's response_format json_object), `grammar` (Lark or GBNF / EBNF),
 `structural_tag` (vLLM's {triggers, structures}). The spec is checked as an llguidance grammar
 (structured/guidance.py), which needs no tokenizer, so the API server compiles to validate (a bad spec is a
-400 there) and sends the result with the request (structured_dfa); engine processes never compile.
+400 there) and sends the result with the request (structured_grammar); engine processes never compile.
 """
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 _cache: "OrderedDict[tuple, GuidanceGrammar]" = OrderedDict()
 _lock = Lock()  # the API server compiles from several request handlers
-_compile_here = True  # False in engine processes: grammars arrive checked (EngineCoreRequest.structured_dfa)
+_compile_here = True  # False in engine processes: grammars arrive checked (EngineCoreRequest.structured_grammar)
 
 
 def compile_in_this_process(allowed: bool) -> None:
@@ -115,14 +115,14 @@ def compile_params(p: StructuredOutputsParams) -> "GuidanceGrammar":
         return held[1]
     if not _compile_here:
         raise PatternError("structured outputs are not compiled in an engine process; the request must carry "
-                           "its checked grammar (EngineCoreRequest.structured_dfa)")
+                           "its checked grammar (EngineCoreRequest.structured_grammar)")
     grammar = _compile_cached(p, key)
     p.__dict__["_compiled"] = (key, grammar)  # not a field: never encoded, compared or copied by replace()
     return grammar
 
 
-def structured_dfa(sampling_params) -> bytes | None:
-    """EngineCoreRequest.structured_dfa of a SamplingParams (the field keeps its old name): its structured
+def structured_grammar(sampling_params) -> bytes | None:
+    """EngineCoreRequest.structured_grammar of a SamplingParams (the field keeps its old name): its structured
     output's checked grammar as bytes (compiled when the params were built; serialised once per grammar), None
     without one."""
     so = sampling_params.structured_outputs

@@ -15,7 +15,7 @@ from moeserve.structured import params as so_params
 from moeserve.structured.errors import PatternError
 from moeserve.structured.guidance import GuidanceGrammar
 from moeserve.structured.params import StructuredOutputsParams as SO
-from moeserve.structured.params import compile_params, structured_dfa
+from moeserve.structured.params import compile_params, structured_grammar
 
 ENUM = [f"value-{i}" for i in range(1000)]
 SCHEMA = {"type": "object", "properties": {"k": {"enum": ENUM}}, "required": ["k"]}
@@ -43,7 +43,7 @@ def wire(req: EngineCoreRequest) -> bytes:
 
 def test_the_engine_loads_the_sent_grammar_and_never_compiles(llm):
     params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=SO(json=SCHEMA))  # compiles here
-    sent = wire(EngineCoreRequest("big", [5, 17, 99], params, [1], structured_dfa=structured_dfa(params)))
+    sent = wire(EngineCoreRequest("big", [5, 17, 99], params, [1], structured_grammar=structured_grammar(params)))
     other = SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(regex="[ab]{3}"))
     bare = wire(EngineCoreRequest("bare", [5, 17, 99], other, [1]))  # a builder that did not send it
     again = wire(EngineCoreRequest("again", [5, 18], params, [1]))  # the engine holds this spec already
@@ -75,7 +75,7 @@ def test_round_trip_and_damaged_grammars_are_refused(llm):
             GuidanceGrammar.from_bytes(bad)
     params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(regex=r"[a-f]{2,4}-\d"))
     llm.engine.structured = None
-    got = run(llm.engine, [EngineCoreRequest("damaged", [5, 6], params, [1], structured_dfa=data[:-3]),
+    got = run(llm.engine, [EngineCoreRequest("damaged", [5, 6], params, [1], structured_grammar=data[:-3]),
                            EngineCoreRequest("fine", [5, 6], SamplingParams(temperature=0, max_tokens=4), [1])])
     assert got["damaged"][0] == [] and got["damaged"][1], got["damaged"]
     assert got["fine"][1] is None and len(got["fine"][0]) == 4

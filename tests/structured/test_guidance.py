@@ -303,7 +303,7 @@ def test_a_damaged_grammar_fails_its_request_alone(ckpt_dir):
     small = LLM(ckpt_dir("v3"), max_model_len=256, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=SO(grammar='start: "a" /[0-9]+/'))
     damaged = b"LLG1\n" + 'start: "a" ( /[0-9]+/'.encode()  # what no API server sends: the engine's llguidance refuses
-    got = run(small.engine, [EngineCoreRequest("damaged", [5, 6], params, [1], structured_dfa=damaged),
+    got = run(small.engine, [EngineCoreRequest("damaged", [5, 6], params, [1], structured_grammar=damaged),
                              EngineCoreRequest("fine", [5, 6], SamplingParams(temperature=0, max_tokens=4), [1])])
     assert got["damaged"][0] == [] and "Expected token ')'" in got["damaged"][1], got["damaged"]
     assert got["fine"][1] is None and len(got["fine"][0]) == 4
