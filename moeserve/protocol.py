@@ -127,7 +127,7 @@ def add_spec_stats(total: EngineStats, s: EngineStats) -> None:
         setattr(total, f, [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))])
 
 
-# ---- engine-core process <-> API server processes (ZMQ ROUTER/DEALER, see entrypoints/engine_core_proc.py) ----
+# ---- engine-core process <-> API server processes (ZMQ ROUTER/DEALER, see engine/engine_core_proc.py) ----
 # Every ZMQ message is two frames: [kind, msgpack payload]. Kinds below; payload struct named beside.
 MSG_HELLO = b"H"  # client -> core: EngineCoreHello;  core -> client: EngineCoreReady
 MSG_ADD = b"A"  # client -> core: EngineCoreRequest

@@ -21,7 +21,7 @@ from moeserve.bench.metrics import LATENCIES, compute, latency_series
 from moeserve.bench.spec_metrics import cache_figures, scrape, slo_figures, spec_figures
 from moeserve.bench.request import RequestResult, send
 
-STATS_SETTLE_S = 0.6  # a little over two engine stats heartbeats (entrypoints/engine_core_proc.py HEARTBEAT_S)
+STATS_SETTLE_S = 0.6  # a little over two engine stats heartbeats (engine/engine_core_proc.py HEARTBEAT_S)
 
 
 async def _arrivals(n: int, rate: float, rng: random.Random, burstiness: float = 1.0):

@@ -83,7 +83,7 @@ def _params_text(params: SamplingParams) -> str:
 
 def admission_reason(out) -> str | None:
     """The queue bound (vllm:admission_rejections' reason) an engine-core refusal names, if it is one."""
-    from moeserve.entrypoints.engine_core_proc import ADMISSION_FLAGS
+    from moeserve.engine.engine_core_proc import ADMISSION_FLAGS
     if out.error_kind != "overloaded" or not out.error:
         return None
     return next((reason for reason, flag in ADMISSION_FLAGS.items() if flag in out.error), None)

@@ -40,7 +40,7 @@ from moeserve.config import ServerConfig
 
 from moeserve.engine_args import EngineArgs
 from moeserve.entrypoints.api_server import GRACE_BACKSTOP_S, ApiServerSpec, listen_socket, run_api_server
-from moeserve.entrypoints.engine_core_proc import run_engine_core
+from moeserve.engine.engine_core_proc import run_engine_core
 
 logger = logging.getLogger("moeserve.serve")
 

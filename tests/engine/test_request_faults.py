@@ -151,7 +151,7 @@ def test_a_request_the_engine_process_cannot_decode_is_answered(llm, tmp_path):
     import msgspec
     import zmq
 
-    from moeserve.entrypoints.engine_core_proc import EngineCoreProc
+    from moeserve.engine.engine_core_proc import EngineCoreProc
     from moeserve.protocol import MSG_ADD, MSG_OUTPUTS, EngineCoreOutputs
 
     address = f"ipc://{tmp_path}/core"

@@ -24,7 +24,7 @@ import zmq
 
 from moeserve import LLM
 from moeserve.entrypoints.engine_client import EngineClient
-from moeserve.entrypoints.engine_core_proc import HEARTBEAT_S, EngineCoreProc
+from moeserve.engine.engine_core_proc import HEARTBEAT_S, EngineCoreProc
 from moeserve.protocol import MSG_HELLO, EngineCoreHello
 from moeserve.sampling_params import SamplingParams
 from moeserve.tokenizer import load_tokenizer
