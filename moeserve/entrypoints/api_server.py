@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moeserve.config import ServerConfig
 from moeserve.entrypoints.engine_client import EngineClient
 from moeserve.entrypoints.http_guard import RequestGuard
-from moeserve.entrypoints.openai_protocol import APIError
+from moeserve.entrypoints.errors import APIError
 from moeserve.entrypoints.routes_anthropic import PREFIX as ANTHROPIC_PREFIX
 from moeserve.entrypoints.routes_anthropic import add_anthropic_routes
 from moeserve.entrypoints.routes_openai import add_openai_routes

@@ -17,7 +17,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.routing import Match, Router
 
-from moeserve.entrypoints.openai_protocol import APIError
+from moeserve.entrypoints.errors import APIError
 
 # Probes and docs: load balancers, Prometheus and SageMaker (/ping, GET or POST) ask them without a key.
 PROBES = frozenset({"/health", "/ping", "/load", "/version", "/metrics", "/docs", "/openapi.json"})

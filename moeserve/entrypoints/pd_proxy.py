@@ -46,7 +46,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from moeserve.config import DEFAULT_MAX_REQUEST_BODY
 from moeserve.disagg import trust
 from moeserve.entrypoints.http_guard import RequestGuard
-from moeserve.entrypoints.openai_protocol import APIError, parse_json
+from moeserve.entrypoints.errors import APIError
+from moeserve.entrypoints.openai_protocol import parse_json
 from moeserve.prefix_memory import PrefixMemory
 
 logger = logging.getLogger("moeserve.proxy")

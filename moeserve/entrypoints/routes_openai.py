@@ -14,8 +14,9 @@ import time
 from fastapi import Depends, FastAPI, Request
 from pydantic import ValidationError
 
-from moeserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                  DetokenizeRequest, TokenizeRequest, parse_json, validation_error)
+from moeserve.entrypoints.errors import APIError, validation_error
+from moeserve.entrypoints.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                  TokenizeRequest, parse_json)
 from moeserve.entrypoints.serving_responses import ResponsesServing
 
 

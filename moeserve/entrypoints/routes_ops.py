@@ -8,7 +8,8 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from moeserve.entrypoints.openai_protocol import APIError, parse_json
+from moeserve.entrypoints.errors import APIError
+from moeserve.entrypoints.openai_protocol import parse_json
 from moeserve.version import __version__
 
 

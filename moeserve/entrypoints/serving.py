@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from moeserve.engine.output_processor import Delta
 from moeserve.entrypoints.engine_client import EngineClient, EngineDeadError, EngineRequestError
-from moeserve.entrypoints.openai_protocol import APIError
+from moeserve.entrypoints.errors import APIError
 from moeserve.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.25

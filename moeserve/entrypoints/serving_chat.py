@@ -6,7 +6,8 @@ from fastapi.responses import JSONResponse
 
 from moeserve.chat_template import ChatTemplateError, render, resolve_template
 from moeserve.entrypoints.chat_events import ChoiceDelta, ChoiceStarted, Failed, Usage
-from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest
+from moeserve.entrypoints.errors import APIError
+from moeserve.entrypoints.openai_protocol import ChatCompletionRequest
 from moeserve.entrypoints.reasoning import THINK_END, StreamedReasoning, split_reasoning, thinks
 from moeserve.entrypoints.serving import Serving, sse
 from moeserve.entrypoints.tool_calls import StreamedContent, ToolCall, parse_deepseek_v3, parse_required

@@ -7,7 +7,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from moeserve.engine.output_processor import complete_part
-from moeserve.entrypoints.openai_protocol import APIError, CompletionRequest
+from moeserve.entrypoints.errors import APIError
+from moeserve.entrypoints.openai_protocol import CompletionRequest
 from moeserve.entrypoints.serving import Child, Serving, sse
 
 

@@ -16,7 +16,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from moeserve.entrypoints.chat_events import ChoiceDelta, Failed, Usage
-from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, chat_request_from
+from moeserve.entrypoints.errors import APIError
+from moeserve.entrypoints.openai_protocol import ChatCompletionRequest, chat_request_from
 from moeserve.entrypoints.serving import engine_error
 
 SERVED = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",

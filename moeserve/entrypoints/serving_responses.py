@@ -18,7 +18,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from moeserve.entrypoints.chat_events import ChoiceDelta, Failed, Usage
-from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest, chat_request_from
+from moeserve.entrypoints.errors import APIError
+from moeserve.entrypoints.openai_protocol import ChatCompletionRequest, chat_request_from
 from moeserve.entrypoints.serving import engine_error
 
 SERVED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",

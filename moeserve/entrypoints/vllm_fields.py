@@ -42,7 +42,7 @@ DEFAULTS = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "return_tok
 
 def refuse_unserved(data, endpoint: str) -> None:
     """Raise APIError for the first vLLM field the raw request sets to something moeserve cannot serve."""
-    from moeserve.entrypoints.openai_protocol import APIError
+    from moeserve.entrypoints.errors import APIError
 
     if not isinstance(data, dict):
         return

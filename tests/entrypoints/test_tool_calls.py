@@ -66,7 +66,8 @@ def test_named_call_needs_text():
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}],
                          ids=["required", "named"])
 def test_tool_schemas_with_defs_and_bad_ones(choice):
-    from moeserve.entrypoints.openai_protocol import APIError, ChatCompletionRequest
+    from moeserve.entrypoints.errors import APIError
+    from moeserve.entrypoints.openai_protocol import ChatCompletionRequest
     from moeserve.structured.params import compile_params
 
     def params(parameters):
