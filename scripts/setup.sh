@@ -10,4 +10,4 @@ PYTHON=${PYTHON:-python3}
 if ! .venv/bin/python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==2.13.0" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
 fi
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[test,pd]"  # pd: NIXL, which the PD tests run over
