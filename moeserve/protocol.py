@@ -48,6 +48,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     kv_transfer_params: dict | None = None  # a finished do_remote_decode request: what a decode instance pulls
     queue_time: float = 0.0  # with a request's first tokens: seconds from its arrival in the engine to its first step
     retry_after_s: float | None = None  # an "overloaded" rejection: when a retry may succeed (Retry-After)
+    num_preemptions: int = 0  # with a request's last output: the times the scheduler preempted it
 
 
 class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -217,7 +217,8 @@ class EngineCore:
                 prompt_logprobs=[TokenLogprobsMsg(lp.token_id, lp.logprob, lp.top) for lp in req.prompt_logprobs]
                 if first and req.sampling_params.prompt_logprobs is not None else None,
                 kv_transfer_params=self.kv_transfer.export(req) if fin and req.hold_kv else None,
-                queue_time=_queue_time(req) if first else 0.0))
+                queue_time=_queue_time(req) if first else 0.0,
+                num_preemptions=req.num_preemptions if fin else 0))
             if fin:
                 self.runner.release(req.request_id)
         return outputs

@@ -70,6 +70,7 @@ class _Stream:
     num_tokens: int = 0
     num_cached: int = 0  # prompt tokens the prefix cache served (from the first output)
     queue_time: float = 0.0  # seconds in the engine's queue before the first step (from the first output)
+    num_preemptions: int = 0  # times the engine preempted it (from its last output)
     request: EngineCoreRequest | None = None  # as sent: what a resume sends again, with the tokens so far
     crashes: int = 0  # engine-core deaths in a row this request was in flight for
     lost_at: float | None = None  # perf_counter() when its core died, until the new core's first output
@@ -439,4 +440,5 @@ class EngineClient:
             self.metrics.itl.observe(now - st.last)
         st.last = now
         st.num_tokens += n
+        st.num_preemptions += out.num_preemptions
         return computed

@@ -172,6 +172,9 @@ class ServerMetrics:
         self.admission_rejections = {r: rejections.labels(model_name=model_name, reason=r) for r in ADMISSION_REASONS}
         self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens",
                                                "Histogram of maximum number of requested generation tokens.", tokens)
+        self.request_preemptions = histogram("vllm:request_num_preemptions",
+                                             "Histogram of the number of times a request was preempted.",
+                                             REQUEST_NUM_PREEMPTIONS_BUCKETS)
         self.spec = SpecDecodeMetrics(self._labels)
         # moeserve's own, beside vLLM's
         self.engine_alive = Gauge("moeserve:engine_alive", "1 while the engine core answers",
@@ -253,6 +256,7 @@ class ServerMetrics:
         self.out_len.observe(st.num_tokens)
         self.prompt_len.observe(st.prompt_len)
         self.phases["e2e"].observe(now - st.arrival)
+        self.request_preemptions.observe(st.num_preemptions)
         if st.first is None:  # aborted before its first token: it waited (or prefilled) all along
             return
         self.prefill_computed.observe(st.prompt_len - st.num_cached)

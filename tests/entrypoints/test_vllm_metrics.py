@@ -20,6 +20,7 @@ VLLM_METRICS = {
     "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_inference_time_seconds": "histogram", "vllm:request_prefill_time_seconds": "histogram",
     "vllm:request_decode_time_seconds": "histogram", "vllm:request_prefill_kv_computed_tokens": "histogram",
+    "vllm:request_num_preemptions": "histogram",
 }
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -203,3 +204,33 @@ def test_grafana_dashboard_queries_name_exported_metrics(openai_server, client, 
                     assert any(lbl in s.labels for n, s in samples.items() if n in expr), (lbl, expr)
     assert {"vllm:e2e_request_latency_seconds_bucket", "vllm:num_requests_waiting_by_reason",
             "vllm:request_max_num_generation_tokens_bucket"} <= named
+
+
+def test_request_num_preemptions_counts_each_requests_preemptions(ckpt_dir):
+    """A KV pool too small for four long requests at once: the scheduler preempts (by recompute); every
+    finished request lands in vllm:request_num_preemptions (vLLM's buckets), and the per-request counts add up
+    to the engine's vllm:num_preemptions."""
+    import concurrent.futures
+
+    from tests.entrypoints.server import ServerProcess
+
+    server = ServerProcess(ckpt_dir("v3"), "--num-gpu-blocks-override", "12", "--block-size", "16",
+                           "--max-model-len", "256", "--dtype", "float32", "--served-model-name", "m")
+    try:
+        def run(i: int) -> None:
+            r = httpx.post(server.base_url + "/completions", timeout=300, json={
+                "model": "m", "prompt": f"request {i} " + "word " * 30, "max_tokens": 100, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(run, range(4)))
+        fams = _families(server)
+        hist = fams["vllm:request_num_preemptions"]
+        assert hist.type == "histogram"
+        assert _buckets(hist) == [1, 2, 3, 4, 5, 10, 20]
+        assert _sum(hist, "_count") == 4
+        total = _sum(fams["vllm:num_preemptions"], "_total")
+        assert total > 0, "the pool was meant to force preemptions"
+        assert _sum(hist, "_sum") == total
+    finally:
+        server.stop()
