@@ -1,7 +1,7 @@
 """Clients of vLLM against moeserve (issue 33): reasoning_effort reaches the chat template as vLLM passes it
-(LiteLLM sends it), the anthropic client's forced tools end with stop_reason tool_use and its count_tokens
-works, /openapi.json renders without a FastAPI warning. One real server with a chat template that prints the
-variables it gets."""
+(from the openai client and from LiteLLM's vLLM and OpenAI providers), the anthropic client's forced tools end
+with stop_reason tool_use and its count_tokens works, /openapi.json renders without a FastAPI warning. One real
+server with a chat template that prints the variables it gets."""
 from __future__ import annotations
 
 import httpx
@@ -156,3 +156,16 @@ def test_anthropic_error_body(server, anthropic_client):
     # the OpenAI routes keep OpenAI's shape
     r = httpx.post(server.base_url + "/chat/completions", json={"model": "nope", "messages": MESSAGES}, timeout=30)
     assert "type" not in r.json() and r.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("provider", ["hosted_vllm", "openai"])
+def test_litellm_with_reasoning_effort(server, provider, monkeypatch):
+    """LiteLLM (its vLLM provider, and its plain OpenAI one) against moeserve as against vLLM: reasoning_effort
+    reaches the chat template and the reasoning comes back split off."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list at import
+    import litellm
+    r = litellm.completion(model=f"{provider}/m", api_base=server.base_url, api_key="none", messages=MESSAGES,
+                           max_tokens=2, reasoning_effort="medium", timeout=60, num_retries=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.choices[0].message.reasoning_content is not None
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == 2
