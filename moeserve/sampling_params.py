@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moeserve.markers import THINK_END
 from moeserve.structured.params import GuidedDecodingParams, StructuredOutputsParams
 
 __all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams", "GuidedDecodingParams"]
@@ -62,6 +63,11 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None  # bad_words tokenized (with_tokenizer fills it)
+    # vLLM's: at most this many tokens of thinking; then the end-of-thinking tokens are forced (the output
+    # starts inside the thinking section; thinking_end_token_ids: that section's end, e.g. "</think>" tokenized;
+    # with_tokenizer fills it, the chat server sets it only for a request that thinks)
+    thinking_token_budget: int | None = None
+    thinking_end_token_ids: list[int] | None = None
     detokenize: bool = True  # False: outputs carry token ids, no text (stop strings need text)
     output_kind: int = 0  # vLLM's RequestOutputKind: 0 CUMULATIVE (offline generate returns final outputs)
     extra_args: dict | None = None  # free-form data for custom processors; moeserve has none, so it must be empty
@@ -147,6 +153,15 @@ class SamplingParams:
             self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
             if not all(w and all(_is_int(t) and t >= 0 for t in w) for w in self.bad_words_token_ids):
                 raise SamplingParamsError("bad_words_token_ids must be non-empty lists of token ids", "bad_words")
+        if self.thinking_token_budget is not None and not (_is_int(self.thinking_token_budget)
+                                                           and 0 <= self.thinking_token_budget <= INT64_MAX):
+            raise SamplingParamsError("thinking_token_budget must be a non-negative integer, got "
+                                      f"{self.thinking_token_budget!r}", "thinking_token_budget")
+        if self.thinking_end_token_ids is not None:
+            self.thinking_end_token_ids = list(self.thinking_end_token_ids)
+            if not (self.thinking_end_token_ids and all(_is_int(t) and t >= 0 for t in self.thinking_end_token_ids)):
+                raise SamplingParamsError("thinking_end_token_ids must be a non-empty list of token ids",
+                                          "thinking_token_budget")
         if not isinstance(self.detokenize, bool):
             raise SamplingParamsError("detokenize must be True or False", "detokenize")
         if not self.detokenize and self.stop:
@@ -161,7 +176,13 @@ class SamplingParams:
 
     def with_tokenizer(self, tokenizer) -> "SamplingParams":
         """Fill bad_words_token_ids from bad_words as vLLM does: each word as written and with a leading
-        space (the form it takes mid-sentence), once each."""
+        space (the form it takes mid-sentence), once each; and thinking_end_token_ids ("</think>") for a
+        thinking_token_budget."""
+        if self.thinking_token_budget is not None and self.thinking_end_token_ids is None:
+            if tokenizer is None:
+                raise SamplingParamsError("thinking_token_budget needs a tokenizer (not skip_tokenizer_init)",
+                                          "thinking_token_budget")
+            self.thinking_end_token_ids = tokenizer.encode(THINK_END, add_special_tokens=False)
         if not self.bad_words or self.bad_words_token_ids is not None:
             return self
         if tokenizer is None:
@@ -177,7 +198,11 @@ class SamplingParams:
 
     @property
     def has_token_masks(self) -> bool:
-        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids) or self.has_thinking_budget
+
+    @property
+    def has_thinking_budget(self) -> bool:
+        return self.thinking_token_budget is not None and bool(self.thinking_end_token_ids)
 
     def _validate_structured_outputs(self) -> None:
         from moeserve.structured.params import compile_params, compiling_allowed

@@ -80,6 +80,7 @@ def chat_request_from(chat: dict, body: dict, passthrough: tuple[str, ...]) -> "
     except ValidationError as e:
         raise validation_error(e) from None
 
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -161,7 +162,7 @@ class _SamplingFields(_Strict):
     @classmethod
     def _refuse_unserved(cls, data):
         from moeserve.entrypoints.vllm_fields import refuse_unserved
-        refuse_unserved(data, cls.__name__)
+        refuse_unserved(data, cls.__name__, cls.model_fields)
         return data
 
     def check_vllm_extras(self) -> None:
@@ -245,6 +246,9 @@ class _SamplingFields(_Strict):
     def _keeps_special_tokens(self) -> bool:
         return False  # chat's auto tool choice: the parser reads the model's special-token markers
 
+    def _thinking_token_budget(self) -> int | None:
+        return None  # chat's (ChatCompletionRequest)
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
         """defaults: the server's --generation-config fields, for the ones this request leaves unset."""
@@ -261,6 +265,7 @@ class _SamplingFields(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self._logit_bias(),
                 skip_special_tokens=self.skip_special_tokens and not self._keeps_special_tokens(),
                 structured_outputs=structured, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                thinking_token_budget=self._thinking_token_budget(),
                 **{**{k: v for k, v in (defaults or {}).items() if k in kwargs},
                    **{k: v for k, v in kwargs.items() if v is not None}})
         except SamplingParamsError as e:
@@ -398,6 +403,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False  # the chat template writes BOS itself (vLLM's default)
     # OpenAI's (LiteLLM sends it): passed to the chat template as vLLM does, with enable_thinking = not "none"
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # vLLM's: at most this many thinking tokens, then "</think>" is forced (needs --reasoning-parser)
+    thinking_token_budget: int | None = Field(None, ge=0)
 
     def template_kwargs(self) -> dict | None:
         """The chat template's extra variables: chat_template_kwargs, and (vLLM's) reasoning_effort with
@@ -447,6 +454,9 @@ class ChatCompletionRequest(_SamplingFields):
             tool = next(t for t in tools if t["function"]["name"] == self.tool_choice.function.name)
             return [("tool_choice", {"json": function_parameters(tool)})]
         return [("tool_choice", {"json": required_schema(tools, self.parallel_tool_calls)})]
+
+    def _thinking_token_budget(self) -> int | None:
+        return self.thinking_token_budget
 
     def _keeps_special_tokens(self) -> bool:
         return bool(self.tools) and self.tool_choice in (None, "auto")

@@ -8,10 +8,9 @@
 """
 from __future__ import annotations
 
-from moeserve.markers import partial_marker_len
+from moeserve.markers import THINK_END, THINK_START, partial_marker_len
 
 REASONING_PARSERS = ("deepseek_r1", "deepseek_v3")
-THINK_START, THINK_END = "<think>", "</think>"
 
 
 def thinks(parser: str | None, chat_template_kwargs: dict | None) -> bool:

@@ -59,6 +59,7 @@ class ChatServing(Serving):
         params = await self.sampling_params(req, max_tokens, req.num_logprobs(), req.prompt_logprobs)
         if think and params.structured_outputs is not None:  # the pattern (or tool schema) starts after thinking
             params.structured_outputs.after = THINK_END
+        self._thinking_budget(params, think)
         children = self.make_children([ids], params, "chatcmpl", req.kv_transfer_params, req.stream, req)
         rid, created = children[0].request_id.rsplit("-", 2)[0], self.created()
         if req.stream:
@@ -84,6 +85,19 @@ class ChatServing(Serving):
                              "choices": choices, "usage": self.usage(len(ids), children),
                              **self._prompt_field(req, children[0]), **self.kv_transfer_field(children),
                              **({"prompt_token_ids": ids} if req.return_token_ids else {})})
+
+    def _thinking_budget(self, params, think: bool) -> None:
+        """thinking_token_budget (vLLM's): counted from the output's start, which is thinking when the reasoning
+        parser says so; a request that does not think has no thinking to bound."""
+        if params.thinking_token_budget is None:
+            return
+        if self.reasoning_parser is None:
+            raise APIError("thinking_token_budget needs a server started with --reasoning-parser (it bounds the "
+                           "reasoning that parser splits off)", param="thinking_token_budget")
+        if not think:
+            params.thinking_token_budget = None
+        else:
+            params.thinking_end_token_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
 
     def _prompt_field(self, req: ChatCompletionRequest, c) -> dict:
         """vLLM's chat answer carries prompt_logprobs at the top level: every choice has the same prompt."""

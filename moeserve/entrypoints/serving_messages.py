@@ -9,7 +9,6 @@ _delta / _stop, message_delta and message_stop events.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 
 from fastapi import Request
@@ -91,13 +90,13 @@ def _tools(body: dict) -> dict:
 
 # /v1/messages/count_tokens (Anthropic's messages.count_tokens): what it reads of a body
 COUNT_SERVED = {"model", "messages", "system", "tools", "tool_choice", "chat_template_kwargs", "thinking"}
-_log = logging.getLogger("moeserve.requests")
 
 
 def _thinking(body: dict) -> dict:
     """Anthropic's `thinking` as vLLM maps it: disabled -> reasoning_effort "none" (enable_thinking false for
-    the chat template); enabled (budget_tokens >= 1024) and adaptive are accepted, the budget is not enforced
-    (a DEBUG line says so). The reasoning a --reasoning-parser splits off comes back as thinking blocks."""
+    the chat template); enabled: budget_tokens (>= 1024) is the request's thinking_token_budget (needs
+    --reasoning-parser, as in vLLM); adaptive pins nothing. The reasoning a --reasoning-parser splits off comes
+    back as thinking blocks."""
     t = body.get("thinking")
     if t is None:
         return {}
@@ -110,7 +109,7 @@ def _thinking(body: dict) -> dict:
         budget = t.get("budget_tokens")
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1024:
             raise APIError("thinking.budget_tokens must be an integer >= 1024", param="thinking.budget_tokens")
-        _log.debug("thinking.budget_tokens %d is not enforced: thinking ends when the model ends it", budget)
+        return {"thinking_token_budget": budget}
     return {}
 
 

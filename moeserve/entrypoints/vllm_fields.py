@@ -24,7 +24,7 @@ REFUSED = {
     "routed_experts_prompt_start": "returning routed experts is not supported",
     "session_id": "sessions are not supported",
     "stream_interval": "streaming sends every engine step's tokens",
-    "thinking_token_budget": "a thinking-token budget is not supported; use max_tokens",
+    "thinking_token_budget": "thinking_token_budget is served on /v1/chat/completions (with --reasoning-parser)",
     "vllm_xargs": "vllm_xargs: moeserve has no custom logits processors to read them",
     "watermarking": "watermarking is not supported",
     "request_id": "caller-chosen request ids are not supported; the response's id names the request",
@@ -40,13 +40,16 @@ DEFAULTS = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "return_tok
             "return_prompt_text": (False,)}
 
 
-def refuse_unserved(data, endpoint: str) -> None:
-    """Raise APIError for the first vLLM field the raw request sets to something moeserve cannot serve."""
+def refuse_unserved(data, endpoint: str, served=()) -> None:
+    """Raise APIError for the first vLLM field the raw request sets to something moeserve cannot serve (served:
+    the endpoint's own fields, e.g. thinking_token_budget on chat, refused on completions)."""
     from moeserve.entrypoints.errors import APIError
 
     if not isinstance(data, dict):
         return
     for name, why in REFUSED.items():
+        if name in served:
+            continue
         value = data.get(name)
         if value is None or value in DEFAULTS.get(name, ()) or value in ([], {}, ""):
             continue

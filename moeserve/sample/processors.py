@@ -1,5 +1,5 @@
 """Logits processors, before the filters: OpenAI's logit_bias, vLLM's min_tokens, allowed_token_ids,
-bad_words and repetition / frequency / presence penalties, for a step's rows at once."""
+bad_words, thinking_token_budget and repetition / frequency / presence penalties, for a step's rows at once."""
 from __future__ import annotations
 
 import itertools
@@ -59,10 +59,17 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> Non
             for j in range(short):
                 masked_rows += [r + j] * len(ids)
                 masked_ids += ids
+        forced = [forced_end_of_thinking(p, req.output_ids + req.draft_ids[:j]) for j in range(n_rows)] \
+            if p.has_thinking_budget else [None] * n_rows
+        for j, token in enumerate(forced):  # the budget is spent: the end of thinking, whatever else allows
+            if token is not None and token < V:
+                allowed_rows.append(r + j)
+                allowed_ids.append([token])
         if p.allowed_token_ids is not None:
             ids = [t for t in p.allowed_token_ids if t < V]
-            allowed_rows += range(r, r + n_rows)
-            allowed_ids += [ids] * n_rows
+            free = [j for j in range(n_rows) if forced[j] is None]
+            allowed_rows += [r + j for j in free]
+            allowed_ids += [ids] * len(free)
         if p.bad_words_token_ids:  # a word's last token where the tokens before it end the output so far
             for j in range(n_rows):
                 seen = req.output_ids + req.draft_ids[:j]
@@ -89,6 +96,29 @@ def apply_logits_processors(logits: torch.Tensor, rows: list[LogitsRows]) -> Non
         logits[sel] = logits.index_select(0, sel).masked_fill(~keep, float("-inf"))
     if penalised:  # rows are disjoint: penalising after every request's bias and mask is the same order
         _apply_penalties(logits, penalised)
+
+
+def forced_end_of_thinking(p: SamplingParams, seen: list[int]) -> int | None:
+    """vLLM's thinking_token_budget: the token the next row must be, once the thinking section that opens the
+    output has used its budget and not ended (p.thinking_end_token_ids, possibly several tokens, forced one by
+    one); None while it may go on, or once it ended."""
+    end = p.thinking_end_token_ids
+    if _find(seen, end) >= 0:
+        return None
+    started = next((k for k in range(min(len(end) - 1, len(seen)), 0, -1) if seen[-k:] == end[:k]), 0)
+    return end[started] if len(seen) - started >= p.thinking_token_budget else None
+
+
+def _find(seen: list[int], seq: list[int]) -> int:
+    """Where seq first occurs in seen, or -1."""
+    i, n = -1, len(seq)
+    while True:  # list.index: the scan runs in C, not a Python loop per token
+        try:
+            i = seen.index(seq[0], i + 1)
+        except ValueError:
+            return -1
+        if seen[i:i + n] == seq:
+            return i
 
 
 def _long(xs: list[int], device) -> torch.Tensor:

@@ -169,3 +169,37 @@ def test_litellm_with_reasoning_effort(server, provider, monkeypatch):
     assert r.choices[0].finish_reason in ("length", "stop")
     assert r.choices[0].message.reasoning_content is not None
     assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens == 2
+
+
+def test_thinking_token_budget_ends_the_reasoning(server):
+    """vLLM's thinking_token_budget: after that many thinking tokens the server forces "</think>"; the
+    reasoning the parser splits off is those tokens, the answer follows. A request that does not think is not
+    bounded (nothing to bound)."""
+    end = httpx.post(server.url + "/tokenize", json={"model": "m", "prompt": "</think>", "add_special_tokens": False},
+                     timeout=30).json()["tokens"]
+    for budget in (0, 3):
+        r = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
+            "model": "m", "messages": MESSAGES, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "thinking_token_budget": budget,
+            "chat_template_kwargs": {"thinking": True}})
+        assert r.status_code == 200, r.text
+        ids = r.json()["choices"][0]["token_ids"]
+        at = next(k for k in range(len(ids)) if ids[k:k + len(end)] == end)
+        assert at <= budget, (budget, ids, end)
+        message = r.json()["choices"][0]["message"]
+        assert message["content"]  # the answer after the forced end
+        assert (message["reasoning_content"] or "") == httpx.post(server.url + "/detokenize", timeout=30, json={
+            "model": "m", "tokens": ids[:at]}).json()["prompt"]
+    r = httpx.post(server.base_url + "/chat/completions", timeout=60, json={
+        "model": "m", "messages": MESSAGES, "max_tokens": 4, "thinking_token_budget": -1})
+    assert r.status_code == 400 and "thinking_token_budget" in r.text
+
+
+def test_anthropic_budget_tokens_is_the_thinking_token_budget():
+    """Anthropic's thinking.budget_tokens becomes the chat request's thinking_token_budget (vLLM's mapping)."""
+    from moeserve.entrypoints.serving_messages import to_chat_request
+    req = to_chat_request({"model": "m", "max_tokens": 8, "messages": MESSAGES,
+                           "thinking": {"type": "enabled", "budget_tokens": 2048}})
+    assert req.thinking_token_budget == 2048
+    assert to_chat_request({"model": "m", "max_tokens": 8, "messages": MESSAGES,
+                            "thinking": {"type": "adaptive"}}).thinking_token_budget is None
