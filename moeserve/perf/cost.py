@@ -99,7 +99,7 @@ def gemm(hw: Hardware, inst: Instance, name: str, tokens: float, params: float, 
     """tokens x [n_in -> n_out] over `params` weights (several fused matrices allowed)."""
     dtype = dtype or inst.compute_dtype
     wbytes = inst.weight_bytes if wbytes is None else wbytes
-    act_in = 1.0 if dtype != "bf16" else ACT
+    act_in = inst.act_in_bytes if dtype == inst.compute_dtype else (1.0 if dtype != "bf16" else ACT)
     nbytes = params * wbytes + tokens * (n_in * act_in + n_out * ACT)
     return gemm_roofline(hw, name, 2.0 * tokens * params, nbytes, dtype, weight_bytes=params * wbytes)
 

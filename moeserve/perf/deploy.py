@@ -12,6 +12,13 @@ QUANT = {  # weight bytes, GEMM compute dtype, MoE dispatch bytes per element
     "a8w8": (1.0, "int8", 1.0),
     "fp8": (1.0, "fp8", 1.0),
     "bf16": (2.0, "bf16", 2.0),
+    # FP4 (E2M1) weights and activations with block scales, run at the device's FP4 tensor rate. NVFP4: one
+    # FP8 E4M3 scale per 16 elements (NVIDIA, "Introducing NVFP4", developer.nvidia.com/blog/introducing-
+    # nvfp4-for-efficient-and-accurate-low-precision-inference); MXFP4: one E8M0 byte per 32 (OCP
+    # Microscaling Formats v1.0). The per-tensor FP32 scale is negligible. Dispatch stays FP8 with 1x128
+    # scales (DeepEP's FP8 dispatch, what the collective tables measured).
+    "nvfp4": (0.5 + 1 / 16, "fp4", 1.0),
+    "mxfp4": (0.5 + 1 / 32, "fp4", 1.0),
 }
 KV_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0}
 MOE_COMM = ("alltoall", "allgather")
@@ -112,6 +119,14 @@ class Instance:
     @property
     def compute_dtype(self) -> str:
         return QUANT[self.quantization][1]
+
+    @property
+    def act_in_bytes(self) -> float:
+        """Bytes per element of a GEMM's quantised input activations: the weights' format under FP4 (block
+        scales included), one byte under INT8 / FP8 (their per-token / per-block scales are counted apart),
+        BF16 otherwise."""
+        dtype = self.compute_dtype
+        return 2.0 if dtype == "bf16" else self.weight_bytes if dtype == "fp4" else 1.0
 
     @property
     def dispatch_bytes(self) -> float:

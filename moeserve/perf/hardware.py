@@ -164,6 +164,7 @@ class Hardware:
     scale_up_domain: int
     eff: Efficiency
     collective: CollectiveTable | None = None   # measured dispatch/combine floors of this fabric
+    fp4_tflops: float | None = None             # dense FP4 (NVFP4 / MXFP4) tensor rate; None: no FP4 path
 
     def __post_init__(self):
         # Physical figures: a zero divides by zero in the roofline, a negative one gives negative times.
@@ -172,14 +173,17 @@ class Hardware:
             if not FIGURE_MIN <= getattr(self, k) <= FIGURE_MAX:
                 raise ValueError(f"hardware {self.key!r}: {k} must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], "
                                  f"got {getattr(self, k):g}")
-        if self.fp8_tflops is not None and not FIGURE_MIN <= self.fp8_tflops <= FIGURE_MAX:
-            raise ValueError(f"hardware {self.key!r}: fp8_tflops must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}] "
-                             f"(or null: no FP8 path), got {self.fp8_tflops:g}")
+        for k in ("fp8_tflops", "fp4_tflops"):
+            v = getattr(self, k)
+            if v is not None and not FIGURE_MIN <= v <= FIGURE_MAX:
+                raise ValueError(f"hardware {self.key!r}: {k} must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}] "
+                                 f"(or null: no {k[:3].upper()} path), got {v:g}")
         if self.scale_up_domain < 1:
             raise ValueError(f"hardware {self.key!r}: scale_up_domain must be >= 1 card, got {self.scale_up_domain}")
 
     def peak_flops(self, dtype: str) -> float:
-        """FLOP/s for GEMM inputs of this dtype ('bf16', 'int8', 'fp8')."""
+        """FLOP/s for GEMM inputs of this dtype ('bf16', 'int8', 'fp8', 'fp4'); a dtype the device has no
+        tensor path for is refused naming the flag that chose it."""
         if dtype == "bf16":
             return self.bf16_tflops * 1e12
         if dtype == "int8":
@@ -188,6 +192,11 @@ class Hardware:
             if not self.fp8_tflops:
                 raise ValueError(f"{self.name} has no FP8 tensor path; use --quantization a8w8 or bf16")
             return self.fp8_tflops * 1e12
+        if dtype == "fp4":
+            if not self.fp4_tflops:
+                raise ValueError(f"{self.name} has no FP4 tensor path (NVFP4 / MXFP4 need Blackwell or CDNA 4); "
+                                 f"use --quantization {'fp8' if self.fp8_tflops else 'a8w8'} or bf16")
+            return self.fp4_tflops * 1e12
         raise ValueError(f"unknown compute dtype {dtype!r}")
 
     @property
@@ -324,6 +333,7 @@ class HardwareDB:
             return Hardware(key=key, name=str(dev.get("name", key)),
                             **{k: number(dev, k, what) for k in _POSITIVE},
                             fp8_tflops=number(dev, "fp8_tflops", what) if dev.get("fp8_tflops") is not None else None,
+                            fp4_tflops=number(dev, "fp4_tflops", what) if dev.get("fp4_tflops") is not None else None,
                             scale_up_domain=number({"scale_up_domain": 8, **dev}, "scale_up_domain", what, int),
                             eff=self._eff(dev_key), collective=coll)
         except ValueError as err:

@@ -36,8 +36,8 @@ def read(path: Path | None) -> dict:
 
 # Fields a file may set (hardware.py reads these and nothing else): an unknown one is a typo that would
 # silently leave the built-in value in place.
-DEVICE_FIELDS = ("name", "bf16_tflops", "int8_tops", "fp8_tflops", "hbm_gib", "hbm_tbps", "scale_up_gbps",
-                 "scale_out_gbps", "scale_up_domain", "collectives")
+DEVICE_FIELDS = ("name", "bf16_tflops", "int8_tops", "fp8_tflops", "fp4_tflops", "hbm_gib", "hbm_tbps",
+                 "scale_up_gbps", "scale_out_gbps", "scale_up_domain", "collectives")
 EFF_FIELDS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_overhead_ms",
               "memory_utilization", "serving", "prefetch_attention_gain")
 # Operator-level factors a file may set or leave out (hardware.py Efficiency: None falls back to the older

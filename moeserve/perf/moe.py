@@ -16,10 +16,11 @@ from moeserve.perf.models import ModelSpec
 
 def _scale_bytes(inst: Instance, hidden: int) -> float:
     """Scales riding with a quantised dispatch: one fp32 per token (INT8, per-token dynamic) or one fp32
-    per 128-element block (FP8, DeepSeek-V3's 1x128 activation blocks; DeepEP's FP8 dispatch)."""
+    per 128-element block (FP8, DeepSeek-V3's 1x128 activation blocks; DeepEP's FP8 dispatch, which FP4
+    deployments keep)."""
     if inst.dispatch_bytes >= 2:
         return 0.0
-    return 4.0 * math.ceil(hidden / 128) if inst.compute_dtype == "fp8" else 4.0
+    return 4.0 * math.ceil(hidden / 128) if inst.compute_dtype in ("fp8", "fp4") else 4.0
 
 
 def routed_load(m: ModelSpec, inst: Instance, n_tokens: float, noise: bool = True) -> tuple[float, float]:
@@ -38,7 +39,7 @@ def expert_gemm(m: ModelSpec, hw: Hardware, inst: Instance, name: str, copies: f
                 weights_read: float) -> Op:
     """Grouped gate_up + SiLU*mul + down over `copies` token copies; `weights_read` experts streamed."""
     h, i = m.hidden_size, m.moe_intermediate_size
-    a_in = 1.0 if inst.compute_dtype != "bf16" else ACT
+    a_in = inst.act_in_bytes
     act = copies * (h * a_in + 2 * i * ACT + 2 * i * ACT + i * (ACT + a_in) + h * ACT)
     nbytes = weights_read * m.expert_params * inst.weight_bytes + act
     return gemm_roofline(hw, name, 2.0 * copies * m.expert_params, nbytes, inst.compute_dtype)

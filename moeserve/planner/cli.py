@@ -90,6 +90,7 @@ def _ctx(args):
                     overlap_shared=args.overlap_shared, flashcomm=args.flashcomm,
                     weight_prefetch=args.weight_prefetch, max_num_seqs=args.max_num_seqs,
                     dense_tp=args.dense_tp)
+    hw.peak_flops(inst.compute_dtype)  # a format the device has no tensor path for: refused naming --quantization
     args.load_skew = None
     if args.eplb_stats and m.n_routed_experts:
         args.load_skew = LoadSkew.from_files(args.eplb_stats, m.n_routed_experts,

@@ -18,7 +18,7 @@ V3 = load_model("deepseek-v3")
 # which are pinned (no band).
 E2E = {"gemm": (0.774, 0.827), "attention": (0.55, 0.66), "attention_memory": (0.70, 0.85),
        "memory": (0.70, 0.85), "gemm_memory": (0.70, 0.85)}
-NVIDIA = ("h100", "h800", "h200", "h20", "b200")
+NVIDIA = ("h100", "h800", "h200", "h20", "b200", "gb200", "gb300")
 
 
 def _write(tmp_path, text: str) -> str:
@@ -31,7 +31,7 @@ def test_builtin_ranges_hold_the_point_values():
     db = HardwareDB()
     for name in db.names():
         eff = db.get(name).eff
-        nvidia = name.removeprefix("hgx-") in NVIDIA
+        nvidia = name.removeprefix("hgx-").removesuffix("-nvl72") in NVIDIA
         assert {k: (lo, hi) for k, lo, hi in eff.ranges} == ({} if nvidia else E2E), name
         for k, lo, hi in eff.ranges:
             assert lo <= getattr(eff, k) <= hi

@@ -156,7 +156,7 @@ def test_max_num_seqs_caps_the_batch():
     assert decode_memory(V3, hw, replace(free, max_num_seqs=60), wl).max_batch == 60
 
 
-hardware = st.sampled_from(["hgx-h800", "hgx-h100", "atlas-800i-a2", "cloudmatrix-384-die"])
+hardware = st.sampled_from(["hgx-h800", "hgx-h100", "atlas-800i-a2", "cloudmatrix-384-die", "gb200-nvl72", "mi300x-8"])
 layouts = st.builds(Instance, cards=st.sampled_from([16, 32, 64]), tp=st.sampled_from([1, 2, 16]),
                     moe_comm=st.sampled_from(["alltoall", "allgather"]), micro_batch_overlap=st.booleans(),
                     mtp_drafts=st.sampled_from([0, 1]), flashcomm=st.sampled_from(["off", "int8"]))
