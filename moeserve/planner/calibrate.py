@@ -95,6 +95,8 @@ def _rows(cases: list, db: HardwareDB, kernel_db: HardwareDB, tol: float) -> lis
         err = (pred["value"] - pub) / pub
         kern = predict(case, kernel_db)["value"]
         rng, detail = pred["band"], dict(pred["detail"])
+        total = detail.get("step_ms", detail.get("ttft_ms"))
+        shares = explain.step_shares(detail["breakdown_ms"], total) if total else {}
         rows.append({"id": case["id"], "what": case["what"], "unit": case["published"]["metric"],
                      "published": pub, "predicted": round(pred["value"], 1),
                      "error_pct": round(100 * err, 1), "within_tolerance": abs(err) <= tol,
@@ -102,7 +104,8 @@ def _rows(cases: list, db: HardwareDB, kernel_db: HardwareDB, tol: float) -> lis
                      "published_in_band": rng is not None and rng[0] <= pub <= rng[1],
                      "predicted_kernel": round(kern, 1),
                      "error_kernel_pct": round(100 * (kern - pub) / pub, 1),
-                     "note": detail.pop("note", None), "terms": terms, "handoff": handoff, "detail": detail})
+                     "note": detail.pop("note", None), "terms": terms, "handoff": handoff,
+                     "step_shares_pct": shares, "detail": detail})
     return rows
 
 
@@ -235,6 +238,10 @@ def format_table(result: dict) -> str:
             steps = "  ".join(f"{t['term']} {t['change_pct']:+.1f}%" for t in r["terms"][1:] if t["change_pct"])
             lines.append(f"  {r['id']:<{w}} kernels {r['terms'][0]['value']:.1f} -> {r['terms'][-1]['value']:.1f}: "
                          f"{steps or 'no term changes it'}")
+    lines.append("share of the step by term (% of the step at the predicted point; overlap: time hidden):")
+    for r in result["rows"] + (result.get("unlisted") or []):
+        if r.get("step_shares_pct"):
+            lines.append(f"  {r['id']:<{w}} " + "  ".join(f"{k} {v:.1f}" for k, v in r["step_shares_pct"].items()))
     for r in result["rows"]:
         h = r.get("handoff")
         if h:

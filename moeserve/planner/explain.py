@@ -32,6 +32,36 @@ def term_steps(value, hw: Hardware) -> list[dict]:
     return out
 
 
+# Operator names (perf/cost.py, moe.py, step.py) by the term of the step they belong to; MTP passes count
+# with the main model's ops of the same kind ("mtp_" prefix dropped).
+TERM_OF = {
+    "mla_decode": "attention", "attn_prefill": "attention",
+    "attn_proj": "projections",
+    "dense_mlp": "dense_gemm", "lm_head": "dense_gemm", "router": "dense_gemm", "eh_proj": "dense_gemm",
+    "routed_experts": "moe_gemm", "shared_experts": "moe_gemm",
+    "elementwise": "elementwise", "moe_permute": "elementwise",
+    "dispatch": "dispatch_combine", "combine": "dispatch_combine", "allgather": "dispatch_combine",
+    "reduce_scatter": "dispatch_combine",
+    "tp_allreduce": "tp_collectives", "tp_reduce_scatter": "tp_collectives", "tp_allgather": "tp_collectives",
+    "tp_alltoall": "tp_collectives",
+    "comm_overlap": "overlap", "weight_prefetch": "overlap", "overlap_saving": "overlap",
+    "framework_overhead": "framework",
+}
+SHARE_TERMS = ("attention", "projections", "dense_gemm", "moe_gemm", "elementwise", "dispatch_combine",
+               "tp_collectives", "overlap", "framework")
+
+
+def step_shares(breakdown_ms: dict, total_ms: float) -> dict:
+    """Percent of the step each term takes (overlap negative: the time it hides), summing to 100. What the
+    breakdown leaves out of the total (two-batch overlap's saving in a prefill point) counts as overlap."""
+    ms = dict.fromkeys(SHARE_TERMS, 0.0)
+    for name, v in breakdown_ms.items():
+        term = TERM_OF.get(name.removeprefix("mtp_"), "other")
+        ms[term] = ms.get(term, 0.0) + v
+    ms["overlap"] += total_ms - sum(breakdown_ms.values())
+    return {k: round(100 * v / total_ms, 1) for k, v in ms.items() if abs(v) > 1e-9 and total_ms}
+
+
 def instance_of(m, kw: dict) -> Instance:
     kw = dict(kw)
     if "redundant_experts" not in kw:  # as on the command line

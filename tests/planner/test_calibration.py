@@ -90,3 +90,25 @@ def test_a2_decode_rows_run_the_published_batch():
                    "only CloudMatrix decode is within (+9%); nothing is fitted to close the gaps")
 def test_all_published_results_within_15_percent():
     assert validate()["all_within"]
+
+
+def test_validate_prints_each_rows_step_by_term(capsys):
+    """Every row's step split into its terms: shares sum to 100, each is its operators' milliseconds over the
+    step (here dispatch + combine), and the text prints one line per row (issue 41)."""
+    assert main(["plan", "validate", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    for r in obj["rows"] + obj["unlisted"]:
+        shares = r["step_shares_pct"]
+        assert sum(shares.values()) == pytest.approx(100, abs=0.6), r["id"]
+        assert {"attention", "moe_gemm", "dispatch_combine", "framework"} <= set(shares), r["id"]
+    cm = next(r for r in obj["rows"] if r["id"] == "cloudmatrix384-decode")
+    br = cm["detail"]["breakdown_ms"]
+    moe_comm = sum(v for k, v in br.items() if k.removeprefix("mtp_") in ("dispatch", "combine"))
+    assert cm["step_shares_pct"]["dispatch_combine"] == pytest.approx(100 * moe_comm / cm["detail"]["step_ms"],
+                                                                      abs=0.05)
+    assert main(["plan", "validate"]) == 0
+    text = capsys.readouterr().out
+    assert "share of the step by term" in text
+    line = next(ln for ln in text.splitlines() if ln.strip().startswith("a2-prefill-ttft ") and "tp_" in ln)
+    a2 = next(r for r in obj["rows"] if r["id"] == "a2-prefill-ttft")["step_shares_pct"]
+    assert f"dispatch_combine {a2['dispatch_combine']:.1f}" in line and f"tp_collectives {a2['tp_collectives']:.1f}" in line
