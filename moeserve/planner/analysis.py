@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, replace
 
 from moeserve.perf import comm
-from moeserve.perf.deploy import DoesNotFit, Instance, Workload
+from moeserve.perf.deploy import DoesNotFit, Instance, PlanError, Workload
 from moeserve.perf.hardware import Hardware
 from moeserve.planner.memory import MemoryReport, memory_report, refusal_reason
 from moeserve.perf.models import ModelSpec
@@ -115,6 +115,31 @@ def best_under_slo(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload,
         else:
             hi = mid - 1
     return decode_point(m, hw, inst, wl, lo)
+
+
+def decode_at_batch(m: ModelSpec, hw: Hardware, inst: Instance, wl: Workload, batch: int,
+                    flag: str = "--batch-per-device") -> DecodePoint:
+    """The decode point at a stated batch per device (what a published deployment gives instead of a TPOT
+    target): every card of a DP group runs its `batch` sequences' attention, so it is the DP group's batch.
+    A batch beyond the KV room (or --max-num-seqs) is refused naming `flag`."""
+    cap = require_fits(m, hw, inst, wl).max_batch
+    if batch > cap:
+        limit = "--max-num-seqs" if inst.max_num_seqs is not None and cap == inst.max_num_seqs else "KV room"
+        raise DoesNotFit(f"{flag} {batch} does not fit: {limit} allows {cap} sequences per device at mean context "
+                         f"{wl.mean_decode_context:.0f}; use {flag} <= {cap}")
+    return decode_point(m, hw, inst, wl, batch)
+
+
+def requests_for_tokens(inst: Instance, tokens_per_device: int, length: int,
+                        flag: str = "--tokens-per-device") -> int:
+    """Prompts of `length` tokens in one prefill forward that carries `tokens_per_device` prompt tokens per
+    card (the instance's prompt tokens / its cards): a whole number of prompts, else refused naming `flag`."""
+    total = tokens_per_device * inst.cards
+    if total % length:
+        step = length // math.gcd(length, inst.cards)
+        raise PlanError(f"{flag} {tokens_per_device} x {inst.cards} cards = {total} tokens is not a whole number "
+                        f"of {length}-token prompts (--input-len); use a multiple of {step}")
+    return total // length
 
 
 @dataclass

@@ -116,7 +116,10 @@ def cmd_estimate(a):
 
 def args_decode(p):
     _add_common(p)
-    p.add_argument("--tpot-ms", type=positive_float, default=50.0)
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--tpot-ms", type=positive_float, default=None, help="TPOT SLO (default 50)")
+    target.add_argument("--batch-per-device", type=positive_int, default=None,
+                        help="price the batch a deployment states (sequences each card runs) instead of a TPOT SLO")
     p.add_argument("--plot", help="write the throughput-vs-TPOT plot here (.png added when the name has no suffix)")
 
 
@@ -125,6 +128,9 @@ def cmd_decode(a):
     from moeserve.planner.plots import plot_curves, plot_path
     m, hw, inst, wl = _ctx(a)
     plot = plot_path(a.plot) if a.plot is not None else None  # before the work: a bad path loses nothing
+    if a.batch_per_device is not None:
+        return _decode_at_batch(a, m, hw, inst, wl, plot)
+    a.tpot_ms = 50.0 if a.tpot_ms is None else a.tpot_ms
     curve = decode_curve(m, hw, inst, wl)
     best = best_under_slo(m, hw, inst, wl, a.tpot_ms)
     # A factor set under which no batch meets the SLO counts as 0 tok/s/card.
@@ -145,15 +151,39 @@ def cmd_decode(a):
     return _emit(a, obj, "\n".join(lines))
 
 
+def _decode_at_batch(a, m, hw, inst, wl, plot):
+    """`decode --batch-per-device B`: the stated operating point, not the best one under an SLO."""
+    from moeserve.planner.analysis import band, decode_at_batch, decode_curve, decode_point
+    from moeserve.planner.plots import plot_curves
+    pt = decode_at_batch(m, hw, inst, wl, a.batch_per_device)
+    rng = band(lambda h: decode_point(m, h, inst, wl, a.batch_per_device).tok_s_card, hw)
+    if plot:
+        plot_curves({f"{hw.key} {inst.cards} cards": decode_curve(m, hw, inst, wl)}, plot)
+    obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst), "batch_per_device": a.batch_per_device,
+           "at_batch": pt.to_dict(), "band_tok_s_card": rng, "plot": plot}
+    text = (f"batch {pt.batch}/device: step {pt.step_ms:.2f} ms, TPOT {pt.tpot_ms:.2f} ms, {pt.tok_s_card:.0f} "
+            f"tok/s/card{_band_text(rng, 'tok/s/card')}\n{_fmt_breakdown(pt.breakdown_ms)}"
+            + (f"\nwrote {plot}" if plot else ""))
+    return _emit(a, obj, text)
+
+
 def args_prefill(p):
     _add_common(p)
-    p.add_argument("--requests", type=positive_int, default=None, help="prompts per batch (default: one per DP group)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--requests", type=positive_int, default=None,
+                      help="prompts per batch (default: one per DP group)")
+    size.add_argument("--tokens-per-device", type=positive_int, default=None,
+                      help="prompt tokens one forward carries per card (a published prefill's figure); "
+                           "requests = this x cards / --input-len")
 
 
 def cmd_prefill(a):
     from moeserve.planner.analysis import band, prefill_point
+    from moeserve.planner.analysis import requests_for_tokens
     m, hw, inst, wl = _ctx(a)
     requests = inst.dp if a.requests is None else a.requests
+    if a.tokens_per_device is not None:
+        requests = requests_for_tokens(inst, a.tokens_per_device, wl.input_len)
     pt = prefill_point(m, hw, inst, requests, wl.input_len, wl.cached_prompt_tokens)
     rng = band(lambda h: prefill_point(m, h, inst, requests, wl.input_len, wl.cached_prompt_tokens).ttft_ms, hw)
     text = (f"prefill {pt.requests} x {pt.length} on {inst.cards} cards: TTFT {pt.ttft_ms:.1f} ms"
