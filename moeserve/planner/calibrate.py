@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 from moeserve.planner import cases as case_files
 from moeserve.planner import explain
-from moeserve.planner.analysis import band, best_under_slo, decode_point, prefill_point
+from moeserve.planner.analysis import band, best_under_slo, decode_at_batch, decode_point, prefill_point
 from moeserve.perf.deploy import Instance, PlanError, Workload, fewest_redundant_slots
 from moeserve.perf.hardware import HardwareDB
 from moeserve.perf.models import check_context, load_model
@@ -39,6 +39,9 @@ def _value(case: dict, hw) -> tuple[float, dict]:
     inst = Instance(**kw)
     if case["kind"] == "decode":
         wl = Workload(**case["workload"])
+        if "batch_per_device" in case:  # the stated operating point, no SLO search
+            pt = decode_at_batch(m, hw, inst, wl, case["batch_per_device"], "batch_per_device")
+            return pt.tok_s_card, pt.to_dict()
         pt = best_under_slo(m, hw, inst, wl, case["tpot_ms"])
         if pt is None:  # counts as 0 tok/s/card; the row says why (a bare -100% read as a broken model)
             return 0.0, {"note": f"no batch meets tpot_ms {case['tpot_ms']:g}: TPOT at batch 1 is "

@@ -33,9 +33,12 @@ from moeserve.planner.cli_args import MAX_INT
 from moeserve.perf.deploy import MAX_CARDS, Instance, PlanError, Workload
 from moeserve.perf.hardware import FIGURE_MAX, FIGURE_MIN
 
-CASE_FIELDS = {"id", "what", "model", "hardware", "kind", "tpot_ms", "workload", "requests", "input_len",
-               "instance", "published", "handoff"}
+CASE_FIELDS = {"id", "what", "model", "hardware", "kind", "tpot_ms", "batch_per_device", "workload", "requests",
+               "tokens_per_device", "input_len", "instance", "published", "handoff"}
 KIND_FIELDS = {"decode": ("tpot_ms", "workload"), "prefill": ("requests", "input_len")}
+# What a published deployment may state instead (issue 41): its batch per device, its prompt tokens per device.
+ALTERNATIVE = {"tpot_ms": "batch_per_device", "requests": "tokens_per_device"}
+KIND_ONLY = {kind: set(f) | {ALTERNATIVE[x] for x in f if x in ALTERNATIVE} for kind, f in KIND_FIELDS.items()}
 METRICS = {"decode": ("tok_s_card",), "prefill": ("ttft_ms", "tok_s_card")}
 _TYPES = {"int": int, "float": (int, float), "bool": bool, "str": str}
 # The flags Instance's and the model's errors name, as the field of a case to change.
@@ -160,9 +163,12 @@ def _case(c, where: str, ids: set) -> dict:
     if kind not in KIND_FIELDS:
         raise ValueError(f"{where}: kind must be decode or prefill, got {kind!r}")
     for k in ("hardware", "instance", "published") + KIND_FIELDS[kind]:
-        if k not in c:
-            raise ValueError(f"{where}: a {kind} case needs {k}")
-    extra = {k for kinds in KIND_FIELDS.values() for k in kinds} - set(KIND_FIELDS[kind])
+        alt = ALTERNATIVE.get(k)
+        if k in c and alt in c:
+            raise ValueError(f"{where}: give {k} or {alt}, not both")
+        if k not in c and alt not in c:
+            raise ValueError(f"{where}: a {kind} case needs {k}" + (f" (or {alt})" if alt else ""))
+    extra = set().union(*(v for k, v in KIND_ONLY.items() if k != kind))
     if extra & set(c):
         raise ValueError(f"{where}: {sorted(extra & set(c))[0]} is for the other kind of case, not {kind}")
     for k in ("hardware", "what", "model"):
@@ -173,8 +179,12 @@ def _case(c, where: str, ids: set) -> dict:
         raise ValueError(f"{where}: instance needs cards (and any other Instance field)")
     try:
         out["instance"] = _fields(Instance, c["instance"], f"{where}: instance")
+        for k in ("batch_per_device", "tokens_per_device"):
+            if k in c and (not isinstance(c[k], int) or isinstance(c[k], bool) or not 1 <= c[k] <= MAX_INT):
+                raise ValueError(f"{where}: {k} must be an integer in [1, {MAX_INT:.0e}], got {_got(c[k])}")
         if kind == "decode":
-            _figure(c["tpot_ms"], where, "tpot_ms")
+            if "tpot_ms" in c:
+                _figure(c["tpot_ms"], where, "tpot_ms")
             out["workload"] = wl = _fields(Workload, c["workload"], f"{where}: workload")
             # Workload checks nothing itself (the CLI's flags do): a length of -5 priced a nonsense row.
             for k in ("input_len", "output_len"):
@@ -184,10 +194,13 @@ def _case(c, where: str, ids: set) -> dict:
                 raise ValueError(f"{where}: workload.prefix_hit is the share of prompt tokens found cached, "
                                  f"in [0, 1), got {wl['prefix_hit']!r}")
         else:
-            for k in ("requests", "input_len"):
+            for k in [x for x in ("requests", "input_len") if x in c]:
                 if not isinstance(c[k], int) or isinstance(c[k], bool) or not 1 <= c[k] <= MAX_INT:
                     raise ValueError(f"{where}: {k} must be an integer in [1, {MAX_INT:.0e}], got {_got(c[k])}")
-        Instance(**out["instance"])  # its own checks (divisibility, choices, ranges)
+        inst = Instance(**out["instance"])  # its own checks (divisibility, choices, ranges)
+        if "tokens_per_device" in c:  # priced as the prompts it makes (the rows and the hand-off use requests)
+            from moeserve.planner.analysis import requests_for_tokens
+            out["requests"] = requests_for_tokens(inst, c["tokens_per_device"], c["input_len"], "tokens_per_device")
         if "handoff" in c:
             out["handoff"] = _handoff(c["handoff"], kind, where)
     except PlanError as err:

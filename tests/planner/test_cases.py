@@ -173,3 +173,39 @@ def test_table_fits_long_ids_and_small_tolerances(tmp_path, capsys):
     path = _file(tmp_path, {"cases": [{**A2, "hardware": "tpu-v9"}]})
     assert main(["plan", "validate", "--cases", path]) == 2
     assert "--hardware-file adds devices and systems" in capsys.readouterr().err
+
+
+def test_cases_may_state_batch_per_device_or_tokens_per_device(tmp_path):
+    """A published deployment's own operating point (issue 41): the decode row is priced at that batch, the
+    prefill row at tokens x cards / input_len prompts, exactly as the same case given as tpot_ms / requests."""
+    from moeserve.perf.deploy import Instance, Workload
+    from moeserve.perf.hardware import load_hardware
+    from moeserve.perf.models import load_model
+    from moeserve.planner.analysis import decode_point
+    at_batch = {**{k: v for k, v in A2.items() if k != "tpot_ms"}, "id": "at-batch", "batch_per_device": 40}
+    by_tokens = {**{k: v for k, v in PREFILL.items() if k != "requests"}, "id": "by-tokens",
+                 "tokens_per_device": 4096}
+    rows = validate(cases_file=_file(tmp_path, {"cases": [at_batch, by_tokens, PREFILL]}))["rows"]
+    inst = Instance(cards=32, moe_comm="allgather", mtp_drafts=1, weight_prefetch=True, max_num_seqs=60,
+                    redundant_experts=0)
+    pt = decode_point(load_model("deepseek-v3"), load_hardware("atlas-800i-a2"), inst, Workload(2048, 2048), 40)
+    assert rows[0]["predicted"] == round(pt.tok_s_card, 1) and rows[0]["detail"]["batch_per_dp"] == 40
+    assert rows[1]["predicted"] == rows[2]["predicted"]          # 4096 tokens x 1 card / 1024 = 4 requests
+
+
+@pytest.mark.parametrize("change, msg", [
+    ({"batch_per_device": 8}, "give tpot_ms or batch_per_device, not both"),
+    ({"tpot_ms": None}, "needs tpot_ms (or batch_per_device)"),
+    ({"tokens_per_device": 64}, "tokens_per_device is for the other kind of case"),
+    ({"batch_per_device": 0, "tpot_ms": None}, "batch_per_device must be an integer"),
+])
+def test_bad_stated_operating_points_are_refused(tmp_path, change, msg, capsys):
+    case = {k: v for k, v in {**A2, **change}.items() if v is not None}
+    assert main(["plan", "validate", "--cases", _file(tmp_path, {"cases": [case]})]) == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_tokens_per_device_must_make_whole_prompts(tmp_path, capsys):
+    case = {**{k: v for k, v in PREFILL.items() if k != "requests"}, "tokens_per_device": 1000}
+    assert main(["plan", "validate", "--cases", _file(tmp_path, {"cases": [case]})]) == 2
+    assert "tokens_per_device 1000 x 1 cards" in capsys.readouterr().err
