@@ -31,6 +31,9 @@ def test_known_values():
     assert load_hardware("atlas-800i-a2").hbm_gib == 64
     with pytest.raises(ValueError, match="no FP8"):
         load_hardware("910b").peak_flops("fp8")
+    with pytest.raises(ValueError, match="no FP4 tensor path.*--quantization fp8"):
+        load_hardware("h100").peak_flops("fp4")
+    assert load_hardware("gb200-nvl72").peak_flops("fp4") == 10000e12
 
 
 def test_user_file_adds_and_overrides(tmp_path):
@@ -85,6 +88,8 @@ BAD_FILES = {  # name -> (file text, words the one-line error must contain)
                            ["'s'", "scale_out_gbps", "[1e-06, 1e+09]"]),
     "denormal_tflops": ({"devices": {"mychip": {**DEVICE, "bf16_tflops": 1e-320}}}, ["mychip", "bf16_tflops"]),
     "denormal_fp8": ({"devices": {"mychip": {**DEVICE, "fp8_tflops": 5e-324}}}, ["mychip", "fp8_tflops"]),
+    "denormal_fp4": ({"devices": {"mychip": {**DEVICE, "fp4_tflops": 5e-324}}}, ["mychip", "fp4_tflops"]),
+    "misspelt_fp4": ({"devices": {"mychip": {**DEVICE, "fp4_tflop": 100}}}, ["mychip", "did you mean fp4_tflops"]),
     "huge_hbm": ({"devices": {"mychip": {**DEVICE, "hbm_gib": 1e300}}}, ["mychip", "hbm_gib", "1e+300"]),
     "inf_hbm_tbps": ({"devices": {"mychip": {**DEVICE, "hbm_tbps": float("inf")}}}, ["mychip", "hbm_tbps", "inf"]),
     "nan_scale_up": ({"devices": {"mychip": {**DEVICE, "scale_up_gbps": float("nan")}}}, ["scale_up_gbps", "nan"]),
