@@ -62,7 +62,8 @@ class Instance:
     mtp_acceptance: float = 0.7      # per-draft acceptance probability
     moe_comm: str = "alltoall"
     micro_batch_overlap: bool = False  # two-batch overlap of compute and communication
-    imbalance: float = 1.0           # residual expert-load skew (max/mean rank load) beyond sampling noise
+    imbalance: float = 1.0           # residual expert-load skew (max/mean rank load) beyond sampling noise;
+                                     # 1.0 under EPLB (measured 1.008 with noise: docs/planner.md "Expert load")
     overlap_shared: bool = True      # shared experts (and, with allgather, the gate) run while the first
                                      # MoE collective is in flight (moeserve's engine; system-brief item 8)
     flashcomm: str = "off"           # TP AllReduce -> ReduceScatter + AllGather (BF16 'on' or 'int8')
