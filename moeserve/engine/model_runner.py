@@ -13,9 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.config import EngineConfig
+from moeserve.device_memory import module_bytes
 from moeserve.engine.compiled_decode import CompiledDecode, why_eager
+from moeserve.engine.kv_memory import check_kv_pool, num_kv_blocks
 from moeserve.engine.scheduler import SchedulerOutput
 from moeserve.distributed.parallel_state import get_world_group
+from moeserve.layers.linear import packed_copy_bytes
 from moeserve.layers.attention.metadata import (AttentionMetadata, SeqSpan, attention_context,
                                                 build_attention_metadata)
 from moeserve.layers.moe.load_stats import ExpertLoadRecorder, recording
@@ -25,21 +28,8 @@ from moeserve.models.registry import build_model
 from moeserve.sample.logprobs import TokenLogprobs
 from moeserve.sample.step import StepSampler
 
-from moeserve.device_memory import check_fits, module_bytes
-from moeserve.engine.kv_memory import blocks_for_utilization
-from moeserve.layers.linear import packed_copy_bytes
 
 logger = logging.getLogger(__name__)
-
-def check_kv_pool(num_blocks: int, block_size: int, arch: DeepseekArch, dtype: torch.dtype, mtp: bool) -> None:
-    layers = arch.num_hidden_layers + mtp
-    check_fits(num_blocks * block_size * layers * arch.kv_cache_dim * dtype.itemsize, torch.device("cpu"),
-               f"the KV cache ({num_blocks} blocks of {block_size} tokens, {layers} layers)",
-               "lower --kv-cache-memory, --num-kv-blocks or --gpu-memory-utilization (or --max-num-seqs / "
-               "--max-model-len, which size the default pool)")
-
-
-DEFAULT_KV_CACHE_BYTES = 2 << 30  # cap of the default pool; --kv-cache-memory / --num-kv-blocks override
 
 
 @dataclass
@@ -58,28 +48,6 @@ def resolve_dtype(name: str, arch: DeepseekArch) -> torch.dtype:
     if name == "auto":
         name = {"float32": "float32", "float16": "float16"}.get(arch.torch_dtype or "", "bfloat16")
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def num_kv_blocks(config: EngineConfig, arch: DeepseekArch, dtype: torch.dtype, weights: int = 0,
-                  device: torch.device = torch.device("cpu")) -> int:
-    cache, sched = config.cache, config.scheduler
-    if cache.num_kv_blocks is not None:
-        return cache.num_kv_blocks
-    layers = arch.num_hidden_layers + (config.speculative is not None)  # the MTP layer has its own cache
-    bytes_per_block = cache.block_size * layers * arch.kv_cache_dim * dtype.itemsize
-    if cache.gpu_memory_utilization is not None and cache.kv_cache_memory is None:
-        return blocks_for_utilization(cache.gpu_memory_utilization, weights, bytes_per_block, device,
-                                      config.parallel.ranks_per_node)
-    if cache.kv_cache_memory is not None:
-        blocks = cache.kv_cache_memory // bytes_per_block
-        if blocks < 1:
-            raise ValueError(f"--kv-cache-memory {cache.kv_cache_memory} holds no KV block "
-                             f"({bytes_per_block} bytes each); raise it")
-        return int(blocks)
-    # Default: room for every sequence at full length, capped at DEFAULT_KV_CACHE_BYTES.
-    per_seq = -(-sched.max_model_len // cache.block_size)
-    cap = max(per_seq, DEFAULT_KV_CACHE_BYTES // bytes_per_block)
-    return int(min(per_seq * sched.max_num_seqs, cap))
 
 
 class ModelRunner:
