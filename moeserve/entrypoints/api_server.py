@@ -170,7 +170,7 @@ def build_app(spec: ApiServerSpec, tokenizer, client: EngineClient, metrics, on_
 
 
 def _add_schemas(app: FastAPI) -> None:
-    """/openapi.json with the request bodies' schemas (collected by _json_body) among its components."""
+    """/openapi.json with the request bodies' schemas (collected by routes_openai.documented_body) among its components."""
     app.state.body_schemas = {}
     generate = app.openapi
 

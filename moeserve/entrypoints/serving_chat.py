@@ -22,6 +22,7 @@ class ChatServing(Serving):
         self.chat_template = resolve_template(self.tokenizer, chat_template)
         self.auto_tools = auto_tools  # --enable-auto-tool-choice with a --tool-call-parser
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (entrypoints/reasoning.py)
+        self.think_end_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)  # thinking_token_budget
 
     def render(self, req: ChatCompletionRequest) -> list[int]:
         kwargs = req.template_kwargs()
@@ -97,7 +98,7 @@ class ChatServing(Serving):
         if not think:
             params.thinking_token_budget = None
         else:
-            params.thinking_end_token_ids = self.tokenizer.encode(THINK_END, add_special_tokens=False)
+            params.thinking_end_token_ids = self.think_end_ids
 
     def _prompt_field(self, req: ChatCompletionRequest, c) -> dict:
         """vLLM's chat answer carries prompt_logprobs at the top level: every choice has the same prompt."""
