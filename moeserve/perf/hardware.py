@@ -54,6 +54,10 @@ class Efficiency:
     mla_min_rows: float = 1.0              # query rows (heads x q_len) a decode-attention tile computes
     mla_tflops: float | None = None        # measured decode-MLA kernel rate, TFLOPS [peak x attention]
     tbo_max_gain: float = 0.35             # two-batch overlap's largest measured speed-up (hw.md +25-35%)
+    # Two-batch overlap's measured gain by tokens per card per step on this device family, as (tokens,
+    # gain) points, linear between them and held flat outside (data/hardware.yaml `tbo_gain`); the step
+    # under overlap is never faster than serial / (1 + gain) (term overlap_bound). Empty: tbo_max_gain alone.
+    tbo_gain: tuple[tuple[float, float], ...] = ()
     # End-to-end terms in force (TERMS); the kernel profile turns all off to show the gap term by term.
     terms: tuple[str, ...] = TERMS
     # (factor, low, high): the documented range of a factor whose point value is above (data/hardware.yaml
@@ -75,6 +79,11 @@ class Efficiency:
             raise ValueError(f"mla_tflops must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], got {self.mla_tflops:g}")
         if not 0.0 <= self.tbo_max_gain <= 10.0:
             raise ValueError(f"tbo_max_gain must be in [0, 10], got {self.tbo_max_gain:g}")
+        pts = [t for t, _ in self.tbo_gain]
+        if pts != sorted(set(pts)) or any(not 1.0 <= t <= FIGURE_MAX or not -0.99 <= g <= 10.0
+                                          for t, g in self.tbo_gain):
+            raise ValueError("tbo_gain maps tokens per card (>= 1, each once) to a gain in [-0.99, 10], "
+                             f"got {dict(self.tbo_gain)!r}")
         if not 1.0 <= self.mla_min_rows <= 4096:
             raise ValueError(f"mla_min_rows must be in [1, 4096], got {self.mla_min_rows:g}")
         bad = set(self.terms) - set(TERMS)
@@ -93,6 +102,21 @@ class Efficiency:
 
     def has(self, term: str) -> bool:
         return term in self.terms
+
+    def tbo_bound(self, tokens: float) -> float:
+        """The largest two-batch-overlap gain measured on this family at `tokens` per card per step (negative
+        where it was measured to lose), never above tbo_max_gain."""
+        pts = self.tbo_gain
+        if not pts:
+            return self.tbo_max_gain
+        if tokens <= pts[0][0]:
+            g = pts[0][1]
+        elif tokens >= pts[-1][0]:
+            g = pts[-1][1]
+        else:
+            (t0, g0), (t1, g1) = next((a, b) for a, b in zip(pts, pts[1:]) if a[0] <= tokens <= b[0])
+            g = g0 + (g1 - g0) * (tokens - t0) / (t1 - t0)
+        return min(g, self.tbo_max_gain)
 
     @property
     def gemm_mem(self) -> float:
@@ -222,6 +246,14 @@ class Hardware:
         return replace(self, eff=self.eff.at(end))
 
 
+def _gain_points(table, what: str) -> tuple[tuple[float, float], ...]:
+    """`tbo_gain: {tokens per card: gain}` as sorted points (Efficiency checks the ranges)."""
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"{what}: tbo_gain must map tokens per card to a gain, got {table!r}")
+    return tuple(sorted((number({"tokens": t}, "tokens", f"{what} tbo_gain"),
+                         number(table, t, f"{what} tbo_gain")) for t in table))
+
+
 class HardwareDB:
     """`profile`: 'end_to_end' (default, data/hardware.yaml efficiency.default_profile) prices a serving
     step; 'kernel' uses the kernel-level factors alone (what kernel microbenchmarks reach)."""
@@ -277,6 +309,8 @@ class HardwareDB:
         what = f"efficiency of {device_key!r} (profile {self.profile})"
         vals = {k: number(eff, k, what) for k in EFF_FIELDS}
         vals.update({k: number(eff, k, what) for k in EFF_OPTIONAL if eff.get(k) is not None})
+        if eff.get("tbo_gain") is not None:
+            vals["tbo_gain"] = _gain_points(eff["tbo_gain"], what)
         if "terms" in eff:
             terms = eff["terms"]
             if not isinstance(terms, list) or not all(isinstance(t, str) for t in terms):

@@ -44,7 +44,7 @@ EFF_FIELDS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_ov
 # factor), and the end-to-end terms a profile keeps (a list of hardware.TERMS names).
 EFF_OPTIONAL = ("gemm_memory", "attention_memory", "link_out", "out_latency_us", "mla_min_rows", "mla_tflops",
                 "tbo_max_gain")
-EFF_ALL = EFF_FIELDS + EFF_OPTIONAL + ("terms",)
+EFF_ALL = EFF_FIELDS + EFF_OPTIONAL + ("terms", "tbo_gain")  # tbo_gain: {tokens per card: gain}
 COLLECTIVE_FIELDS = ("tokens", "hidden", "topk", "dispatch_bytes", "combine_bytes", "up_gbps", "out_gbps",
                      "domain", "points", "source")
 EFF_PARTS = ("default", "devices", "profiles", "default_profile", "ranges")

@@ -45,3 +45,27 @@ def test_small_batch_is_memory_bound():
     st8 = decode_step(V3, HW, Instance(cards=32), 8, 2048)
     flops = sum(o.flops for o in st8.ops)
     assert st8.hbm_bytes / (HW.hbm_bw * HW.eff.memory) > flops / (HW.peak_flops("int8") * HW.eff.gemm)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layouts, st.integers(1, 256), st.integers(128, 8192), st.floats(1.0, 3.0), st.floats(0.0, 1.0),
+       st.sampled_from(["hgx-h800", "hgx-h20", "cloudmatrix-384-die", "atlas-800i-a2"]))
+def test_more_imbalance_never_faster(inst, batch, ctx, imb, extra, hw_name):
+    """Residual expert skew (issue 41), with and without two-batch overlap's family bound."""
+    from dataclasses import replace
+    hw = load_hardware(hw_name)
+    lo, hi = replace(inst, imbalance=imb), replace(inst, imbalance=imb + extra)
+    assert decode_step(V3, hw, hi, batch, ctx).total >= decode_step(V3, hw, lo, batch, ctx).total * (1 - 1e-9)
+    assert prefill_step(V3, hw, hi, 2, ctx).total >= prefill_step(V3, hw, lo, 2, ctx).total * (1 - 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(layouts, st.integers(1, 256), st.integers(128, 8192), faster, faster, st.floats(0.0, 1.0),
+       st.sampled_from(["hgx-h100", "hgx-h20", "cloudmatrix-384-die", "gb200-nvl72"]))
+def test_more_bandwidth_or_lower_latency_never_slower_on_each_family(inst, batch, ctx, f_up, f_out, f_lat, hw_name):
+    hw = load_hardware(hw_name)
+    better = hw.with_overrides(scale_up_gbps=hw.scale_up_gbps * f_up, scale_out_gbps=hw.scale_out_gbps * f_out,
+                               link_latency_us=hw.eff.link_latency_us * f_lat,
+                               out_latency_us=hw.eff.latency_out_us * f_lat)
+    assert decode_step(V3, better, inst, batch, ctx).total <= decode_step(V3, hw, inst, batch, ctx).total * (1 + 1e-9)
+    assert prefill_step(V3, better, inst, 2, ctx).total <= prefill_step(V3, hw, inst, 2, ctx).total * (1 + 1e-9)
