@@ -96,6 +96,42 @@ def alltoall(hw: Hardware, ranks: int, copies: float, bytes_per_copy: float, kin
     return pay + floor * 1e-6
 
 
+def normal_rate(hw: Hardware, ranks: int, kind: str) -> float | None:
+    """Bytes/s of DeepEP's normal-mode RDMA path per card at this EP size (None: the fabric has no
+    normal-mode figure): the measured rate at the largest measured EP <= ranks (the smallest below it),
+    scaled by this card's NIC against the measuring one."""
+    t = hw.collective
+    if t is None or not t.normal_rdma:
+        return None
+    i = KINDS.index(kind) + 1
+    chosen = t.normal_rdma[0][i]
+    for row in t.normal_rdma:
+        if row[0] <= ranks:
+            chosen = row[i]
+    return chosen * 1e9 * hw.scale_out_gbps / t.normal_nic_gbps
+
+
+def normal_alltoall(hw: Hardware, ranks: int, send_rows: float, nodes_per_row: float, recv_rows: float,
+                    bytes_per_row: float, kind: str = "dispatch") -> float | None:
+    """DeepEP normal mode (prefill) dispatch or combine (None: no normal-mode figure for this fabric).
+
+    Each of the card's `send_rows` tokens crosses the network once per destination node (`nodes_per_row`,
+    own node included, as DeepEP counts its RDMA bytes) at the measured normal-mode RDMA rate, and each card
+    receives its `recv_rows` distinct tokens over scale-up (NVLink forwarding; one copy per card however many
+    of its experts a token picks), the two pipelined. Inside one scale-up domain only the NVLink part runs
+    (kernels.md: EP8 intranode 153 / 158 GB/s, the achieved scale-up rate). One hop of each link class used.
+    """
+    rate = normal_rate(hw, ranks, kind)
+    if rate is None or ranks <= 1:
+        return None
+    up, _ = _bw(hw)
+    nvl = recv_rows * bytes_per_row / up
+    if ranks <= hw.scale_up_domain:
+        return nvl + hop_latency(hw, 1, 0)
+    rdma = send_rows * nodes_per_row * bytes_per_row / rate
+    return max(rdma, nvl) + hop_latency(hw, 1, 1)
+
+
 def moe_gather(hw: Hardware, ranks: int, total_bytes: float, kind: str) -> float:
     """The allgather (dispatch) or reduce-scatter (combine) of an allgather-mode MoE layer: the bytes of a
     hierarchical allgather, and the fabric's measured dispatch / combine floor at this EP size in place of

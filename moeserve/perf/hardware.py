@@ -160,6 +160,11 @@ class CollectiveTable:
     out_gbps: float
     domain: int
     points: tuple[tuple[int, float, float], ...]   # (EP, dispatch us, combine us), EP ascending
+    # DeepEP normal (prefill) kernels across nodes: (EP, dispatch GB/s, combine GB/s) as DeepEP counts them
+    # (tokens x distinct destination nodes x bytes / time), measured behind a NIC of normal_nic_gbps.
+    normal_rdma: tuple[tuple[int, float, float], ...] = ()
+    normal_nic_gbps: float = 50.0
+    normal_sm_share: float = 0.0   # share of the SMs the normal kernels occupy while they run
 
     def __post_init__(self):
         if not self.points or any(p[0] < 2 or p[1] <= 0 or p[2] <= 0 for p in self.points):
@@ -169,6 +174,13 @@ class CollectiveTable:
                 raise ValueError(f"collectives {self.name!r}: {k} must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}]")
         if self.domain < 1:
             raise ValueError(f"collectives {self.name!r}: domain must be >= 1")
+        if any(p[0] < 2 or not FIGURE_MIN <= min(p[1:]) <= max(p[1:]) <= FIGURE_MAX for p in self.normal_rdma):
+            raise ValueError(f"collectives {self.name!r}: normal_rdma must be EP >= 2 -> [dispatch, combine] GB/s "
+                             f"in [{FIGURE_MIN:g}, {FIGURE_MAX:g}]")
+        if not 0.0 <= self.normal_sm_share < 1.0:
+            raise ValueError(f"collectives {self.name!r}: normal_sm_share must be in [0, 1)")
+        if not FIGURE_MIN <= self.normal_nic_gbps <= FIGURE_MAX:
+            raise ValueError(f"collectives {self.name!r}: normal_nic_gbps must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}]")
 
 
 _POSITIVE = ("bf16_tflops", "int8_tops", "hbm_gib", "hbm_tbps", "scale_up_gbps", "scale_out_gbps")
@@ -343,7 +355,14 @@ class HardwareDB:
         if not isinstance(pts, dict) or not all(isinstance(v, list) and len(v) == 2 for v in pts.values()):
             raise ValueError(f"{where}: points must map EP -> [dispatch_us, combine_us]")
         points = tuple(sorted((int(ep), float(d), float(c)) for ep, (d, c) in pts.items()))
-        return CollectiveTable(name=name, points=points, domain=number(table, "domain", where, int),
+        normal = table.get("normal_rdma") or {}
+        if not isinstance(normal, dict) or not all(isinstance(v, list) and len(v) == 2 for v in normal.values()):
+            raise ValueError(f"{where}: normal_rdma must map EP -> [dispatch_gbps, combine_gbps]")
+        extra = {"normal_rdma": tuple(sorted((int(ep), float(d), float(c)) for ep, (d, c) in normal.items()))}
+        for k in ("normal_nic_gbps", "normal_sm_share"):
+            if table.get(k) is not None:
+                extra[k] = number(table, k, where)
+        return CollectiveTable(name=name, points=points, domain=number(table, "domain", where, int), **extra,
                                **{k: number(table, k, where) for k in ("tokens", "hidden", "topk", "dispatch_bytes",
                                                                       "combine_bytes", "up_gbps", "out_gbps")})
 

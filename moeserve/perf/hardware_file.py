@@ -46,7 +46,8 @@ EFF_OPTIONAL = ("gemm_memory", "attention_memory", "link_out", "out_latency_us",
                 "tbo_max_gain")
 EFF_ALL = EFF_FIELDS + EFF_OPTIONAL + ("terms", "tbo_gain")  # tbo_gain: {tokens per card: gain}
 COLLECTIVE_FIELDS = ("tokens", "hidden", "topk", "dispatch_bytes", "combine_bytes", "up_gbps", "out_gbps",
-                     "domain", "points", "source")
+                     "domain", "points", "source", "normal_rdma", "normal_nic_gbps",
+                     "normal_sm_share")
 EFF_PARTS = ("default", "devices", "profiles", "default_profile", "ranges")
 # Factors that may carry a documented range ([low, high] fractions of peak; hardware.py Efficiency.ranges).
 RANGED_FIELDS = ("gemm", "attention", "memory", "link", "serving", "gemm_memory", "attention_memory",

@@ -42,10 +42,16 @@ class ModelSpec:
     num_nextn_predict_layers: int = 0
     moe_layer_freq: int = 1
     max_position_embeddings: int | None = None  # context window (prompt + output); None: not stated
+    # Group-limited routing (DeepSeek-V3: 8 groups, top-4): a token's experts lie in topk_group of n_group
+    # expert groups, which bounds the nodes it is sent to (moe.nodes_per_token). 1 / 1: no limit.
+    n_group: int = 1
+    topk_group: int = 1
 
     def __post_init__(self):
         if self.n_routed_experts and self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(f"{self.name}: top-k {self.num_experts_per_tok} > {self.n_routed_experts} experts")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"{self.name}: topk_group {self.topk_group} must be in [1, n_group {self.n_group}]")
 
     # ---- layer counts (cached: the simulator prices hundreds of thousands of steps)
     @cached_property
@@ -160,9 +166,9 @@ def from_hf_config(cfg: dict, name: str = "custom", where: str | None = None) ->
 
 # Fields a config may leave out or null, and what that means (no routed experts, no q compression, ...).
 _OPTIONAL = {"num_nextn_predict_layers": 0, "moe_layer_freq": 1, "n_shared_experts": 0, "n_routed_experts": 0,
-             "q_lora_rank": None, "max_position_embeddings": None}
+             "q_lora_rank": None, "max_position_embeddings": None, "n_group": 1, "topk_group": 1}
 _POSITIVE = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "moe_layer_freq",
-             "max_position_embeddings")
+             "max_position_embeddings", "n_group", "topk_group")
 
 
 def _count(cfg: dict, field: str, where: str, default=...):

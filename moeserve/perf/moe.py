@@ -82,13 +82,60 @@ def moe_permute(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: 
     return roofline(hw, "moe_permute", 0.0, nbytes, "bf16")
 
 
-def moe_comm(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: float) -> list[Op]:
-    """Dispatch + combine (all-to-all) or allgather + reduce-scatter, per MoE layer."""
+def nodes_per_token(m: ModelSpec, nodes: int) -> float:
+    """Expected distinct nodes (own included) a token's top-k experts sit on, experts placed contiguously
+    (EP ranks hold consecutive experts, nodes consecutive ranks, so a node holds whole groups when there are
+    no more nodes than groups). Group-limited routing (DeepSeek-V3: top-4 of 8 groups): a node holding `per`
+    groups is missed with the hypergeometric probability C(G - per, t) / C(G, t), every chosen group taken
+    to hold at least one of the token's experts; more nodes than groups: k experts spread over the t chosen
+    groups' nodes. Without groups: k experts spread uniformly over the nodes."""
+    k = m.num_experts_per_tok
+    if nodes <= 1:
+        return 1.0
+    g, t = m.n_group, m.topk_group
+    if t < g and nodes <= g:
+        per, missed = g / nodes, 1.0
+        for i in range(t):
+            missed *= max(0.0, (g - per - i) / (g - i))
+        return nodes * (1.0 - missed)
+    span = t * nodes / g if t < g else nodes
+    return min(nodes, span * (1.0 - (1.0 - 1.0 / span) ** k))
+
+
+def normal_mode(hw: Hardware, inst: Instance, prefill: bool) -> bool:
+    """Whether a step's all-to-all runs DeepEP's normal mode: prompts only, a fabric with normal-mode
+    figures, and no dedicated shared-expert ranks (not what those figures measured)."""
+    return (prefill and inst.moe_comm == "alltoall" and inst.cards > 1 and not inst.shared_expert_ranks
+            and comm.normal_rate(hw, inst.cards, "dispatch") is not None)
+
+
+def _normal_comm(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: float,
+                 d_bytes: float) -> list[Op]:
+    """Prefill's DeepEP normal-mode dispatch / combine (comm.normal_alltoall)."""
+    k, ep = m.num_experts_per_tok, inst.ep
+    domain = min(hw.scale_up_domain, inst.cards)
+    nodes = -(-inst.cards // domain)
+    send = q / inst.tp
+    copies, _ = routed_load(m, inst, n_tokens, hw.eff.has("load_noise"))
+    ranks_per_token = ep * (1.0 - (1.0 - 1.0 / ep) ** k)  # DeepEP sends a token once per card
+    recv = copies * ranks_per_token / k
+    per_node = nodes_per_token(m, nodes)
+    return [Op("dispatch", comm.normal_alltoall(hw, inst.cards, send, per_node, recv, d_bytes, "dispatch"), "comm"),
+            Op("combine", comm.normal_alltoall(hw, inst.cards, send, per_node, recv, m.hidden_size * ACT,
+                                               "combine"), "comm")]
+
+
+def moe_comm(m: ModelSpec, hw: Hardware, inst: Instance, q: float, n_tokens: float,
+             prefill: bool = False) -> list[Op]:
+    """Dispatch + combine (all-to-all) or allgather + reduce-scatter, per MoE layer. `prefill`: a step of
+    prompts only, whose all-to-all runs DeepEP's normal mode where the fabric has its figures."""
     h, cards = m.hidden_size, inst.cards
     d_bytes = h * inst.dispatch_bytes + _scale_bytes(inst, h)
     if inst.moe_comm == "allgather":
         return [Op("allgather", comm.moe_gather(hw, cards, n_tokens * d_bytes, "dispatch"), "comm"),
                 Op("reduce_scatter", comm.moe_gather(hw, cards, n_tokens * h * ACT, "combine"), "comm")]
+    if normal_mode(hw, inst, prefill):
+        return _normal_comm(m, hw, inst, q, n_tokens, d_bytes)
     send = q / inst.tp * (m.num_experts_per_tok + (1 if inst.shared_expert_ranks else 0))
     recv, _ = routed_load(m, inst, n_tokens, hw.eff.has("load_noise"))
     if inst.shared_expert_ranks:

@@ -60,7 +60,7 @@ def _layer_ops(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, is_moe: boo
     if is_moe:
         n_tokens = b.n_tokens if b.n_tokens is not None else q * inst.dp
         compute = moe.moe_compute(m, hw, inst, q, n_tokens)
-        comm = moe.moe_comm(m, hw, inst, q, n_tokens)
+        comm = moe.moe_comm(m, hw, inst, q, n_tokens, prefill=bool(b.prefill) and not b.decode_seqs)
         ops += compute + [moe.moe_permute(m, hw, inst, q, n_tokens)] + comm
         if overlap and inst.overlap_shared:
             ops.append(_shared_overlap(inst, compute, comm))
@@ -111,6 +111,15 @@ def _main_model(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch, overlap: b
     return step
 
 
+def _sm_share(hw: Hardware, inst: Instance, b: Batch) -> float:
+    """Share of the SMs the overlapped collectives take from compute: DeepEP's normal (prefill) kernels
+    hold a fixed SM count while they run; its low-latency (decode) kernels hold SMs only to send and
+    receive (SGLang's TBO breakdown: no contention in decode). Under the overlap_bound term."""
+    if not hw.eff.has("overlap_bound") or not moe.normal_mode(hw, inst, bool(b.prefill) and not b.decode_seqs):
+        return 0.0
+    return hw.collective.normal_sm_share
+
+
 def _overlapped(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> tuple[Step, float]:
     h = _main_model(m, hw, inst, b.scaled(0.5), overlap=False)  # TBO subsumes it
     c, x = h.seconds("compute"), h.seconds("comm")
@@ -118,7 +127,10 @@ def _overlapped(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> tuple[S
     for op in h.ops:
         step.add(op, 2.0)
     fill = min(c, x) / max(1, m.num_hidden_layers)
-    return step, 2.0 * max(c, x) + fill
+    # Compute running beside the other half's collectives gets (1 - s) of the SMs: C + s X, or X when the
+    # collectives still outlast it.
+    s = _sm_share(hw, inst, b)
+    return step, 2.0 * max(c + s * x, x) + fill
 
 
 def _mtp_draft(m: ModelSpec, hw: Hardware, inst: Instance, b: Batch) -> Step:
