@@ -139,6 +139,8 @@ class ParallelConfig:
     distributed_backend: str = "auto"
     distributed_timeout: float = 60.0  # seconds before a stuck collective / dead rank is an error
     stall_timeout: float = 5.0  # seconds without progress before a stopped rank is dead (--engine-stall-timeout)
+    enable_elastic_ep: bool = False  # survivors ride through the loss of a rank (engine/elastic.py)
+    elastic_ep_timeout: float = 60.0  # seconds the survivors may take to re-form before the engine is dead
 
     def __post_init__(self) -> None:
         _require(self.data_parallel_size >= 1, "--data-parallel-size must be >= 1")
@@ -211,6 +213,21 @@ class ParallelConfig:
                  + f", got {self.master_port}")
         _require(self.distributed_timeout > 0, "--distributed-timeout must be > 0 seconds")
         _require(self.stall_timeout > 0, f"--engine-stall-timeout must be > 0 seconds, got {self.stall_timeout}")
+        _require(self.elastic_ep_timeout > 0, f"--elastic-ep-timeout must be > 0 seconds, got {self.elastic_ep_timeout}")
+        if self.enable_elastic_ep:  # survivors re-form one EP group of whole DP ranks (engine/elastic.py)
+            _require(self.enable_expert_parallel and self.data_parallel_size >= 2,
+                     "--enable-elastic-ep rides through the loss of an expert-parallel rank: it needs "
+                     "--enable-expert-parallel and --data-parallel-size >= 2")
+            _require(self.tensor_parallel_size == 1, "--enable-elastic-ep does not yet support "
+                     "--tensor-parallel-size > 1 (a lost rank would take its TP peers down): use "
+                     "--data-parallel-size for the ranks")
+            _require(self.nnodes == 1, "--enable-elastic-ep runs on one node for now (the front end re-forms the "
+                     "ranks it spawned): drop --nnodes")
+            for flag, on in (("--shared-expert-ranks", self.shared_expert_ranks),
+                             ("--expert-placement", self.expert_placement),
+                             ("--moe-comm-hierarchy two-stage", self.moe_comm_hierarchy != "flat")):
+                _require(not on, f"--enable-elastic-ep does not yet combine with {flag} (the survivors' layout "
+                                 "is recomputed from the default placement); drop one of them")
 
     @property
     def world_size(self) -> int:

@@ -104,6 +104,10 @@ ENGINE_HELP = {
     "master_port": "rendezvous port (None: a free port on one node)",
     "distributed_backend": "auto|gloo|nccl (auto: NCCL for CUDA, gloo otherwise)",
     "distributed_timeout": "seconds a collective may wait before the engine reports a dead rank",
+    "enable_elastic_ep": "with -dp >= 2 and expert parallelism: when a rank process dies the survivors re-form "
+                         "without it, re-place the experts and finish every request (docs/parallelism.md)",
+    "elastic_ep_timeout": "--enable-elastic-ep: seconds the survivors may take to re-form before the engine "
+                          "counts as dead",
     "kv_cache_dtype": "auto|bfloat16|float16|float32|fp8: KV-cache storage, the model dtype or FP8 e4m3 "
                       "(half the bytes of BF16; attention upcasts what it reads)",
     "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",

@@ -93,6 +93,14 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # its TTFT behind the queue, and the prefill seconds it adds for the next one.
     slo_ttft_estimate_s: float = 0.0
     slo_prefill_estimate_s: float = 0.0
+    # --enable-elastic-ep (engine/elastic.py), from the front end: ranks lost so far (none replaced yet: the
+    # engine runs degraded while > 0), seconds the re-formations took (the last one, all of them), requests
+    # re-queued on the survivors and the tokens (prompt + output so far) they recompute
+    elastic_ranks_lost: int = 0
+    elastic_last_recovery_s: float = 0.0
+    elastic_recovery_s: float = 0.0
+    elastic_requeued: int = 0
+    elastic_tokens_recomputed: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -182,6 +190,16 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
 
 # ---- multi-rank engine: front end <-> TP-leader ranks (see engine/dp_client.py, engine/dp_worker.py) ----
 
+class RankReform(msgspec.Struct, array_like=True):
+    """--enable-elastic-ep (engine/elastic.py): front end -> a surviving rank after a rank died: join epoch
+    `epoch` of `world_size` ranks as `rank`, rendezvous at `init_method`."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    init_method: str
+
+
 class RankCommand(msgspec.Struct, array_like=True, omit_defaults=True):
     """Front end -> the TP-leader rank of one DP rank (and, broadcast, to its TP peers)."""
 
@@ -190,6 +208,7 @@ class RankCommand(msgspec.Struct, array_like=True, omit_defaults=True):
     abort_status: str = "abort"  # RequestStatus value the aborted requests finish with
     shutdown: bool = False
     reset_prefix_cache: bool = False
+    reform: RankReform | None = None
 
 
 class RankReport(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -201,3 +220,4 @@ class RankReport(msgspec.Struct, array_like=True, omit_defaults=True):
     ready: bool = False
     num_kv_blocks: int = 0  # sent with ready
     error: str | None = None  # the rank stopped; the message names it and the cause
+    epoch: int = 0  # --enable-elastic-ep: the process-group epoch it was sent in (older ones are stale)

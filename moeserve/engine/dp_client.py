@@ -6,7 +6,9 @@ loaded its shard and reported ready -> add_request sends each request to the DP 
 outstanding work (prompt tokens + tokens still to generate of its unfinished requests) -> step() returns
 the outputs the ranks reported since the last call -> shutdown() tells all ranks to stop together.
 If a rank dies or reports a failure, step() raises EngineDeadError naming the rank; the other ranks are
-stopped (their collectives fail, or they are killed after the timeout).
+stopped (their collectives fail, or they are killed after the timeout). With --enable-elastic-ep a lost rank
+is dropped instead: the survivors re-form under a new epoch and every unfinished request is re-queued on
+them with its tokens so far (engine/elastic.py has the lifecycle).
 """
 from __future__ import annotations
 
@@ -22,10 +24,10 @@ import zmq
 from moeserve import netif
 from moeserve.config import EngineConfig
 from moeserve.engine.dp_balance import LeastLoadedRouter, slo_ranked_ttft
-from moeserve.engine.launch import LocalRanks, TorchrunEnv, resolve_endpoints
+from moeserve.engine.launch import LocalRanks, TorchrunEnv, free_port, resolve_endpoints
 from moeserve.engine.request import RequestStatus
-from moeserve.protocol import (EngineCoreOutput, EngineCoreRequest, EngineStats, RankCommand, RankReport,
-                               add_slo_stats, add_spec_stats)
+from moeserve.protocol import (EngineCoreOutput, EngineCoreRequest, EngineStats, RankCommand, RankReform,
+                               RankReport, add_slo_stats, add_spec_stats)
 
 logger = logging.getLogger(__name__)
 
@@ -58,23 +60,46 @@ class DPEngineClient:
         # the address the ranks were told (--master-addr; 127.0.0.1 by default), not every interface
         self.sock.bind(f"tcp://{'*' if netif.is_wildcard(host) else netif.resolve(host)}:{port}")
         self.ranks = LocalRanks(self.config, init_method, zmq_addr, torchrun)
-        self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.dp_size)
+        # the rank process serving each DP rank (its ZMQ identity is dp<first rank>): elastic EP drops lost ones
+        self.slots: list[int] = list(range(self.dp_size))
+        self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots)
         self.decoder = msgspec.msgpack.Decoder(RankReport)
-        cache = config.cache  # with prefix caching the router prefers the rank that has the prompt's prefix
-        self.router = LeastLoadedRouter(self.dp_size, cache.block_size if cache.enable_prefix_caching else None)
-        self.rank_stats: list[EngineStats] = [EngineStats() for _ in range(self.dp_size)]
-        self.sent_since_report = [0] * self.dp_size  # requests routed to a rank after its last report
         self.dead: str | None = None
         self.num_kv_blocks = 0
         self._last_progress = time.monotonic()
+        self._reset_ranks()
+        # --enable-elastic-ep: every unfinished request with the tokens seen so far (re-queued after a loss)
+        self.epoch = 0
+        self.lost: set[int] = set()  # rank processes dropped
+        self.requests: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
+        self.recovery: dict | None = None  # the re-formation in progress: epoch, waiting DP ranks, start
+        self.elastic_stats = EngineStats()  # the elastic_* counters
+        self.elastic = False  # a rank lost while starting fails the start: nothing runs yet
+        self._wait_ready()
+        self.elastic = parallel.enable_elastic_ep
+
+    def _reset_ranks(self) -> None:
+        """Per-DP-rank state for the current DP size (at start, and after a re-formation)."""
+        cache = self.config.cache  # with prefix caching the router prefers the rank that has the prompt's prefix
+        self.router = LeastLoadedRouter(self.dp_size, cache.block_size if cache.enable_prefix_caching else None)
+        self.rank_stats: list[EngineStats] = [EngineStats() for _ in range(self.dp_size)]
+        self.sent_since_report = [0] * self.dp_size  # requests routed to a rank after its last report
         self._last_report = [time.monotonic()] * self.dp_size  # per DP rank, for the stall check
         self._busy_since = time.monotonic()
-        self._wait_ready()
 
     # ---- EngineCore interface ----------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         self._check_alive()  # a stopped engine answers EngineDeadError, not a closed-socket error
+        if self.elastic:
+            self.requests[req.request_id] = (req, [])
+            if self.recovery is not None:
+                return  # sent with the re-queued ones once the survivors are ready
+        self._route(req)
+
+    def _route(self, req: EngineCoreRequest) -> None:
         max_new = req.sampling_params.max_tokens or self.config.scheduler.max_model_len
+        max_new = max(1, max_new - len(req.output_token_ids))
+        prompt = req.prompt_token_ids + req.output_token_ids if req.output_token_ids else req.prompt_token_ids
         if not self.router:
             self._busy_since = time.monotonic()
         ttft = None
@@ -82,7 +107,7 @@ class DPEngineClient:
             st = self.rank_stats
             ttft = slo_ranked_ttft([s.slo_ttft_estimate_s for s in st], [s.slo_prefill_estimate_s for s in st],
                                    self.sent_since_report)
-        dp = self.router.assign(req.request_id, len(req.prompt_token_ids), max_new, req.prompt_token_ids, ttft)
+        dp = self.router.assign(req.request_id, len(prompt), max_new, prompt, ttft)
         self.sent_since_report[dp] += 1
         self._send(dp, RankCommand(requests=[req]))
 
@@ -90,6 +115,7 @@ class DPEngineClient:
         by_rank: dict[int, list[str]] = {}
         unknown = []
         for rid in request_ids:
+            self.requests.pop(rid, None)
             if rid in self.router:
                 by_rank.setdefault(self.router.forget(rid), []).append(rid)
             else:
@@ -106,7 +132,7 @@ class DPEngineClient:
             self._send(dp, RankCommand(aborts=ids, abort_status=reason.value))
 
     def has_unfinished(self) -> bool:
-        return bool(self.router)
+        return bool(self.requests) if self.elastic else bool(self.router)
 
     @property
     def num_waiting(self) -> int:
@@ -115,12 +141,19 @@ class DPEngineClient:
     def step(self, poll_s: float = 0.05) -> list[EngineCoreOutput]:
         """Outputs reported since the last call (waits up to poll_s for the first)."""
         self._check_alive()
+        if self.recovery is not None:
+            self._poll_recovery(poll_s)
+            return []
         outputs: list[EngineCoreOutput] = []
         timeout_ms = int(poll_s * 1000)
         heard = False
         while self.sock.poll(timeout_ms):
             timeout_ms, heard = 0, True
             report = self._recv()
+            if report is None:  # of an older epoch, or a loss that started a re-formation
+                if self.recovery is not None:
+                    return outputs
+                continue
             self._last_report[report.dp_rank] = time.monotonic()
             self.rank_stats[report.dp_rank] = report.stats or self.rank_stats[report.dp_rank]
             if report.stats:
@@ -129,8 +162,11 @@ class DPEngineClient:
                 if out.request_id not in self.router:
                     continue  # aborted here already
                 self.router.progress(out.request_id, len(out.new_token_ids))
+                if self.elastic and out.request_id in self.requests:
+                    self.requests[out.request_id][1].extend(out.new_token_ids)
                 if out.finish_reason is not None:
                     self.router.forget(out.request_id)
+                    self.requests.pop(out.request_id, None)
                 outputs.append(out)
         if heard or not self.router:  # every step reports, so a long chunked prefill is progress too
             self._last_progress = time.monotonic()
@@ -138,6 +174,10 @@ class DPEngineClient:
             # a stopped rank (SIGSTOP) never resumes by itself: dead now, not after the gloo timeout; a rank
             # that is merely slow (a long step) is not stopped, and only --distributed-timeout ends that
             r, t = self.ranks.stopped()[0], self.tp_size
+            if self.elastic:  # dropped like a dead rank: the next _check_alive re-forms the others
+                logger.warning("rank %d is stopped and no rank progressed for %.1f s: killing it", r, silent)
+                self.ranks.kill_rank(r)
+                return outputs
             self.ranks.kill()  # the others wait in a collective with it: no clean exit to wait for
             self._fail(f"rank {r} (dp {r // t}, tp {r % t}) is stopped (SIGSTOP or a debugger) and no rank "
                        f"progressed for {silent:.1f} s (--engine-stall-timeout {self.stall_timeout:g}); "
@@ -173,13 +213,18 @@ class DPEngineClient:
                 total.phase_seconds[k] = total.phase_seconds.get(k, 0.0) + v
         total.outstanding_tokens = sum(self.router.load)
         total.stalled_s = self.stalled_s()
+        for f in ("elastic_ranks_lost", "elastic_last_recovery_s", "elastic_recovery_s", "elastic_requeued",
+                  "elastic_tokens_recomputed"):
+            setattr(total, f, getattr(self.elastic_stats, f))
+        if self.recovery is not None:  # re-forming is not a hang: the survivors report when ready
+            total.num_waiting += len(self.requests)
         return total
 
     def stalled_s(self) -> float:
         """Seconds the quietest DP rank has not reported while requests are unfinished. With work anywhere
         every rank steps (lockstep) and reports each step, so a silent rank is a hung one (SIGSTOP, a stuck
         collective), long before --distributed-timeout declares it dead."""
-        if not self.router:
+        if not self.router or self.recovery is not None:
             return 0.0
         return max(0.0, time.monotonic() - max(self._busy_since, min(self._last_report)))
 
@@ -197,11 +242,22 @@ class DPEngineClient:
 
     # ---- internals ---------------------------------------------------------------------------------
     def _send(self, dp: int, cmd: RankCommand) -> None:
-        self.sock.send_multipart([f"dp{dp}".encode(), msgspec.msgpack.encode(cmd)])
+        self.sock.send_multipart([f"dp{self.slots[dp]}".encode(), msgspec.msgpack.encode(cmd)])
 
-    def _recv(self) -> RankReport:
+    def _recv(self) -> RankReport | None:
+        """The next report; None for one of an older epoch, or an error that began a re-formation."""
         _, payload = self.sock.recv_multipart()
         report = self.decoder.decode(payload)
+        if report.epoch != self.epoch:
+            return None  # elastic EP: sent before the survivors re-formed
+        if report.error and self.elastic:
+            # a survivor left its step: a rank died (seen here within moments) or the engine is broken
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and not self._newly_dead():
+                time.sleep(0.05)
+            if self._newly_dead():
+                self._check_alive()  # starts the re-formation
+                return None
         if report.error:
             # A rank whose collective failed usually reports before the dead peer is reaped: give the
             # cause a moment to show, and name it first.
@@ -222,18 +278,26 @@ class DPEngineClient:
                            f"{STARTUP_TIMEOUT_S:.0f} s")
             if self.sock.poll(100):
                 report = self._recv()
+                if report is None:
+                    continue
                 ready.add(report.dp_rank)
                 self.num_kv_blocks = report.num_kv_blocks  # per DP rank (all ranks size their pool alike)
 
     def _check_alive(self) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
+        if self.elastic and self._newly_dead() and len(self.slots) > len(self._newly_dead()):
+            self._start_recovery()
+            return
         cause = self._dead_rank_text()
         if cause:
             self._fail(cause)
 
+    def _newly_dead(self) -> dict[int, int]:
+        return {r: c for r, c in self.ranks.dead().items() if r not in self.lost}
+
     def _dead_rank_text(self) -> str | None:
-        dead = self.ranks.dead()
+        dead = self._newly_dead()
         if not dead:
             return None
         # A rank killed by a signal is the cause; ranks that exited 1 failed in a collective after it.
@@ -241,17 +305,72 @@ class DPEngineClient:
         t = self.tp_size
         return f"rank {first} (dp {first // t}, tp {first % t}) {_exit_text(dead[first])}; the engine stopped"
 
+    # ---- --enable-elastic-ep: re-form the survivors ---------------------------------------------------
+    def _start_recovery(self) -> None:
+        """Drop the dead rank(s); tell each survivor its rank in a new epoch with a fresh rendezvous."""
+        dead = self._newly_dead()
+        self.lost.update(dead)
+        for r, code in sorted(dead.items()):
+            logger.warning("rank %d %s: the %d other ranks re-form without it (--enable-elastic-ep)", r,
+                           _exit_text(code), len(self.slots) - len(dead))
+        self.elastic_stats.elastic_ranks_lost = len(self.lost)
+        self.slots[:] = [s for s in self.slots if s not in self.lost]  # in place: the finalizer holds the list
+        self.epoch += 1
+        self.dp_size = len(self.slots)
+        init = f"tcp://{self.config.parallel.master_addr}:{free_port()}"
+        for dp in range(self.dp_size):
+            self._send(dp, RankCommand(reform=RankReform(self.epoch, dp, self.dp_size, init)))
+        started = self.recovery["started"] if self.recovery else time.monotonic()  # a loss while re-forming
+        self.recovery = {"waiting": set(range(self.dp_size)), "started": started}
+        self._reset_ranks()
+
+    def _poll_recovery(self, poll_s: float) -> None:
+        rec, timeout = self.recovery, self.config.parallel.elastic_ep_timeout
+        timeout_ms = int(poll_s * 1000)
+        while self.recovery is rec and self.sock.poll(timeout_ms):
+            timeout_ms = 0
+            report = self._recv()
+            if report is not None and report.ready:
+                rec["waiting"].discard(report.dp_rank)
+                self.num_kv_blocks = report.num_kv_blocks
+        if self.recovery is not rec:
+            return  # another loss began a newer epoch
+        if not rec["waiting"]:
+            self._finish_recovery()
+        elif time.monotonic() - rec["started"] > timeout:
+            self._fail(f"the {self.dp_size} surviving rank(s) did not re-form within {timeout:g} s "
+                       f"(--elastic-ep-timeout); waiting for DP rank(s) {sorted(rec['waiting'])}")
+
+    def _finish_recovery(self) -> None:
+        """Every unfinished request goes to the survivors with its tokens so far (issue 31's resume)."""
+        took = time.monotonic() - self.recovery["started"]
+        self.recovery = None
+        st = self.elastic_stats
+        st.elastic_last_recovery_s = took
+        st.elastic_recovery_s += took
+        for rid, (req, seen) in self.requests.items():
+            out = list(req.output_token_ids) + seen
+            params = req.sampling_params
+            if seen and params.prompt_logprobs is not None:
+                params = dataclasses.replace(params, prompt_logprobs=None)  # the caller has them already
+            self._route(msgspec.structs.replace(req, sampling_params=params, output_token_ids=out))
+            st.elastic_requeued += 1
+            st.elastic_tokens_recomputed += len(req.prompt_token_ids) + len(out)
+        self._last_progress = time.monotonic()
+        logger.warning("epoch %d: %d rank(s) serve again after %.2f s; %d request(s) re-queued", self.epoch,
+                       self.dp_size, took, len(self.requests))
+
     def _fail(self, message: str) -> None:
         self.dead = message
         self._finalizer()
         raise EngineDeadError(message)
 
 
-def _stop(sock, ranks: LocalRanks, dp_size: int) -> None:
+def _stop(sock, ranks: LocalRanks, slots: list[int]) -> None:
     """Ask every DP rank to shut down, then make sure the local processes are gone."""
     try:
-        for dp in range(dp_size):
-            sock.send_multipart([f"dp{dp}".encode(), msgspec.msgpack.encode(RankCommand(shutdown=True))],
+        for slot in slots:
+            sock.send_multipart([f"dp{slot}".encode(), msgspec.msgpack.encode(RankCommand(shutdown=True))],
                                 flags=zmq.NOBLOCK)
     except zmq.ZMQError:
         pass

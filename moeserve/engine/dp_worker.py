@@ -9,7 +9,8 @@ TP leader (tp_rank 0) of each DP rank connects to the front end over ZMQ and rep
   3. every rank steps (a rank with no work runs an empty forward: the MoE layers are collectives), with a
      token budget that evens prefill tokens across DP ranks (prefill bucketing);
   4. the leader sends the step's outputs and stats back.
-A failed collective (a dead peer, a timeout) ends the rank with a RankReport naming it.
+A failed collective (a dead peer, a timeout) ends the rank with a RankReport naming it; with
+--enable-elastic-ep the rank instead waits for the front end to re-form the survivors (engine/elastic.py).
 """
 from __future__ import annotations
 
@@ -35,28 +36,52 @@ from moeserve.protocol import SLO_FIELDS, SPEC_FIELDS, EngineStats, RankCommand,
 IDLE_POLL_MS = 10  # how long an idle leader waits for commands before the next agreement round
 
 
+class EpochOver(Exception):
+    """--enable-elastic-ep: the front end re-forms the ranks (it saw a loss before this rank's collective did)."""
+
+    def __init__(self, reform) -> None:
+        super().__init__(f"the front end re-forms the ranks as epoch {reform.epoch}")
+        self.reform = reform
+
+
 class RankWorker:
     def __init__(self, config: EngineConfig, info: RankInfo, zmq_addr: str, parent_pid: int | None) -> None:
-        self.config, self.info, self.parent_pid = config, info, parent_pid
-        self.world, self.tp = get_world_group(), get_tp_group()
-        self.leader = info.tp_rank == 0
-        self.core = EngineCore(config)
-        self.stats = EngineStats()
+        self.parent_pid = parent_pid
+        self.base_config = config  # --enable-elastic-ep: survivors derive each epoch's layout from it
+        self.epoch = 0  # --enable-elastic-ep: the process-group epoch this rank serves in
         self.sock = None
-        if self.leader:
+        if info.tp_rank == 0:
             self.sock = zmq.Context.instance().socket(zmq.DEALER)
+            # the identity stays this process's first DP rank for its life: the front end addresses it so
             self.sock.setsockopt(zmq.IDENTITY, f"dp{info.dp_rank}".encode())
             self.sock.setsockopt(zmq.LINGER, 1000)
             self.sock.connect(zmq_addr)
-            self.report(RankReport(info.dp_rank, ready=True, num_kv_blocks=self.core.num_kv_blocks))
         self.decoder = msgspec.msgpack.Decoder(RankCommand)  # from the front end
         self.list_decoder = msgspec.msgpack.Decoder(list[RankCommand])  # from the TP leader
+        self.arch = None
+        self.start(config, info)
+
+    def start(self, config: EngineConfig, info: RankInfo) -> None:
+        """Build the engine core over the process groups init_distributed() formed, then report ready."""
+        self.config, self.info = config, info
+        self.world, self.tp = get_world_group(), get_tp_group()
+        self.leader = info.tp_rank == 0
+        self.core = EngineCore(config, self.arch)
+        self.arch = self.core.arch
+        self.stats = EngineStats()
+        if self.leader:
+            self.report(RankReport(info.dp_rank, ready=True, num_kv_blocks=self.core.num_kv_blocks))
 
     def report(self, msg: RankReport) -> None:
+        msg.epoch = self.epoch
         self.sock.send(msgspec.msgpack.encode(msg))
 
+    def front_end_gone(self) -> bool:
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
     def close(self) -> None:
-        self.core.flush_stats()
+        if self.core is not None:
+            self.core.flush_stats()
         if self.sock is not None:
             self.sock.close()
 
@@ -117,7 +142,7 @@ class RankWorker:
         """This step's commands: read by the leader, identical on every TP rank of the DP rank."""
         cmds: list[RankCommand] = []
         if self.leader:
-            if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            if self.front_end_gone():
                 raise RuntimeError("the front-end process exited")
             timeout = IDLE_POLL_MS if wait and not self.core.has_schedulable() else 0
             while self.sock.poll(timeout):
@@ -131,6 +156,8 @@ class RankWorker:
     def _apply(self, cmds: list[RankCommand]) -> bool:
         """Apply commands in order; True if one asks to shut down."""
         for cmd in cmds:
+            if cmd.reform is not None:
+                raise EpochOver(cmd.reform)
             for req in cmd.requests:
                 self.core.add_request(req)
             if cmd.aborts:
@@ -153,7 +180,11 @@ def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, p
     try:
         init_distributed(config.parallel, rank, init_method)
         worker = RankWorker(config, info, zmq_addr, parent_pid)
-        worker.run()
+        if config.parallel.enable_elastic_ep:  # a peer's loss: re-form with the survivors, go on serving
+            from moeserve.engine.elastic import ride_through
+            ride_through(worker)
+        else:
+            worker.run()
     except BaseException as e:  # noqa: BLE001 - report any failure, then exit non-zero
         msg = f"{info.describe()} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         print(f"moeserve: {msg}\n{traceback.format_exc()}", file=sys.stderr, flush=True)

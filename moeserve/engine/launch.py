@@ -64,8 +64,9 @@ def resolve_endpoints(parallel: ParallelConfig, torchrun: TorchrunEnv | None) ->
     return parallel, f"tcp://{addr}:{port}", f"tcp://{addr}:{zmq_port}"
 
 
-def check_parallel_layout(config: EngineConfig, arch) -> None:
+def check_parallel_layout(config: EngineConfig, arch, torchrun: TorchrunEnv | None = None) -> None:
     """Refuse layouts the model cannot take, before any process starts (messages name the flag)."""
+    from moeserve.engine.elastic import check_elastic
     from moeserve.layers.moe.placement import build_plan
 
     parallel = config.parallel
@@ -75,6 +76,7 @@ def check_parallel_layout(config: EngineConfig, arch) -> None:
         raise ConfigError(f"--tensor-parallel-size {t} does not divide the model's {arch.num_attention_heads} "
                           "attention heads; choose a divisor")
     build_plan(parallel, arch, 0, mtp=config.speculative is not None)
+    check_elastic(config, arch, torchrun is not None)  # --enable-elastic-ep: a layout that survives a loss
     if config.speculative is not None:  # else every rank would load the model and then fail on its own
         from moeserve.models.loader import has_mtp_tensors
         from moeserve.speculative.mtp_model import missing_mtp_layer
@@ -109,7 +111,7 @@ def make_engine_core(config: EngineConfig, arch=None):
     torchrun = TorchrunEnv.detect()
     if not needs_ranks(config.parallel, torchrun):
         return EngineCore(config, arch)
-    check_parallel_layout(config, arch)
+    check_parallel_layout(config, arch, torchrun)
     if not hosts_front_end(config.parallel, torchrun):
         run_ranks_only(config, torchrun)
         raise SystemExit(0)
@@ -200,6 +202,13 @@ class LocalRanks:
                 pass
         if self.thread is not None:
             self.thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def kill_rank(self, rank: int) -> None:
+        """SIGKILL one rank (--enable-elastic-ep: a stopped rank is dropped, the others ride through)."""
+        p = self.procs[rank]
+        if p.poll() is None:
+            p.kill()
+        p.wait(5)
 
     def kill(self) -> None:
         for p in self.procs.values():

@@ -205,8 +205,10 @@ _add(REFUSED, "Ray is not used: moeserve spawns its rank processes (use -dp / --
 _add(REFUSED, "external / hybrid DP load balancing is not supported: one `moeserve serve -dp N` deployment balances "
      "its ranks (or several instances behind `moeserve proxy`)", "--data-parallel-rank -dpn",
      "--data-parallel-hybrid-lb -dph", "--data-parallel-external-lb -dpe", "--data-parallel-multi-port-external-lb -dpm")
-_add(REFUSED, "elastic EP is not supported: restart with another -dp", "--enable-elastic-ep",
-     "--elastic-ep-max-dp-size")
+_add(IMPLEMENTED, "rides through the loss of a rank (the survivors re-form without it); growing the DP size is "
+     "not supported yet", "--enable-elastic-ep", kind="bool")
+_add(REFUSED, "growing an elastic EP engine is not supported yet: --enable-elastic-ep rides through the loss of a "
+     "rank; restart with another -dp to grow", "--elastic-ep-max-dp-size")
 _add(REFUSED, "engine-core deaths are restarted by the launcher (--max-engine-restarts, --engine-restart-backoff)",
      "--enable-fault-tolerance", "--fault-tolerance-config")
 _add(REFUSED, "weights and KV cache offloading are not supported (size the KV pool with --kv-cache-memory or "

@@ -1,0 +1,164 @@
+"""Elastic expert parallelism (--enable-elastic-ep): a DP/EP engine rides through the loss of a rank.
+
+Lifecycle (stage 1 of issue 37; one node, TP 1, gloo or NCCL):
+  0. start-up: check_elastic() refuses a layout that could not survive a loss (dummy weights: nothing to
+     re-read the lost experts from; PD transfer; torchrun), naming the flag.
+  1. a rank process dies (its exit is seen by the front end, dp_client.py) or is stopped (SIGSTOP: after
+     --engine-stall-timeout the front end kills it, then as 1).
+  2. the survivors leave the step they are in: their gloo collective raises when the dead peer's sockets
+     close, and a survivor that leaves tears its process groups down, which closes its own sockets, so a
+     survivor blocked on it raises too (the cascade ends every survivor's step; --distributed-timeout bounds
+     the worst case). Each reports the error with its epoch and waits for the front end (ride_through()).
+  3. the front end starts epoch e + 1: a fresh TCPStore port, and to each survivor (in old rank order) a
+     RankReform with its new rank and the new world size. Commands and reports of older epochs are dropped.
+  4. each survivor joins the new process groups and rebuilds its engine core for the smaller EP group:
+     survivor_parallel() recomputes the placement (default map; redundant slots added where the experts no
+     longer divide over the ranks) and the loader reads this rank's experts, only those, from the checkpoint.
+     It reports ready in the new epoch.
+  5. when all are ready the front end re-queues every unfinished request with its tokens so far
+     (EngineCoreRequest.output_token_ids, issue 31's resume): greedy and seeded outputs continue exactly where
+     the front end last saw them. New requests that arrived meanwhile wait in the front end until then.
+A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
+
+Stage 1 rebuilds each survivor's engine core: its KV cache and its requests are recomputed too (the prefix
+cache starts empty), and every weight is read again (from the page cache). Next (docs/parallelism.md): fill the
+new slots from replicas the survivors hold and a host copy, keep the survivors' KV, and let a replacement
+rank join (stage 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import os
+import sys
+import time
+
+from moeserve.config import ConfigError, EngineConfig, ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+WAIT_POLL_MS = 100  # a survivor waiting for its re-formation checks the front end's liveness this often
+
+
+def survivor_parallel(parallel: ParallelConfig, num_experts: int, alive: int, master_port: int) -> ParallelConfig:
+    """The layout of `alive` survivors: one DP rank fewer per loss, redundant slots topped up so that the
+    experts spread evenly (8 experts over 3 ranks: one replica more), options that need 2+ ranks off for 1."""
+    redundant = parallel.num_redundant_experts
+    redundant += -(num_experts + redundant) % alive
+    many = alive > 1
+    return dataclasses.replace(
+        parallel, data_parallel_size=alive, master_port=master_port, num_redundant_experts=redundant,
+        moe_node_size=None, enable_eplb=parallel.enable_eplb and many, enable_elastic_ep=many,
+        moe_pipeline_chunks=parallel.moe_pipeline_chunks if many else 1)
+
+
+def check_elastic(config: EngineConfig, arch, torchrun: bool = False) -> None:
+    """Start-up refusal of a layout that cannot survive the loss of a rank (the flags are checked by
+    ParallelConfig)."""
+    from moeserve.layers.moe.placement import build_plan
+
+    p = config.parallel
+    if not p.enable_elastic_ep:
+        return
+    if torchrun:
+        raise ConfigError("--enable-elastic-ep re-forms the rank processes the front end spawned; under torchrun "
+                          "each process is a rank of torchrun's: start `moeserve` without torchrun")
+    if config.model.load_format == "dummy":
+        raise ConfigError("--enable-elastic-ep: with --load-format dummy the experts of a lost rank cannot be read "
+                          "again (no checkpoint weights, and no replica or host copy yet): drop --load-format dummy "
+                          "or --enable-elastic-ep")
+    if config.kv_transfer is not None:
+        raise ConfigError("--enable-elastic-ep does not yet combine with --kv-transfer-config (a lost rank's pulled "
+                          "KV cannot be re-queued): drop one of them")
+    after = survivor_parallel(p, arch.n_routed_experts or 0, p.data_parallel_size - 1, p.master_port or 1)
+    try:
+        build_plan(after, arch, 0, mtp=config.speculative is not None)
+    except ConfigError as e:
+        raise ConfigError(f"--enable-elastic-ep: after the loss of a rank the {after.world_size} survivors could "
+                          f"not hold the experts: {e}") from None
+
+
+# ---- a rank's side ---------------------------------------------------------------------------------------
+
+def ride_through(worker) -> None:
+    """Run the rank's loop (dp_worker.RankWorker); when a step fails, leave the epoch, wait for the front end's
+    re-formation and serve in the new one. Returns when the front end shuts the engine down."""
+    from moeserve.engine.dp_worker import EpochOver
+    from moeserve.protocol import RankReport
+
+    while True:
+        reform = None
+        try:
+            worker.run()
+            return
+        except EpochOver as e:  # the front end saw the loss first; this rank's collective had not failed yet
+            reform = e.reform
+        except Exception as e:  # noqa: BLE001 - a peer died mid-step (or its collective timed out)
+            _left(worker, e, RankReport)
+        while True:
+            _leave_epoch(worker)
+            reform = reform or _wait_for_reform(worker)
+            if reform is None:
+                return
+            try:
+                _join_epoch(worker, reform)
+                break
+            except Exception as e:  # noqa: BLE001 - another rank died while re-forming: wait for the next epoch
+                reform = None
+                _left(worker, e, RankReport)
+
+
+def _left(worker, e: Exception, report_cls) -> None:
+    if worker.front_end_gone():
+        raise e
+    first = str(e).splitlines()[0] if str(e) else ""
+    msg = f"{worker.info.describe()} left epoch {worker.epoch}: {type(e).__name__}: {first}"
+    print(f"moeserve: {msg}", file=sys.stderr, flush=True)
+    worker.report(report_cls(worker.info.dp_rank, error=msg))
+
+
+def _leave_epoch(worker) -> None:
+    """Drop the engine core (its model holds the old groups) and the process groups; closing them ends the
+    collectives of survivors still blocked on this rank."""
+    from moeserve.distributed.parallel_state import destroy_distributed
+
+    worker.core = None
+    gc.collect()
+    try:
+        destroy_distributed()
+    except Exception as e:  # noqa: BLE001 - a group of a dead peer may fail to close; the next epoch is new
+        logger.warning("tearing down epoch %d's process groups: %s", worker.epoch, e)
+    gc.collect()
+
+
+def _wait_for_reform(worker):
+    """The front end's RankReform for a newer epoch; None at shutdown. Older commands (requests sent before
+    the front end saw the loss) are dropped: the front end re-queues every request after the re-formation."""
+    while True:
+        if worker.front_end_gone():
+            raise RuntimeError("the front-end process exited")
+        if not worker.sock.poll(WAIT_POLL_MS):
+            continue
+        cmd = worker.decoder.decode(worker.sock.recv())
+        if cmd.shutdown:
+            return None
+        if cmd.reform is not None and cmd.reform.epoch > worker.epoch:
+            return cmd.reform
+
+
+def _join_epoch(worker, reform) -> None:
+    from urllib.parse import urlsplit
+
+    from moeserve.distributed.parallel_state import RankInfo, init_distributed
+
+    started = time.monotonic()
+    base = worker.base_config
+    parallel = survivor_parallel(base.parallel, worker.arch.n_routed_experts or 0, reform.world_size,
+                                 urlsplit(reform.init_method).port)
+    config = dataclasses.replace(base, parallel=parallel)
+    worker.epoch = reform.epoch
+    init_distributed(parallel, reform.rank, reform.init_method)
+    worker.start(config, RankInfo.of(reform.rank, parallel))
+    print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
+          f"in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)

@@ -1,0 +1,119 @@
+"""--enable-elastic-ep (issue 37, stage 1): a DP/EP engine whose rank dies (SIGKILL, or SIGSTOP past
+--engine-stall-timeout) goes on with the survivors, and every request finishes with the greedy tokens of an
+unfailed run. Real rank processes over gloo, float32, the tiny V3 checkpoint (8 routed experts)."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from moeserve import LLM, SamplingParams
+from moeserve.config import ConfigError, ParallelConfig
+from moeserve.engine.elastic import survivor_parallel
+from moeserve.protocol import EngineCoreRequest
+
+PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61)), [7, 8, 9, 10, 11]]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path(ckpt_dir):
+    return ckpt_dir("v3")
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    llm = LLM(path, dtype="float32")
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def elastic_llm(path, dp, **kw):
+    return LLM(path, dtype="float32", data_parallel_size=dp, enable_expert_parallel=True, enable_elastic_ep=True,
+               num_redundant_experts=-8 % dp, distributed_timeout=60, **kw)
+
+
+def signal_after_steps(engine, rank: int, sig: int, steps: int) -> threading.Thread:
+    """Send `sig` to rank process `rank` once a DP rank has run `steps` steps (LLM.generate runs meanwhile)."""
+    pid = engine.ranks.procs[rank].pid
+
+    def watch():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and max(s.num_steps for s in list(engine.rank_stats)) < steps:
+            time.sleep(0.005)
+        os.kill(pid, sig)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def generate(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def test_dp3_loses_a_nonzero_rank_mid_decode_then_a_stopped_one(path, reference):
+    llm = elastic_llm(path, 3)
+    try:
+        engine = llm.engine
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
+        got = {f"r{i}": [] for i in range(len(PROMPTS))}
+        killed = False
+        deadline = time.monotonic() + 300
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+            if not killed and sum(map(len, got.values())) >= 8:  # every rank mid-decode
+                os.kill(engine.ranks.procs[1].pid, signal.SIGKILL)
+                killed = True
+        assert killed and not engine.has_unfinished()
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == reference  # none lost, none changed
+        stats = engine.stats()
+        assert (engine.dp_size, engine.epoch, stats.elastic_ranks_lost) == (2, 1, 1)
+        assert stats.elastic_requeued == len(PROMPTS) and stats.elastic_last_recovery_s > 0
+        # the offline LLM rides through a second loss: a stopped rank is killed after --engine-stall-timeout
+        watcher = signal_after_steps(engine, 2, signal.SIGSTOP, engine.stats().num_steps + 3)
+        assert generate(llm) == reference
+        watcher.join(5)
+        assert (engine.dp_size, engine.epoch, engine.stats().elastic_ranks_lost) == (1, 2, 2)
+        assert engine.ranks.procs[2].poll() == -signal.SIGKILL
+    finally:
+        llm.shutdown()
+
+
+def test_dp2_loses_rank_0_during_prefill_and_one_survivor_serves(path, reference):
+    # 16-token steps: the 41-token prompt prefills over three steps; rank 0 dies after the first
+    llm = elastic_llm(path, 2, max_num_batched_tokens=16)
+    try:
+        engine = llm.engine
+        signal_after_steps(engine, 0, signal.SIGKILL, 1)
+        assert generate(llm) == reference
+        assert (engine.dp_size, engine.slots, engine.stats().elastic_ranks_lost) == (1, [1], 1)
+        assert generate(llm) == reference  # the survivor alone serves the next batch too
+    finally:
+        llm.shutdown()
+
+
+def test_survivor_layout_tops_up_redundant_slots():
+    p = ParallelConfig(data_parallel_size=3, enable_expert_parallel=True, num_redundant_experts=1,
+                       enable_eplb=True, enable_elastic_ep=True)
+    two = survivor_parallel(p, 8, 2, 1234)
+    assert (two.data_parallel_size, two.num_redundant_experts, two.master_port, two.enable_eplb) == (2, 2, 1234, True)
+    one = survivor_parallel(p, 8, 1, 1234)
+    assert (one.num_redundant_experts, one.enable_eplb, one.enable_elastic_ep) == (1, False, False)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(data_parallel_size=2), "--enable-expert-parallel and --data-parallel-size >= 2"),
+    (dict(data_parallel_size=1, enable_expert_parallel=True), "--data-parallel-size >= 2"),
+    (dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True), "--tensor-parallel-size > 1"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, shared_expert_ranks=1), "--shared-expert-ranks"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, elastic_ep_timeout=0), "--elastic-ep-timeout"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, load_format="dummy"), "--load-format dummy"),
+])
+def test_refusals_name_the_flag(path, kw, words):
+    kw.setdefault("enable_elastic_ep", True)
+    with pytest.raises(ConfigError) as e:
+        LLM(path, dtype="float32", **kw)
+    assert words in str(e.value) and ("--enable-elastic-ep" in str(e.value) or "elastic-ep-timeout" in words)
