@@ -192,6 +192,17 @@ class ServerMetrics:
         not_resumed = Counter("moeserve:requests_not_resumed", "Requests in flight when the engine core died that "
                               "were failed instead of resumed", names + ["reason"])
         self.not_resumed = {r: not_resumed.labels(**self._labels, reason=r) for r in NOT_RESUMED_REASONS}
+        # --enable-elastic-ep (engine/elastic.py): the engine rides through lost ranks
+        self.elastic_degraded = Gauge("moeserve:elastic_ep_degraded", "Ranks lost and not replaced: the engine "
+                                      "serves on the survivors while > 0", **gauge).labels(**self._labels)
+        self.elastic_losses = counter("moeserve:elastic_ep_rank_losses", "Ranks lost while serving")
+        self.elastic_recovery = histogram("moeserve:elastic_ep_recovery_seconds", "Seconds from a rank loss "
+                                          "seen to the survivors serving again", REQUEST_LATENCY_BUCKETS)
+        self.elastic_requeued = counter("moeserve:elastic_ep_requests_requeued",
+                                        "Unfinished requests re-queued on the survivors after a rank loss")
+        self.elastic_recomputed = counter("moeserve:elastic_ep_tokens_recomputed",
+                                          "Tokens (prompt + output so far) the re-queued requests recompute")
+        self._elastic_seen = EngineStats()
         self._preemptions_seen: int | None = None
         self.slo = SLOMetrics(model_name)
         self._prefix_seen = dict.fromkeys(self.prefix_cache, 0)  # the engine counts from its start
@@ -224,6 +235,18 @@ class ServerMetrics:
                     self._prefix_seen[f] = value
             self.spec.update(stats)
             self.slo.update(stats)
+            self._update_elastic(stats)
+
+    def _update_elastic(self, stats: EngineStats) -> None:
+        seen = self._elastic_seen
+        self.elastic_degraded.set(stats.elastic_ranks_lost)
+        for counter, f in ((self.elastic_losses, "elastic_ranks_lost"), (self.elastic_requeued, "elastic_requeued"),
+                           (self.elastic_recomputed, "elastic_tokens_recomputed")):
+            if getattr(stats, f) > getattr(seen, f):
+                counter.inc(getattr(stats, f) - getattr(seen, f))
+        if stats.elastic_recovery_s > seen.elastic_recovery_s:  # a re-formation finished since the last stats
+            self.elastic_recovery.observe(stats.elastic_last_recovery_s)
+        self._elastic_seen = stats
 
     def observe_request(self, params) -> None:
         """A request's sampling parameters as it arrives."""

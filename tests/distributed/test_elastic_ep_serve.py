@@ -1,0 +1,54 @@
+"""`moeserve serve --enable-elastic-ep` with DP=3 + EP (issue 37): a rank killed while 8 greedy streams are in
+flight. The engine core is not restarted, /health stays 200 throughout, every stream finishes with the output
+of an unfailed run, and /metrics says the engine is degraded, counts the loss and the re-queued requests."""
+import os
+import signal
+import threading
+
+import httpx
+
+from tests.entrypoints.server import ServerProcess
+from tests.entrypoints.test_request_resume import PROMPTS, _answer, _run_streams
+from tests.entrypoints.test_stopped_rank_server import children
+
+
+def test_streams_ride_through_a_killed_rank_and_health_stays_200(ckpt_dir):
+    s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32", "--data-parallel-size", "3",
+                      "--enable-expert-parallel", "--num-redundant-experts", "1", "--enable-elastic-ep")
+    try:
+        model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        reference = _run_streams(s.url, model)
+        assert s.metric("moeserve:elastic_ep_degraded") == 0
+        core = s.engine_pid
+        ranks = sorted(children(core))
+        assert len(ranks) == 3, ranks
+        health: list[int] = []
+        done = threading.Event()
+
+        def poll_health():
+            while not done.is_set():
+                health.append(httpx.get(s.url + "/health", timeout=30).status_code)
+                done.wait(0.1)
+
+        poller = threading.Thread(target=poll_health, daemon=True)
+        poller.start()
+        try:
+            got = _run_streams(s.url, model, lambda: os.kill(ranks[1], signal.SIGKILL))
+        finally:
+            done.set()
+            poller.join(35)
+        for i in range(len(PROMPTS)):
+            errors = [e for e in got[i] if isinstance(e, dict) and "error" in e]
+            assert not errors and got[i][-1] == "[DONE]", (i, errors, got[i][-3:])
+            assert _answer(got[i]) == _answer(reference[i]), i
+        assert len(health) > 5 and set(health) == {200}, health
+        assert not any("the engine core is back" in line for line in s.lines)  # no restart: a ride-through
+        assert sorted(children(core)) == [ranks[0], ranks[2]]
+        assert s.metric("moeserve:elastic_ep_degraded") == 1
+        assert s.metric("moeserve:elastic_ep_rank_losses_total") == 1
+        assert s.metric("moeserve:elastic_ep_recovery_seconds_count") == 1
+        assert s.metric("moeserve:elastic_ep_requests_requeued_total") == len(PROMPTS)
+        assert s.metric("moeserve:elastic_ep_tokens_recomputed_total") > 0
+        assert s.metric("moeserve:requests_resumed_total") == 0  # the API server saw no engine death
+    finally:
+        s.stop()
