@@ -23,6 +23,7 @@ QUANT = {  # weight bytes, GEMM compute dtype, MoE dispatch bytes per element
 KV_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0}
 MOE_COMM = ("alltoall", "allgather")
 FLASHCOMM = ("off", "on", "int8")
+ATTENTION_DTYPES = ("bf16", "fp8")
 # Cards in an instance or a deployment (--cards, --prefill-cards; docs/planner.md). search's prefill:decode
 # split counts instances up to --cards (~1 s at this limit); --cards 1e30 ran forever.
 MAX_CARDS = 100_000
@@ -70,6 +71,7 @@ class Instance:
     weight_prefetch: bool = False    # next layer's attention weights stream in while the network is busy
     max_num_seqs: int | None = None  # sequences a DP rank may run at once (the engine's --max-num-seqs)
     dense_tp: int | None = None      # TP of the dense-layer MLP when it differs from attention TP
+    attention_dtype: str = "bf16"    # decode MLA math: 'fp8' = FP8 Q / KV on the FP8 tensor path (FlashMLA-FP8)
 
     def __post_init__(self):
         _require(self.cards >= 1, f"--cards must be >= 1, got {self.cards}")
@@ -92,6 +94,10 @@ class Instance:
         _require(self.dense_tp is None or (self.dense_tp >= 1 and self.cards % self.dense_tp == 0),
                  f"dense_tp {self.dense_tp} must be >= 1 and divide --cards {self.cards}")
         _require(self.redundant_experts >= 0, f"--redundant-experts must be >= 0, got {self.redundant_experts}")
+        _require(self.attention_dtype in ATTENTION_DTYPES,
+                 f"--attention-dtype must be one of {ATTENTION_DTYPES}, got {self.attention_dtype!r}")
+        _require(self.attention_dtype != "fp8" or self.kv_dtype == "fp8",
+                 "--attention-dtype fp8 (FlashMLA-FP8) reads FP8 Q and KV; add --kv-cache-dtype fp8")
 
     @property
     def dp(self) -> int:

@@ -53,6 +53,7 @@ class Efficiency:
     out_latency_us: float | None = None    # per scale-out hop [link_latency_us]
     mla_min_rows: float = 1.0              # query rows (heads x q_len) a decode-attention tile computes
     mla_tflops: float | None = None        # measured decode-MLA kernel rate, TFLOPS [peak x attention]
+    mla_fp8_gain: float | None = None      # FP8 decode MLA's measured speed-up over BF16 (None: none measured)
     tbo_max_gain: float = 0.35             # two-batch overlap's largest measured speed-up (hw.md +25-35%)
     # Two-batch overlap's measured gain by tokens per card per step on this device family, as (tokens,
     # gain) points, linear between them and held flat outside (data/hardware.yaml `tbo_gain`); the step
@@ -77,6 +78,8 @@ class Efficiency:
             raise ValueError(f"out_latency_us must be in [0, {FIGURE_MAX:g}], got {self.out_latency_us:g}")
         if self.mla_tflops is not None and not FIGURE_MIN <= self.mla_tflops <= FIGURE_MAX:
             raise ValueError(f"mla_tflops must be in [{FIGURE_MIN:g}, {FIGURE_MAX:g}], got {self.mla_tflops:g}")
+        if self.mla_fp8_gain is not None and not 0.0 <= self.mla_fp8_gain <= 10.0:
+            raise ValueError(f"mla_fp8_gain must be in [0, 10], got {self.mla_fp8_gain:g}")
         if not 0.0 <= self.tbo_max_gain <= 10.0:
             raise ValueError(f"tbo_max_gain must be in [0, 10], got {self.tbo_max_gain:g}")
         pts = [t for t, _ in self.tbo_gain]

@@ -43,7 +43,7 @@ EFF_FIELDS = ("gemm", "attention", "memory", "link", "link_latency_us", "step_ov
 # Operator-level factors a file may set or leave out (hardware.py Efficiency: None falls back to the older
 # factor), and the end-to-end terms a profile keeps (a list of hardware.TERMS names).
 EFF_OPTIONAL = ("gemm_memory", "attention_memory", "link_out", "out_latency_us", "mla_min_rows", "mla_tflops",
-                "tbo_max_gain")
+                "tbo_max_gain", "mla_fp8_gain")
 EFF_ALL = EFF_FIELDS + EFF_OPTIONAL + ("terms", "tbo_gain")  # tbo_gain: {tokens per card: gain}
 COLLECTIVE_FIELDS = ("tokens", "hidden", "topk", "dispatch_bytes", "combine_bytes", "up_gbps", "out_gbps",
                      "domain", "points", "source", "normal_rdma", "normal_nic_gbps",

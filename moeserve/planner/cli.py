@@ -37,6 +37,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     d.add_argument("--mtp-acceptance", type=fraction, default=0.7)
     d.add_argument("--moe-comm", choices=MOE_COMM, default="alltoall")
     d.add_argument("--micro-batch-overlap", action=argparse.BooleanOptionalAction, default=False)
+    d.add_argument("--attention-dtype", choices=["bf16", "fp8"], default="bf16",
+                   help="decode MLA math: fp8 = FP8 Q/KV on the FP8 tensor path (FlashMLA-FP8; needs "
+                        "--kv-cache-dtype fp8)")
     d.add_argument("--overlap-shared", action=argparse.BooleanOptionalAction, default=True,
                    help="shared experts (and the gate, with allgather) run during the first MoE collective")
     d.add_argument("--flashcomm", choices=FLASHCOMM, default="off",
@@ -89,8 +92,10 @@ def _ctx(args):
                     imbalance=1.0 if args.imbalance is None else args.imbalance,
                     overlap_shared=args.overlap_shared, flashcomm=args.flashcomm,
                     weight_prefetch=args.weight_prefetch, max_num_seqs=args.max_num_seqs,
-                    dense_tp=args.dense_tp)
+                    dense_tp=args.dense_tp, attention_dtype=args.attention_dtype)
     hw.peak_flops(inst.compute_dtype)  # a format the device has no tensor path for: refused naming --quantization
+    if inst.attention_dtype == "fp8" and not hw.fp8_tflops:
+        raise ValueError(f"{hw.name} has no FP8 tensor path for --attention-dtype fp8; use bf16")
     args.load_skew = None
     if args.eplb_stats and m.n_routed_experts:
         args.load_skew = LoadSkew.from_files(args.eplb_stats, m.n_routed_experts,
