@@ -265,8 +265,12 @@ def _gain_points(table, what: str) -> tuple[tuple[float, float], ...]:
     """`tbo_gain: {tokens per card: gain}` as sorted points (Efficiency checks the ranges)."""
     if not isinstance(table, dict) or not table:
         raise ValueError(f"{what}: tbo_gain must map tokens per card to a gain, got {table!r}")
-    return tuple(sorted((number({"tokens": t}, "tokens", f"{what} tbo_gain"),
-                         number(table, t, f"{what} tbo_gain")) for t in table))
+    def tokens(t):  # a JSON file's keys are strings
+        try:
+            return float(t) if isinstance(t, str) else number({"tokens": t}, "tokens", f"{what} tbo_gain")
+        except ValueError:
+            raise ValueError(f"{what}: tbo_gain keys are tokens per card, got {t!r}") from None
+    return tuple(sorted((tokens(t), number(table, t, f"{what} tbo_gain")) for t in table))
 
 
 class HardwareDB:
@@ -359,9 +363,14 @@ class HardwareDB:
             raise ValueError(f"{where}: points must map EP -> [dispatch_us, combine_us]")
         points = tuple(sorted((int(ep), float(d), float(c)) for ep, (d, c) in pts.items()))
         normal = table.get("normal_rdma") or {}
+        bad = ValueError(f"{where}: normal_rdma must map EP -> [dispatch_gbps, combine_gbps]")
         if not isinstance(normal, dict) or not all(isinstance(v, list) and len(v) == 2 for v in normal.values()):
-            raise ValueError(f"{where}: normal_rdma must map EP -> [dispatch_gbps, combine_gbps]")
-        extra = {"normal_rdma": tuple(sorted((int(ep), float(d), float(c)) for ep, (d, c) in normal.items()))}
+            raise bad
+        try:
+            rows = tuple(sorted((int(ep), float(d), float(c)) for ep, (d, c) in normal.items()))
+        except (TypeError, ValueError):
+            raise bad from None
+        extra = {"normal_rdma": rows}
         for k in ("normal_nic_gbps", "normal_sm_share"):
             if table.get(k) is not None:
                 extra[k] = number(table, k, where)

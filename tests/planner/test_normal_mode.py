@@ -112,3 +112,6 @@ def test_hardware_file_normal_fields(tmp_path):
     f.write_text("collectives:\n  deepep-ll-h800:\n    normal_sm_share: 1.5\n")
     with pytest.raises(ValueError, match="normal_sm_share"):
         HardwareDB(f).get("hgx-h800")
+    f.write_text("collectives:\n  deepep-ll-h800:\n    normal_rdma: {x: [1, 2]}\n")
+    with pytest.raises(ValueError, match="normal_rdma must map"):
+        HardwareDB(f).get("hgx-h800")

@@ -86,3 +86,12 @@ def test_hardware_file_tbo_gain_replaces_the_table_whole(tmp_path):
     eff = HardwareDB(f).get("hgx-h100").eff
     assert eff.tbo_gain == ((128, 0.1),) and eff.tbo_bound(8) == 0.1
     assert eff.gemm == load_hardware("hgx-h100").eff.gemm                    # the rest of the entry stays
+
+
+def test_hardware_file_json_keys_are_strings(tmp_path):
+    f = tmp_path / "hw.json"
+    f.write_text('{"efficiency": {"devices": {"h100": {"tbo_gain": {"64": 0.0, "256": 0.2}}}}}')
+    assert HardwareDB(f).get("h100").eff.tbo_gain == ((64.0, 0.0), (256.0, 0.2))
+    f.write_text('{"efficiency": {"devices": {"h100": {"tbo_gain": {"many": 0.1}}}}}')
+    with pytest.raises(ValueError, match="tbo_gain keys"):
+        HardwareDB(f).get("h100")
