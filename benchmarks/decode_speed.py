@@ -115,7 +115,7 @@ def phase_split(llm, prompt_len: int, new_tokens: int) -> dict[str, float]:
 
 def bytes_per_token(cfg: dict, mode: str, context: int) -> float:
     """Bytes one batch-1 decode step reads: the weights it uses (INT8 ones at one byte with --quantization
-    a8w8; lm_head, the absorbed MLA matrices and the float32 router stay as they are) and the latent KV of
+    a8w8, lm_head included; the absorbed MLA matrices and the float32 router stay as they are) and the latent KV of
     `context` tokens. The embedding table contributes one row."""
     w = 1 if mode == "a8w8" else 2
     h, heads, layers = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"]
@@ -129,7 +129,7 @@ def bytes_per_token(cfg: dict, mode: str, context: int) -> float:
         w * (cfg["num_experts_per_tok"] + cfg["n_shared_experts"]) * 3 * h * cfg["moe_intermediate_size"]
         + 4 * cfg["n_routed_experts"] * h)
     kv = layers * context * kv_dim * 2
-    return layers * (attn + absorbed) + mlp + 2 * cfg["vocab_size"] * h + 2 * h + kv
+    return layers * (attn + absorbed) + mlp + w * cfg["vocab_size"] * h + 2 * h + kv
 
 
 def spread(xs: list[float]) -> dict:
@@ -257,7 +257,7 @@ def report(res: dict, peer: dict | None, args) -> dict:
     out = {"bandwidth_GBs": bw, "active_params_M": counts["active"] / 1e6, "threads": torch.get_num_threads(),
            "bytes_per_token": bytes_tok, "moeserve": res, "vllm": peer}
     print(f"\nread bandwidth {bw:.1f} GB/s; a batch-1 step reads {bytes_tok['bf16'] / 1e6:.0f} MB (BF16), "
-          f"{bytes_tok['a8w8'] / 1e6:.0f} MB (A8W8: lm_head and the absorbed MLA matrices stay BF16)")
+          f"{bytes_tok['a8w8'] / 1e6:.0f} MB (A8W8: the absorbed MLA matrices stay BF16)")
     for m, r in res.items():
         if 1 in r["decode"]:
             roof = bw * 1e9 / bytes_tok[m]

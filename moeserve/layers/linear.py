@@ -26,13 +26,19 @@ def packed_copy_bytes(model: nn.Module) -> int:
     module_bytes counts): the memory-based KV sizing must leave room for them."""
     total = 0
     for module in model.modules():
-        for name in ("weight_packed", "lm_head_packed"):
-            t = getattr(module, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
+        total += _copy_bytes(getattr(module, "weight_packed", None))
         for pair in getattr(module, "packed", None) or ():  # FusedExperts: (w13, w2) per slot
-            total += sum(t.numel() * t.element_size() for t in pair)
+            total += sum(_copy_bytes(t) for t in pair)
     return total
+
+
+def _copy_bytes(copy) -> int:
+    """A packed BF16 tensor, or an object that knows its size (layers/quant.py's Int8Packed)."""
+    if copy is None:
+        return 0
+    if isinstance(copy, torch.Tensor):
+        return copy.numel() * copy.element_size()
+    return copy.nbytes
 
 
 @torch.library.custom_op("moeserve::packed_linear", mutates_args=())
@@ -92,6 +98,14 @@ class Linear(nn.Module):
         if param_name == "bias":
             return tensor if self.tp_rank == 0 else torch.zeros_like(tensor)
         return tensor  # row parallel: every rank has all output rows
+
+    def load_tied(self, weight: torch.Tensor) -> None:
+        """Take a weight shared with another module (lm_head tied to the embeddings): shared as is in float,
+        a quantized copy when a quantization method owns this layer (the embedding stays float)."""
+        if self.quant_method is None:
+            self.weight = weight
+        else:
+            self.quant_method.load_tensor(self, "weight", weight.detach(), "lm_head.weight (tied)")
 
     def process_weights_after_loading(self) -> None:
         """A quantization method may lay its weights out for its kernels once loaded (INT8: oneDNN packing)."""

@@ -3,12 +3,11 @@ token at run time, INT32 accumulation, dequantized epilogue in float32.
 
     y[t, n] = (sum_k xq[t, k] * wq[n, k]) * x_scale[t] * w_scale[n]      (+ bias)
 
-On CPUs with AMX the weights are packed once at load into oneDNN's blocked INT8 layout (Int8Packed:
-onednn.qlinear_pointwise with the weight scales in its epilogue, float32 out). Elsewhere the INT32 GEMM is
-torch._int_mm where it runs (CPU: its VNNI kernel; CUDA: cuBLASLt when M > 16 and K, N are multiples of 8),
-else an exact float fallback (see int8_mm). Without AMX, oneDNN runs the packed weights on its reference
-kernel: measured 22 ms for one row of a [512 x 1024] weight on an AVX-512 VNNI CPU, where torch._int_mm
-takes 0.02 ms.
+On CPUs with an INT8 dot-product unit (VNNI or AMX) the weights are packed once at load into oneDNN's
+blocked INT8 layout (Int8Packed: onednn.qlinear_pointwise on uint8-shifted activations, the weight scales in
+its epilogue, float32 out). Elsewhere the INT32 GEMM is torch._int_mm where it runs (CPU: oneDNN's
+unpacked kernel; CUDA: cuBLASLt when M > 16 and K, N are multiples of 8), else an exact float fallback
+(see int8_mm).
 
 Plugged in at the layer level, never in the model file:
 - Linear gets an Int8LinearMethod (quant_method attribute): int8 `weight` [out, in] + `weight_scale` [out, 1]
@@ -77,35 +76,47 @@ def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype).view(*lead, wq.shape[0])
 
 
-def _cpu_has_amx() -> bool:
-    """Whether oneDNN's packed INT8 GEMMs run on a real kernel here (AMX tiles usable by this process)."""
-    global _AMX
-    if _AMX is None:
+def _cpu_has_int8_dot() -> bool:
+    """Whether oneDNN's packed INT8 GEMMs run on a real kernel here: an INT8 dot-product unit (AVX-512 VNNI,
+    AVX-VNNI or AMX) usable by this process."""
+    global _INT8_DOT
+    if _INT8_DOT is None:
         try:
-            _AMX = bool(torch._C._cpu._init_amx())
+            cap = torch._C._cpu._get_cpu_capability()
+            _INT8_DOT = any(cap.get(k) for k in ("avx512_vnni", "avx_vnni", "amx_int8"))
         except (AttributeError, RuntimeError):
-            _AMX = False
-    return _AMX
+            _INT8_DOT = False
+    return _INT8_DOT
 
 
-_AMX: bool | None = None
+_INT8_DOT: bool | None = None
+_U8_ZERO_POINT = 128  # int8 v -> uint8 v + 128 (the sign bit flipped): oneDNN's fast x86 kernels are u8 x s8
 
 
 class Int8Packed:
     """One INT8 weight [N, K] with per-row scales, packed once for oneDNN (the CPU's VNNI / AMX INT8 kernels).
 
     mm_scaled(xq) = (xq @ w.T) * w_scale in float32: exact INT32 accumulation, then one float32 multiply per
-    element, the same arithmetic as int8_mm(...).float() * w_scale. Where oneDNN has no fast kernel (CUDA,
-    a build without it, a CPU without AMX) `of` returns None and callers keep the int8_mm path."""
+    element, the same arithmetic as int8_mm(...).float() * w_scale. The activations go in as uint8 with zero
+    point 128: x86's VNNI / AMX dot products are u8 x s8, and with int8 activations oneDNN falls back to its
+    reference kernel (measured on an AVX-512 VNNI CPU, torch 2.13: 349 ms for 8 rows of a [1024 x 2048]
+    weight as s8, 0.11 ms as u8, 0.44 ms for torch._int_mm; exact either way). Where oneDNN has no fast
+    kernel (CUDA, a build without it, a CPU without VNNI or AMX) `of` returns None and callers keep the
+    int8_mm path."""
 
     def __init__(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
         self.packed = packed
         self.scale = scale.reshape(-1).float().contiguous()  # [N]
         self.zero_points = torch.zeros(self.scale.numel(), dtype=torch.long)
 
+    @property
+    def nbytes(self) -> int:
+        """Memory the packed copy holds beside the layer's INT8 parameter (the KV sizing counts it)."""
+        return self.packed.numel() * self.packed.element_size() + self.scale.numel() * 4
+
     @classmethod
     def of(cls, wq: torch.Tensor, w_scale: torch.Tensor) -> "Int8Packed | None":
-        if wq.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not _cpu_has_amx():
+        if wq.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not _cpu_has_int8_dot():
             return None
         try:
             return cls(torch.ops.onednn.qlinear_prepack(wq.contiguous(), None), w_scale)
@@ -121,10 +132,10 @@ class Int8Packed:
 def _int8_packed_mm(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                     zero_points: torch.Tensor) -> torch.Tensor:
     # One row goes in as two: oneDNN's single-row path has a cliff at some shapes (K = 256: 100-200x
-    # slower than two rows, measured on torch 2.13); two rows take its GEMM kernel.
+    # slower than two rows, measured with AMX on torch 2.13); two rows take its GEMM kernel.
     x = xq.repeat(2, 1) if xq.shape[0] == 1 else xq
-    y = torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, packed, scale, zero_points, None,
-                                           1.0, 0, torch.float32, "none", [], "")
+    y = torch.ops.onednn.qlinear_pointwise(x.view(torch.uint8) ^ _U8_ZERO_POINT, 1.0, _U8_ZERO_POINT, packed,
+                                           scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
     return y[:1] if xq.shape[0] == 1 else y
 
 

@@ -13,7 +13,7 @@ from moeserve.distributed.flashcomm import sequence_parallel
 from moeserve.distributed.parallel_state import get_flashcomm, get_tp_group
 from moeserve.layers.attention.metadata import attention_context
 from moeserve.layers.attention.mla import MLAttention
-from moeserve.layers.linear import pack_weight, packed_linear
+from moeserve.layers.linear import Linear
 from moeserve.layers.mlp import DenseMLP
 from moeserve.layers.moe.layer import MoE
 from moeserve.layers.norm import RMSNorm
@@ -100,7 +100,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DeepseekModel(arch, max_positions)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        # A Linear like the projections: A8W8 makes it INT8 too (models/quantization.py), else oneDNN-packed
+        # BF16; at batch 1 it is the largest GEMV of a decode step (65 MB of the bench model's 247 MB).
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, run_layer=None) -> torch.Tensor:
         """-> final hidden states [T, hidden]."""
@@ -110,13 +112,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.forward_dbo(batches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        packed = getattr(self, "lm_head_packed", None)
-        return (self.lm_head(hidden) if packed is None else packed_linear(hidden, packed)).float()
+        return self.lm_head(hidden).float()
 
     def process_weights_after_loading(self) -> None:
         if self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.lm_head_packed = pack_weight(self.lm_head.weight)  # the largest GEMV of a decode step
+            self.lm_head.load_tied(self.model.embed_tokens.weight)
         for module in self.modules():
             if module is not self and hasattr(module, "process_weights_after_loading"):
                 module.process_weights_after_loading()

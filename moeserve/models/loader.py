@@ -271,7 +271,7 @@ def _check_complete(model, params, expert_modules, loaded: set[str]) -> None:
         prefix = name.rsplit(".", 1)[0]
         if prefix in expert_modules:
             continue
-        if name == "lm_head.weight" and model.arch.tie_word_embeddings:
+        if name.startswith("lm_head.") and model.arch.tie_word_embeddings:  # filled from the embeddings
             continue
         if name not in loaded:
             missing.append(name)

@@ -6,8 +6,9 @@
   compressed-tensors W8A8 INT8 (as llm-compressor writes and vLLM reads) turns a8w8 on by itself.
 - apply_quantization: on the meta-device model, before loading. Every Linear (attention projections,
   kv_b_proj included, dense and shared MLPs) gets the INT8 (FP8) method and every FusedExperts becomes
-  Int8FusedExperts (Fp8FusedExperts), except modules the checkpoint lists in `ignore`. Embeddings, lm_head (nn.Linear),
-  router (Router) and norms are other classes and stay in the model dtype.
+  Int8FusedExperts (Fp8FusedExperts), except modules the checkpoint lists in `ignore`. lm_head is a Linear
+  too: INT8 under a8w8 (unless ignored, as llm-compressor's checkpoints do), the model dtype under fp8.
+  Embeddings, router (Router), the MTP head (nn.Linear) and norms stay in the model dtype.
 """
 from __future__ import annotations
 
@@ -106,6 +107,8 @@ def apply_quantization(model: nn.Module, quant: QuantConfig) -> None:
                                   else (Int8LinearMethod, Int8FusedExperts))
     for name, module in list(model.named_modules()):
         if isinstance(module, Linear) and not is_ignored(name, quant.ignore):
+            if quant.method == "fp8" and name == "lm_head":
+                continue  # DeepSeek's FP8 checkpoints keep the head in BF16, and so does vLLM
             if quant.method == "fp8":
                 linear_method.create_weights(module, float_stays_float=quant.checkpoint_format == "fp8")
             else:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moeserve.layers.linear import Linear, packed_linear
+from moeserve.layers.linear import Linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.config import QuantConfig
@@ -73,15 +72,11 @@ class DeepseekMTP(nn.Module):
     def forward(self, embeds: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.layer(embeds, prev_hidden, positions)
 
-    def compute_logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                       lm_head_packed: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, H] -> float32 logits [T, V], through shared_head.norm and the (shared) head; the main lm_head
-        in its packed form (layers/linear.py) where it is shared and packed."""
+    def compute_logits(self, hidden: torch.Tensor, main_head: nn.Module) -> torch.Tensor:
+        """[T, H] -> float32 logits [T, V], through shared_head.norm and the MTP layer's own head, or the main
+        model's lm_head (in whatever form it runs: packed BF16, INT8) where the checkpoint shares it."""
         sh = self.layer.shared_head
-        if sh.head is None and lm_head_packed is not None:
-            return packed_linear(sh.norm(hidden), lm_head_packed).float()
-        weight = sh.head.weight if sh.head is not None else lm_head_weight
-        return F.linear(sh.norm(hidden), weight).float()
+        return (sh.head if sh.head is not None else main_head)(sh.norm(hidden)).float()
 
 
 def missing_mtp_layer(arch) -> str:

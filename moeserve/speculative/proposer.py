@@ -92,8 +92,7 @@ class MTPProposer:
         drafts = {c.request_id: [] for c in chains}
         passes = 1
         while True:
-            ids = self.mtp.compute_logits(h, self.main.lm_head.weight,
-                                          getattr(self.main, "lm_head_packed", None)).argmax(dim=-1)  # [B]
+            ids = self.mtp.compute_logits(h, self.main.lm_head).argmax(dim=-1)  # [B]
             for c, t in zip(chains, ids.tolist()):
                 drafts[c.request_id].append(t)
             keep = [i for i, c in enumerate(chains) if c.remaining > 0]
