@@ -9,12 +9,11 @@ Two paths, chosen per row by moeserve/sample/batch.py:
 - candidates (every other sampled row): top-k and top-p work on the row's best candidates only (one
   batched topk per step instead of a full-vocabulary sort per request), then min-p; the draw picks among
   the candidates (draw.draw_candidates). A top-p row whose nucleus its 256 best tokens do not hold uses the
-  whole vocabulary (a values-only sort, a radix sort of bfloat16 keys where the row's values are bfloat16,
-  finds the nucleus's last value; tokens tied with it are kept).
+  whole vocabulary (a radix select over the row's float bits finds the nucleus's last value; tokens tied
+  with it are kept).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -121,38 +120,56 @@ def candidate_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: lis
     return groups
 
 
+# _nucleus's digits of a row's int32 keys, most significant first: (shift, bins); the first level counts every
+# token, the later ones only the tokens left in the chosen digit (a few hundred on a flat row)
+LEVELS = ((20, 4096), (8, 4096), (0, 256))
+
+
 def _nucleus(raw: torch.Tensor, probs: torch.Tensor, temperature: torch.Tensor,
              top_p: torch.Tensor) -> torch.Tensor:
     """bool [m, V]: the top-p nucleus of each row (the shortest prefix of the sorted probabilities reaching
-    top_p [m, 1], and the tokens tied with its last one). raw [m, V]: the logits before temperature, probs
-    their filtered softmax.
+    top_p [m, 1], and the tokens tied with its last one). raw [m, V]: the logits before temperature (their
+    order is the probabilities' order; temperature is not needed), probs their filtered softmax.
 
-    Rows whose values are all bfloat16 ones (compute_logits' output, no processor changed them): their
-    bfloat16 bits, as order-preserving int16 keys, sort by numpy's radix sort (O(V), several times a float
-    sort); the sorted keys give the sorted values back, so the cumulative probability in sorted order and
-    the nucleus's last key follow without sorting a float. Other rows: a values-only float sort (numpy's
-    SIMD sort, about 3x torch.sort, which also sorts indices)."""
-    V = raw.shape[1]
-    keep = torch.empty(raw.shape, dtype=torch.bool)
-    is_bf16 = (raw.bfloat16().float() == raw).all(-1).tolist()
-    fast = [i for i, b in enumerate(is_bf16) if b]
-    slow = [i for i, b in enumerate(is_bf16) if not b]
-    if fast:
-        sel = torch.tensor(fast)
-        bits = raw.index_select(0, sel).bfloat16().view(torch.int16)
-        key = bits ^ ((bits >> 15) & 0x7FFF)  # sign-magnitude -> two's complement order (an involution)
-        desc = torch.from_numpy(np.ascontiguousarray(np.sort(key.numpy(), axis=-1, kind="stable")[:, ::-1]))
-        values = (desc ^ ((desc >> 15) & 0x7FFF)).view(torch.bfloat16).float() / temperature.index_select(0, sel)[:, None]
-        mass = (values - values[:, :1]).exp().cumsum(-1)  # the largest value first: no overflow
-        last = (mass < top_p.index_select(0, sel) * mass[:, -1:]).sum(-1, keepdim=True).clamp(max=V - 1)
-        keep[sel] = key >= desc.gather(1, last)
-    if slow:
-        sel = torch.tensor(slow)
-        rows = probs.index_select(0, sel)
-        desc = torch.from_numpy(np.ascontiguousarray(np.sort(rows.numpy(), axis=-1)[:, ::-1]))
-        last = (desc.cumsum(-1) < top_p.index_select(0, sel)).sum(-1, keepdim=True).clamp(max=V - 1)
-        keep[sel] = rows >= desc.gather(1, last)
-    return keep
+    No sort: the row's float32 bits as order-preserving int32 keys, and the nucleus's last key found digit by
+    digit (a radix select): the probability mass per value of the key's top 12 bits (one bincount for the
+    rows), from the top until it reaches top_p x the row's mass, then the same over the next 12 and last 8
+    bits among the tokens of the chosen digit only. About 3 passes over the rows plus a few small ops;
+    bfloat16-valued or not alike (a float sort of the row, or a radix sort of its bfloat16 keys, before)."""
+    del temperature
+    m, V = raw.shape
+    bits = raw.contiguous().view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # sign-magnitude -> two's complement: int32 in the floats' order
+    target = top_p[:, 0].to(torch.float64)
+    above = torch.zeros(m, dtype=torch.float64)  # per row: the mass of the keys above the digits chosen so far
+    boundary = torch.zeros(m, dtype=torch.int64)
+    k, w, r = key.view(-1), probs.contiguous().view(-1), torch.empty(0, dtype=torch.long)
+    for level, (shift, bins) in enumerate(LEVELS):
+        if level == 0:
+            d = (k >> shift) + bins // 2  # the signed top digit, offset to 0..bins-1
+            flat = (d.view(m, V) + torch.arange(0, m * bins, bins, dtype=torch.int32)[:, None]).view(-1)
+        else:
+            d = (k >> shift) & (bins - 1)
+            flat = d + r * bins
+        hist = torch.bincount(flat, weights=w, minlength=m * bins).view(m, bins).to(torch.float64).flip(-1)
+        if level == 0:
+            target = target * hist.sum(-1)
+        c = hist.cumsum(-1).add_(above[:, None])
+        j = (c < target[:, None]).sum(-1)  # the first digit (from the top) where the mass reaches top_p
+        nz = (hist > 0).to(torch.uint8)  # never an empty digit (a top_p that rounds to 0, rounding at the end)
+        j = torch.minimum(torch.maximum(j, nz.argmax(-1)), (bins - 1) - nz.flip(-1).argmax(-1))
+        above = (c.gather(1, j[:, None]) - hist.gather(1, j[:, None]))[:, 0]
+        digit = (bins - 1) - j
+        if level == 0:
+            boundary = (digit - bins // 2) << shift
+            sel = (d.view(m, V) == digit.to(torch.int32)[:, None]).view(-1).nonzero()[:, 0]
+            k, w, r = k.index_select(0, sel), w.index_select(0, sel), sel // V
+        else:
+            boundary |= digit << shift
+            if shift:
+                sel = (d == digit.to(torch.int32).index_select(0, r)).nonzero()[:, 0]
+                k, w, r = k.index_select(0, sel), w.index_select(0, sel), r.index_select(0, sel)
+    return key >= boundary.to(torch.int32)[:, None]
 
 
 def _finish(probs: torch.Tensor, ids: torch.Tensor | None, top_p: list[float],
