@@ -67,7 +67,7 @@ def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     `packed` (the same weight, packed at load) runs the GEMM and the weight-scale epilogue in oneDNN."""
     lead = x.shape[:-1]
     xq, xs = quantize_per_token(x.reshape(-1, x.shape[-1]))  # [M, K] int8, [M, 1]
-    if packed is not None:
+    if packed is not None and packed.pays(xq.shape[0]):
         y = packed.mm_scaled(xq).mul_(xs)  # [M, N] float32
     else:
         y = torch.mul(int8_mm(xq, wq), w_scale.view(1, -1)).mul_(xs)  # int32 * float32 -> float32, as packed
@@ -76,21 +76,32 @@ def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     return y.to(x.dtype).view(*lead, wq.shape[0])
 
 
-def _cpu_has_int8_dot() -> bool:
-    """Whether oneDNN's packed INT8 GEMMs run on a real kernel here: an INT8 dot-product unit (AVX-512 VNNI,
-    AVX-VNNI or AMX) usable by this process."""
-    global _INT8_DOT
-    if _INT8_DOT is None:
+def _cpu_int8_unit() -> str | None:
+    """The CPU's INT8 dot-product unit that oneDNN's packed GEMMs run on: "amx", "vnni" (AVX-512 VNNI or
+    AVX-VNNI) or None (oneDNN would run them on a slow reference kernel)."""
+    global _INT8_UNIT
+    if _INT8_UNIT == "unknown":
         try:
             cap = torch._C._cpu._get_cpu_capability()
-            _INT8_DOT = any(cap.get(k) for k in ("avx512_vnni", "avx_vnni", "amx_int8"))
+            if cap.get("amx_int8") and torch._C._cpu._init_amx():  # the kernel must grant this process AMX
+                _INT8_UNIT = "amx"
+            elif cap.get("avx512_vnni") or cap.get("avx_vnni"):
+                _INT8_UNIT = "vnni"
+            else:
+                _INT8_UNIT = None
         except (AttributeError, RuntimeError):
-            _INT8_DOT = False
-    return _INT8_DOT
+            _INT8_UNIT = None
+    return _INT8_UNIT
 
 
-_INT8_DOT: bool | None = None
+_INT8_UNIT: str | None = "unknown"
 _U8_ZERO_POINT = 128  # int8 v -> uint8 v + 128 (the sign bit flipped): oneDNN's fast x86 kernels are u8 x s8
+# Without AMX a oneDNN call costs ~50-100 us more than torch._int_mm at these sizes, so packing pays only for
+# larger weights and more than one row (benchmarks/packed_linear.py --int8, AVX-512 VNNI, torch 2.13: at 8
+# rows x1.35 for [4096 x 1024], x0.60 for [384 x 1024]; at 1 row x0.5-1.0 below lm_head's size).
+_VNNI_PACK_MIN_ELEMENTS = 1 << 20
+_VNNI_PACK_MIN_ROWS = 2
+_VNNI_PACK_ONE_ROW_ELEMENTS = 4 << 20  # one row: x1.1-1.15 from [4096 x 1024] up, slower below
 
 
 class Int8Packed:
@@ -116,12 +127,18 @@ class Int8Packed:
 
     @classmethod
     def of(cls, wq: torch.Tensor, w_scale: torch.Tensor) -> "Int8Packed | None":
-        if wq.device.type != "cpu" or not torch.backends.mkldnn.is_available() or not _cpu_has_int8_dot():
+        unit = _cpu_int8_unit() if wq.device.type == "cpu" and torch.backends.mkldnn.is_available() else None
+        if unit is None or (unit == "vnni" and wq.numel() < _VNNI_PACK_MIN_ELEMENTS):
             return None
         try:
             return cls(torch.ops.onednn.qlinear_prepack(wq.contiguous(), None), w_scale)
         except (RuntimeError, AttributeError, NotImplementedError):
             return None
+
+    def pays(self, rows: int) -> bool:
+        """Whether this GEMM of `rows` rows is faster packed than through torch._int_mm."""
+        return (_cpu_int8_unit() == "amx" or rows >= _VNNI_PACK_MIN_ROWS
+                or self.packed.numel() >= _VNNI_PACK_ONE_ROW_ELEMENTS)
 
     def mm_scaled(self, xq: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # inductor lowers oneDNN's qlinear only for frozen (constant) weights
@@ -131,12 +148,13 @@ class Int8Packed:
 
 def _int8_packed_mm(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                     zero_points: torch.Tensor) -> torch.Tensor:
-    # One row goes in as two: oneDNN's single-row path has a cliff at some shapes (K = 256: 100-200x
-    # slower than two rows, measured with AMX on torch 2.13); two rows take its GEMM kernel.
-    x = xq.repeat(2, 1) if xq.shape[0] == 1 else xq
+    # With AMX one row goes in as two: oneDNN's single-row AMX path has a cliff at some shapes (K = 256:
+    # 100-200x slower than two rows, measured on torch 2.13); two rows take its GEMM kernel. VNNI has none.
+    one_row = xq.shape[0] == 1 and _cpu_int8_unit() == "amx"
+    x = xq.repeat(2, 1) if one_row else xq
     y = torch.ops.onednn.qlinear_pointwise(x.view(torch.uint8) ^ _U8_ZERO_POINT, 1.0, _U8_ZERO_POINT, packed,
                                            scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-    return y[:1] if xq.shape[0] == 1 else y
+    return y[:1] if one_row else y
 
 
 @torch.library.custom_op("moeserve::int8_packed_mm", mutates_args=())
@@ -304,6 +322,11 @@ class Int8FusedExperts(FusedExperts):
             return acc.float().mul_(scale[ids])
         out = torch.empty(aq.shape[0], w.shape[1], dtype=torch.float32, device=aq.device)
         for e in range(len(bounds) - 1):
-            if bounds[e + 1] > bounds[e]:
-                out[bounds[e]:bounds[e + 1]] = packed[e][proj].mm_scaled(aq[bounds[e]:bounds[e + 1]])
+            lo, hi = bounds[e], bounds[e + 1]
+            if hi == lo:
+                continue
+            if packed is not None and packed[e][proj].pays(hi - lo):
+                out[lo:hi] = packed[e][proj].mm_scaled(aq[lo:hi])
+            else:
+                out[lo:hi] = int8_mm(aq[lo:hi], w[e]).float().mul_(scale[e])
         return out

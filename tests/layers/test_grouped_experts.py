@@ -62,7 +62,7 @@ def pack_anywhere(monkeypatch):
     reference kernel), but it is exact everywhere: test it on any CPU."""
     from moeserve.layers import quant
 
-    monkeypatch.setattr(quant, "_INT8_DOT", True)
+    monkeypatch.setattr(quant, "_INT8_UNIT", "amx")  # packs every weight, runs it packed at every row count
 
 
 @pytest.mark.parametrize("m", [0, 1, 5, 64, 257])
@@ -110,6 +110,37 @@ def test_int8_experts_packed_equal_unpacked(pack_anywhere):
         q.process_weights_after_loading()
         if q.packed is None:
             pytest.skip("oneDNN does not run here")
+        assert torch.equal(q(x, ids, w), plain)
+
+
+def test_vnni_packs_large_weights_and_runs_them_packed_from_two_rows(monkeypatch):
+    """Without AMX, oneDNN's call overhead pays only for large weights and more than one row: smaller ones
+    stay unpacked, a one-row GEMM goes through torch._int_mm, and the mix gives the same result."""
+    from moeserve.layers import quant
+
+    monkeypatch.setattr(quant, "_INT8_UNIT", "vnni")
+    if Int8Packed.of(torch.zeros(1024, 1024, dtype=torch.int8), torch.ones(1024, 1)) is None:
+        pytest.skip("oneDNN does not run here")
+    assert Int8Packed.of(torch.zeros(8, 16, dtype=torch.int8), torch.ones(8, 1)) is None  # too small to pay
+    monkeypatch.setattr(quant, "_VNNI_PACK_MIN_ELEMENTS", 0)
+    packed = Int8Packed.of(torch.zeros(8, 16, dtype=torch.int8), torch.ones(8, 1))
+    assert not packed.pays(1) and packed.pays(2)
+    g = torch.Generator().manual_seed(5)
+    ref = FusedExperts(4, 64, 32)
+    with torch.no_grad():
+        ref.w13.copy_(torch.randn(ref.w13.shape, generator=g) * 0.1)
+        ref.w2.copy_(torch.randn(ref.w2.shape, generator=g) * 0.1)
+    q = Int8FusedExperts.like(ref)
+    for slot in range(4):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            q.load_expert(slot, proj, "weight", ref.expert_weight(slot, proj), f"e{slot}.{proj}")
+    x = torch.randn(7, 64, generator=g)
+    ids = torch.tensor([0, 1, 1, 2, 2, 2, -1])  # one row (unpacked), two and three rows (packed), expert 3 idle
+    w = torch.rand(7, generator=g)
+    with torch.no_grad():
+        plain = q(x, ids, w)
+        q.process_weights_after_loading()
+        assert q.packed is not None
         assert torch.equal(q(x, ids, w), plain)
 
 
