@@ -23,7 +23,7 @@ python benchmarks/sampling.py --decode-only` (a plain export; the script imports
 Figures, never pass/fail. The machine may be shared: run it briefly (the defaults take about a minute for
 part 1 and a few minutes for part 2) and read the spread.
 
-Usage: python benchmarks/sampling.py [--vocab 32000] [--batches 1 8 32 64] [--repeats 7] [--threads 1]
+Usage: python benchmarks/sampling.py [--vocab 32000] [--batches 1 8 32 64] [--logit-scale 3] [--repeats 7] [--threads 1]
            [--decode] [--decode-batch 32] [--new-tokens 32] [--prompt-len 64] [--eager]
 """
 from __future__ import annotations
@@ -91,20 +91,21 @@ def spread(xs: list[float]) -> str:
     return f"{med:8.2f} ({100 * (min(xs) / med - 1):+.0f}/{100 * (max(xs) / med - 1):+.0f}%)"
 
 
-def model_like_logits(batch: int, vocab: int, g: torch.Generator) -> torch.Tensor:
-    return (torch.randn(batch, vocab, generator=g) * 3).bfloat16().float()
+def model_like_logits(batch: int, vocab: int, g: torch.Generator, scale: float = 3.0) -> torch.Tensor:
+    return (torch.randn(batch, vocab, generator=g) * scale).bfloat16().float()
 
 
 def sampler_part(a) -> None:
     from moeserve.sample import Sampler  # here: part 2 alone also runs on a tree from before moeserve/sample
 
     g = torch.Generator().manual_seed(0)
-    print(f"sampling per step: vocab {a.vocab}, float32 logits with bfloat16 values, {torch.get_num_threads()} "
+    print(f"sampling per step: vocab {a.vocab}, float32 logits with bfloat16 values (randn x {a.logit_scale}), "
+          f"{torch.get_num_threads()} "
           f"thread(s), thread CPU time, median of {a.repeats} (spread min..max)")
     print(f"{'batch':>5} {'old ms':>20} {'new ms':>20} {'old/new':>8} {'new, no seed ms':>20} {'old/new':>8}")
     for batch in a.batches:
         params = mixed_params(batch)
-        logits = model_like_logits(batch, a.vocab, g)
+        logits = model_like_logits(batch, a.vocab, g, a.logit_scale)
 
         def gens():
             return [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
@@ -181,6 +182,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--logit-scale", type=float, default=3.0,
+                    help="part 1's logits: randn x this (0.5: flat rows like the random V3 checkpoint's)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--decode", action="store_true", help="also part 2: decode mixed vs greedy")

@@ -71,13 +71,16 @@ class StepSampler:
         for i in _requests_with(non_finite_rows(logits), spans):
             failed[i] = ("internal", "the model's logits for this request are not finite (NaN or inf)")
         raw, processed = logits, False
-        if any(p.logit_bias or p.min_tokens or p.has_penalties or p.has_token_masks for p in params):
-            if any(p.logprobs is not None for p in params):
-                raw = logits.clone()  # logprobs report the model's own distribution
+        # logprobs report the model's own distribution: the logits are copied first only when a request that
+        # wants logprobs has processors or a grammar (the others' rows are never written)
+        touched = [bool(p.logit_bias or p.min_tokens or p.has_penalties or p.has_token_masks) for p in params]
+        if any(touched):
+            if any(t and p.logprobs is not None for t, p in zip(touched, params)):
+                raw = logits.clone()
             logits = self._logits_processors(logits, hidden[row_ids], sample_rows, spans, failed)
             processed = True
         if any(r.grammar is not None for r in reqs):
-            if raw is logits and any(p.logprobs is not None for p in params):
+            if raw is logits and any(r.grammar is not None and p.logprobs is not None for r, p in zip(reqs, params)):
                 raw = logits.clone()
             errors: dict[int, str] = {}
             apply_grammar_masks(logits, [(s.request.grammar, s.request.output_token_ids, s.draft_token_ids,
