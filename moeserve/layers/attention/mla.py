@@ -163,6 +163,8 @@ class MLAttention(nn.Module):
         scores = torch.bmm(q_full, kv.transpose(1, 2)).float() * self.scale  # [B, H, L]
         scores.masked_fill_(d.mask[:, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(kv.dtype)
-        o_lat = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, H, C]
+        # over all C + dr columns, then sliced: a bmm on the strided value slice kv[..., :C] takes oneDNN's slow
+        # path (bit-identical, 1.65x slower per layer at batch 32 x 1024 context, benchmarks/mla_decode.py)
+        o_lat = torch.bmm(probs, kv)[..., : self.kv_lora_rank]  # [B, H, C]
         o = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # [H, B, dv]
         return o.transpose(0, 1).reshape(b, self.num_heads * self.dv)
