@@ -47,6 +47,7 @@ class EpochOver(Exception):
 class RankWorker:
     def __init__(self, config: EngineConfig, info: RankInfo, zmq_addr: str, parent_pid: int | None) -> None:
         self.parent_pid = parent_pid
+        self.front_end_port = int(zmq_addr.rsplit(":", 1)[1])  # --enable-elastic-ep keeps this connection
         self.base_config = config  # --enable-elastic-ep: survivors derive each epoch's layout from it
         self.epoch = 0  # --enable-elastic-ep: the process-group epoch this rank serves in
         self.sock = None

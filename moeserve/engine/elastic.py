@@ -6,15 +6,16 @@ Lifecycle (stage 1 of issue 37; one node, TP 1, gloo or NCCL):
   1. a rank process dies (its exit is seen by the front end, dp_client.py) or is stopped (SIGSTOP: after
      --engine-stall-timeout the front end kills it, then as 1).
   2. the survivors leave the step they are in: their gloo collective raises when the dead peer's sockets
-     close, and a survivor that leaves tears its process groups down, which closes its own sockets, so a
-     survivor blocked on it raises too (the cascade ends every survivor's step; --distributed-timeout bounds
-     the worst case). Each reports the error with its epoch and waits for the front end (ride_through()).
+     close, and a survivor that leaves shuts down all its connections of the epoch, so a survivor blocked on
+     it raises too (the cascade ends every survivor's step; --distributed-timeout bounds the worst case).
+     Each reports the error with its epoch and waits for the front end (ride_through()).
   3. the front end starts epoch e + 1: a fresh TCPStore port, and to each survivor (in old rank order) a
      RankReform with its new rank and the new world size. Commands and reports of older epochs are dropped.
   4. each survivor joins the new process groups and rebuilds its engine core for the smaller EP group:
      survivor_parallel() recomputes the placement (default map; redundant slots added where the experts no
      longer divide over the ranks) and the loader reads this rank's experts, only those, from the checkpoint.
-     It reports ready in the new epoch.
+     Decode runs eagerly in a degraded epoch (no graph compile on the way back). It reports ready in the
+     new epoch.
   5. when all are ready the front end re-queues every unfinished request with its tokens so far
      (EngineCoreRequest.output_token_ids, issue 31's resume): greedy and seeded outputs continue exactly where
      the front end last saw them. New requests that arrived meanwhile wait in the front end until then.
@@ -31,6 +32,8 @@ import dataclasses
 import gc
 import logging
 import os
+import socket
+import stat
 import sys
 import time
 
@@ -119,17 +122,48 @@ def _left(worker, e: Exception, report_cls) -> None:
 
 
 def _leave_epoch(worker) -> None:
-    """Drop the engine core (its model holds the old groups) and the process groups; closing them ends the
-    collectives of survivors still blocked on this rank."""
+    """Close the epoch's connections, then drop the engine core and the process groups. Only the dead rank's
+    neighbours in a ring all-gather see its sockets close; the other survivors wait on live ones, so every
+    survivor that leaves shuts its connections down first: each blocked peer raises at once (waiting for
+    the groups' last references to go would not do: a compiled graph or an async work may keep one)."""
+    import torch
+
     from moeserve.distributed.parallel_state import destroy_distributed
 
-    worker.core = None
+    _shut_connections(worker.front_end_port)
+    worker.core = worker.world = worker.tp = None
+    torch._dynamo.reset()
     gc.collect()
     try:
         destroy_distributed()
     except Exception as e:  # noqa: BLE001 - a group of a dead peer may fail to close; the next epoch is new
         logger.warning("tearing down epoch %d's process groups: %s", worker.epoch, e)
     gc.collect()
+
+
+def _shut_connections(keep_port: int) -> int:
+    """Shut down every TCP connection of this process (gloo pairs, the old TCPStore) but the one to the
+    front end (remote port keep_port). The descriptors stay open: their owners close them in teardown."""
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))  # a duplicate: closing it leaves the owner's descriptor
+        except (OSError, ValueError):
+            continue
+        with sock:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                if sock.getpeername()[1] == keep_port:
+                    continue
+                sock.shutdown(socket.SHUT_RDWR)
+                n += 1
+            except OSError:  # listening, or not connected
+                continue
+    return n
 
 
 def _wait_for_reform(worker):
@@ -156,7 +190,9 @@ def _join_epoch(worker, reform) -> None:
     base = worker.base_config
     parallel = survivor_parallel(base.parallel, worker.arch.n_routed_experts or 0, reform.world_size,
                                  urlsplit(reform.init_method).port)
-    config = dataclasses.replace(base, parallel=parallel)
+    # decode runs eagerly from here: compiling the new layout's decode graphs would hold every survivor for
+    # 10-20 s on a CPU (benchmarks/elastic_ep.py), and the loss should cost seconds
+    config = dataclasses.replace(base, parallel=parallel, model=dataclasses.replace(base.model, enforce_eager=True))
     worker.epoch = reform.epoch
     init_distributed(parallel, reform.rank, reform.init_method)
     worker.start(config, RankInfo.of(reform.rank, parallel))

@@ -52,23 +52,28 @@ def generate(llm):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
 
 
+def kill_mid_decode(engine, rank: int) -> list[list[int]]:
+    """Run PROMPTS through the engine's front end; SIGKILL rank process `rank` once 8 tokens are out."""
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
+    got = {f"r{i}": [] for i in range(len(PROMPTS))}
+    killed = False
+    deadline = time.monotonic() + 300
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        if not killed and sum(map(len, got.values())) >= 8:  # every rank mid-decode
+            os.kill(engine.ranks.procs[rank].pid, signal.SIGKILL)
+            killed = True
+    assert killed and not engine.has_unfinished()
+    return [got[f"r{i}"] for i in range(len(PROMPTS))]
+
+
 def test_dp3_loses_a_nonzero_rank_mid_decode_then_a_stopped_one(path, reference):
     llm = elastic_llm(path, 3)
     try:
         engine = llm.engine
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
-        got = {f"r{i}": [] for i in range(len(PROMPTS))}
-        killed = False
-        deadline = time.monotonic() + 300
-        while engine.has_unfinished() and time.monotonic() < deadline:
-            for out in engine.step():
-                got[out.request_id] += out.new_token_ids
-            if not killed and sum(map(len, got.values())) >= 8:  # every rank mid-decode
-                os.kill(engine.ranks.procs[1].pid, signal.SIGKILL)
-                killed = True
-        assert killed and not engine.has_unfinished()
-        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == reference  # none lost, none changed
+        assert kill_mid_decode(engine, 1) == reference  # none lost, none changed
         stats = engine.stats()
         assert (engine.dp_size, engine.epoch, stats.elastic_ranks_lost) == (2, 1, 1)
         assert stats.elastic_requeued == len(PROMPTS) and stats.elastic_last_recovery_s > 0
@@ -78,6 +83,18 @@ def test_dp3_loses_a_nonzero_rank_mid_decode_then_a_stopped_one(path, reference)
         watcher.join(5)
         assert (engine.dp_size, engine.epoch, engine.stats().elastic_ranks_lost) == (1, 2, 2)
         assert engine.ranks.procs[2].poll() == -signal.SIGKILL
+    finally:
+        llm.shutdown()
+
+
+def test_dp4_survivor_away_from_the_dead_rank_leaves_its_step_too(path, reference):
+    # gloo's all-gather is a ring: only rank 2's neighbours see its sockets close; rank 0 waits on rank 1 or 3,
+    # both alive, until they shut their connections down as they leave
+    llm = elastic_llm(path, 4)
+    try:
+        engine = llm.engine
+        assert kill_mid_decode(engine, 2) == reference
+        assert (engine.dp_size, engine.slots, engine.stats().elastic_ranks_lost) == (3, [0, 1, 3], 1)
     finally:
         llm.shutdown()
 

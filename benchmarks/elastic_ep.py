@@ -1,0 +1,115 @@
+"""Elastic expert parallelism (issue 37): how long from a rank's SIGKILL to the next token, and what it costs.
+
+An offline engine of --dp ranks (expert parallelism, --enable-elastic-ep, gloo, float32) runs --requests greedy
+requests of --new-tokens twice: once unfailed (the reference), once with --kills SIGKILLs of rank processes
+(the highest-numbered live one, or --victim first), each once every unfinished request has --before more
+tokens. Per kill it prints seconds from the kill until the front end began the re-formation (loss seen),
+until the survivors served again (re-formed, every unfinished request re-queued), until the next token of
+any request, and until every unfinished request had a token again; the requests re-queued and the tokens
+(prompt + output so far) they recompute. Last: requests lost and whether every output equals the reference.
+The model is benchmarks/dp_ep.py's shrunk bench config (32 routed experts) unless --bench-model.
+
+    PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import BENCH_CONFIG, bench_checkpoint  # noqa: E402
+from benchmarks.dp_ep import SHRUNK  # noqa: E402
+
+
+def run(engine, prompts, params, kills: list[int], before: int) -> tuple[dict, list[dict]]:
+    """Each request's tokens, and one timing record per kill."""
+    from moeserve.protocol import EngineCoreRequest
+
+    tag = f"k{len(kills)}-"
+    for i, p in enumerate(prompts):
+        engine.add_request(EngineCoreRequest(f"{tag}{i}", p, params, [1]))
+    got = {f"{tag}{i}": [] for i in range(len(prompts))}
+    records, pending = [], list(kills)
+    mark = dict.fromkeys(got, 0)  # tokens of each request at the last kill
+    rec = None
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.monotonic()
+        for out in outs:
+            got[out.request_id] += out.new_token_ids
+        if rec is not None:
+            if "seen" not in rec and engine.epoch > rec["epoch"]:
+                rec["seen"] = now
+            if "ready" not in rec and engine.epoch > rec["epoch"] and engine.recovery is None:
+                rec["ready"] = now
+            if "ready" in rec and outs and "token" not in rec:
+                rec["token"] = now
+            if "token" in rec and all(len(got[r]) > mark[r] or len(got[r]) == params.max_tokens for r in got):
+                rec["all"] = now
+                stats = engine.stats()
+                rec["requeued"] = stats.elastic_requeued - rec["requeued0"]
+                rec["recomputed"] = stats.elastic_tokens_recomputed - rec["recomputed0"]
+                records.append(rec)
+                rec = None
+                mark = {r: len(t) for r, t in got.items()}  # the next kill waits for --before more tokens
+        elif pending and all(len(t) - mark[r] >= before or len(t) == params.max_tokens for r, t in got.items()):
+            victim = pending.pop(0)
+            stats = engine.stats()
+            rec = {"victim": victim, "epoch": engine.epoch, "requeued0": stats.elastic_requeued,
+                   "recomputed0": stats.elastic_tokens_recomputed, "kill": time.monotonic()}
+            mark = {r: len(t) for r, t in got.items()}
+            os.kill(engine.ranks.procs[victim].pid, signal.SIGKILL)
+    return {r.split("-", 1)[1]: t for r, t in got.items()}, records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dp", type=int, default=4)
+    ap.add_argument("--kills", type=int, default=1)
+    ap.add_argument("--victim", type=int, default=None, help="rank killed first (default: the last one)")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--before", type=int, default=8, help="tokens every request has before each kill")
+    ap.add_argument("--bench-model", action="store_true", help="the full bench config (64 experts, ~475M)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    a = ap.parse_args()
+    if a.kills >= a.dp:
+        ap.error(f"--kills {a.kills} leaves no survivor of --dp {a.dp}")
+
+    from moeserve import LLM, SamplingParams
+
+    config = BENCH_CONFIG if a.bench_model else SHRUNK
+    path = bench_checkpoint(config=config)
+    experts = config["n_routed_experts"]
+    started = time.monotonic()
+    llm = LLM(path, dtype="float32", data_parallel_size=a.dp, enable_expert_parallel=True, enable_elastic_ep=True,
+              num_redundant_experts=-experts % a.dp, enforce_eager=a.enforce_eager, distributed_timeout=300,
+              max_model_len=a.prompt_len + a.new_tokens + 8)
+    print(f"DP={a.dp} EP, {experts} routed experts, float32, gloo; started in {time.monotonic() - started:.1f} s",
+          flush=True)
+    engine = llm.engine
+    vocab = config["vocab_size"]
+    prompts = [[(17 * i + 31 * j) % (vocab - 2) + 2 for j in range(a.prompt_len)] for i in range(a.requests)]
+    params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
+    try:
+        want, _ = run(engine, prompts, params, [], a.before)
+        live = sorted(engine.slots, reverse=True)
+        victims = ([a.victim] if a.victim is not None else []) + [r for r in live if r != a.victim]
+        got, records = run(engine, prompts, params, victims[:a.kills], a.before)
+    finally:
+        llm.shutdown()
+    print("kill  rank  ranks after  loss seen s  serving again s  next token s  all resumed s  requeued  recomputed")
+    for k, r in enumerate(records, 1):
+        print(f"{k:4d}  {r['victim']:4d}  {a.dp - k:11d}  {r['seen'] - r['kill']:11.2f}  {r['ready'] - r['kill']:15.2f}"
+              f"  {r['token'] - r['kill']:12.2f}  {r['all'] - r['kill']:13.2f}  {r['requeued']:8d}  {r['recomputed']:10d}")
+    lost = sum(len(got.get(k, [])) != a.new_tokens for k in want)
+    same = sum(got.get(k) == t for k, t in want.items())
+    print(f"requests: {len(want)}, lost {lost}, outputs identical to the unfailed run: {same}/{len(want)}")
+
+
+if __name__ == "__main__":
+    main()
