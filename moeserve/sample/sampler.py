@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from moeserve.sample.batch import SamplingBatch
-from moeserve.sample.draw import MESSAGE, SamplingError, draw_candidates, draw_exact
+from moeserve.sample.draw import MESSAGE, SamplingError, draw_candidates
+from moeserve.sample.exact import sample_exact
 from moeserve.sample.filters import Candidates, candidate_filter, exact_filter
 from moeserve.sample.logprobs import TokenLogprobs, token_logprobs
 from moeserve.sampling_params import SamplingParams
@@ -24,8 +25,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
             tokens[i] = t
     if batch.exact_rows:
         rows = batch.exact_rows
-        probs = exact_filter(logits.index_select(0, torch.tensor(rows)), *batch.select(rows)).softmax(-1)
-        for i, t in zip(rows, draw_exact(probs, [batch.generators[i] for i in rows])):
+        for i, t in zip(rows, sample_exact(logits.index_select(0, torch.tensor(rows)), *batch.select(rows),
+                                           [batch.generators[i] for i in rows])):
             tokens[i] = t
     if batch.candidate_rows:
         rows = batch.candidate_rows

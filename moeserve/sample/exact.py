@@ -1,0 +1,128 @@
+"""Seeded rows: the per-request loop's tokens and generator streams, bit for bit, without its full sort where
+the sort's order cannot change the token.
+
+The old filter (filters.exact_filter) finds the top-p nucleus by torch.sort, an unstable sort: among tokens
+tied with the nucleus's last value, which ones it keeps is the sort's permutation, so matching it needs that
+very sort (about 2 ms a row at V = 32000). But only those ties depend on it:
+
+- the sorted *values* are the same whatever sort gives them, so the cumulative probabilities, the kept count
+  k and the boundary value v (the k-th largest) are the old ones bit for bit. Here they come from a radix
+  sort of the row's bfloat16 keys (numpy, O(V)) or, for other rows, a values-only float sort;
+- when no token beyond the first k ties with v, the kept set is exactly {x >= v}: the filtered row, its
+  softmax and the draw are the old ones bit for bit;
+- when some do (the old sort kept some of the tokens equal to v, which ones unknown), the draw
+  argmax(p / q) is settled anyway if its winner over {x >= v} (all ties kept) is a token above v that beats
+  the runner-up by a margin: the kept set lies between {x > v} and {x >= v} and holds that winner, and the
+  softmax's normaliser, the only other thing the unknown set changes, scales every p alike (the margin
+  covers the roundings). Otherwise (the winner is one of the ties, or a near tie) the row takes the old
+  filter with its sort, drawing from the same noise.
+
+Rows with min_p (a threshold on probabilities, whose normaliser the unknown set changes) or without top_p,
+and rows whose cumulative probabilities are not monotone (rounding) or not finite, take exact_filter.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moeserve.sample.draw import bad_rows
+from moeserve.sample.filters import NEG_INF, exact_filter, scale
+
+MARGIN = 1e-5  # relative: ~80 float32 ulps, far beyond the roundings a different normaliser moves p / q by
+
+
+def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
+                 min_p: list[float], generators: list[torch.Generator]) -> list[int | None]:
+    """One token per row of logits [n, V] (None: the row cannot be sampled), each as
+    torch.multinomial(exact_filter(row).softmax(-1), 1, generator=generators[i]) draws it, consuming the
+    same random numbers (the noise of draw.draw_exact)."""
+    n, V = logits.shape
+    probs = torch.empty(n, V)
+    fast = [i for i in range(n) if top_p[i] < 1.0 and min_p[i] <= 0.0] if V > 1 else []
+    slow = [i for i in range(n) if i not in fast]
+    unsure: dict[int, tuple[torch.Tensor, float]] = {}  # row -> (its x, v): ties with v undecided
+    if fast:
+        sel = torch.tensor(fast)
+        x, bounds = _boundaries(logits.index_select(0, sel), temperature.index_select(0, sel),
+                                [top_k[i] for i in fast], [top_p[i] for i in fast])
+        for j, i in enumerate(fast):
+            if bounds[j] is None:
+                slow.append(i)
+                continue
+            v, tied = bounds[j]
+            probs[i] = x[j].masked_fill(x[j] < v, NEG_INF).softmax(-1)  # the old row when no tie is cut
+            if tied:
+                unsure[i] = (x[j], v)
+    if slow:
+        slow.sort()
+        probs[torch.tensor(slow)] = _old(logits, temperature, top_k, top_p, min_p, slow)
+    bad = bad_rows(probs)  # an unsure row keeps its finite best token: never bad
+    u = torch.full(probs.shape, 0.5, dtype=torch.float64)
+    for i, g in enumerate(generators):
+        if not bad[i]:  # the old draw raised before multinomial touched the generator
+            u[i].uniform_(0.0, 1.0, generator=g)
+    q = torch.log1p(u.neg_()).neg_().to(probs.dtype)  # exponential_'s bits (draw.draw_exact)
+    ratio = probs / q
+    tokens = ratio.argmax(-1).tolist()
+    if unsure:
+        rows = sorted(unsure)
+        top = ratio.index_select(0, torch.tensor(rows)).topk(2, dim=-1)
+        redo = []
+        for i, (a, b), t in zip(rows, top.values.tolist(), top.indices[:, 0].tolist()):
+            x, v = unsure[i]
+            if not a > b * (1 + MARGIN) or float(x[t]) == v:  # a near tie, or the winner is a tie with v
+                redo.append(i)
+        if redo:  # the old filter with its sort, on the same noise
+            sel = torch.tensor(redo)
+            p = _old(logits, temperature, top_k, top_p, min_p, redo)
+            for i, t in zip(redo, (p / q.index_select(0, sel)).argmax(-1).tolist()):
+                tokens[i] = t
+    return [None if b else t for t, b in zip(tokens, bad)]
+
+
+def _old(logits, temperature, top_k, top_p, min_p, rows: list[int]) -> torch.Tensor:
+    sel = torch.tensor(rows)
+    return exact_filter(logits.index_select(0, sel), temperature.index_select(0, sel), [top_k[i] for i in rows],
+                        [top_p[i] for i in rows], [min_p[i] for i in rows]).softmax(-1)
+
+
+def _boundaries(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
+                top_p: list[float]) -> tuple[torch.Tensor, list[tuple[float, bool] | None]]:
+    """x [m, V]: the rows after temperature and top-k as exact_filter computes them; per row (v, tied): the
+    nucleus's last value as the old sort found it and whether tokens past the nucleus tie with it, or None
+    (take the old filter)."""
+    m, V = logits.shape
+    x = scale(logits, temperature)
+    srt = torch.empty(m, V)  # x's values, descending
+    bits = logits.contiguous().view(torch.int32)
+    is_bf16 = ((bits & 0xFFFF) == 0).all(-1).tolist()
+    radix = [j for j in range(m) if is_bf16[j]]
+    if radix:  # the bfloat16 bits as order-preserving int16 keys: numpy's radix sort; x is monotone in them
+        sel = torch.tensor(radix)
+        hi = (bits.index_select(0, sel) >> 16).to(torch.int16)
+        key = hi ^ ((hi >> 15) & 0x7FFF)
+        desc = torch.from_numpy(np.ascontiguousarray(np.sort(key.numpy(), axis=-1, kind="stable")[:, ::-1]))
+        values = ((desc ^ ((desc >> 15) & 0x7FFF)).to(torch.int32) << 16).view(torch.float32)
+        srt[sel] = scale(values, temperature.index_select(0, sel))
+    rest = [j for j in range(m) if not is_bf16[j]]
+    if rest:
+        sel = torch.tensor(rest)
+        srt[sel] = torch.from_numpy(np.ascontiguousarray(np.sort(x.index_select(0, sel).numpy(), axis=-1)[:, ::-1]))
+    krows = [j for j in range(m) if 0 < top_k[j] < V]
+    if krows:  # exact_filter's top-k, on x and on its sorted values (the k-th largest is srt[k - 1])
+        sel = torch.tensor(krows)
+        rows = x.index_select(0, sel)
+        ks = torch.tensor([top_k[j] for j in krows])
+        kth = rows.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
+        x[sel] = rows.masked_fill(rows < kth, NEG_INF)
+        srt[sel] = srt.index_select(0, sel).masked_fill(srt.index_select(0, sel) < kth, NEG_INF)
+    probs = srt.softmax(-1)  # exact_filter's top-p, on the same values in the same order
+    drop = probs.cumsum(-1) - probs >= torch.tensor(top_p, dtype=torch.float32)[:, None]
+    drop[:, 0] = False
+    k = (~drop).sum(-1)
+    monotone = ~(drop[:, :-1] & ~drop[:, 1:]).any(-1)
+    v = srt.gather(1, (k - 1)[:, None])[:, 0]
+    after = srt.gather(1, k.clamp(max=V - 1)[:, None])[:, 0]
+    tied = (k < V) & (after == v)
+    ok = monotone & torch.isfinite(v) & torch.isfinite(srt[:, 0])
+    return x, [(vj, tj) if oj else None for vj, tj, oj in zip(v.tolist(), tied.tolist(), ok.tolist())]
