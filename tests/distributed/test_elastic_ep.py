@@ -99,6 +99,21 @@ def test_dp4_survivor_away_from_the_dead_rank_leaves_its_step_too(path, referenc
         llm.shutdown()
 
 
+def test_dp3_with_mtp_and_online_eplb_loses_a_rank(mtp_ckpt_dir):
+    # EPLB rebalances every 2 steps (a weight move is in flight across every other step boundary), MTP drafts
+    # one token a step: the survivors start both afresh, and the tokens are those of an unfailed engine
+    model = mtp_ckpt_dir("v3")
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    want = generate(LLM(model, dtype="float32", speculative_config=mtp))
+    llm = elastic_llm(model, 3, speculative_config=mtp, enable_eplb=True, eplb_step_interval=2)
+    try:
+        assert kill_mid_decode(llm.engine, 1) == want
+        stats = llm.engine.stats()
+        assert (llm.engine.dp_size, stats.elastic_ranks_lost) == (2, 1) and stats.spec_num_drafts > 0
+    finally:
+        llm.shutdown()
+
+
 def test_dp2_loses_rank_0_during_prefill_and_one_survivor_serves(path, reference):
     # 16-token steps: the 41-token prompt prefills over three steps; rank 0 dies after the first
     llm = elastic_llm(path, 2, max_num_batched_tokens=16)
