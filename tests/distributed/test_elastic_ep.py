@@ -95,6 +95,11 @@ def test_dp4_survivor_away_from_the_dead_rank_leaves_its_step_too(path, referenc
         engine = llm.engine
         assert kill_mid_decode(engine, 2) == reference
         assert (engine.dp_size, engine.slots, engine.stats().elastic_ranks_lost) == (3, [0, 1, 3], 1)
+        # a loss while idle: the next request finds it (add_request), waits for the re-formation, then runs
+        os.kill(engine.ranks.procs[0].pid, signal.SIGKILL)
+        engine.ranks.procs[0].wait(30)
+        assert generate(llm) == reference
+        assert (engine.dp_size, engine.slots, engine.epoch) == (2, [1, 3], 2)
     finally:
         llm.shutdown()
 
