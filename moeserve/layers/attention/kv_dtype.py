@@ -27,14 +27,23 @@ def gather_cache(cache: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -
 
 
 def gather_decode_context(cache: torch.Tensor, d, dtype: torch.dtype) -> torch.Tensor:
-    """Each decode sequence's context [B, L, C + dr] from its block table, upcast to dtype. Slots past a
-    sequence's length hold whatever their block held before (a failed request's NaN included); a zero
-    probability times NaN is NaN, so they are cleared, not only masked: by their flat positions (index_fill_,
-    computed once per step), 20x faster on CPU than a masked_fill broadcasting the [B, L] mask over C + dr."""
-    b = d.block_table.shape[0]
-    kv = gather_cache(cache, d.block_table, dtype)  # a fresh tensor: cleared in place
-    kv.view(-1, cache.shape[-1]).index_fill_(0, d.pad_slots, 0)
-    return kv.view(b, -1, cache.shape[-1])
+    """Each decode sequence's context [B, L, C + dr] from its block table, upcast to dtype, in the step's
+    scratch buffer (DecodeBatch.context_buffer: valid until the next layer gathers). Slots past a sequence's
+    length hold whatever their block held before (a failed request's NaN included); a zero probability times
+    NaN is NaN, so they are cleared, not only masked: by their flat positions (index_fill_, computed once per
+    step), 20x faster on CPU than a masked_fill broadcasting the [B, L] mask over C + dr."""
+    b, width = d.block_table.shape[0], cache.shape[-1]
+    blocks = cache.view(cache.shape[0], -1)  # [num_blocks, block_size * (C + dr)]: one row per block
+    out = d.context_buffer(dtype, blocks.shape[1], cache.device)
+    index = d.block_table.view(-1)
+    if cache.dtype == dtype:
+        torch.index_select(blocks, 0, index, out=out)
+    elif cache.dtype == torch.float8_e4m3fn:  # CPU indexing has no FP8 kernels: gather the bytes
+        out.copy_(blocks.view(torch.uint8).index_select(0, index).view(cache.dtype))
+    else:
+        out.copy_(blocks.index_select(0, index))
+    out.view(-1, width).index_fill_(0, d.pad_slots, 0)
+    return out.view(b, -1, width)
 
 
 def write_cache(flat_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:

