@@ -29,6 +29,7 @@ from moeserve.sample.draw import bad_rows
 from moeserve.sample.filters import NEG_INF, exact_filter, scale
 
 MARGIN = 1e-5  # relative: ~80 float32 ulps, far beyond the roundings a different normaliser moves p / q by
+TINY = torch.finfo(torch.float32).tiny
 
 
 def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
@@ -70,7 +71,8 @@ def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[in
         redo = []
         for i, (a, b), t in zip(rows, top.values.tolist(), top.indices[:, 0].tolist()):
             x, v = unsure[i]
-            if not a > b * (1 + MARGIN) or float(x[t]) == v:  # a near tie, or the winner is a tie with v
+            # a near tie, the winner a tie with v, or its probability subnormal (roundings no longer relative)
+            if not a > b * (1 + MARGIN) or float(x[t]) == v or not float(probs[i, t]) >= TINY:
                 redo.append(i)
         if redo:  # the old filter with its sort, on the same noise
             sel = torch.tensor(redo)
