@@ -223,6 +223,9 @@ class ParallelConfig:
                      "--data-parallel-size for the ranks")
             _require(self.nnodes == 1, "--enable-elastic-ep runs on one node for now (the front end re-forms the "
                      "ranks it spawned): drop --nnodes")
+            _require(self.distributed_backend != "nccl", "--enable-elastic-ep is built on gloo (a survivor leaves "
+                     "its step when its peers' sockets close); NCCL ranks cannot leave a collective yet: use "
+                     "--distributed-backend gloo (or auto on CPU)")
             for flag, on in (("--shared-expert-ranks", self.shared_expert_ranks),
                              ("--expert-placement", self.expert_placement),
                              ("--moe-comm-hierarchy two-stage", self.moe_comm_hierarchy != "flat")):

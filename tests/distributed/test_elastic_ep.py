@@ -146,6 +146,7 @@ def test_survivor_layout_tops_up_redundant_slots():
     (dict(data_parallel_size=1, enable_expert_parallel=True), "--data-parallel-size >= 2"),
     (dict(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True), "--tensor-parallel-size > 1"),
     (dict(data_parallel_size=2, enable_expert_parallel=True, shared_expert_ranks=1), "--shared-expert-ranks"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, distributed_backend="nccl"), "--distributed-backend gloo"),
     (dict(data_parallel_size=2, enable_expert_parallel=True, elastic_ep_timeout=0), "--elastic-ep-timeout"),
     (dict(data_parallel_size=2, enable_expert_parallel=True, load_format="dummy"), "--load-format dummy"),
 ])
