@@ -142,13 +142,15 @@ def _interface_toward(host: str | None) -> str | None:
 
 
 def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
-                     device: torch.device | None = None) -> RankInfo:
-    """Join the process group of all D x T ranks and build the named sub-groups."""
+                     device: torch.device | None = None, store=None) -> RankInfo:
+    """Join the process group of all D x T ranks and build the named sub-groups. store: a rendezvous store
+    someone else hosts (elastic EP's epochs: the front end), instead of rank 0's for a tcp:// init method."""
     device = device or torch.device("cpu")
     info = RankInfo.of(rank, parallel)
     timeout = datetime.timedelta(seconds=parallel.distributed_timeout)
     backend = resolve_backend(parallel, device)
-    store = rendezvous_store(init_method, rank, parallel.world_size, timeout)
+    if store is None:
+        store = rendezvous_store(init_method, rank, parallel.world_size, timeout)
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and store is not None:
         # gloo listens on the address the host name resolves to (often the external one): use the interface
         # that reaches the master address instead (lo on one node)

@@ -24,6 +24,7 @@ import zmq
 from moeserve import netif
 from moeserve.config import EngineConfig
 from moeserve.engine.dp_balance import LeastLoadedRouter, slo_ranked_ttft
+from moeserve.engine.elastic import epoch_store
 from moeserve.engine.launch import LocalRanks, TorchrunEnv, free_port, resolve_endpoints
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import (EngineCoreOutput, EngineCoreRequest, EngineStats, RankCommand, RankReform,
@@ -73,6 +74,7 @@ class DPEngineClient:
         self.lost: set[int] = set()  # rank processes dropped
         self.requests: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
         self.recovery: dict | None = None  # the re-formation in progress: epoch, waiting DP ranks, start
+        self._epoch_stores: list = []
         self.elastic_stats = EngineStats()  # the elastic_* counters
         self.elastic = False  # a rank lost while starting fails the start: nothing runs yet
         self._wait_ready()
@@ -318,10 +320,13 @@ class DPEngineClient:
         self.epoch += 1
         self.dp_size = len(self.slots)
         init = f"tcp://{self.config.parallel.master_addr}:{free_port()}"
+        # the epoch's rendezvous lives here, not on a survivor that may die too; older ones stay (a survivor
+        # still checking in at one would wait out its timeout on a closed store)
+        self._epoch_stores.append(epoch_store(init, self.config.parallel.distributed_timeout))
         for dp in range(self.dp_size):
             self._send(dp, RankCommand(reform=RankReform(self.epoch, dp, self.dp_size, init)))
         started = self.recovery["started"] if self.recovery else time.monotonic()  # a loss while re-forming
-        self.recovery = {"waiting": set(range(self.dp_size)), "started": started}
+        self.recovery = {"waiting": set(range(self.dp_size)), "started": started, "epoch_at": time.monotonic()}
         self._reset_ranks()
 
     def _poll_recovery(self, poll_s: float) -> None:
@@ -337,7 +342,7 @@ class DPEngineClient:
             return  # another loss began a newer epoch
         if not rec["waiting"]:
             self._finish_recovery()
-        elif time.monotonic() - rec["started"] > timeout:
+        elif time.monotonic() - rec["epoch_at"] > timeout:
             self._fail(f"the {self.dp_size} surviving rank(s) did not re-form within {timeout:g} s "
                        f"(--elastic-ep-timeout); waiting for DP rank(s) {sorted(rec['waiting'])}")
 

@@ -1,6 +1,6 @@
 """Elastic expert parallelism (--enable-elastic-ep): a DP/EP engine rides through the loss of a rank.
 
-Lifecycle (stage 1 of issue 37; one node, TP 1, gloo or NCCL):
+Lifecycle (stage 1 of issue 37; one node, TP 1, gloo):
   0. start-up: check_elastic() refuses a layout that could not survive a loss (dummy weights: nothing to
      re-read the lost experts from; PD transfer; torchrun), naming the flag.
   1. a rank process dies (its exit is seen by the front end, dp_client.py) or is stopped (SIGSTOP: after
@@ -9,8 +9,10 @@ Lifecycle (stage 1 of issue 37; one node, TP 1, gloo or NCCL):
      close, and a survivor that leaves shuts down all its connections of the epoch, so a survivor blocked on
      it raises too (the cascade ends every survivor's step; --distributed-timeout bounds the worst case).
      Each reports the error with its epoch and waits for the front end (ride_through()).
-  3. the front end starts epoch e + 1: a fresh TCPStore port, and to each survivor (in old rank order) a
-     RankReform with its new rank and the new world size. Commands and reports of older epochs are dropped.
+  3. the front end starts epoch e + 1: a TCPStore of its own on a fresh port, and to each survivor (in old
+     rank order) a RankReform with its new rank and the new world size. Commands and reports of older epochs
+     are dropped. Survivors check in at that store before they build process groups, reading the front end
+     meanwhile, so a rank lost while re-forming starts epoch e + 2 at once (no rendezvous waits for it).
   4. each survivor joins the new process groups and rebuilds its engine core for the smaller EP group:
      survivor_parallel() recomputes the placement (default map; redundant slots added where the experts no
      longer divide over the ranks) and the loader reads this rank's experts, only those, from the checkpoint.
@@ -107,7 +109,11 @@ def ride_through(worker) -> None:
             try:
                 _join_epoch(worker, reform)
                 break
-            except Exception as e:  # noqa: BLE001 - another rank died while re-forming: wait for the next epoch
+            except _Shutdown:
+                return
+            except EpochOver as e:  # another rank died while re-forming: the front end's next epoch
+                reform = e.reform
+            except Exception as e:  # noqa: BLE001 - the new groups failed: wait for the next epoch
                 reform = None
                 _left(worker, e, RankReport)
 
@@ -181,20 +187,61 @@ def _wait_for_reform(worker):
             return cmd.reform
 
 
-def _join_epoch(worker, reform) -> None:
+def epoch_store(init_method: str, timeout_s: float):
+    """The front end's rendezvous store of one epoch (it lives as long as the front end keeps it)."""
+    import datetime
     from urllib.parse import urlsplit
+
+    import torch.distributed as dist
+
+    url = urlsplit(init_method)
+    return dist.TCPStore(url.hostname, url.port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def _gather_survivors(worker, reform, store) -> None:
+    """Wait until every survivor of the epoch has checked in at the front end's store, reading the front
+    end meanwhile: a newer re-formation (another rank died while re-forming) or a shutdown ends the wait at
+    once, where a process-group rendezvous would wait for the dead rank until --distributed-timeout."""
+    from moeserve.engine.dp_worker import EpochOver
+
+    store.set(f"joined/{reform.rank}", b"1")
+    keys = [f"joined/{r}" for r in range(reform.world_size)]
+    while not store.check(keys):
+        if worker.front_end_gone():
+            raise RuntimeError("the front-end process exited")
+        if worker.sock.poll(WAIT_POLL_MS // 10):
+            cmd = worker.decoder.decode(worker.sock.recv())
+            if cmd.shutdown:
+                raise _Shutdown()
+            if cmd.reform is not None and cmd.reform.epoch > reform.epoch:
+                raise EpochOver(cmd.reform)
+
+
+class _Shutdown(Exception):
+    """The front end shut the engine down while this rank re-formed."""
+
+
+def _join_epoch(worker, reform) -> None:
+    import datetime
+    from urllib.parse import urlsplit
+
+    import torch.distributed as dist
 
     from moeserve.distributed.parallel_state import RankInfo, init_distributed
 
     started = time.monotonic()
     base = worker.base_config
-    parallel = survivor_parallel(base.parallel, worker.arch.n_routed_experts or 0, reform.world_size,
-                                 urlsplit(reform.init_method).port)
+    url = urlsplit(reform.init_method)
+    parallel = survivor_parallel(base.parallel, worker.arch.n_routed_experts or 0, reform.world_size, url.port)
+    store = dist.TCPStore(url.hostname, url.port, None, False,
+                          timeout=datetime.timedelta(seconds=parallel.distributed_timeout))
+    _gather_survivors(worker, reform, store)
     # decode runs eagerly from here: compiling the new layout's decode graphs would hold every survivor for
     # 10-20 s on a CPU (benchmarks/elastic_ep.py), and the loss should cost seconds
     config = dataclasses.replace(base, parallel=parallel, model=dataclasses.replace(base.model, enforce_eager=True))
     worker.epoch = reform.epoch
-    init_distributed(parallel, reform.rank, reform.init_method)
+    init_distributed(parallel, reform.rank, reform.init_method, store=store)
     worker.start(config, RankInfo.of(reform.rank, parallel))
     print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
           f"in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)

@@ -87,6 +87,33 @@ def test_dp3_loses_a_nonzero_rank_mid_decode_then_a_stopped_one(path, reference)
         llm.shutdown()
 
 
+def test_dp3_loses_a_second_rank_while_re_forming(path, reference):
+    # the front end hosts each epoch's rendezvous and the survivors read it while they check in, so rank 0
+    # does not wait for the dead rank 2 in epoch 1's rendezvous (--distributed-timeout 120) and the front end
+    # does not give up on it (--elastic-ep-timeout 30)
+    llm = LLM(path, dtype="float32", data_parallel_size=3, enable_expert_parallel=True, enable_elastic_ep=True,
+              num_redundant_experts=1, distributed_timeout=120, elastic_ep_timeout=30)
+    try:
+        engine = llm.engine
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
+        got = {f"r{i}": [] for i in range(len(PROMPTS))}
+        kills = [1, 2]
+        deadline = time.monotonic() + 300
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+            if kills == [1, 2] and sum(map(len, got.values())) >= 8:
+                os.kill(engine.ranks.procs[kills.pop(0)].pid, signal.SIGKILL)
+            elif kills == [2] and engine.recovery is not None:  # epoch 1 is forming
+                os.kill(engine.ranks.procs[kills.pop(0)].pid, signal.SIGKILL)
+        assert not kills and not engine.has_unfinished()
+        assert [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
+        assert (engine.dp_size, engine.slots, engine.epoch, engine.stats().elastic_ranks_lost) == (1, [0], 2, 2)
+    finally:
+        llm.shutdown()
+
+
 def test_dp4_survivor_away_from_the_dead_rank_leaves_its_step_too(path, reference):
     # gloo's all-gather is a ring: only rank 2's neighbours see its sockets close; rank 0 waits on rank 1 or 3,
     # both alive, until they shut their connections down as they leave
