@@ -14,7 +14,9 @@ Part 2 (--decode): LLM on the V3-shaped checkpoint of benchmarks/decode_speed.py
 MIX of parameters plus penalties on 2 rows in 8 ("mixed"), and the same without the seed ("mixed-no-seed":
 every sampled row on the candidate path), alternating, --repeats times; decode tok/s = batch x (new - 1) /
 (generate time - the same prefill alone), thread CPU time; printed per repeat and as the median of the
-per-repeat ratios to greedy.
+per-repeat ratios to greedy. Also per engine step: the median step time and the median time of its
+StepSampler.sample (lm_head, processors, filters, draws, logprobs), and greedy's step with each variant's
+sampling in its place (the forward is the same: less noise than whole-run tok/s on a shared machine).
 
 Part 2 also runs on an older tree (the old sampler in the engine), e.g. the commit before moeserve/sample:
 `git archive 22b2f4d | tar -x -C /tmp/old && cp benchmarks/sampling.py /tmp/old/benchmarks/ && cd /tmp/old &&
@@ -150,14 +152,38 @@ def decode_part(a) -> None:
                 "mixed": decoding(mixed_params(b, penalties=True)),  # MIX + penalties, a seed on 1 row in 8
                 "mixed-no-seed": decoding(mixed_params(b, seeds=False, penalties=True))}
     one = SamplingParams(temperature=0, max_tokens=1)
+    # per engine step (model runner execute) of the timed decodes: (step ms, of which StepSampler.sample ms),
+    # thread CPU time: the forward is the same for every variant, so the steps' medians show the sampler's
+    # share with less of the shared machine's noise than whole-run tok/s
+    steps: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
+    timing: list = [None, 0.0]  # [variant being timed or None, sampler seconds in this step]
+    runner = llm.engine.runner
+    execute, sample = runner.execute, runner.sampler.sample
 
-    def tps(params, salt):
+    def timed_sample(*args, **kw):
+        t0 = CLOCK()
+        try:
+            return sample(*args, **kw)
+        finally:
+            timing[1] += CLOCK() - t0
+
+    def timed_execute(out):
+        timing[1], t0 = 0.0, CLOCK()
+        result = execute(out)
+        if timing[0] is not None:
+            steps[timing[0]].append(((CLOCK() - t0) * 1e3, timing[1] * 1e3))
+        return result
+
+    runner.execute, runner.sampler.sample = timed_execute, timed_sample
+
+    def tps(params, salt, name=None):
         prompts = prompts_of(b, a.prompt_len, salt)
         t0 = CLOCK()
         llm.generate(prompt_token_ids=prompts, sampling_params=one, use_tqdm=False)
         prefill = CLOCK() - t0
-        t0 = CLOCK()
+        timing[0], t0 = name, CLOCK()
         llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        timing[0] = None
         return b * (a.new_tokens - 1) / max(CLOCK() - t0 - prefill, 1e-9)
 
     for params in variants.values():  # warm-up
@@ -165,7 +191,7 @@ def decode_part(a) -> None:
     runs: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(a.repeats):
         for k, params in variants.items():
-            runs[k].append(tps(params, r + 1))
+            runs[k].append(tps(params, r + 1, k))
         print(f"repeat {r}: " + ", ".join(f"{k} {runs[k][-1]:7.1f} tok/s" for k in variants)
               + "".join(f", {k}/greedy {runs[k][-1] / runs['greedy'][-1]:.3f}" for k in variants if k != "greedy"),
               flush=True)
@@ -176,6 +202,15 @@ def decode_part(a) -> None:
             ratios = [m / g for m, g in zip(runs[k], runs["greedy"])]
             print(f"  {k}/greedy: median {statistics.median(ratios):.3f} (per repeat "
                   f"{', '.join(f'{x:.3f}' for x in ratios)})")
+    step_ms = {k: statistics.median(t for t, _ in v) for k, v in steps.items()}
+    sample_ms = {k: statistics.median(s for _, s in v) for k, v in steps.items()}
+    print(f"per engine step (median of {len(steps['greedy'])} steps, prefill steps included): "
+          + ", ".join(f"{k} {step_ms[k]:.1f} ms of which sampling {sample_ms[k]:.1f} ms" for k in variants))
+    for k in variants:
+        if k != "greedy":  # greedy's step with this variant's sampling in place of greedy's
+            est = step_ms["greedy"] / (step_ms["greedy"] - sample_ms["greedy"] + sample_ms[k])
+            print(f"  {k}/greedy from the step medians: {est:.3f} (sampling +{sample_ms[k] - sample_ms['greedy']:.1f} ms "
+                  f"a step)")
 
 
 def main() -> None:
