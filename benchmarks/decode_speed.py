@@ -132,6 +132,16 @@ def bytes_per_token(cfg: dict, mode: str, context: int) -> float:
     return layers * (attn + absorbed) + mlp + w * cfg["vocab_size"] * h + 2 * h + kv
 
 
+def weight_memory(llm) -> dict:
+    """Bytes the engine holds for weights: its parameters (INT8 ones at one byte) and the oneDNN-packed copies
+    made at load beside them (BF16 linears and experts; INT8 weights where packing pays)."""
+    from moeserve.device_memory import module_bytes
+    from moeserve.layers.linear import packed_copy_bytes
+
+    model = llm.engine.runner.model
+    return dict(parameters=module_bytes(model), packed_copies=packed_copy_bytes(model))
+
+
 def spread(xs: list[float]) -> dict:
     med = statistics.median(xs)
     return dict(median=med, lo_pct=100 * (min(xs) / med - 1), hi_pct=100 * (max(xs) / med - 1), runs=xs)
@@ -151,16 +161,19 @@ def run_moeserve(path: str, args) -> dict:
     from moeserve import LLM
 
     llms, start_s = {}, {}
+    weights = {}
     for m in args.modes:
         t0 = time.perf_counter()
         llms[m] = LLM(path, **engine_kwargs(m, args))
         start_s[m] = time.perf_counter() - t0
-        print(f"{m}: engine ready in {start_s[m]:.1f} s", flush=True)
+        weights[m] = weight_memory(llms[m])
+        print(f"{m}: engine ready in {start_s[m]:.1f} s; weights {weights[m]['parameters'] / 1e6:.0f} MB + "
+              f"packed copies {weights[m]['packed_copies'] / 1e6:.0f} MB", flush=True)
     for llm in llms.values():  # warm-up: every batch size once (allocator, oneDNN primitives)
         for b in args.batches:
             decode_tps(llm, b, args.prompt_len, 4, salt=0)
         prefill_tps(llm, args.prefill_prompts, args.prompt_len, salt=0)
-    res: dict = {m: {"decode": {}, "prefill": None, "start_s": start_s[m]} for m in llms}
+    res: dict = {m: {"decode": {}, "prefill": None, "start_s": start_s[m], "weight_bytes": weights[m]} for m in llms}
     for b in args.batches:
         runs = {m: [] for m in llms}
         for r in range(args.repeats):
