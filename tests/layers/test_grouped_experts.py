@@ -92,16 +92,22 @@ def test_packed_int8_linear_equals_unpacked(pack_anywhere):
         assert torch.equal(int8_linear(x, q, s, packed=packed), int8_linear(x, q, s))
 
 
-def test_int8_experts_packed_equal_unpacked(pack_anywhere):
-    g = torch.Generator().manual_seed(4)
-    ref = FusedExperts(6, 64, 32)
+def _int8_experts(num: int, g: torch.Generator) -> Int8FusedExperts:
+    """num random experts (hidden 64, intermediate 32), quantized at load as a float checkpoint would be."""
+    ref = FusedExperts(num, 64, 32)
     with torch.no_grad():
         ref.w13.copy_(torch.randn(ref.w13.shape, generator=g) * 0.1)
         ref.w2.copy_(torch.randn(ref.w2.shape, generator=g) * 0.1)
     q = Int8FusedExperts.like(ref)
-    for slot in range(6):
+    for slot in range(num):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             q.load_expert(slot, proj, "weight", ref.expert_weight(slot, proj), f"e{slot}.{proj}")
+    return q
+
+
+def test_int8_experts_packed_equal_unpacked(pack_anywhere):
+    g = torch.Generator().manual_seed(4)
+    q = _int8_experts(6, g)
     x = torch.randn(30, 64, generator=g)
     ids = torch.randint(-1, 6, (30,), generator=g)
     w = torch.rand(30, generator=g)
@@ -126,14 +132,7 @@ def test_vnni_packs_large_weights_and_runs_them_packed_from_two_rows(monkeypatch
     packed = Int8Packed.of(torch.zeros(8, 16, dtype=torch.int8), torch.ones(8, 1))
     assert not packed.pays(1) and packed.pays(2)
     g = torch.Generator().manual_seed(5)
-    ref = FusedExperts(4, 64, 32)
-    with torch.no_grad():
-        ref.w13.copy_(torch.randn(ref.w13.shape, generator=g) * 0.1)
-        ref.w2.copy_(torch.randn(ref.w2.shape, generator=g) * 0.1)
-    q = Int8FusedExperts.like(ref)
-    for slot in range(4):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            q.load_expert(slot, proj, "weight", ref.expert_weight(slot, proj), f"e{slot}.{proj}")
+    q = _int8_experts(4, g)
     x = torch.randn(7, 64, generator=g)
     ids = torch.tensor([0, 1, 1, 2, 2, 2, -1])  # one row (unpacked), two and three rows (packed), expert 3 idle
     w = torch.rand(7, generator=g)
