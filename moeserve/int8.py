@@ -18,8 +18,30 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(wf / scale).clamp_(-QMAX, QMAX).to(torch.int8), scale
 
 
+# Rows from which quantize_per_token takes the compiled kernel once an engine asked for it: prefill-sized
+# inputs (decode rows are quantized inside the compiled decode graphs already).
+COMPILED_MIN_ROWS = 64
+_compiled = None
+
+
+def compile_quantizer() -> None:
+    """Send quantize_per_token's larger inputs through one inductor kernel (dynamic shapes: one graph per
+    dtype): 8-9x faster than the eager passes at 1024 rows and bit-identical (tests/quant/test_int8_kernels.py).
+    Called by engines that compile (not under --enforce-eager); the first call of each dtype compiles."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(_quantize_per_token, dynamic=True, fullgraph=True)
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] float -> (q int8 [T, K], scale float32 [T, 1]), one dynamic scale per row (token).
+    """x [T, K] float -> (q int8 [T, K], scale float32 [T, 1]), one dynamic scale per row (token)."""
+    if _compiled is not None and x.shape[0] >= COMPILED_MIN_ROWS and not torch.compiler.is_compiling():
+        return _compiled(x.contiguous())  # one graph: strided rows would compile one of their own
+    return _quantize_per_token(x)
+
+
+def _quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager definition (and what inductor compiles).
 
     The hot path, so few passes (measured: BF16 reductions are ~4x slower than float32 ones here, hence one
     conversion first, into a private copy the later passes work on in place): one aminmax instead of an

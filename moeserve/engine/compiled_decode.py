@@ -71,6 +71,21 @@ def why_eager(config, arch, device: torch.device) -> str | None:
 _LAYER_KINDS = 3
 
 
+def warm_up_quantizer(width: int, dtype: torch.dtype) -> None:
+    """Switch A8W8's per-token activation quantization of prefill-sized inputs to its compiled kernel
+    (moeserve/int8.py) and compile it now, for the model dtype and float32 (the SwiGLU output the experts'
+    down projection quantizes), instead of in the first request's prefill. Process-wide: an eager engine
+    started later in the same process uses it too."""
+    from moeserve import int8
+
+    int8.compile_quantizer()
+    start = time.perf_counter()
+    with torch.inference_mode():  # the engine's mode: dynamo guards on it
+        for dt in (dtype, torch.float32):
+            int8.quantize_per_token(torch.ones(int8.COMPILED_MIN_ROWS, width, dtype=dt))
+    logger.info("prefill INT8 quantizer compiled in %.1f s", time.perf_counter() - start)
+
+
 def _configure_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
         os.environ.get("MOESERVE_CACHE", os.path.expanduser("~/.cache/moeserve")), "inductor"))

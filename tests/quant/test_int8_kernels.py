@@ -112,3 +112,23 @@ def test_int8_experts_empty_and_all_remote():
     assert q(torch.randn(0, 64), torch.zeros(0, dtype=torch.long), torch.zeros(0)).shape == (0, 64)
     x = torch.randn(4, 64)
     assert (q(x, torch.full((4,), -1), torch.ones(4)) == 0).all()
+
+
+def test_compiled_quantizer_is_bit_identical_to_the_eager_one(monkeypatch):
+    """Prefill-sized inputs go through one inductor kernel once an engine compiles (int8.compile_quantizer);
+    it must give the eager passes' bits: same rounding (half to even), same scale, zero rows included."""
+    from moeserve import int8
+
+    monkeypatch.setattr(int8, "_compiled", None)
+    int8.compile_quantizer()
+    g = torch.Generator().manual_seed(7)
+    for rows, k, dtype in [(64, 96, torch.bfloat16), (300, 1030, torch.float32), (1024, 2048, torch.bfloat16),
+                           (65, 256, torch.float32)]:
+        x = (torch.randn(rows, k, generator=g) * torch.logspace(-3, 2, rows)[:, None]).to(dtype)
+        x[1] = 0.0  # an all-zero row
+        x[2, :4] = torch.tensor([127.0, 0.5, -0.5, 1.5])  # q = x * 127 / 127: exact .5 ties round to even
+        q, s = int8.quantize_per_token(x)
+        q_ref, s_ref = int8._quantize_per_token(x)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref), (rows, k, dtype)
+    small = torch.randn(int8.COMPILED_MIN_ROWS - 1, 32, generator=g)
+    assert all(torch.equal(a, b) for a, b in zip(int8.quantize_per_token(small), int8._quantize_per_token(small)))
