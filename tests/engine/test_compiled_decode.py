@@ -5,6 +5,7 @@ starts has traced all of them. The prompts' lengths differ so that the running b
 and lands on padded buckets; the 41-token prompt is prefilled in chunks (max_num_batched_tokens=32).
 """
 import pytest
+import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import ConfigError
@@ -49,6 +50,22 @@ def test_compiled_decode_gives_eager_tokens(ckpt_dir, variant, dtype, quant, mon
     assert_graphs_ran(llm, [1, 2, 4, 8])
     if dtype == "bfloat16":
         assert all(m.packed for m in llm.engine.runner.model.modules() if type(m) is FusedExperts)
+
+
+def test_compiled_decode_with_packed_int8_gives_eager_tokens(ckpt_dir, monkeypatch):
+    """A8W8 with every INT8 weight packed for oneDNN (the tiny model's weights are below the packing size on a
+    VNNI CPU; lowered here): the packed GEMM runs inside the graphs as an opaque op from 2 rows, torch._int_mm
+    at 1 row, and the tokens are the eager engine's."""
+    from moeserve.layers import quant
+
+    monkeypatch.setattr(quant, "_VNNI_PACK_MIN_ELEMENTS", 0)
+    if quant.Int8Packed.of(quant.quantize_per_channel(torch.ones(8, 16))[0], torch.ones(8, 1)) is None:
+        pytest.skip("oneDNN's packed INT8 GEMM does not run here")
+    want, got, llm = eager_and_compiled(ckpt_dir("v3"), dtype="float32", quantization="a8w8")
+    assert got == want
+    assert_graphs_ran(llm, [1, 2, 4, 8])
+    model = llm.engine.runner.model
+    assert model.lm_head.weight_packed is not None and model.model.layers[0].self_attn.o_proj.weight_packed is not None
 
 
 def test_compiled_decode_with_mtp(mtp_ckpt_dir):
