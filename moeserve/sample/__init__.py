@@ -5,12 +5,12 @@ token masks and penalties; filters does temperature / top-k / top-p / min-p; dra
 logprobs reports them; step.StepSampler is what the model runner calls.
 """
 from moeserve.sample.batch import SamplingBatch
-from moeserve.sample.draw import SamplingError, draw, draw_exact
+from moeserve.sample.draw import SamplingError, draw
 from moeserve.sample.filters import apply_filters, exact_filter
 from moeserve.sample.logprobs import TokenLogprobs, token_logprobs
 from moeserve.sample.processors import LogitsRows, apply_logits_processors
 from moeserve.sample.sampler import Sampler, filtered_probs, sample
 
-__all__ = ["SamplingBatch", "SamplingError", "draw", "draw_exact", "apply_filters", "exact_filter",
+__all__ = ["SamplingBatch", "SamplingError", "draw", "apply_filters", "exact_filter",
            "TokenLogprobs", "token_logprobs", "LogitsRows", "apply_logits_processors", "Sampler",
            "filtered_probs", "sample"]

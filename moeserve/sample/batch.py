@@ -13,7 +13,7 @@ class SamplingBatch:
     """Per logits row (a request has one row, plus one per MTP draft): its parameters as [R] values, and
     which rows take which path. greedy rows: argmax. exact rows (a request with its own seed): the
     per-request distribution and multinomial draw of before, bit for bit (filters.exact_filter,
-    draw.draw_exact), so a seed keeps its tokens. candidate rows (no seed of their own): one batched topk
+    draw.exponential_noise), so a seed keeps its tokens. candidate rows (no seed of their own): one batched topk
     for the step and an inverse-CDF draw from the shared generator (filters.candidate_filter)."""
 
     params: list[SamplingParams]

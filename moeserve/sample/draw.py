@@ -1,9 +1,9 @@
 """Drawing tokens from filtered distributions, a batch of rows at once.
 
-- draw_exact: torch.multinomial(probs[i], 1, generator=g_i) row by row, as the per-request loop did, without
-  its per-row calls: on CPU multinomial draws one sample as argmax(probs / q) with q ~ Exp(1) filled from
-  the generator (ATen's Distributions.cpp), so each row's q is drawn from its own generator (the same
-  stream a seeded request consumed before) and the log, divide and argmax run once for the batch.
+- exponential_noise: the Exp(1) noise torch.multinomial(probs[i], 1, generator=g_i) draws row by row (on CPU
+  multinomial draws one sample as argmax(probs / q) with q ~ Exp(1) filled from the generator, ATen's
+  Distributions.cpp), each row's from its own generator (the same stream a seeded request consumed before),
+  the log for the batch at once; sample/exact.py divides and takes the argmax.
 - draw_candidates: rows without a seed of their own: one uniform per row from the shared generator, then
   the inverse CDF over the row's candidates (a cumsum and a searchsorted for the batch).
 """
@@ -36,20 +36,18 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def draw_exact(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int | None]:
-    """probs [n, V] -> one token per row (None: that row cannot be sampled), each row as
-    torch.multinomial(probs[i], 1, generator=generators[i]) draws it, and consuming the same random numbers."""
-    bad = bad_rows(probs)
-    # exponential_ on CPU is float32(-log1p(-u)) of the generator's float64 uniforms u, element by element
-    # (scalar log1p, ~4x the uniforms' cost): drawing u per row and one vectorised log1p for the batch gives
-    # the same bits and leaves the generator where exponential_ would (tests/sample: tokens and states)
+def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator], bad: list[bool]) -> torch.Tensor:
+    """q [n, V] ~ Exp(1) with the bits torch.multinomial(probs[i], 1, generator=generators[i]) draws on CPU
+    (argmax(probs / q), ATen's Distributions.cpp), leaving each generator where it would; bad rows (that
+    cannot be sampled) consume nothing, as the old draw raised before multinomial touched the generator.
+    exponential_ is float32(-log1p(-u)) of the generator's float64 uniforms u, element by element (scalar
+    log1p, ~4x the uniforms' cost): u per row and one vectorised log1p for the batch give the same bits
+    (tests/sample: tokens and generator states)."""
     u = torch.full(probs.shape, 0.5, dtype=torch.float64)
     for i, g in enumerate(generators):
-        if not bad[i]:  # the old draw raised before multinomial touched the generator
+        if not bad[i]:
             u[i].uniform_(0.0, 1.0, generator=g)
-    q = torch.log1p(u.neg_()).neg_().to(probs.dtype)
-    tokens = (probs / q).argmax(-1).tolist()
-    return [None if b else t for t, b in zip(tokens, bad)]
+    return torch.log1p(u.neg_()).neg_().to(probs.dtype)
 
 
 def draw_candidates(c: Candidates, generator: torch.Generator) -> list[int | None]:

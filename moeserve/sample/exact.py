@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeserve.sample.draw import bad_rows
+from moeserve.sample.draw import bad_rows, exponential_noise
 from moeserve.sample.filters import NEG_INF, exact_filter, scale
 
 MARGIN = 1e-5  # relative: ~80 float32 ulps, far beyond the roundings a different normaliser moves p / q by
@@ -36,7 +36,7 @@ def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[in
                  min_p: list[float], generators: list[torch.Generator]) -> list[int | None]:
     """One token per row of logits [n, V] (None: the row cannot be sampled), each as
     torch.multinomial(exact_filter(row).softmax(-1), 1, generator=generators[i]) draws it, consuming the
-    same random numbers (the noise of draw.draw_exact)."""
+    same random numbers (draw.exponential_noise)."""
     n, V = logits.shape
     probs = torch.empty(n, V)
     fast = [i for i in range(n) if top_p[i] < 1.0 and min_p[i] <= 0.0] if V > 1 else []
@@ -58,11 +58,7 @@ def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[in
         slow.sort()
         probs[torch.tensor(slow)] = _old(logits, temperature, top_k, top_p, min_p, slow)
     bad = bad_rows(probs)  # an unsure row keeps its finite best token: never bad
-    u = torch.full(probs.shape, 0.5, dtype=torch.float64)
-    for i, g in enumerate(generators):
-        if not bad[i]:  # the old draw raised before multinomial touched the generator
-            u[i].uniform_(0.0, 1.0, generator=g)
-    q = torch.log1p(u.neg_()).neg_().to(probs.dtype)  # exponential_'s bits (draw.draw_exact)
+    q = exponential_noise(probs, generators, bad)
     ratio = probs / q
     tokens = ratio.argmax(-1).tolist()
     if unsure:

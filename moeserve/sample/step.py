@@ -47,7 +47,7 @@ class StepSampler:
             g = self.generators[req.request_id] = torch.Generator().manual_seed(seed)
             if req.output_token_ids and self.rejection_sampler is None and not req.sampling_params.greedy:
                 # Resumed after an engine restart (protocol.EngineCoreRequest.output_token_ids): each earlier
-                # token drew one row of Exp(1) noise (draw.draw_exact); drawing them again puts the generator
+                # token drew one row of Exp(1) noise (draw.exponential_noise); drawing them again puts the generator
                 # where the dead engine's was, so the seed gives the same tokens (not with MTP's rejection
                 # sampler, whose draws depend on the drafts: docs/serving.md).
                 row = torch.empty(vocab_size)
