@@ -38,10 +38,11 @@ def gather_decode_context(cache: torch.Tensor, d, dtype: torch.dtype) -> torch.T
     index = d.block_table.view(-1)
     if cache.dtype == dtype:
         torch.index_select(blocks, 0, index, out=out)
-    elif cache.dtype == torch.float8_e4m3fn:  # CPU indexing has no FP8 kernels: gather the bytes
-        out.copy_(blocks.view(torch.uint8).index_select(0, index).view(cache.dtype))
-    else:
-        out.copy_(blocks.index_select(0, index))
+    else:  # gathered in the cache's dtype (FP8 as bytes: CPU indexing has no FP8 kernels), then upcast
+        raw = blocks.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else blocks
+        staged = d.context_buffer(raw.dtype, raw.shape[1], cache.device)
+        torch.index_select(raw, 0, index, out=staged)
+        out.copy_(staged.view(cache.dtype))
     out.view(-1, width).index_fill_(0, d.pad_slots, 0)
     return out.view(b, -1, width)
 
