@@ -33,6 +33,11 @@ KV_POLL_S = 0.002
 EXIT_RANK_DIED = 3  # the exit code when a DP/TP rank process died or stopped answering  # how often an engine with nothing to compute polls its KV transfers (PD)
 
 
+# Testing only: an engine core that steps a request whose prompt holds this token id kills itself (SIGKILL, as
+# a crash in a kernel would end it), every time: the request that crashes the engine on every core
+# (tests/entrypoints/test_request_resume.py). Unset: no check.
+CRASH_TOKEN = int(os.environ["MOESERVE_TEST_CRASH_TOKEN"]) if os.environ.get("MOESERVE_TEST_CRASH_TOKEN") else None
+
 # The admission bounds this process enforces -> the flag its refusal names (vllm:admission_rejections' reason;
 # the API server reads the reason back from the message, engine_client.admission_reason)
 ADMISSION_FLAGS = {"max_num_queued_reqs": "(--max-num-queued-reqs)", "max_waiting_requests": "(--max-waiting-requests)"}
@@ -65,6 +70,7 @@ class EngineCoreProc:
         self._started: set[str] = set()  # requests that have had their first tokens (prompt tokens counted)
         # clients a send failed to, reported after the next drain unless their goodbye was read meanwhile
         self._lost: dict[bytes, Exception] = {}
+        self._poisoned: set[str] = set()  # MOESERVE_TEST_CRASH_TOKEN: requests whose step kills this process
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -78,6 +84,8 @@ class EngineCoreProc:
             if kv:
                 self.core.poll_kv_transfer()
             if self.core.has_schedulable() if kv else self.core.has_unfinished():
+                if self._poisoned:
+                    self._crash_if_poisoned()
                 self._send_outputs(self.core.step())
             now = time.monotonic()
             if now - self._last_beat >= HEARTBEAT_S:
@@ -158,7 +166,17 @@ class EngineCoreProc:
             self._send(ident, MSG_OUTPUTS, EngineCoreOutputs([err], self.core.stats(), self.engine_index))
             return
         self.owner[req.request_id] = ident
+        if CRASH_TOKEN is not None and CRASH_TOKEN in req.prompt_token_ids:
+            self._poisoned.add(req.request_id)
         self.core.add_request(req)
+
+    def _crash_if_poisoned(self) -> None:
+        """MOESERVE_TEST_CRASH_TOKEN: the step about to run holds a poisoned request: die as a crash would."""
+        self._poisoned &= self.owner.keys()  # finished or aborted ones are gone
+        if self._poisoned:
+            logger.error("MOESERVE_TEST_CRASH_TOKEN: request(s) %s in this step; the engine core kills itself",
+                         sorted(self._poisoned))
+            os.kill(os.getpid(), signal.SIGKILL)
 
     # ---- sending ---------------------------------------------------------------------------------
     def _send_outputs(self, outputs: list[EngineCoreOutput]) -> None:

@@ -9,7 +9,10 @@ Requests in flight survive the restart: each stream keeps its EngineCoreRequest,
 in the OutputProcessor, so once the new core answers the request is sent again with them
 (EngineCoreRequest.output_token_ids) and its stream goes on where it stopped, no token lost or repeated (the
 detokenizer state, stop strings and logprob offsets simply continue). A request that was in flight during
-MAX_REQUEST_CRASHES engine deaths in a row is failed alone, in case it is what kills the engine. A core that
+MAX_REQUEST_CRASHES engine deaths in a row is a suspect: suspects are resumed one at a time, each the only
+suspect in flight until it has produced PROBATION_TOKENS tokens (or finished), and the one in flight alone
+when the engine dies again is failed (it is what kills the engine); the other requests in flight through the
+same deaths are resumed and finish. A core that
 sends nothing (it heartbeats every 0.25 s) for --engine-stall-timeout counts as hung (stall_reason: /health
 503).
 """
@@ -39,10 +42,15 @@ logger = logging.getLogger("moeserve.api")
 
 LIVENESS_CHECK_S = 0.5
 GOODBYE_LINGER_MS = 1000  # at most this long at close for the goodbye to reach the core
-# A request in flight during this many engine-core deaths in a row fails (with an error saying so) instead
-# of being resumed again: it may be what kills the core, and the launcher gives up after
-# --max-engine-restarts (3) deaths in a row. 1: no request is resumed (each death fails them, as before).
+# A request in flight during this many engine-core deaths in a row is a suspect, resumed alone among
+# suspects; the suspect in flight alone when the core dies again fails (with an error saying so): it is what
+# kills the core, and the launcher gives up after --max-engine-restarts (3) deaths in a row. 1: no request
+# is resumed (each death fails them, as before).
 MAX_REQUEST_CRASHES = int(os.environ.get("MOESERVE_MAX_REQUEST_CRASHES", "2"))
+# A suspect resumed alone that produces this many tokens (or finishes) on the new core is cleared (its crash
+# count starts again from 0) and the next suspect is resumed: a request that kills the engine every time
+# kills it again on its first steps there (its tokens so far are recomputed, then it decodes on).
+PROBATION_TOKENS = 4
 # Deaths count as "in a row" unless the core served this long in between (the launcher's HEALTHY_RUN_S).
 CRASH_COUNT_RESET_S = 60.0
 
@@ -74,6 +82,9 @@ class _Stream:
     request: EngineCoreRequest | None = None  # as sent: what a resume sends again, with the tokens so far
     crashes: int = 0  # engine-core deaths in a row this request was in flight for
     lost_at: float | None = None  # perf_counter() when its core died, until the new core's first output
+    on_core: bool = False  # sent to the core now serving (or the one that just died)
+    suspect: bool = False  # in flight during MAX_REQUEST_CRASHES deaths in a row: waits to be resumed alone
+    probation: int = 0  # while it is the suspect resumed alone: tokens it still has to produce to be cleared
 
 
 def _params_text(params: SamplingParams) -> str:
@@ -119,6 +130,8 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}  # utility calls waiting for the core's answer
         self._call_ids = 0
         self._up_since = time.monotonic()  # when the current core answered (the crash count's reset)
+        self._isolated: str | None = None  # the suspect resumed alone now (the only suspect in flight)
+        self._pending: set[asyncio.Task] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -198,27 +211,42 @@ class EngineClient:
         if time.monotonic() - self._up_since >= CRASH_COUNT_RESET_S:
             for st in self.streams.values():
                 st.crashes = 0  # the core served a while: this death does not follow the last one
-        failed = 0
-        for rid, st in list(self.streams.items()):
-            why = self._not_resumable(st, reason)
+        # the requests this core had: those waiting to be resumed (suspects included) were not in flight
+        in_flight = [rid for rid, st in self.streams.items() if st.on_core or st.request is None]
+        isolated, self._isolated = self._isolated, None
+        failed = suspects = 0
+        for rid in in_flight:
+            st = self.streams[rid]
+            st.on_core = False
+            why = self._not_resumable(st, reason, alone=rid == isolated or len(in_flight) == 1)
             if why is None:
-                st.crashes += 1
-                st.lost_at = time.perf_counter()
+                if st.lost_at is None:
+                    st.lost_at = time.perf_counter()
+                if st.crashes >= MAX_REQUEST_CRASHES:
+                    st.suspect = True
+                    suspects += 1
                 continue
             failed += 1
             st.queue.put_nowait(EngineDeadError(why))
             self.processor.states.pop(rid, None)
         if self._core_stopping:
+            for rid, st in list(self.streams.items()):  # no core comes back for those waiting either
+                if rid not in in_flight:
+                    st.queue.put_nowait(EngineDeadError(reason))
+                    self.processor.states.pop(rid, None)
             logger.info("engine core stopped; answering 503 until it is back or this server stops")
         else:
             logger.error("engine core is gone: %s; answering 503 until it is back (%d requests in flight resume "
-                         "then, %d failed)", reason, len(self.streams) - failed, failed)
+                         "then, %d of them one at a time as suspects; %d failed)", reason,
+                         len(in_flight) - failed, suspects, failed)
         if self.metrics:
             self.metrics.engine_alive.set(0)
         self._reconnecting = asyncio.create_task(self._reconnect())
 
-    def _not_resumable(self, st: _Stream, reason: str) -> str | None:
-        """Why a request in flight when the core died cannot wait for the next core (its error), or None."""
+    def _not_resumable(self, st: _Stream, reason: str, alone: bool) -> str | None:
+        """Why a request in flight when the core died cannot wait for the next core (its error), or None.
+        Counts the death for it. alone: it was the only suspect in flight (resumed alone), or the only request
+        in flight at all: nothing else can have killed the core."""
         if self._core_stopping:  # a shutdown, not a crash: no core comes back
             return reason
         if st.request is None:  # not sent yet: generate() reports the failed send itself
@@ -226,11 +254,12 @@ class EngineClient:
         if st.request.kv_transfer_params is not None:  # PD: the KV it was to pull (or hold) died with the core
             self._count_not_resumed("disaggregated")
             return f"{reason}; a prefill/decode-disaggregated request is not resumed on a restarted core"
-        if st.crashes + 1 >= MAX_REQUEST_CRASHES:
+        st.crashes += 1
+        if st.crashes >= MAX_REQUEST_CRASHES and (alone or MAX_REQUEST_CRASHES <= 1):
             self._count_not_resumed("crash_limit")
-            return (f"{reason}; this request was in flight during {st.crashes + 1} engine-core deaths in a row, so "
-                    f"it is failed rather than resumed again, in case it is what kills the engine "
-                    f"(MOESERVE_MAX_REQUEST_CRASHES={MAX_REQUEST_CRASHES})")
+            return (f"{reason}; this request was in flight during {st.crashes} engine-core deaths in a row, the "
+                    f"last with no other suspect in flight, so it is failed rather than resumed again: it is what "
+                    f"kills the engine (MOESERVE_MAX_REQUEST_CRASHES={MAX_REQUEST_CRASHES})")
         return None
 
     def _count_not_resumed(self, reason: str) -> None:
@@ -264,16 +293,52 @@ class EngineClient:
         for rid, st in list(self.streams.items()):
             if self.dead_reason is not None:  # the new core died too: the next reconnect resumes the rest
                 break
-            state = self.processor.states.get(rid)
-            if st.lost_at is None or state is None:
+            if st.lost_at is None or st.on_core or st.suspect:
                 continue
-            params = st.request.sampling_params
-            if state.token_ids and params.prompt_logprobs is not None:
-                params = dataclasses.replace(params, prompt_logprobs=None)  # the client has them already
-            req = msgspec.structs.replace(st.request, sampling_params=params, output_token_ids=list(state.token_ids))
-            await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
-            n += 1
-        return n
+            n += await self._send_resumed(rid, st)
+        return n + await self._isolate_next()
+
+    async def _send_resumed(self, rid: str, st: _Stream) -> int:
+        """Send one request that outlived its core to the current one, with its tokens so far; 1 if sent."""
+        state = self.processor.states.get(rid)
+        if state is None or self.dead_reason is not None:
+            return 0
+        params = st.request.sampling_params
+        if state.token_ids and params.prompt_logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=None)  # the client has them already
+        req = msgspec.structs.replace(st.request, sampling_params=params, output_token_ids=list(state.token_ids))
+        st.on_core = True
+        await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
+        return 1
+
+    async def _isolate_next(self) -> int:
+        """Resume the next suspect, if none is in flight: alone among suspects, so if the core dies again it
+        was this one (the others in flight are through fewer deaths). 1 if one was sent."""
+        if self._isolated is not None or self.dead_reason is not None:
+            return 0
+        rid = next((rid for rid, st in self.streams.items() if st.suspect), None)
+        if rid is None:
+            return 0
+        st = self.streams[rid]
+        st.suspect, st.probation = False, PROBATION_TOKENS
+        self._isolated = rid
+        logger.warning("resuming request %s alone among suspects: it was in flight during %d engine-core deaths "
+                       "in a row; if the engine dies before it has %d more tokens, it is failed", rid, st.crashes,
+                       PROBATION_TOKENS)
+        return await self._send_resumed(rid, st)
+
+    def _cleared(self, rid: str) -> None:
+        """The suspect resumed alone produced its probation tokens, finished or left: resume the next one."""
+        if self._isolated != rid:
+            return
+        self._isolated = None
+        st = self.streams.get(rid)
+        if st is not None:
+            st.crashes = 0  # it ran alone without killing the engine: not the culprit
+        if any(s.suspect for s in self.streams.values()):
+            task = asyncio.get_running_loop().create_task(self._isolate_next())
+            self._pending.add(task)  # held until done (the loop keeps only a weak reference)
+            task.add_done_callback(self._pending.discard)
 
     async def _watch(self) -> None:
         """Death of the core: a socket disconnect, or its pid gone (it may die before we see the socket)."""
@@ -322,6 +387,7 @@ class EngineClient:
                                     kv_transfer_params, *slo_ms, priority=priority, cache_salt=cache_salt,
                                     structured_grammar=structured_grammar(params))
             st.request = req
+            st.on_core = True
             try:
                 await self.sock.send_multipart([MSG_ADD, self.encoder.encode(req)])
             except zmq.ZMQError as e:  # the socket was replaced under us: the core died this instant
@@ -338,6 +404,7 @@ class EngineClient:
                     return
         finally:
             self.streams.pop(request_id, None)
+            self._cleared(request_id)
             if self.processor.states.pop(request_id, None) is not None and outcome == "abort":
                 self.abort_nowait([request_id])  # no await: this may run while the generator is closed
             if self.metrics:
@@ -410,6 +477,10 @@ class EngineClient:
                 delta, hit_stop = self.processor.process(out)
                 if hit_stop:
                     aborts.append(out.request_id)
+                if out.request_id == self._isolated:
+                    st.probation -= len(out.new_token_ids)
+                    if st.probation <= 0 or out.finish_reason is not None or hit_stop:
+                        self._cleared(out.request_id)
                 step_tokens += self._record_timing(st, out, now)
                 st.queue.put_nowait(delta)
             if self.metrics:

@@ -123,13 +123,16 @@ def _core_pid(s: ServerProcess, after: int) -> int:
     raise AssertionError("".join(s.lines[-20:]))
 
 
-def test_a_request_in_flight_during_two_deaths_in_a_row_is_failed_alone(ckpt_dir):
+def test_requests_in_flight_during_two_deaths_in_a_row_are_resumed_one_at_a_time(ckpt_dir):
+    """Two kill -9s nobody's request caused: the request in flight through both is a suspect, resumed alone,
+    and (the engine not dying again) finishes as an unfailed run, as does the one started in between."""
     s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32",
                       "--engine-restart-backoff", "0.5")
     try:
         model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         want: dict = {}
-        _stream(s.url, model, 1, want)  # stream 1 unfailed
+        _stream(s.url, model, 0, want)
+        _stream(s.url, model, 1, want)
         out: dict = {}
         a = threading.Thread(target=_stream, args=(s.url, model, 0, out))
         a.start()
@@ -143,16 +146,63 @@ def test_a_request_in_flight_during_two_deaths_in_a_row_is_failed_alone(ckpt_dir
         b.start()
         while len(out.get(1, ())) < 3:
             time.sleep(0.01)
-        os.kill(second, signal.SIGKILL)  # death 2 in a row: stream 0 was in flight for both
+        os.kill(second, signal.SIGKILL)  # death 2 in a row for stream 0, not alone: a suspect, not failed
         a.join(120)
         b.join(120)
-        errors = [e["error"] for e in out[0] if isinstance(e, dict) and "error" in e]
-        assert len(errors) == 1 and out[0][-1] == "[DONE]", out[0][-3:]
-        assert "MOESERVE_MAX_REQUEST_CRASHES=2" in errors[0]["message"], errors
-        assert errors[0]["code"] == "engine_dead"
-        assert not any(isinstance(e, dict) and "error" in e for e in out[1]) and out[1][-1] == "[DONE]"
-        assert _answer(out[1]) == _answer(want[1])  # resumed once: it finishes as an unfailed run
+        for i in (0, 1):
+            assert not any(isinstance(e, dict) and "error" in e for e in out[i]) and out[i][-1] == "[DONE]", i
+            assert _answer(out[i]) == _answer(want[i]), i
+        assert sum("alone among suspects" in line for line in s.lines) == 1, "".join(s.lines[-20:])
+        assert s.metric("moeserve:requests_not_resumed_total") == 0
+        assert s.metric("moeserve:requests_resumed_total") == 3  # stream 0 twice, stream 1 once
+    finally:
+        s.stop()
+
+
+CRASH_TOKEN = 7  # MOESERVE_TEST_CRASH_TOKEN: an engine core that steps a prompt holding it kills itself
+
+
+def test_the_request_that_kills_the_engine_every_time_is_failed_alone(ckpt_dir, monkeypatch):
+    """A poisoned request (its every step SIGKILLs the engine core) arrives while innocent streams are in flight:
+    the first two deaths take them all, the suspects are then resumed one at a time, and only the poisoned one
+    dies alone and is failed; the innocent streams finish with the output of an unfailed run."""
+    monkeypatch.setenv("MOESERVE_TEST_CRASH_TOKEN", str(CRASH_TOKEN))
+    s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32",
+                      "--engine-restart-backoff", "0.5")  # 3 deaths: within --max-engine-restarts 3
+    innocent = (0, 1, 2)
+    try:
+        model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        for i in innocent:
+            ids = httpx.post(s.url + "/tokenize", json={"model": model, "prompt": PROMPTS[i]}, timeout=10).json()
+            assert CRASH_TOKEN not in ids["tokens"], ids
+        want: dict = {}
+        for i in innocent:
+            _stream(s.url, model, i, want)
+        out: dict = {}
+        threads = [threading.Thread(target=_stream, args=(s.url, model, i, out)) for i in innocent]
+        for t in threads:
+            t.start()
+        while not all(len(out.get(i, ())) >= 3 for i in innocent):
+            time.sleep(0.01)
+        poisoned: list = []
+
+        def poison() -> None:  # it never has a token, so its error is the HTTP answer itself
+            body = {"model": model, "prompt": [5, CRASH_TOKEN, 9], "max_tokens": 16, "temperature": 0}
+            poisoned.append(httpx.post(s.url + "/v1/completions", json=body, timeout=180))
+        p = threading.Thread(target=poison)
+        p.start()
+        p.join(180)
+        for t in threads:
+            t.join(180)
+        assert poisoned[0].status_code == 503, poisoned[0].text
+        error = poisoned[0].json()["error"]
+        assert "MOESERVE_MAX_REQUEST_CRASHES=2" in error["message"], error
+        assert "3 engine-core deaths in a row" in error["message"] and error["code"] == "engine_dead", error
+        for i in innocent:
+            assert not any(isinstance(e, dict) and "error" in e for e in out[i]) and out[i][-1] == "[DONE]", i
+            assert _answer(out[i]) == _answer(want[i]), i
+        assert sum("kills itself" in line for line in s.lines) == 3, "".join(s.lines[-30:])
+        assert sum("alone among suspects" in line for line in s.lines) == 4, "".join(s.lines[-30:])
         assert s.metric("moeserve:requests_not_resumed_total", reason="crash_limit") == 1
-        assert s.metric("moeserve:requests_resumed_total") == 2  # stream 0 after death 1, stream 1 after death 2
     finally:
         s.stop()
