@@ -52,7 +52,7 @@ EXPECTED = [
     "entrypoints/routes_openai.py", "entrypoints/openai_protocol.py", "entrypoints/serving_chat.py",
     "entrypoints/serving.py", "sampling_params.py", "entrypoints/engine_client.py", "protocol.py",
     "engine/engine_core_proc.py", "engine/engine_core.py", "engine/request.py", "engine/scheduler.py",
-    "engine/model_runner.py", "sample/step.py", "sample/sampler.py", "sample/batch.py", "sample/filters.py",
+    "engine/model_runner.py", "sample/step.py", "sample/sampler.py",
 ]
 
 

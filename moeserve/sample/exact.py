@@ -6,8 +6,9 @@ tied with the nucleus's last value, which ones it keeps is the sort's permutatio
 very sort (about 2 ms a row at V = 32000). But only those ties depend on it:
 
 - the sorted *values* are the same whatever sort gives them, so the cumulative probabilities, the kept count
-  k and the boundary value v (the k-th largest) are the old ones bit for bit. Here they come from a radix
-  sort of the row's bfloat16 keys (numpy, O(V)) or, for other rows, a values-only float sort;
+  k and the boundary value v (the k-th largest) are the old ones bit for bit. Here they come from the scaled
+  row gathered in the order of a radix argsort of the raw row's bfloat16 keys (numpy, O(V); dividing by the
+  temperature keeps the order) or, for other rows, a values-only float sort;
 - when no token beyond the first k ties with v, the kept set is exactly {x >= v}: the filtered row, its
   softmax and the draw are the old ones bit for bit;
 - when some do (the old sort kept some of the tokens equal to v, which ones unknown), the draw
@@ -26,17 +27,18 @@ import numpy as np
 import torch
 
 from moeserve.sample.draw import bad_rows, exponential_noise
-from moeserve.sample.filters import NEG_INF, exact_filter, scale
+from moeserve.sample.filters import NEG_INF, exact_filter
 
 MARGIN = 1e-5  # relative: ~80 float32 ulps, far beyond the roundings a different normaliser moves p / q by
 TINY = torch.finfo(torch.float32).tiny
 
 
-def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
+def sample_exact(logits: torch.Tensor, x: torch.Tensor, top_k: list[int], top_p: list[float],
                  min_p: list[float], generators: list[torch.Generator]) -> list[int | None]:
     """One token per row of logits [n, V] (None: the row cannot be sampled), each as
-    torch.multinomial(exact_filter(row).softmax(-1), 1, generator=generators[i]) draws it, consuming the
-    same random numbers (draw.exponential_noise)."""
+    torch.multinomial(exact_filter(x_row).softmax(-1), 1, generator=generators[i]) draws it, consuming the
+    same random numbers (draw.exponential_noise). x [n, V]: the rows divided by their temperatures (the
+    filters' input; not written); logits: the same rows before, whose bfloat16 bits sort fast."""
     n, V = logits.shape
     probs = torch.empty(n, V)
     fast = [i for i in range(n) if top_p[i] < 1.0 and min_p[i] <= 0.0] if V > 1 else []
@@ -44,19 +46,19 @@ def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[in
     unsure: dict[int, tuple[torch.Tensor, float]] = {}  # row -> (its x, v): ties with v undecided
     if fast:
         sel = torch.tensor(fast)
-        x, bounds = _boundaries(logits.index_select(0, sel), temperature.index_select(0, sel),
-                                [top_k[i] for i in fast], [top_p[i] for i in fast])
+        xk, bounds = _boundaries(logits.index_select(0, sel), x.index_select(0, sel),
+                                 [top_k[i] for i in fast], [top_p[i] for i in fast])
         for j, i in enumerate(fast):
             if bounds[j] is None:
                 slow.append(i)
                 continue
             v, tied = bounds[j]
-            probs[i] = x[j].masked_fill(x[j] < v, NEG_INF).softmax(-1)  # the old row when no tie is cut
+            probs[i] = xk[j].masked_fill(xk[j] < v, NEG_INF).softmax(-1)  # the old row when no tie is cut
             if tied:
-                unsure[i] = (x[j], v)
+                unsure[i] = (xk[j], v)
     if slow:
         slow.sort()
-        probs[torch.tensor(slow)] = _old(logits, temperature, top_k, top_p, min_p, slow)
+        probs[torch.tensor(slow)] = _old(x, top_k, top_p, min_p, slow)
     bad = bad_rows(probs)  # an unsure row keeps its finite best token: never bad
     q = exponential_noise(probs, generators, bad)
     ratio = probs / q
@@ -66,31 +68,30 @@ def sample_exact(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[in
         top = ratio.index_select(0, torch.tensor(rows)).topk(2, dim=-1)
         redo = []
         for i, (a, b), t in zip(rows, top.values.tolist(), top.indices[:, 0].tolist()):
-            x, v = unsure[i]
+            xi, v = unsure[i]
             # a near tie, the winner a tie with v, or its probability subnormal (roundings no longer relative)
-            if not a > b * (1 + MARGIN) or float(x[t]) == v or not float(probs[i, t]) >= TINY:
+            if not a > b * (1 + MARGIN) or float(xi[t]) == v or not float(probs[i, t]) >= TINY:
                 redo.append(i)
         if redo:  # the old filter with its sort, on the same noise
             sel = torch.tensor(redo)
-            p = _old(logits, temperature, top_k, top_p, min_p, redo)
+            p = _old(x, top_k, top_p, min_p, redo)
             for i, t in zip(redo, (p / q.index_select(0, sel)).argmax(-1).tolist()):
                 tokens[i] = t
     return [None if b else t for t, b in zip(tokens, bad)]
 
 
-def _old(logits, temperature, top_k, top_p, min_p, rows: list[int]) -> torch.Tensor:
+def _old(x, top_k, top_p, min_p, rows: list[int]) -> torch.Tensor:
     sel = torch.tensor(rows)
-    return exact_filter(logits.index_select(0, sel), temperature.index_select(0, sel), [top_k[i] for i in rows],
-                        [top_p[i] for i in rows], [min_p[i] for i in rows]).softmax(-1)
+    return exact_filter(x.index_select(0, sel), [top_k[i] for i in rows], [top_p[i] for i in rows],
+                        [min_p[i] for i in rows]).softmax(-1)
 
 
-def _boundaries(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int],
+def _boundaries(logits: torch.Tensor, x: torch.Tensor, top_k: list[int],
                 top_p: list[float]) -> tuple[torch.Tensor, list[tuple[float, bool] | None]]:
-    """x [m, V]: the rows after temperature and top-k as exact_filter computes them; per row (v, tied): the
-    nucleus's last value as the old sort found it and whether tokens past the nucleus tie with it, or None
-    (take the old filter)."""
+    """logits [m, V] and x, the same rows divided by their temperatures (x is written) -> x after top-k as
+    exact_filter computes it; per row (v, tied): the nucleus's last value as the old sort found it and
+    whether tokens past the nucleus tie with it, or None (take the old filter)."""
     m, V = logits.shape
-    x = scale(logits, temperature)
     srt = torch.empty(m, V)  # x's values, descending
     bits = logits.contiguous().view(torch.int32)
     is_bf16 = ((bits & 0xFFFF) == 0).all(-1).tolist()
@@ -99,9 +100,8 @@ def _boundaries(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int
         sel = torch.tensor(radix)
         hi = (bits.index_select(0, sel) >> 16).to(torch.int16)
         key = hi ^ ((hi >> 15) & 0x7FFF)
-        desc = torch.from_numpy(np.ascontiguousarray(np.sort(key.numpy(), axis=-1, kind="stable")[:, ::-1]))
-        values = ((desc ^ ((desc >> 15) & 0x7FFF)).to(torch.int32) << 16).view(torch.float32)
-        srt[sel] = scale(values, temperature.index_select(0, sel))
+        order = np.ascontiguousarray(np.argsort(key.numpy(), axis=-1, kind="stable")[:, ::-1])
+        srt[sel] = x.index_select(0, sel).gather(1, torch.from_numpy(order))
     rest = [j for j in range(m) if not is_bf16[j]]
     if rest:
         sel = torch.tensor(rest)

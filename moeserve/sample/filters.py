@@ -1,6 +1,7 @@
-"""Temperature, top-k, top-p and min-p for a batch of logits rows at once.
+"""Top-k, top-p and min-p for a batch of logits rows at once, on rows already divided by their temperatures
+(sampler.SamplingBatch.scaled: the sampler applies the temperature).
 
-Two paths, chosen per row by moeserve/sample/batch.py:
+Two paths, chosen per row by sampler.SamplingBatch:
 
 - exact (requests with their own seed): the distribution is the one the per-request loop computed before
   (layers/sampler.apply_filters at commit 22b2f4d), bit for bit, so a seed keeps giving the same tokens:
@@ -22,20 +23,11 @@ NEG_INF = float("-inf")
 CANDIDATES = 256
 
 
-def scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits [n, V] / temperature [n]; masked (-inf) entries stay masked (-inf / a temperature that
-    overflows float32 would be NaN; a finite one leaves +-inf as it is, so then no where is needed)."""
-    if bool(torch.isfinite(temperature).all()):
-        return logits / temperature[:, None]
-    return torch.where(torch.isinf(logits), logits, logits / temperature[:, None])
-
-
-def exact_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
-                 min_p: list[float]) -> torch.Tensor:
-    """Filtered logits [n, V] (masked entries -inf): row i as apply_filters gave it for its parameters,
-    bit for bit. top_k[i] <= 0 or >= V: off; top_p[i] >= 1: off; min_p[i] <= 0: off."""
-    n, V = logits.shape
-    x = scale(logits, temperature)
+def exact_filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Filtered logits [n, V] (masked entries -inf) of the temperature-scaled rows x [n, V] (x is written):
+    row i as the old per-request filter gave it for its parameters, bit for bit. top_k[i] <= 0 or >= V: off;
+    top_p[i] >= 1: off; min_p[i] <= 0: off."""
+    n, V = x.shape
     krows = [i for i in range(n) if 0 < top_k[i] < V]
     if krows:
         sel = torch.tensor(krows)
@@ -71,14 +63,13 @@ class Candidates:
         self.probs, self.ids = probs, ids  # ids None: column j is token j
 
 
-def candidate_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: list[int], top_p: list[float],
+def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float],
                      min_p: list[float]) -> list[tuple[list[int], Candidates]]:
-    """The rows' filtered distributions as Candidates, grouped: [(row indices, Candidates)], each group
-    from one batched op. top-k keeps exactly k tokens (the topk's, ties beyond it dropped); top-p the
-    shortest prefix of the sorted candidates whose probability (under the top-k-filtered row) reaches
-    top_p; min-p drops probabilities below min_p x the best one."""
-    n, V = logits.shape
-    x = scale(logits, temperature)
+    """The filtered distributions of the temperature-scaled rows x [n, V] as Candidates, grouped: [(row
+    indices, Candidates)], each group from one batched op. top-k keeps exactly k tokens (the topk's, ties
+    beyond it dropped); top-p the shortest prefix of the sorted candidates whose probability (under the
+    top-k-filtered row) reaches top_p; min-p drops probabilities below min_p x the best one."""
+    n, V = x.shape
     groups: list[tuple[list[int], Candidates]] = []
     krows = [i for i in range(n) if 0 < top_k[i] < V]
     if krows:  # the candidates are the top-k: the row's mass outside them is filtered out anyway
@@ -113,7 +104,7 @@ def candidate_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: lis
                 sel = torch.tensor(left)
                 xs, probs, p = xs.index_select(0, sel), probs.index_select(0, sel), p.index_select(0, sel)
             # the scaled logits' order and ties are the probabilities' (the old filter sorted them too)
-            keep = _nucleus(xs, probs, temperature, p[:, None])
+            keep = _nucleus(xs, probs, p[:, None])
             groups.append((rows, _finish(probs.mul_(keep), None, [1.0] * len(rows), [min_p[i] for i in rows])))
     rest = [i for i in range(n) if not 0 < top_k[i] < V and not top_p[i] < 1.0]
     if rest:  # temperature (and min-p) only: the whole vocabulary, unsorted
@@ -127,18 +118,16 @@ def candidate_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: lis
 LEVELS = ((20, 4096), (8, 4096), (0, 256))
 
 
-def _nucleus(raw: torch.Tensor, probs: torch.Tensor, temperature: torch.Tensor,
-             top_p: torch.Tensor) -> torch.Tensor:
+def _nucleus(raw: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """bool [m, V]: the top-p nucleus of each row (the shortest prefix of the sorted probabilities reaching
-    top_p [m, 1], and the tokens tied with its last one). raw [m, V]: the logits before temperature (their
-    order is the probabilities' order; temperature is not needed), probs their filtered softmax.
+    top_p [m, 1], and the tokens tied with its last one). raw [m, V]: the logits (their order is the
+    probabilities' order), probs their filtered softmax.
 
     No sort: the row's float32 bits as order-preserving int32 keys, and the nucleus's last key found digit by
     digit (a radix select): the probability mass per value of the key's top 12 bits (one bincount for the
     rows), from the top until it reaches top_p x the row's mass, then the same over the next 12 and last 8
     bits among the tokens of the chosen digit only. About 3 passes over the rows plus a few small ops;
     bfloat16-valued or not alike (a float sort of the row, or a radix sort of its bfloat16 keys, before)."""
-    del temperature
     m, V = raw.shape
     bits = raw.contiguous().view(torch.int32)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # sign-magnitude -> two's complement: int32 in the floats' order
@@ -193,8 +182,3 @@ def _finish(probs: torch.Tensor, ids: torch.Tensor | None, top_p: list[float],
         probs = probs.index_copy(0, sel, rows * (rows >= m * rows.amax(-1, keepdim=True)))
     return Candidates(probs, ids)
 
-
-def apply_filters(logits: torch.Tensor, p) -> torch.Tensor:
-    """Temperature-scaled, filtered logits [V] for one request's SamplingParams p (masked entries -inf)."""
-    return exact_filter(logits[None], torch.tensor([p.temperature], dtype=torch.float32), [p.top_k], [p.top_p],
-                        [p.min_p])[0]

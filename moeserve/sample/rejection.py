@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.sample.batch import SamplingBatch
 from moeserve.sample.draw import MESSAGE, SamplingError, bad_rows, draw
 from moeserve.sample.filters import exact_filter
-from moeserve.sample.sampler import filtered_probs
+from moeserve.sample.sampler import SamplingBatch, filtered_probs, scale
 from moeserve.sampling_params import SamplingParams
 
 
@@ -34,8 +33,8 @@ def rejection_sample(logits: torch.Tensor, drafts: list[int], params: SamplingPa
                      generator: torch.Generator, draft_probs: torch.Tensor | None = None) -> list[int]:
     """logits [d + 1, V] float32; draft_probs [d, V] (None: one-hot drafts) -> 1..d+1 tokens."""
     n = logits.shape[0]
-    probs = exact_filter(logits, torch.full((n,), params.temperature, dtype=torch.float32), [params.top_k] * n,
-                         [params.top_p] * n, [params.min_p] * n).softmax(-1)  # [d + 1, V]
+    x = scale(logits, torch.full((n,), params.temperature, dtype=torch.float32))
+    probs = exact_filter(x, [params.top_k] * n, [params.top_p] * n, [params.min_p] * n).softmax(-1)  # [d + 1, V]
     return verify(probs, drafts, generator, draft_probs)
 
 

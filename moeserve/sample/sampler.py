@@ -1,15 +1,77 @@
-"""logits [R, V] -> one token per row for a SamplingBatch: greedy rows by one argmax, seeded rows by the exact
-per-request path, the others by one batched candidate filter and inverse-CDF draw."""
+"""logits [R, V] -> one token per row: the step's parameters as one SamplingBatch, the temperature divide, and
+greedy rows by one argmax, seeded rows by the exact per-request path, the others by one batched candidate
+filter and inverse-CDF draw. The filters (filters.py, exact.py) take the rows already divided by their
+temperatures: temperature is applied here, once, where the batch is built."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
-from moeserve.sample.batch import SamplingBatch
 from moeserve.sample.draw import MESSAGE, SamplingError, draw_candidates
 from moeserve.sample.exact import sample_exact
 from moeserve.sample.filters import Candidates, candidate_filter, exact_filter
 from moeserve.sample.logprobs import TokenLogprobs, token_logprobs
 from moeserve.sampling_params import SamplingParams
+
+
+def scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] / temperature [n]; masked (-inf) entries stay masked (-inf / a temperature that
+    overflows float32 would be NaN; a finite one leaves +-inf as it is, so then no where is needed)."""
+    if bool(torch.isfinite(temperature).all()):
+        return logits / temperature[:, None]
+    return torch.where(torch.isinf(logits), logits, logits / temperature[:, None])
+
+
+@dataclass
+class SamplingBatch:
+    """A step's sampling parameters per logits row (a request has one row, plus one per MTP draft), built once
+    per step from the scheduled requests: its parameters as [R] values, and which rows take which path.
+    greedy rows: argmax. exact rows (a request with its own seed): the per-request distribution and
+    multinomial draw of before, bit for bit (filters.exact_filter, draw.exponential_noise), so a seed keeps its
+    tokens. candidate rows (no seed of their own): one batched topk for the step and an inverse-CDF draw from
+    the shared generator (filters.candidate_filter)."""
+
+    params: list[SamplingParams]
+    generators: list[torch.Generator | None]
+    temperature: torch.Tensor  # float32 [R]; 1 for greedy rows (never divided by)
+    top_k: list[int]  # <= 0: off
+    top_p: list[float]  # 1: off
+    min_p: list[float]  # 0: off
+    greedy_rows: list[int]
+    exact_rows: list[int]
+    candidate_rows: list[int]
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+              num_rows: list[int] | None = None) -> "SamplingBatch":
+        """params and generators per request; num_rows[i] rows of logits for request i (default 1)."""
+        if num_rows is not None:
+            params = [p for p, n in zip(params, num_rows) for _ in range(n)]
+            generators = [g for g, n in zip(generators, num_rows) for _ in range(n)]
+        greedy, exact, cand = [], [], []
+        for i, (p, g) in enumerate(zip(params, generators)):
+            (greedy if p.greedy else exact if g is not None else cand).append(i)
+        return cls(params, list(generators),
+                   torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
+                   [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params],
+                   greedy, exact, cand)
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    @property
+    def all_greedy(self) -> bool:
+        return len(self.greedy_rows) == len(self.params)
+
+    def scaled(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """These rows of logits [R, V], divided by their temperatures: what the filters take."""
+        sel = torch.tensor(rows, dtype=torch.long)
+        return scale(logits.index_select(0, sel), self.temperature.index_select(0, sel))
+
+    def select(self, rows: list[int]) -> tuple[list[int], list[float], list[float]]:
+        """(top_k, top_p, min_p) of these rows."""
+        return [self.top_k[i] for i in rows], [self.top_p[i] for i in rows], [self.min_p[i] for i in rows]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> list[int | None]:
@@ -25,12 +87,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
             tokens[i] = t
     if batch.exact_rows:
         rows = batch.exact_rows
-        for i, t in zip(rows, sample_exact(logits.index_select(0, torch.tensor(rows)), *batch.select(rows),
-                                           [batch.generators[i] for i in rows])):
+        for i, t in zip(rows, sample_exact(logits.index_select(0, torch.tensor(rows)), batch.scaled(logits, rows),
+                                           *batch.select(rows), [batch.generators[i] for i in rows])):
             tokens[i] = t
     if batch.candidate_rows:
         rows = batch.candidate_rows
-        for group, cands in candidate_filter(logits.index_select(0, torch.tensor(rows)), *batch.select(rows)):
+        for group, cands in candidate_filter(batch.scaled(logits, rows), *batch.select(rows)):
             for j, t in zip(group, draw_candidates(cands, generator)):
                 tokens[rows[j]] = t
     return tokens
@@ -44,13 +106,19 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         sel = torch.tensor(batch.greedy_rows)
         probs[sel] = torch.zeros(len(sel), V).scatter_(1, logits.index_select(0, sel).argmax(-1, keepdim=True), 1.0)
     if batch.exact_rows:
-        sel = torch.tensor(batch.exact_rows)
-        probs[sel] = exact_filter(logits.index_select(0, sel), *batch.select(batch.exact_rows)).softmax(-1)
+        rows = batch.exact_rows
+        probs[torch.tensor(rows)] = exact_filter(batch.scaled(logits, rows), *batch.select(rows)).softmax(-1)
     if batch.candidate_rows:
         rows = batch.candidate_rows
-        for group, c in candidate_filter(logits.index_select(0, torch.tensor(rows)), *batch.select(rows)):
+        for group, c in candidate_filter(batch.scaled(logits, rows), *batch.select(rows)):
             probs[torch.tensor([rows[j] for j in group])] = _dense(c, V)
     return probs
+
+
+def apply_filters(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled, filtered logits [V] for one request's SamplingParams p (masked entries -inf)."""
+    x = scale(logits[None], torch.tensor([p.temperature], dtype=torch.float32))
+    return exact_filter(x, [p.top_k], [p.top_p], [p.min_p])[0]
 
 
 def _dense(c: Candidates, V: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from moeserve.sample import SamplingBatch, Sampler, exact_filter, filtered_probs
+from moeserve.sample.sampler import scale
 from moeserve.sample.filters import CANDIDATES, candidate_filter
 from moeserve.sampling_params import SamplingParams
 from moeserve.sample.rejection import RejectionSampler
@@ -39,7 +40,7 @@ def test_exact_filter_is_the_old_filter_bit_for_bit(V):
     params = [random_params(rng, V) for _ in range(24)]
     params = [p for p in params if not p.greedy]
     logits = model_like_logits(len(params), V, V)
-    got = exact_filter(logits, torch.tensor([p.temperature for p in params]), [p.top_k for p in params],
+    got = exact_filter(scale(logits, torch.tensor([p.temperature for p in params])), [p.top_k for p in params],
                        [p.top_p for p in params], [p.min_p for p in params])
     for i, p in enumerate(params):
         assert torch.equal(got[i], old_apply_filters(logits[i], p)), (i, p)
@@ -80,7 +81,8 @@ def test_candidate_rows_keep_the_old_support_and_probabilities():
     logits = torch.randn(len(params), V, generator=g) * torch.tensor(scales)[:, None]
     batch = SamplingBatch.build(params, [None] * len(params))
     assert batch.candidate_rows == list(range(len(params)))
-    groups = candidate_filter(logits, *batch.select(batch.candidate_rows))
+    rows = batch.candidate_rows
+    groups = candidate_filter(batch.scaled(logits, rows), *batch.select(rows))
     sizes = {len(c.probs[0]) for _, c in groups}
     assert {1000, CANDIDATES, V} <= sizes  # every path was exercised (top-k: the largest k)
     got = filtered_probs(logits, batch)
@@ -211,7 +213,7 @@ def test_flat_top_p_rows_bfloat16_radix_path_and_float_sort_path_agree():
     T = torch.tensor([0.7, 1.0, 1.3, 0.7, 1.0, 1.3])
     top_p = torch.tensor([0.9, 0.5, 0.95, 0.9, 0.5, 0.95])[:, None]
     probs = (raw / T[:, None]).softmax(-1)
-    keep = _nucleus(raw, probs, T, top_p)
+    keep = _nucleus(raw, probs, top_p)
     for i in range(6):
         old = old_apply_filters(raw[i], SamplingParams(temperature=float(T[i]), top_p=float(top_p[i]))).isfinite()
         assert bool((keep[i] | ~old).all()), i  # everything the old filter kept
@@ -221,7 +223,7 @@ def test_flat_top_p_rows_bfloat16_radix_path_and_float_sort_path_agree():
     # the float path on the same order and ties (values scaled by 1 + 2^-20: no longer bfloat16) keeps the
     # same tokens as the radix path
     scaled = raw[:3] * (1 + 2**-20)
-    assert torch.equal(_nucleus(scaled, (scaled / T[:3, None]).softmax(-1), T[:3], top_p[:3]), keep[:3])
+    assert torch.equal(_nucleus(scaled, (scaled / T[:3, None]).softmax(-1), top_p[:3]), keep[:3])
 
 
 def test_two_level_draw_over_a_whole_vocabulary_follows_the_probabilities():

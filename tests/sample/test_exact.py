@@ -3,6 +3,7 @@ generator states on flat rows full of bfloat16 ties, where the nucleus's last va
 import torch
 
 from moeserve.sample.exact import _boundaries, sample_exact
+from moeserve.sample.sampler import scale
 from moeserve.sampling_params import SamplingParams
 from tests.sample.reference import old_sample
 
@@ -31,9 +32,9 @@ def test_seeded_rows_without_the_sort_draw_the_old_tokens_and_streams():
                   for i, r in enumerate(rows)]
         new = [torch.Generator().manual_seed(p.seed) for p in params]
         old = [torch.Generator().manual_seed(p.seed) for p in params]
-        assert sample_exact(logits, T, top_k, top_p, min_p, new) == old_sample(logits, params, old, torch.Generator())
+        assert sample_exact(logits, scale(logits, T), top_k, top_p, min_p, new) == old_sample(logits, params, old, torch.Generator())
         assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(new, old))
-        _, bounds = _boundaries(logits, T, top_k, top_p)
+        _, bounds = _boundaries(logits, scale(logits, T), top_k, top_p)
         tied += sum(1 for b in bounds if b is not None and b[1])
         untied += sum(1 for b in bounds if b is not None and not b[1])
     assert tied > 50 and untied > 5  # both cases ran: ties cut by the nucleus (flat rows) and clean ones
@@ -46,7 +47,7 @@ def test_a_seeded_row_that_cannot_be_sampled_leaves_its_generator():
     logits[0, 3] = float("nan")
     gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     before = gens[0].get_state()
-    got = sample_exact(logits, torch.tensor([0.7, 0.7]), [-1, -1], [0.9, 0.9], [0.0, 0.0], gens)
+    got = sample_exact(logits, scale(logits, torch.tensor([0.7, 0.7])), [-1, -1], [0.9, 0.9], [0.0, 0.0], gens)
     want = old_sample(logits, [SamplingParams(temperature=0.7, top_p=0.9, seed=s) for s in (1, 2)],
                       [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)], torch.Generator())
     assert got == want and got[0] is None and torch.equal(gens[0].get_state(), before)
