@@ -2,8 +2,9 @@
 
 One chat completion goes through the real pieces in one process: the FastAPI app (build_app, Starlette's test
 client), the API server's EngineClient, the engine-core loop (EngineCoreProc over ipc://, in a thread) and the
-EngineCore with its scheduler, model runner and sampler, on the tiny V3 checkpoint. Its `temperature` is a
-sentinel (0.6171875, exact in binary and found nowhere else in the run). sys.setprofile / threading.setprofile
+EngineCore with its scheduler, model runner and sampler, on the tiny V3 checkpoint. One sampling field
+(`temperature`; `top_p`, which the filters apply) is a sentinel (0.6171875, exact in binary and found nowhere
+else in the run). sys.setprofile / threading.setprofile
 watch every call and return of a frame whose code is in moeserve/.
 
 The rule, precisely:
@@ -20,7 +21,7 @@ The rule, precisely:
   when there are such (a wrapper is made from what it wraps). A carrier also derives from the carriers of
   other threads it equals (a moeserve object of the same type and fields: the copy a socket carried).
 - The *sampler's use* is a frame of moeserve/sample/ holding the field's value itself (the float or a tensor of
-  temperatures, not an object around it).
+  the rows' values, not an object around it).
 - The *path* is every carrier that the frames on the stack of a sampler's use hold, and all they derive from
   (parents, their parents, ... back to the request model parsed from the HTTP body). Counted: the files of
   the creating (or using) frames and of the frames on their stacks holding a carrier of the path (where the
@@ -232,8 +233,8 @@ def _class_file(obj) -> str | None:
     return f[len(PACKAGE):] if f.startswith(PACKAGE) else None
 
 
-@pytest.fixture
-def traced_chat(ckpt_dir, tmp_path):
+def trace_chat(ckpt_dir, tmp_path, field: str) -> PathTracer:
+    """One chat completion whose `field` is the sentinel, traced."""
     import zmq
     from fastapi.testclient import TestClient
 
@@ -260,7 +261,7 @@ def traced_chat(ckpt_dir, tmp_path):
         thread.start()
         with TestClient(app) as http:
             r = http.post("/v1/chat/completions", json={
-                "model": "m", "messages": [{"role": "user", "content": "hello"}], "temperature": SENTINEL,
+                "model": "m", "messages": [{"role": "user", "content": "hello"}], field: SENTINEL,
                 "max_tokens": 2, "ignore_eos": True})
     finally:
         tracer.active = False
@@ -272,8 +273,12 @@ def traced_chat(ckpt_dir, tmp_path):
     return tracer
 
 
-def test_a_chat_requests_temperature_reaches_the_sampler_through_the_measured_files(traced_chat):
-    files, chain = traced_chat.path()
+@pytest.mark.parametrize("field, path", [
+    ("temperature", EXPECTED),
+    ("top_p", EXPECTED + ["sample/filters.py"]),  # applied by the filters, on the scaled rows
+])
+def test_a_chat_requests_sampling_fields_reach_the_sampler_through_the_measured_files(ckpt_dir, tmp_path, field, path):
+    files, chain = trace_chat(ckpt_dir, tmp_path, field).path()
     trail = "\n".join(f"{c.file:32} {c.where:58} {type(c.obj).__name__}" for c in chain)
     assert files[0] == "entrypoints/routes_openai.py" and files[-1].startswith("sample/"), trail
-    assert sorted(files) == sorted(EXPECTED), f"{len(files)} files: {files}\ncarriers:\n{trail}"
+    assert sorted(files) == sorted(path), f"{len(files)} files: {files}\ncarriers:\n{trail}"
