@@ -32,7 +32,8 @@ def test_seeded_rows_without_the_sort_draw_the_old_tokens_and_streams():
                   for i, r in enumerate(rows)]
         new = [torch.Generator().manual_seed(p.seed) for p in params]
         old = [torch.Generator().manual_seed(p.seed) for p in params]
-        assert sample_exact(logits, scale(logits, T), top_k, top_p, min_p, new) == old_sample(logits, params, old, torch.Generator())
+        got = sample_exact(logits, scale(logits, T), top_k, top_p, min_p, new)
+        assert got == old_sample(logits, params, old, torch.Generator())
         assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(new, old))
         _, bounds = _boundaries(logits, scale(logits, T), top_k, top_p)
         tied += sum(1 for b in bounds if b is not None and b[1])
