@@ -150,7 +150,9 @@ def scenario(name: str, args) -> list[dict]:
             pid = server.core_pid if target == "core" else server.rank_pid(1)
             if sig == signal.SIGSTOP:
                 stopped.append(pid)
-            events, times = run(server, args, lambda: os.kill(pid, sig))
+            events, times = run(server, args, lambda: (os.kill(pid, sig), server.lines.append(
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')},{int(time.time() % 1 * 1000):03d} fault: signal {sig.name} "
+                f"sent to pid {pid}\n")))
             t0 = times["fault"]
             failed = sum(1 for ev in events if not ev or ev[-1][1] != "[DONE]"
                          or any(isinstance(e, dict) and "error" in e for _, e in ev))
@@ -164,6 +166,9 @@ def scenario(name: str, args) -> list[dict]:
             time.sleep(1.0)  # the restarted engine settles (the stall timer restarts) before the next fault
     finally:
         server.stop()
+        if args.log:
+            with open(args.log, "a") as f:
+                f.write(f"==== {name}\n" + "".join(server.lines))
         for pid in stopped:  # the stopped rank of each repeat lingers until it can see its SIGTERM
             try:
                 os.kill(pid, signal.SIGCONT)
@@ -197,6 +202,7 @@ def main() -> None:
     p.add_argument("--backoff", type=float, default=1.0, help="--engine-restart-backoff (1)")
     p.add_argument("--dtype", default="float32", help="--dtype of the server (float32)")
     p.add_argument("--serve-args", default="", help="more `moeserve serve` flags, e.g. '--enforce-eager'")
+    p.add_argument("--log", default=None, help="append each scenario's server log (stderr) to this file")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a repeat may take before it counts as lost")
     args = p.parse_args()
     print(HEADER, flush=True)

@@ -467,6 +467,7 @@ class ServerConfig:
     max_engine_restarts: int = 3  # engine-core deaths in a row that are restarted; then the deployment stops
     engine_restart_backoff: float = 1.0  # seconds before the first restart, doubled for each next one
     engine_stall_timeout: float = 5.0  # /health is 503 when the engine made no progress for this long
+    engine_standby: bool = True  # the next engine core waits started (imports done): restarts skip that
     served_model_aliases: tuple[str, ...] = ()  # --served-model-name's further names, also accepted
     max_num_queued_reqs: int | None = None  # in-flight (waiting + running) requests before a 503 (vLLM's)
     enable_log_requests: bool = False

@@ -49,7 +49,7 @@ def _exit_text(code: int) -> str:
 
 
 class DPEngineClient:
-    def __init__(self, config: EngineConfig, torchrun: TorchrunEnv | None = None) -> None:
+    def __init__(self, config: EngineConfig, torchrun: TorchrunEnv | None = None, prespawned=None) -> None:
         parallel, init_method, zmq_addr = resolve_endpoints(config.parallel, torchrun)
         self.config = dataclasses.replace(config, parallel=parallel)  # keeps quant, speculative, ...
         self.dp_size, self.tp_size = parallel.data_parallel_size, parallel.tensor_parallel_size
@@ -60,7 +60,7 @@ class DPEngineClient:
         host, port = zmq_addr.removeprefix("tcp://").rsplit(":", 1)
         # the address the ranks were told (--master-addr; 127.0.0.1 by default), not every interface
         self.sock.bind(f"tcp://{'*' if netif.is_wildcard(host) else netif.resolve(host)}:{port}")
-        self.ranks = LocalRanks(self.config, init_method, zmq_addr, torchrun)
+        self.ranks = LocalRanks(self.config, init_method, zmq_addr, torchrun, prespawned)
         # the rank process serving each DP rank (its ZMQ identity is dp<first rank>): elastic EP drops lost ones
         self.slots: list[int] = list(range(self.dp_size))
         self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots)

@@ -206,12 +206,18 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(description="one moeserve rank (started by moeserve.engine.launch)")
     ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--init-method", required=True)
-    ap.add_argument("--zmq-addr", required=True)
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
-    rank_main(sys.stdin.buffer.read(), a.rank, a.init_method, a.zmq_addr, a.parent_pid, a.threads, own_process=True)
+    # Started ahead of need by a standby engine core (launch.spawn_rank_processes): what the engine's build
+    # imports is imported while waiting; torch._dynamo too, which nn.Embedding's initialisation on the meta
+    # device pulls in (its normal_ is a torch._refs decomposition), ~2 s of CPU.
+    import torch._dynamo  # noqa: F401
+    start = sys.stdin.buffer.read()  # [init method, ZMQ address, EngineConfig] from LocalRanks
+    if not start:  # the engine core that started it went away before it was needed
+        os._exit(0)
+    init_method, zmq_addr, config_bytes = msgspec.msgpack.decode(start)
+    rank_main(config_bytes, a.rank, init_method, zmq_addr, a.parent_pid, a.threads, own_process=True)
 
 
 if __name__ == "__main__":

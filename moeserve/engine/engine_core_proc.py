@@ -263,19 +263,57 @@ class EngineCoreProc:
             del self.owner[rid]
 
 
+class _PipeReady:
+    """A standby's ready signal: a message on its pipe to the launcher (no semaphores to leak)."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def set(self) -> None:
+        self.conn.send("ready")
+
+
+def _wait_for_go(conn, parent: int) -> bool:
+    """A standby engine core waits until the launcher needs it: True on "go"; False when the launcher closed
+    the pipe or died (it then exits without ever building an engine)."""
+    while os.getppid() == parent:
+        try:
+            if conn.poll(1.0):
+                return conn.recv() == "go"
+        except (EOFError, OSError):
+            return False
+    return False
+
+
 def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_requests: int | None = None,
                     log_level: str = "INFO", ready_event=None, max_num_queued_reqs: int | None = None,
-                    log_stats: bool = True) -> None:
-    """Process entry point (spawned by the launcher)."""
+                    log_stats: bool = True, standby=None) -> None:
+    """Process entry point (spawned by the launcher). standby: a pipe to the launcher; this process is then
+    the next engine core, started ahead of need: it imports the engine and starts its rank processes (which
+    import theirs), waits for "go" on the pipe (sent when the current core died), and only then builds the
+    engine, binds `address` and answers "ready" on the pipe. A restart thus does not wait for interpreters to
+    start and import torch (about half of a DP engine's start on a busy 2-core machine)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine core] %(message)s")
-    from moeserve.engine.launch import make_engine_core
+    from moeserve.engine.launch import local_rank_processes, make_engine_core, spawn_rank_processes
     from moeserve.structured.params import compile_in_this_process
 
     # Ctrl-C in a terminal signals every process of the group: the launcher alone decides, and stops this
     # one (SIGTERM) after the API servers drained. Set before the ranks start, so they inherit it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     compile_in_this_process(False)  # requests bring their compiled automata: nothing compiles on this loop
-    core = make_engine_core(config)  # EngineCore, or the front end of D x T rank processes
+    prespawned = None
+    if standby is not None:
+        parent = os.getppid()
+        prespawned = spawn_rank_processes(config) if local_rank_processes(config) else None
+        import torch._dynamo  # noqa: F401  (what the build imports: see dp_worker.main)
+        import moeserve.engine.engine_core  # noqa: F401
+        import moeserve.engine.dp_client  # noqa: F401
+        if not _wait_for_go(standby, parent):
+            for proc in (prespawned or {}).values():
+                proc.stdin.close()  # nothing written: the rank exits at once
+            return
+        ready_event = _PipeReady(standby)
+    core = make_engine_core(config, prespawned=prespawned)  # EngineCore, or the front end of D x T ranks
     proc = EngineCoreProc(core, address, engine_index, max_waiting_requests, max_num_queued_reqs, log_stats)
 
     def stop(signum, frame):

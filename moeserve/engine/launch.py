@@ -98,11 +98,12 @@ def check_backend(parallel: ParallelConfig) -> None:
                           "use --distributed-backend gloo (or auto)")
 
 
-def make_engine_core(config: EngineConfig, arch=None):
+def make_engine_core(config: EngineConfig, arch=None, prespawned: "dict[int, subprocess.Popen] | None" = None):
     """EngineCore in this process, or the front end of D x T rank processes (same interface).
 
     On a node (or torchrun process) that does not host the front end this serves its ranks until node 0
-    shuts them down, then exits the process.
+    shuts them down, then exits the process. prespawned: this node's rank processes, started ahead
+    (spawn_rank_processes) and waiting for their configuration, used instead of fresh ones.
     """
     from moeserve.engine.engine_core import EngineCore
     from moeserve.arch import DeepseekArch
@@ -116,7 +117,7 @@ def make_engine_core(config: EngineConfig, arch=None):
         run_ranks_only(config, torchrun)
         raise SystemExit(0)
     from moeserve.engine.dp_client import DPEngineClient
-    return DPEngineClient(config, torchrun)
+    return DPEngineClient(config, torchrun, prespawned)
 
 
 def run_ranks_only(config: EngineConfig, torchrun: TorchrunEnv | None) -> None:
@@ -142,16 +143,42 @@ def hosts_front_end(parallel: ParallelConfig, torchrun: TorchrunEnv | None) -> b
     return torchrun.rank == 0 if torchrun is not None else parallel.node_rank == 0
 
 
+def local_rank_processes(config: EngineConfig) -> bool:
+    """Whether this process, as the engine core, runs rank processes of its own (not under torchrun)."""
+    torchrun = TorchrunEnv.detect()
+    return torchrun is None and needs_ranks(config.parallel, None) and hosts_front_end(config.parallel, None)
+
+
+def spawn_rank_processes(config: EngineConfig) -> dict[int, subprocess.Popen]:
+    """Start this node's rank interpreters (`python -m moeserve.engine.dp_worker`): each imports torch and the
+    engine, then waits on stdin for its rendezvous addresses and EngineConfig (LocalRanks writes them). A
+    standby engine core (entrypoints/launcher.py) starts them ahead, so a restart does not wait for those
+    imports; a rank whose stdin closes with nothing written exits at once."""
+    p = config.parallel
+    threads = max(1, (os.cpu_count() or 1) // p.ranks_per_node)
+    env = dict(os.environ)
+    root = str(PACKAGE_PARENT)
+    env["PYTHONPATH"] = os.pathsep.join([root] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
+    first = p.node_rank * p.ranks_per_node
+    procs = {}
+    for rank in range(first, first + p.ranks_per_node):
+        cmd = [sys.executable, "-m", "moeserve.engine.dp_worker", "--rank", str(rank), "--parent-pid",
+               str(os.getpid()), "--threads", str(threads)]
+        procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
+    return procs
+
+
 class LocalRanks:
     """The rank processes this node runs (or, under torchrun, this process's rank in a thread).
 
-    Ranks are fresh interpreters (`python -m moeserve.engine.dp_worker`) that read their EngineConfig as
-    msgpack from stdin: no pickling, and no re-import of the user's __main__ module.
+    Ranks are fresh interpreters (`python -m moeserve.engine.dp_worker`, spawn_rank_processes) that read their
+    rendezvous addresses and EngineConfig as msgpack from stdin: no pickling, and no re-import of the user's
+    __main__ module.
     """
 
     def __init__(self, config: EngineConfig, init_method: str, zmq_addr: str,
-                 torchrun: TorchrunEnv | None = None) -> None:
-        p = config.parallel
+                 torchrun: TorchrunEnv | None = None,
+                 prespawned: dict[int, subprocess.Popen] | None = None) -> None:
         payload = msgspec.msgpack.encode(config)
         self.procs: dict[int, subprocess.Popen] = {}
         self.thread: threading.Thread | None = None
@@ -161,18 +188,16 @@ class LocalRanks:
                                            args=(payload, torchrun.rank, init_method, zmq_addr, None, 1))
             self.thread.start()
             return
-        threads = max(1, (os.cpu_count() or 1) // p.ranks_per_node)
-        env = dict(os.environ)
-        root = str(PACKAGE_PARENT)
-        env["PYTHONPATH"] = os.pathsep.join([root] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
-        first = p.node_rank * p.ranks_per_node
-        for rank in range(first, first + p.ranks_per_node):
-            cmd = [sys.executable, "-m", "moeserve.engine.dp_worker", "--rank", str(rank), "--init-method",
-                   init_method, "--zmq-addr", zmq_addr, "--parent-pid", str(os.getpid()), "--threads", str(threads)]
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
-            proc.stdin.write(payload)
+        if prespawned and any(proc.poll() is not None for proc in prespawned.values()):
+            for proc in prespawned.values():  # one died while waiting: start afresh
+                proc.kill()
+                proc.wait()
+            prespawned = None
+        self.procs = prespawned or spawn_rank_processes(config)
+        start = msgspec.msgpack.encode([init_method, zmq_addr, payload])
+        for proc in self.procs.values():
+            proc.stdin.write(start)
             proc.stdin.close()
-            self.procs[rank] = proc
 
     def dead(self) -> dict[int, int]:
         """rank -> exit code of local ranks that have exited."""

@@ -8,9 +8,11 @@ Lifecycle:
   3. spawn the engine core (it loads the model) and wait until it is ready;
   4. spawn --api-server-count API servers and wait until each is connected to the core and listening;
   5. print "ready on http://HOST:PORT" and supervise:
-     - the engine core exits (a crash, a killed DP rank): requests in flight get an error, the API servers
+     - the engine core exits (a crash, a killed DP rank): requests in flight wait, the API servers
        answer 503 and /health is 503, and the core is started again after a backoff (1 s, 2 s, 4 s ...
-       --engine-restart-backoff); the API servers reconnect on their own and serve again. More than
+       --engine-restart-backoff): the standby engine core (--engine-standby, on by default: started ahead
+       with its interpreters up and imports done, its DP rank processes too) is told to go, else a fresh
+       one starts; the API servers reconnect on their own, resume the requests in flight and serve again. More than
        --max-engine-restarts deaths in a row (without a minute of service between them) stop the
        deployment with exit code 1, for an outer supervisor;
      - an API server exits (a crash, kill -9): its own connections end; the others keep serving on the shared
@@ -46,6 +48,7 @@ logger = logging.getLogger("moeserve.serve")
 
 HEALTHY_RUN_S = 60.0  # an engine core that served this long before dying starts a fresh restart count
 MAX_BACKOFF_S = 30.0
+STANDBY_DELAY_S = 10.0  # after a restart, the next standby engine core starts once the new one served this long
 ENGINE_STOP_S = 10.0  # after SIGTERM, before SIGKILL
 
 
@@ -116,6 +119,8 @@ class Deployment:
                          cache_info=cache_config_info(self.config))
         self.ctx = multiprocessing.get_context("spawn")
         self.engine = None
+        self.standby = None  # (process, pipe) of the next engine core, waiting (see _spawn_standby)
+        self.standby_due: float | None = None  # when to start the next standby (after a restart)
         self.engine_started = 0.0
         self.api_servers: list = []
         self.api_started: dict[int, float] = {}  # API server index -> when it started
@@ -135,6 +140,7 @@ class Deployment:
         # the deployment's life, a launcher that did not exit normally (a kill, a second signal) left them
         # to the tracker's "leaked semaphore objects" warning. They are needed only until ready.
         ready = ev = None
+        self._spawn_standby()  # once all is up: its start does not slow the first one
         # The listening socket stays open here too (never accepted on): a replacement API server gets it, and
         # the port stays open while one is down. shutdown() closes it first.
 
@@ -151,18 +157,54 @@ class Deployment:
         self.api_started[index] = time.monotonic()
         return ready
 
-    def _start_engine(self) -> None:
-        ready = self.ctx.Event()
-        self.engine = self.ctx.Process(
+    def _engine_process(self, ready=None, standby=None):
+        return self.ctx.Process(
             target=run_engine_core, name="moeserve-engine-core-0", daemon=False,
             args=(self.config, self.engine_address, 0, self.server.max_waiting_requests,
                   self.server.log_level.upper(), ready),
             kwargs={"max_num_queued_reqs": self.server.max_num_queued_reqs,
-                    "log_stats": not self.engine_args.disable_log_stats})
-        self.engine.start()
-        logger.info("engine core process pid=%d starting (model %s)", self.engine.pid, self.config.model.model)
+                    "log_stats": not self.engine_args.disable_log_stats, "standby": standby})
+
+    def _start_engine(self) -> None:
+        """The engine core: the standby started ahead (it has imported everything and started its rank
+        processes) when there is one alive, else a fresh process; returns once it is ready."""
+        standby, self.standby = self.standby, None
+        if standby is not None and standby[0].is_alive():
+            self.engine, conn = standby
+            conn.send("go")
+            ready = _PipeWait(conn)
+            how = "the standby engine core"
+        else:
+            if standby is not None:
+                self._stop_standby(standby)
+            ready = self.ctx.Event()
+            self.engine = self._engine_process(ready)
+            self.engine.start()
+            how = "engine core process"
+        logger.info("%s pid=%d starting (model %s)", how, self.engine.pid, self.config.model.model)
         self._wait_ready(ready, self.engine, "the engine core")
         self.engine_started = time.monotonic()
+
+    def _spawn_standby(self) -> None:
+        """The next engine core, started now and told to go when the current one dies (run_engine_core's
+        standby): a restart then skips the interpreters' start and imports. Off with --no-engine-standby."""
+        if not self.server.engine_standby or self.standby is not None:
+            return
+        ours, theirs = self.ctx.Pipe()
+        p = self._engine_process(standby=theirs)
+        p.start()
+        theirs.close()
+        self.standby = (p, ours)
+        logger.debug("standby engine core pid=%d started", p.pid)
+
+    @staticmethod
+    def _stop_standby(standby) -> None:
+        p, conn = standby
+        conn.close()  # it sees the pipe close and exits (its ranks with it)
+        p.join(5.0)
+        if p.is_alive():
+            p.kill()
+        p.join()
 
     def _wait_ready(self, event, proc, what: str) -> None:
         deadline = time.monotonic() + self.ready_timeout
@@ -176,7 +218,11 @@ class Deployment:
         """Block until an API server exits, or the engine core has died too often (or a signal)."""
         deaths = 0  # engine-core deaths in a row
         while True:
-            multiprocessing.connection.wait([p.sentinel for p in self.api_servers] + [self.engine.sentinel])
+            due = None if self.standby_due is None else max(0.0, self.standby_due - time.monotonic())
+            multiprocessing.connection.wait([p.sentinel for p in self.api_servers] + [self.engine.sentinel], due)
+            if self.standby_due is not None and time.monotonic() >= self.standby_due and self.engine.is_alive():
+                self.standby_due = None
+                self._spawn_standby()
             for i in [i for i, p in enumerate(self.api_servers) if not p.is_alive()]:
                 if not self._restart_api_server(i):
                     return 1
@@ -242,6 +288,9 @@ class Deployment:
                 deaths += 1
                 continue
             logger.info("the engine core is back (pid %d); the API servers reconnect", self.engine.pid)
+            # the next standby once the resumed requests' recompute and first steps had the CPU (its start,
+            # the interpreters' imports, would take it from them)
+            self.standby_due = time.monotonic() + STANDBY_DELAY_S
             return True
 
     def shutdown(self, graceful: bool = True) -> None:
@@ -258,6 +307,9 @@ class Deployment:
         finally:
             for p in self.api_servers:
                 self._stop(p, 0.0)
+            if self.standby is not None:
+                self._stop_standby(self.standby)
+                self.standby = None
             if self.engine is not None:
                 self._stop(self.engine, ENGINE_STOP_S)
             shutil.rmtree(self.tmpdir, ignore_errors=True)
@@ -278,6 +330,20 @@ class Deployment:
         if proc.is_alive():
             proc.kill()
         proc.join()
+
+
+class _PipeWait:
+    """The launcher's side of a standby's ready signal, shaped like the Event _wait_ready polls."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            return self.conn.poll(timeout) and self.conn.recv() == "ready"
+        except (EOFError, OSError):  # it died: _wait_ready sees the process gone
+            time.sleep(timeout)
+            return False
 
 
 def _forget_metrics_of(pid: int) -> None:

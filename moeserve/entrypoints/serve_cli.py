@@ -73,6 +73,9 @@ def register(sub) -> None:
                    help="seconds before the first engine-core restart, doubled for each further one (max 30)")
     g.add_argument("--engine-stall-timeout", type=float, default=5.0, metavar="S",
                    help="/health answers 503 when the engine (or a DP rank with work) made no progress this long")
+    g.add_argument("--engine-standby", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the next engine core started and waiting (its interpreters up, imports done, DP "
+                        "rank processes too), so a restart after a death skips that (default on)")
     v = p.add_argument_group("vLLM ops flags (vLLM's meaning; docs/from-vllm.md)")
     v.add_argument("--max-log-len", type=int, default=None,
                    help="with --enable-log-requests, also log the prompt and its token ids, each cut to this "
@@ -180,5 +183,6 @@ def build_configs(args) -> tuple[EngineArgs, ServerConfig]:
                           max_engine_restarts=args.max_engine_restarts,
                           engine_restart_backoff=args.engine_restart_backoff,
                           engine_stall_timeout=args.engine_stall_timeout,
+                          engine_standby=args.engine_standby,
                           **_vllm_server_options(args), **ops)
     return engine_args, server
