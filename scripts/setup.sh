@@ -11,3 +11,10 @@ if ! .venv/bin/python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null; then
     .venv/bin/python -m pip install -q "torch==2.13.0" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
 fi
 .venv/bin/python -m pip install -q -e ".[test,pd]"  # pd: NIXL, which the PD tests run over
+# AMD CPUs: zentorch (AMD's ZenDNN kernels for PyTorch), whose fused MoE runs the routed BF16 experts
+# (moeserve/layers/moe/zen.py). Its release must match torch's major.minor; elsewhere it is left out.
+if [ "$(uname -m)" = x86_64 ] && grep -q AuthenticAMD /proc/cpuinfo 2>/dev/null; then
+    TORCH_MINOR=$(.venv/bin/python -c "import torch; print('.'.join(torch.__version__.split('.')[:2]))")
+    .venv/bin/python -m pip install -q "zentorch==${TORCH_MINOR}.*" \
+        || echo "setup.sh: no zentorch for torch ${TORCH_MINOR}; the routed experts run without it"
+fi

@@ -7,7 +7,8 @@ outside:
 - routed experts that are not traceable: INT8 experts (one oneDNN GEMM per busy expert, so one host sync)
   and every multi-rank dispatcher (collectives with host-side split sizes);
 - BF16 experts over their oneDNN-packed copies (FusedExperts.packed_forward: the same host sync), for
-  buckets with more rows than expert slots.
+  buckets with more rows than expert slots;
+- BF16 experts through zentorch's fused MoE (layers/moe/zen.py), one call per layer at every bucket.
 Each is registered as a torch custom op taking tensors plus the integer key of the module that runs it;
 eager code calls the module directly (no op dispatch cost), the graph calls the op.
 """
@@ -69,5 +70,28 @@ def packed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
 
 
 @packed_experts.register_fake
+def _(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moeserve::zen_experts", mutates_args=())
+def zen_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x [T, H], expert_ids / weights [T, k] -> [T, H]: FusedExperts.zen_forward (zentorch's fused MoE)."""
+    return _module(key).zen_forward(x, expert_ids, weights)
+
+
+@zen_experts.register_fake
+def _(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moeserve::zen_rows", mutates_args=())
+def zen_rows(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x [N, H], expert_ids / weights [N] -> [N, H]: FusedExperts.zen_rows (a host sync to leave out rows of
+    other ranks)."""
+    return _module(key).zen_rows(x, expert_ids, weights)
+
+
+@zen_rows.register_fake
 def _(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)

@@ -38,18 +38,25 @@ def assert_graphs_ran(llm: LLM, buckets: list[int]) -> None:
     assert graphs.steps > 0, "no decode step went through a graph"
 
 
-@pytest.mark.parametrize("variant,dtype,quant", [
-    ("v3", "float32", None), ("v2_lite", "float32", None), ("v3", "bfloat16", None), ("v3", "float32", "a8w8"),
-], ids=["v3", "v2-lite", "v3-bf16", "v3-a8w8"])
-def test_compiled_decode_gives_eager_tokens(ckpt_dir, variant, dtype, quant, monkeypatch):
+@pytest.mark.parametrize("variant,dtype,quant,zentorch", [
+    ("v3", "float32", None, False), ("v2_lite", "float32", None, False), ("v3", "bfloat16", None, False),
+    ("v3", "bfloat16", None, True), ("v3", "float32", "a8w8", False),
+], ids=["v3", "v2-lite", "v3-bf16", "v3-bf16-zentorch", "v3-a8w8"])
+def test_compiled_decode_gives_eager_tokens(ckpt_dir, variant, dtype, quant, zentorch, monkeypatch):
+    from moeserve.layers.moe import zen
     from moeserve.layers.moe.experts import FusedExperts
+    if zentorch and not zen.available():
+        pytest.skip("zentorch's fused MoE is not available here (layers/moe/zen.py)")
+    if not zentorch:  # BF16: the oneDNN-packed experts, also on a CPU where zentorch would run them
+        monkeypatch.setattr(zen, "available", lambda: False)
     # BF16: buckets 4 and 8 (8 and 16 rows over 8 experts) go through the oneDNN-packed experts' opaque op
     monkeypatch.setattr(FusedExperts, "GATHER_ROWS_PER_SLOT", 0.5)
     want, got, llm = eager_and_compiled(ckpt_dir(variant), dtype=dtype, quantization=quant)
     assert got == want
     assert_graphs_ran(llm, [1, 2, 4, 8])
-    if dtype == "bfloat16":
-        assert all(m.packed for m in llm.engine.runner.model.modules() if type(m) is FusedExperts)
+    experts = [m for m in llm.engine.runner.model.modules() if type(m) is FusedExperts]
+    if dtype == "bfloat16":  # every bucket through one opaque op per layer: zentorch's, or the packed experts'
+        assert all(m.zen for m in experts) if zentorch else all(m.packed and not m.zen for m in experts)
 
 
 def test_compiled_decode_with_packed_int8_gives_eager_tokens(ckpt_dir, monkeypatch):

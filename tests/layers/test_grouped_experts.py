@@ -174,7 +174,7 @@ def test_packed_bf16_experts_equal_per_expert_linear(n):
     weights = torch.rand(n, generator=g)
     with torch.no_grad():
         grouped = ex(x, ids, weights)
-        ex.process_weights_after_loading()
+        ex.process_weights_after_loading(zentorch=False)
         if ex.packed is None:
             pytest.skip("oneDNN BF16 packing does not run here")
         packed = ex(x, ids, weights)
@@ -188,7 +188,7 @@ def test_packed_bf16_experts_in_a_compiled_graph_and_switched_off(monkeypatch):
     """Above the few-row gathered path, a fullgraph compile calls the packed experts as one opaque op and gets
     the eager result; MOESERVE_PACK_EXPERTS=0 keeps one copy."""
     ex = _bf16_experts(4, 64, 32, 7)
-    ex.process_weights_after_loading()
+    ex.process_weights_after_loading(zentorch=False)
     if ex.packed is None:
         pytest.skip("oneDNN BF16 packing does not run here")
     g = torch.Generator().manual_seed(8)
@@ -200,5 +200,5 @@ def test_packed_bf16_experts_in_a_compiled_graph_and_switched_off(monkeypatch):
         assert torch.equal(compiled, ex(x, ids, weights))
     monkeypatch.setenv("MOESERVE_PACK_EXPERTS", "0")
     one_copy = _bf16_experts(4, 64, 32, 7)
-    one_copy.process_weights_after_loading()
+    one_copy.process_weights_after_loading(zentorch=False)
     assert one_copy.packed is None and packed_copy_bytes(one_copy) == 0

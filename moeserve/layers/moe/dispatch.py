@@ -87,11 +87,8 @@ class LocalDispatcher(_Dispatcher):
     def combine_start(self, handle, experts: FusedExperts) -> torch.Tensor:
         """x [T, H]; weights, phys_ids [T, k] -> [T, H]."""
         x, weights, phys_ids = handle
-        t, k = phys_ids.shape
         with timed("experts"):
-            rows = x.repeat_interleave(k, dim=0)  # [T*k, H], row t*k+j is token t for its j-th expert
-            out = experts(rows, phys_ids.reshape(-1), weights.reshape(-1))
-            return out.view(t, k, x.shape[1]).sum(dim=1)
+            return experts.forward_topk(x, phys_ids, weights)
 
 
 @dataclass

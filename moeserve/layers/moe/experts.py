@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from torch import nn
 
 from moeserve.layers import opaque
 from moeserve.layers.linear import pack_weight, packed_linear
+from moeserve.layers.moe import zen
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,8 @@ class FusedExperts(nn.Module):
     # A compiled graph gathers each row's expert weights (gathered_forward) up to this many rows per slot,
     # above it GEMMs per expert: measured crossover ~2.5 rows per slot (benchmarks/packed_experts.py --gathered)
     GATHER_ROWS_PER_SLOT = 2
+    # zentorch's fused MoE runs these experts (layers/moe/zen.py): set by process_weights_after_loading
+    zen = False
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int,
                  slot_experts: list[int] | None = None, shard_rank: int = 0, num_shards: int = 1) -> None:
@@ -80,18 +84,46 @@ class FusedExperts(nn.Module):
             return tensor[:, part] if leaf == "weight" else tensor
         return tensor[part]
 
-    def process_weights_after_loading(self) -> None:
-        """BF16 experts on CPU: a second copy of every slot's w13 / w2 packed for oneDNN, used for steps with more
-        rows than slots (decode at batch >= ~8, prefill). torch._grouped_mm runs one unpacked aten::mm per
-        expert; per-expert GEMMs on packed weights measured 1.34x faster for 32 decode tokens (top-6 of 64
-        experts, 1 thread) and 1.46x for 8 (benchmarks/packed_experts.py). The stacked weights stay: the
-        compiled graphs' few-row path gathers from them, EPLB moves them, and the packs are remade from them
-        (EPLB calls this again after a move). Counted by packed_copy_bytes for KV sizing;
-        MOESERVE_PACK_EXPERTS=0 keeps one copy."""
-        if type(self) is not FusedExperts or not expert_packing_enabled():
+    def process_weights_after_loading(self, zentorch: bool = True) -> None:
+        """BF16 experts on CPU, after loading and after every EPLB move: either zentorch's fused MoE (AMD CPUs
+        with zentorch installed, unless zentorch=False: layers/moe/zen.py), or a second copy of every slot's w13 / w2 packed for oneDNN,
+        used for steps with more rows than slots (decode at batch >= ~8, prefill). torch._grouped_mm runs one
+        unpacked aten::mm per expert; per-expert GEMMs on packed weights measured 1.34x faster for 32 decode
+        tokens (top-6 of 64 experts, 1 thread) and 1.46x for 8 (benchmarks/packed_experts.py). The stacked
+        weights stay: the compiled graphs' few-row path gathers from them, EPLB moves them, and the packs are
+        remade from them. Counted by packed_copy_bytes for KV sizing; MOESERVE_PACK_EXPERTS=0 keeps one copy."""
+        if type(self) is not FusedExperts:
+            return
+        self.packed, self.zen = None, False
+        if zentorch and zen.usable(self.w13):
+            # New or moved weights: no copy zentorch reordered from what these addresses held before may stay
+            # (it would be used silently). Freed experts flush too, before their memory can hold new weights.
+            zen.flush_cache()
+            if not hasattr(self, "_zen_finalizer"):
+                self._zen_finalizer = weakref.finalize(self, zen.flush_cache)
+            self.zen = True
+            return
+        if not expert_packing_enabled():
             return
         packs = [(pack_weight(self.w13[s]), pack_weight(self.w2[s])) for s in range(self.num_local_experts)]
         self.packed = packs if packs and all(a is not None and b is not None for a, b in packs) else None
+
+    def forward_topk(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H] tokens, expert_ids [T, k] local slots (all here), weights [T, k] float32 -> [T, H] the
+        weighted sum of each token's experts: one zentorch call, or a row per (token, expert) pair through
+        forward()."""
+        if self.zen:
+            x = x.to(self.w13.dtype)
+            if torch.compiler.is_compiling():
+                return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)
+            return self.zen_forward(x, expert_ids, weights)
+        t, k = expert_ids.shape
+        rows = x.repeat_interleave(k, dim=0)  # [T*k, H], row t*k+j is token t for its j-th expert
+        return self(rows, expert_ids.reshape(-1), weights.reshape(-1)).view(t, k, x.shape[1]).sum(dim=1)
+
+    def zen_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward_topk through zentorch (eager; a compiled graph calls it as one opaque op)."""
+        return zen.fused_moe(x, self.w13, self.w2, expert_ids, weights)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Weighted expert outputs summed per token.
@@ -105,6 +137,10 @@ class FusedExperts(nn.Module):
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         compiling = torch.compiler.is_compiling()
+        if self.zen:  # rows of other ranks (-1) are left out, not sent through the kernel
+            if compiling:
+                return torch.ops.moeserve.zen_rows(x, expert_ids, weights, self.op_key)
+            return self.zen_rows(x, expert_ids, weights)
         if compiling and x.shape[0] <= self.GATHER_ROWS_PER_SLOT * self.num_local_experts:
             return self.gathered_forward(x, expert_ids, weights)
         if self.packed is not None:  # a host sync for the group bounds: an opaque op in a compiled graph
@@ -114,6 +150,16 @@ class FusedExperts(nn.Module):
         order, offs, valid = group_rows(expert_ids, self.num_local_experts)
         y = self.grouped_forward(x[order], offs)  # [N, H], rows past offs[-1] undefined
         return self._weighted(x, y, order, valid, weights)
+
+    def zen_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward() through zentorch: each row its own token with one expert (k = 1); rows not ours are 0."""
+        mine = (expert_ids >= 0).nonzero().squeeze(1)
+        if mine.numel() == x.shape[0]:
+            return self.zen_forward(x, expert_ids[:, None], weights[:, None])
+        out = torch.zeros_like(x)
+        if mine.numel():
+            out[mine] = self.zen_forward(x[mine], expert_ids[mine, None], weights[mine, None])
+        return out
 
     def packed_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward() over the oneDNN-packed copies: one GEMM pair per busy expert, the SwiGLU over all rows."""

@@ -1,0 +1,88 @@
+"""Routed BF16 experts through AMD's zentorch (ZenDNN) on AMD EPYC CPUs: one fused call per MoE layer
+(`zentorch_fused_moe`: grouped gate/up GEMM, SwiGLU, grouped down GEMM, weighted sum per token) in place
+of one oneDNN GEMM pair per busy expert. Measured 2.5-3x faster per layer at decode batch 8-64
+(benchmarks/packed_experts.py --zentorch). The same kernel vLLM's CPU backend calls on Zen CPUs.
+
+zentorch is optional (`pip install 'moeserve[zen]'`; its version must match torch's major.minor, it refuses
+to load otherwise); without it, or on another CPU, or with MOESERVE_ZENTORCH=0, the experts run as before.
+
+Its weight cache: ZenDNN reorders each expert's weights into its blocked layout on the first call and keeps
+the result keyed by the weight's address. Two consequences, handled here:
+- the default cache mode reorders *in place*, overwriting the raw weights that the compiled graphs, EPLB and
+  the checkpoint views still read; the out-of-place mode (ZENDNNL_MATMUL_WEIGHT_CACHE=1, set before zentorch
+  loads) keeps them, at the cost of a second copy (what the oneDNN-packed copies cost before);
+- an address whose contents changed (new weights where freed ones were, an EPLB move) would hit a stale entry
+  and compute with the old weights, silently: flush_cache() is called whenever expert weights are loaded or
+  moved, and when experts are freed, so every entry the kernel finds was made from the weights there now.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# ZenDNN reads its cache mode once, at its first call: out-of-place, so the raw weights stay as they are
+_CACHE_ENV = "ZENDNNL_MATMUL_WEIGHT_CACHE"
+_OUT_OF_PLACE = "1"
+
+
+def _zen_cpu() -> bool:
+    """An AMD CPU (zentorch's target; vLLM gates its zentorch paths the same way)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
+    except OSError:
+        return False
+
+
+@functools.cache
+def available() -> bool:
+    """zentorch's fused MoE can run here: enabled (MOESERVE_ZENTORCH, default on), an AMD CPU, zentorch
+    installed for this torch and exposing the op. Imports zentorch on first use only."""
+    if os.environ.get("MOESERVE_ZENTORCH", "1") == "0" or not _zen_cpu():
+        return False
+    if importlib.util.find_spec("zentorch") is None:
+        return False
+    if os.environ.get(_CACHE_ENV, _OUT_OF_PLACE) != _OUT_OF_PLACE:
+        logger.warning("%s=%s would let zentorch overwrite the expert weights in place; routed experts run "
+                       "without zentorch", _CACHE_ENV, os.environ[_CACHE_ENV])
+        return False
+    os.environ[_CACHE_ENV] = _OUT_OF_PLACE
+    try:
+        import zentorch  # noqa: F401  (registers torch.ops.zentorch)
+    except Exception as e:  # a zentorch built for another torch refuses to load
+        logger.warning("zentorch is installed but does not load (%s); routed experts run without it", e)
+        return False
+    ok = hasattr(torch.ops.zentorch, "zentorch_fused_moe")
+    if ok:
+        logger.info("routed BF16 experts run through zentorch's fused MoE")
+    return ok
+
+
+def usable(w13: torch.Tensor) -> bool:
+    """For these expert weights: BF16 on the CPU, and zentorch available."""
+    return w13.dtype == torch.bfloat16 and w13.device.type == "cpu" and available()
+
+
+def flush_cache() -> None:
+    """Forget every reordered expert weight (they are made again, from the weights in place, on next use)."""
+    if available():
+        # zentorch_clear_weight_cache, not zentorch_flush_moe_weight_cache: only the former drops the entries the
+        # fused MoE reads (checked: after the latter, new weights at a freed address still computed with the old)
+        torch.ops.zentorch.zentorch_clear_weight_cache()
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_ids: torch.Tensor,
+              weights: torch.Tensor) -> torch.Tensor:
+    """x [T, H] BF16; w13 [E, 2I, H] (gate; up); w2 [E, H, I]; expert_ids [T, k] local slots (all >= 0);
+    weights [T, k] float32 -> [T, H]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t])."""
+    out = torch.empty_like(x)
+    torch.ops.zentorch.zentorch_fused_moe(out, x.contiguous(), w13, w2, None, None,
+                                          weights.float().contiguous(), expert_ids.to(torch.int32).contiguous(),
+                                          False, "silu")
+    return out
