@@ -86,3 +86,32 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_ids: 
                                           weights.float().contiguous(), expert_ids.to(torch.int32).contiguous(),
                                           False, "silu")
     return out
+
+
+def usable_int8(w13: torch.Tensor) -> bool:
+    """For A8W8 expert weights (layers/quant.py Int8FusedExperts): INT8 on the CPU, and zentorch available."""
+    return w13.dtype == torch.int8 and w13.device.type == "cpu" and available()
+
+
+def fused_moe_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
+                   w2_scale: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A8W8 experts in one call: x [T, H] BF16; w13 int8 [E, 2I, H] with w13_scale float32 [E, 2I] (one
+    symmetric scale per output channel); w2 int8 [E, H, I] with w2_scale float32 [E, H]; expert_ids [T, k]
+    local slots (all >= 0); weights [T, k] float32 -> [T, H] BF16. zentorch quantizes the activations itself
+    (per token, symmetric INT8, before each GEMM), as Int8FusedExperts.forward does. The scales must be
+    float32: vLLM notes that BF16 scales silently take a slower per-expert path."""
+    out = torch.empty_like(x)
+    torch.ops.zentorch.zentorch_fused_moe(out, x.contiguous(), w13, w2, None, None,
+                                          weights.float().contiguous(), expert_ids.to(torch.int32).contiguous(),
+                                          False, "silu", w13_scale, w2_scale)
+    return out
+
+
+def flush_cache_int8() -> None:
+    """flush_cache() for INT8 experts: zentorch keeps their reordered weights in its MoE weight cache, which
+    zentorch_clear_weight_cache leaves alone (checked: after it, INT8 weights written at the same address still
+    computed with the old ones; after zentorch_flush_moe_weight_cache, with the new). Clears both caches. The
+    weight scales are read on every call, not cached (checked the same way)."""
+    if available():
+        torch.ops.zentorch.zentorch_clear_weight_cache()
+        torch.ops.zentorch.zentorch_flush_moe_weight_cache()
