@@ -2,7 +2,7 @@
 
 Usage: python benchmarks/decode_speed.py [--batches 1 8 32 64] [--prompt-len 128] [--new-tokens 64]
            [--prefill-prompts 8] [--repeats 3] [--threads 1] [--modes bf16 a8w8 bf16-eager a8w8-eager]
-           [--startup] [--peer vllm --vllm-python /work/vllm-venv/bin/python] [--json FILE]
+           [--startup] [--peer vllm --vllm-python /work/vllm-venv/bin/python [--vllm-extra-path DIR]] [--json FILE]
 
 Modes: bf16 / a8w8 run decode through the compiled graphs (engine/compiled_decode.py); the -eager modes are
 the same engines with --enforce-eager, the baseline of the same run. --startup also times engine start-up in
@@ -230,6 +230,8 @@ def main():
         out["decode"][b] = runs
     for r in range(a["repeats"]):
         out["prefill"].append(a["prefill_prompts"] * a["prompt_len"] / gen(a["prefill_prompts"], 1, 100 + r))
+    from vllm.platforms import current_platform
+    out["platform"] = type(current_platform).__name__  # ZenCpuPlatform where zentorch is on its path
     print("VLLM_RESULT " + json.dumps(out), flush=True)
 
 
@@ -244,6 +246,8 @@ def run_vllm(path: str, args) -> dict | None:
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if args.threads == 1 else "all",
                OMP_NUM_THREADS=str(args.threads), VLLM_TARGET_DEVICE="cpu")
     env.pop("PYTHONPATH", None)
+    if args.vllm_extra_path:  # e.g. zentorch, with which vLLM picks its ZenCpuPlatform on an AMD CPU
+        env["PYTHONPATH"] = args.vllm_extra_path
     with tempfile.TemporaryDirectory() as tmp:
         script = os.path.join(tmp, "vllm_peer.py")
         with open(script, "w") as f:
@@ -253,7 +257,9 @@ def run_vllm(path: str, args) -> dict | None:
     for line in proc.stdout.splitlines():
         if line.startswith("VLLM_RESULT "):
             raw = json.loads(line[len("VLLM_RESULT "):])
-            res = {"decode": {int(b): spread(r) for b, r in raw["decode"].items()}, "prefill": spread(raw["prefill"])}
+            res = {"decode": {int(b): spread(r) for b, r in raw["decode"].items()}, "prefill": spread(raw["prefill"]),
+                   "platform": raw.get("platform")}
+            print(f"vllm platform: {res['platform']}", flush=True)
             for b in args.batches:
                 print(f"vllm batch {b:3d}: {res['decode'][b]['median']:8.1f} tok/s", flush=True)
             print(f"vllm prefill: {res['prefill']['median']:8.1f} tok/s", flush=True)
@@ -339,6 +345,8 @@ def main() -> None:
                     help="also time engine start-up in fresh processes: cold (empty compile cache) and cached")
     ap.add_argument("--peer", choices=["vllm"], default=None)
     ap.add_argument("--vllm-python", default="/work/vllm-venv/bin/python")
+    ap.add_argument("--vllm-extra-path", default=None,
+                    help="vLLM CPU: a folder put on its PYTHONPATH (docs/engine.md: zentorch for vLLM on AMD CPUs)")
     ap.add_argument("--vllm-memory-fraction", type=float, default=0.2,
                     help="vLLM CPU: share of host memory it reserves (its --gpu-memory-utilization)")
     ap.add_argument("--json", default=None)
