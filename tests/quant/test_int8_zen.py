@@ -180,3 +180,15 @@ def test_switched_off_keeps_the_per_expert_path():
         assert torch.equal(ex.forward_topk(x, ids, weights), _reference(ex, x, ids, weights))
     ex.process_weights_after_loading()
     assert ex.zen and ex.packed is None
+
+
+def test_bf16_a8w8_engine_compiled_gives_eager_tokens_through_zentorch(ckpt_dir, monkeypatch):
+    """A BF16 A8W8 engine: every routed layer on zentorch's INT8 fused MoE, and the compiled decode graphs (the
+    experts inside the moe_routed opaque op) give the eager path's greedy tokens."""
+    from tests.engine.test_compiled_decode import assert_graphs_ran, eager_and_compiled
+    monkeypatch.delenv("MOESERVE_ENFORCE_EAGER", raising=False)  # tests/conftest.py makes engines eager
+    want, got, llm = eager_and_compiled(ckpt_dir("v3"), dtype="bfloat16", quantization="a8w8")
+    assert got == want
+    assert_graphs_ran(llm, [1, 2, 4, 8])
+    experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int8FusedExperts)]
+    assert experts and all(ex.zen and ex.act_dtype == torch.bfloat16 for ex in experts)

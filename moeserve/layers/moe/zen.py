@@ -89,8 +89,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_ids: 
 
 
 def usable_int8(w13: torch.Tensor) -> bool:
-    """For A8W8 expert weights (layers/quant.py Int8FusedExperts): INT8 on the CPU, and zentorch available."""
-    return w13.dtype == torch.int8 and w13.device.type == "cpu" and available()
+    """For A8W8 expert weights (layers/quant.py Int8FusedExperts): INT8 on the CPU, and zentorch available;
+    MOESERVE_ZENTORCH_INT8=0 switches off this use only (the BF16 experts keep zentorch)."""
+    return (w13.dtype == torch.int8 and w13.device.type == "cpu"
+            and os.environ.get("MOESERVE_ZENTORCH_INT8", "1") != "0" and available())
 
 
 def fused_moe_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
