@@ -305,9 +305,11 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
     if standby is not None:
         parent = os.getppid()
         prespawned = spawn_rank_processes(config) if local_rank_processes(config) else None
-        import torch._dynamo  # noqa: F401  (what the build imports: see dp_worker.main)
-        import moeserve.engine.engine_core  # noqa: F401
-        import moeserve.engine.dp_client  # noqa: F401
+        import moeserve.engine.engine_core  # noqa: F401  (make_engine_core imports it)
+        if prespawned is None:  # the model is built here: what its build imports (see dp_worker.main)
+            import torch._dynamo  # noqa: F401
+        else:  # a DP front end: not torch._dynamo, which it never needs and whose objects made its exit
+            import moeserve.engine.dp_client  # noqa: F401  (interpreter teardown's last GC) take 6 s
         if not _wait_for_go(standby, parent):
             for proc in (prespawned or {}).values():
                 proc.stdin.close()  # nothing written: the rank exits at once

@@ -48,7 +48,7 @@ logger = logging.getLogger("moeserve.serve")
 
 HEALTHY_RUN_S = 60.0  # an engine core that served this long before dying starts a fresh restart count
 MAX_BACKOFF_S = 30.0
-STANDBY_DELAY_S = 10.0  # after a restart, the next standby engine core starts once the new one served this long
+STANDBY_DELAY_S = 2.0  # after a restart, the next standby engine core starts once the new one served this long
 ENGINE_STOP_S = 10.0  # after SIGTERM, before SIGKILL
 
 
