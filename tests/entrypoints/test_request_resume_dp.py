@@ -29,6 +29,8 @@ def test_streams_survive_a_killed_and_a_stopped_rank(ckpt_dir):
         assert len(ranks) == 2, ranks
         _check(reference, _run_streams(s.url, model, lambda: os.kill(ranks[1], signal.SIGKILL)))
         assert any("requests in flight resumed" in line for line in s.lines), "".join(s.lines[-20:])
+        # the restart came from the standby started after the first start (its ranks started ahead)
+        assert any("the standby engine core pid=" in line for line in s.lines), "".join(s.lines[-20:])
         core = _core_pid(s, s.engine_pid)
         ranks = sorted(children(core))
         assert len(ranks) == 2, ranks
@@ -44,3 +46,5 @@ def test_streams_survive_a_killed_and_a_stopped_rank(ckpt_dir):
             except ProcessLookupError:
                 pass
         s.stop()
+    # every process that shares the server's stderr is gone: the standby waiting then and its rank processes too
+    assert s.eof.wait(60)
