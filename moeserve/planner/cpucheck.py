@@ -1,8 +1,8 @@
 """CPU check: predict moeserve's own CPU decode step times from a measured CPU profile.
 
 Profile (this machine, torch): read bandwidth (float32 sum over 256 MB, best of 5, reported), the
-bandwidth and fixed cost of weight streaming through BF16 GEMMs (one-row F.linear over a pool of distinct
-weight matrices larger than the caches, at 0.5 MB and 8 MB per matrix: t = fixed + bytes / bw, best of
+bandwidth and fixed cost of weight streaming through BF16 GEMMs (one row through the engine's own Linear,
+packed for the kernel the engine runs, over a pool of distinct weight matrices larger than the caches, at 0.5 MB and 8 MB per matrix: t = fixed + bytes / bw, best of
 3), the BF16 GEMM rate (1024^3, reported) and at a decode shape (64 x 1024 x 1024, used), and the cost of
 one small eager op (Python + dispatcher, over a mix of tiny linear/softmax/topk/index/cat ops). The
 prediction is the planner's own cost model on a one-card "device" built from those numbers (efficiency
@@ -47,13 +47,22 @@ def measure_weight_streaming(repeats: int = 3, pool_mb: int = 256) -> tuple[floa
     a decode step (a repeated single matrix would be served from cache); two sizes separate the fixed
     per-call cost (kernel setup, packing) from the streaming rate.
     """
+    from moeserve.layers.linear import Linear
+
     def per_call(rows: int, cols: int) -> float:
         count = max(4, pool_mb * (1 << 20) // (rows * cols * 2))
-        ws = [torch.randn(rows, cols).to(torch.bfloat16) for _ in range(count)]
+        ws = []
+        for _ in range(count):  # the engine's own BF16 Linear: packed for the kernel it runs (oneDNN or zentorch)
+            layer = Linear(cols, rows).to(torch.bfloat16)
+            with torch.no_grad():
+                layer.weight.normal_()
+            layer.process_weights_after_loading()
+            ws.append(layer)
         x = torch.randn(1, cols).to(torch.bfloat16)
-        for w in ws[:4]:
-            torch.nn.functional.linear(x, w)
-        return min(_timed(lambda: [torch.nn.functional.linear(x, w) for w in ws]) for _ in range(repeats)) / count
+        with torch.inference_mode():
+            for w in ws[:4]:
+                w(x)
+            return min(_timed(lambda: [w(x) for w in ws]) for _ in range(repeats)) / count
 
     small, large = (256, 1024), (4096, 1024)
     t_small, t_large = per_call(*small), per_call(*large)
@@ -114,7 +123,8 @@ def predict(prof: dict, batch: int, context: float, ops_per_step: float, gemms_p
 
 
 GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_grouped_mm",
-            "qlinear_pointwise")  # linear stays whole under inference_mode
+            "qlinear_pointwise", "_linear_pointwise",  # linear stays whole under inference_mode
+            "zentorch_linear_unary", "zentorch_fused_moe")  # AMD CPUs with zentorch (layers/moe/zen.py)
 
 
 def count_ops(engine) -> tuple[int, int]:
@@ -136,14 +146,17 @@ def count_ops(engine) -> tuple[int, int]:
 
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
                    checkpoint: str | None = None) -> list[dict]:
-    """Median decode-step time of the CPU engine per batch size, on checkpoint (default: the bench model)."""
+    """Median decode-step time of the eager CPU engine per batch size, on checkpoint (default: the bench model).
+    Eager: the prediction prices the step's aten ops one by one (op_cost_us per op, gemm_call_us per GEMM), which
+    only the eager engine runs as such; count_ops's dispatch mode also cannot run inside compiled graphs
+    (with them it failed: "found no compiled frames"). Predicting the compiled decode step is issue 41's."""
     from moeserve.llm import LLM
     from moeserve.sampling_params import SamplingParams
     from moeserve.bench_model import bench_checkpoint
     from moeserve.protocol import EngineCoreRequest
 
     llm = LLM(checkpoint or bench_checkpoint(), dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(batches) * prompt_len, enable_prefix_caching=False)
+              max_num_batched_tokens=max(batches) * prompt_len, enable_prefix_caching=False, enforce_eager=True)
     eng, rows = llm.engine, []
     for b in batches:
         params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
