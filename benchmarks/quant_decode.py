@@ -1,6 +1,10 @@
 """Decode tokens/s with --quantization a8w8 vs BF16 on the core engine's bench config, same process.
 
 Usage: python benchmarks/quant_decode.py [--batches 1 8 32] [--new-tokens 32] [--repeats 3] [--threads 1]
+           [--per-expert-int8]
+--per-expert-int8 adds a third engine, A8W8 with the routed experts on the per-expert INT8 path
+(MOESERVE_ZENTORCH_INT8=0) where the a8w8 engine runs them on zentorch's INT8 fused MoE (AMD CPUs with
+zentorch: layers/quant.py Int8FusedExperts), alternated with the other two.
 Each (batch, mode) is measured `repeats` times, alternating modes, in process CPU time with one thread, and
 the best run counts (the machine is shared; CPU time excludes waiting for a core, the best run is the least
 disturbed). Also prints: the INT8 linear against the BF16 linear on the
@@ -86,6 +90,16 @@ def decode_table(args) -> list[dict]:
     seqs = max(args.batches)
     kw = dict(dtype="bfloat16", max_num_seqs=seqs, enable_prefix_caching=False)  # the same prompts run again: measure compute, not the prefix cache
     llms = {"bf16": LLM(path, **kw), "a8w8": LLM(path, quantization="a8w8", **kw)}
+    if args.per_expert_int8:  # read when the experts are loaded (layers/moe/zen.py usable_int8)
+        prev = os.environ.get("MOESERVE_ZENTORCH_INT8")
+        os.environ["MOESERVE_ZENTORCH_INT8"] = "0"
+        try:
+            llms["a8w8_per_expert"] = LLM(path, quantization="a8w8", **kw)
+        finally:
+            if prev is None:
+                del os.environ["MOESERVE_ZENTORCH_INT8"]
+            else:
+                os.environ["MOESERVE_ZENTORCH_INT8"] = prev
     rows = []
     for b in args.batches:
         best = {m: 0.0 for m in llms}
@@ -93,8 +107,13 @@ def decode_table(args) -> list[dict]:
             for mode, llm in llms.items():
                 best[mode] = max(best[mode], decode_tps(llm, b, args.prompt_len, args.new_tokens))
         rows.append(dict(batch=b, bf16_tps=best["bf16"], a8w8_tps=best["a8w8"], speedup=best["a8w8"] / best["bf16"]))
+        extra = ""
+        if "a8w8_per_expert" in best:
+            pe = best["a8w8_per_expert"]
+            rows[-1].update(a8w8_per_expert_tps=pe, per_expert_speedup=pe / best["bf16"])
+            extra = f"  a8w8 per-expert {pe:8.1f} tok/s  x{pe / best['bf16']:.2f}"
         print(f"batch {b:3d}: bf16 {best['bf16']:8.1f} tok/s  a8w8 {best['a8w8']:8.1f} tok/s  "
-              f"x{best['a8w8'] / best['bf16']:.2f}", flush=True)
+              f"x{best['a8w8'] / best['bf16']:.2f}{extra}", flush=True)
     return rows
 
 
@@ -106,6 +125,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--per-expert-int8", action="store_true",
+                    help="also time A8W8 with the routed experts off zentorch (MOESERVE_ZENTORCH_INT8=0)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
