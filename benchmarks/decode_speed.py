@@ -76,7 +76,11 @@ def decode_tps(llm, batch: int, prompt_len: int, new_tokens: int, salt: int) -> 
     t0 = CLOCK()
     llm.generate(prompt_token_ids=prompts, use_tqdm=False,
                  sampling_params=SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-    return batch * (new_tokens - 1) / max(CLOCK() - t0 - prefill, 1e-9)
+    decode = CLOCK() - t0 - prefill
+    if decode <= 0:  # the prefill alone took longer than prefill + decode: a disturbed run, not a figure
+        print(f"batch {batch}: a repeat timed the prefill alone longer than the whole run; dropped", flush=True)
+        return float("nan")
+    return batch * (new_tokens - 1) / decode
 
 
 def prefill_tps(llm, prompts: int, prompt_len: int, salt: int) -> float:
@@ -143,6 +147,7 @@ def weight_memory(llm) -> dict:
 
 
 def spread(xs: list[float]) -> dict:
+    xs = [x for x in xs if x == x] or [float("nan")]  # dropped (NaN) repeats left out
     med = statistics.median(xs)
     return dict(median=med, lo_pct=100 * (min(xs) / med - 1), hi_pct=100 * (max(xs) / med - 1), runs=xs)
 
