@@ -239,8 +239,8 @@ class Int8FusedExperts(FusedExperts):
     Where zentorch's fused MoE runs (layers/moe/zen.py: an AMD CPU with zentorch installed) and the activations
     are BF16 (a BF16 model: `act_dtype`, or BF16 inputs), a layer is one zentorch_fused_moe call in its INT8
     mode: it quantizes each token per row itself (symmetric, as quantize_per_token), grouped INT8 GEMMs with
-    the per-channel scales, SwiGLU, the weighted sum; 3.4-4.2x faster per layer than the per-expert path at
-    decode batch 1-64 (benchmarks/int8_experts.py). Its weight cache is flushed on every load / move / free, as
+    the per-channel scales, SwiGLU, the weighted sum; 3.2-4.5x faster per layer than the per-expert path at
+    decode batch 1-64, one thread (benchmarks/int8_experts.py; docs/quantization.md). Its weight cache is flushed on every load / move / free, as
     for BF16 experts (zen.flush_cache_int8). Otherwise (float32 models, other CPUs, MOESERVE_ZENTORCH=0) rows
     are sorted by expert once; each expert then costs one INT8 GEMM per projection on a contiguous slice,
     while quantization, dequantization and SwiGLU run batched over all rows.
