@@ -325,7 +325,14 @@ class EngineClient:
         logger.warning("resuming request %s alone among suspects: it was in flight during %d engine-core deaths "
                        "in a row; if the engine dies before it has %d more tokens, it is failed", rid, st.crashes,
                        PROBATION_TOKENS)
-        return await self._send_resumed(rid, st)
+        if await self._send_resumed(rid, st):
+            return 1
+        if self._isolated == rid:  # not sent: the core died meanwhile, or the request is ending here
+            self._isolated = None
+        if self.dead_reason is not None:
+            st.suspect = True  # still a suspect: resumed alone on the next core
+            return 0
+        return await self._isolate_next()
 
     def _cleared(self, rid: str) -> None:
         """The suspect resumed alone produced its probation tokens, finished or left: resume the next one."""
