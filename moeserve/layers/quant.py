@@ -241,7 +241,7 @@ class Int8FusedExperts(FusedExperts):
     mode: it quantizes each token per row itself (symmetric, as quantize_per_token), grouped INT8 GEMMs with
     the per-channel scales, SwiGLU, the weighted sum; 3.2-4.5x faster per layer than the per-expert path at
     decode batch 1-64, one thread (benchmarks/int8_experts.py; docs/quantization.md). Its weight cache is flushed on every load / move / free, as
-    for BF16 experts (zen.flush_cache_int8). Otherwise (float32 models, other CPUs, MOESERVE_ZENTORCH=0) rows
+    for BF16 experts (zen.flush_cache). Otherwise (float32 models, other CPUs, MOESERVE_ZENTORCH=0) rows
     are sorted by expert once; each expert then costs one INT8 GEMM per projection on a contiguous slice,
     while quantization, dequantization and SwiGLU run batched over all rows.
     """
@@ -305,9 +305,9 @@ class Int8FusedExperts(FusedExperts):
         if zentorch and self.act_dtype in (None, torch.bfloat16) and zen.usable_int8(self.w13):
             # New or moved weights: zentorch's reordered copies are keyed by address, so none made from what
             # these addresses held before may stay; freed experts flush too (layers/moe/zen.py)
-            zen.flush_cache_int8()
+            zen.flush_cache()
             if not hasattr(self, "_zen_finalizer"):
-                self._zen_finalizer = weakref.finalize(self, zen.flush_cache_int8)
+                self._zen_finalizer = weakref.finalize(self, zen.flush_cache)
             self.zen = True
             return
         packs = [(Int8Packed.of(self.w13.data[e], self.w13_scale.data[e]),

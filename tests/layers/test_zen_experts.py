@@ -48,7 +48,8 @@ def _routing(t: int, k: int, num: int, seed: int):
 def test_fused_moe_matches_grouped_experts(t):
     ex = _experts(8, 64, 32, t)
     ex.process_weights_after_loading()
-    assert ex.zen and ex.packed is None and packed_copy_bytes(ex) == 0  # one copy of the weights here
+    assert ex.zen and ex.packed is None  # no oneDNN packs; zentorch's cache copies are counted:
+    assert packed_copy_bytes(ex) == 2 * (ex.w13.nbytes + ex.w2.nbytes)
     x, ids, weights = _routing(t, 3, 8, t)
     with torch.no_grad():
         y = ex.forward_topk(x, ids, weights)
