@@ -301,6 +301,12 @@ def run_engine_core(config, address: str, engine_index: int = 0, max_waiting_req
     # one (SIGTERM) after the API servers drained. Set before the ranks start, so they inherit it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     compile_in_this_process(False)  # requests bring their compiled automata: nothing compiles on this loop
+    # The checkpoint loader's tqdm would make a multiprocessing lock: a named semaphore registered with the
+    # launcher's resource tracker, which a core killed by a signal never unregisters ("1 leaked semaphore
+    # objects" when the deployment stops, one per kill -9). No other process writes this core's bars.
+    import threading
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
     prespawned = None
     if standby is not None:
         parent = os.getppid()

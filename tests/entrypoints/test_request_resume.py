@@ -108,6 +108,9 @@ def test_streams_survive_a_killed_engine_core(ckpt_dir):
         assert s.metric("moeserve:requests_not_resumed_total") == 0
     finally:
         s.stop()
+    # the killed core left nothing to the resource tracker (its checkpoint loader's tqdm lock is a thread lock)
+    assert s.eof.wait(60)
+    assert not any("leaked semaphore" in line for line in s.lines), "".join(s.lines[-5:])
 
 
 def _core_pid(s: ServerProcess, after: int) -> int:
