@@ -2,20 +2,21 @@
 all-to-all dispatch's k=1-per-row rows (FusedExperts.zen_rows, rows of other ranks -1) give the single-rank
 engine's results, and online EPLB's in-place expert moves never leave zentorch computing with the weights a
 slot held before (its reordered-weight cache is keyed by address; the flush after each move is what keeps it
-right). The other multi-rank tests run float32, which never reaches zentorch.
+right; A8W8 experts, zentorch's INT8 mode, too). The other multi-rank tests run float32, which never reaches
+zentorch.
 
 How they compare. On this tiny random model BF16 greedy tokens are not a stable oracle: many top-2 margins
 are below 0.05 nats, and summing a token's experts as k=1 rows from two ranks (combine) rounds differently
 from one top-k call per token, so a later token can flip (seen: one prompt of four diverges after 8 tokens).
 What is compared instead is teacher-forced: the log-probability the model gives every prompt token (prompt
 logprobs) and its first greedy token's, which do not depend on earlier choices. They agree to within
-LOGPROB_TOL (BF16 rounding of different kernels and summation orders: seen <= 0.01 nats), while experts
-computed with the weights their slots held before an EPLB move move them by ~1.5 nats
-(test_stale_zen_cache_is_caught checks that this comparison does catch a missing flush). First greedy tokens are compared too, where the single-rank
-top-2 margin is wide enough for rounding not to flip them.
+LOGPROB_TOL (BF16 rounding of different kernels and summation orders: seen <= 0.02 nats), while experts
+computed with the weights their slots held before an EPLB move move them by ~1.5 nats (A8W8: ~1.7);
+test_stale_zen_cache_is_caught checks that this comparison does catch a missing flush. First greedy tokens
+are compared too, where the single-rank top-2 margin is wide enough for rounding not to flip them.
 
 zentorch really runs in the rank processes: a sitecustomize on the ranks' PYTHONPATH (they inherit the test's
-environment) wraps zen.fused_moe and leaves a mark file per process and k it was called with.
+environment) wraps zen.fused_moe / fused_moe_int8 and leaves a mark file per process and k it was called with.
 
 These run where zentorch's fused MoE is available (an AMD CPU with zentorch installed); elsewhere skipped.
 """
@@ -50,9 +51,16 @@ _HOOK = textwrap.dedent('''
             open(os.path.join(_mark, f"{os.getpid()}-k{k}"), "w").close()
         return _fused(x, w13, w2, expert_ids, weights)
 
-    _zen.fused_moe = fused_moe
-    if os.environ.get("MOESERVE_TEST_ZEN_NOFLUSH") == "1":  # the bug the EPLB test must catch
-        _zen.flush_cache = lambda: None
+    _fused_int8 = _zen.fused_moe_int8
+
+    def fused_moe_int8(x, w13, w2, w13_scale, w2_scale, expert_ids, weights):
+        if x.shape[0]:
+            open(os.path.join(_mark, f"{os.getpid()}-k{int(expert_ids.shape[1])}-int8"), "w").close()
+        return _fused_int8(x, w13, w2, w13_scale, w2_scale, expert_ids, weights)
+
+    _zen.fused_moe, _zen.fused_moe_int8 = fused_moe, fused_moe_int8
+    if os.environ.get("MOESERVE_TEST_ZEN_NOFLUSH") == "1":  # the bug the EPLB tests must catch
+        _zen.flush_cache = _zen.flush_cache_int8 = lambda: None
 ''')
 
 
@@ -101,13 +109,20 @@ def assert_same(got, want) -> None:
     assert [got[i][1] for i in wide] == [want[i][1] for i in wide]
 
 
-def ranks_marked(mark, k=None) -> set[str]:
-    return {f.split("-")[0] for f in os.listdir(mark) if k is None or f.endswith(f"-k{k}")}
+def ranks_marked(mark, k=1, int8=False) -> set[str]:
+    """The rank processes that called zentorch's fused MoE (its INT8 mode: int8) with k experts per row."""
+    return {f.split("-")[0] for f in os.listdir(mark) if f.endswith(f"-k{k}" + ("-int8" if int8 else ""))}
 
 
 @pytest.fixture(scope="module")
 def single(path):
     return score(LLM(path, dtype="bfloat16"))
+
+
+@pytest.fixture(scope="module", params=[None, "a8w8"], ids=["bf16", "a8w8"])
+def quant(request):
+    """BF16 experts (zentorch's fused MoE), or A8W8 ones (its INT8 mode, layers/quant.py Int8FusedExperts)."""
+    return request.param
 
 
 def test_dp2_ep_bf16_zentorch_matches_single_rank(path, single, marks):
@@ -120,13 +135,13 @@ def test_dp2_ep_bf16_zentorch_matches_single_rank(path, single, marks):
     finally:
         llm.shutdown()
     assert stats.comm_bytes["alltoall"] > 0
-    assert len(ranks_marked(marks, k=1)) == 2, sorted(os.listdir(marks))
+    assert len(ranks_marked(marks)) == 2, sorted(os.listdir(marks))
     assert_same(got, single)
 
 
-def _eplb_scores(path, eplb: bool):
+def _eplb_scores(path, quant, eplb: bool):
     base = dict(dtype="bfloat16", data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=2,
-                distributed_timeout=30)
+                distributed_timeout=30, quantization=quant)
     llm = LLM(path, enable_eplb=True, eplb_step_interval=2, **base) if eplb else LLM(path, **base)
     try:
         if eplb:  # decode on other prompts first, so that experts move before PROMPTS are scored
@@ -140,24 +155,27 @@ def _eplb_scores(path, eplb: bool):
 
 
 @pytest.fixture(scope="module")
-def fixed(path):
+def fixed(path, quant):
     """The same DP=2 BF16 layout, never rebalancing."""
-    return _eplb_scores(path, eplb=False)
+    return _eplb_scores(path, quant, eplb=False)
 
 
-def test_online_eplb_bf16_zentorch_scores_like_no_eplb(path, fixed, single, marks):
-    """--enable-eplb, BF16 on zentorch: after experts have moved (copied in place into slots that held other
-    experts), the prompts score as in the engine that never moves them, and as in the single-rank one."""
-    got = _eplb_scores(path, eplb=True)
-    assert len(ranks_marked(marks, k=1)) == 2
-    assert_same(fixed, single)
+def test_online_eplb_zentorch_scores_like_no_eplb(path, quant, fixed, single, marks):
+    """--enable-eplb, BF16 model on zentorch (BF16 experts, or A8W8 ones in its INT8 mode): after experts
+    have moved (copied in place into slots that held other experts, INT8 scales too), the prompts score as in
+    the engine that never moves them (and, BF16, as in the single-rank one)."""
+    got = _eplb_scores(path, quant, eplb=True)
+    assert len(ranks_marked(marks, int8=quant == "a8w8")) == 2, sorted(os.listdir(marks))
+    if quant is None:
+        assert_same(fixed, single)
     assert_same(got, fixed)
 
 
-def test_stale_zen_cache_is_caught(path, fixed, marks, monkeypatch):
-    """The comparison above can fail: with zen.flush_cache a no-op in the ranks (zentorch keeps the weights it
-    reordered before each move), the scores after EPLB moves are far off the fixed engine's."""
+def test_stale_zen_cache_is_caught(path, quant, fixed, marks, monkeypatch):
+    """The comparison above can fail: with zen.flush_cache / flush_cache_int8 no-ops in the ranks (zentorch
+    keeps the weights it reordered before each move), the scores after EPLB moves are far off the fixed
+    engine's."""
     monkeypatch.setenv("MOESERVE_TEST_ZEN_NOFLUSH", "1")
-    got = _eplb_scores(path, eplb=True)
-    assert len(ranks_marked(marks, k=1)) == 2
+    got = _eplb_scores(path, quant, eplb=True)
+    assert len(ranks_marked(marks, int8=quant == "a8w8")) == 2
     assert worst_gap(got, fixed) > 2 * LOGPROB_TOL
