@@ -123,3 +123,15 @@ def test_switched_off_keeps_the_oneDNN_packs(monkeypatch):
     float32 = FusedExperts(4, 64, 32)  # zentorch's kernel is for BF16 weights
     float32.process_weights_after_loading()
     assert not float32.zen
+
+
+def test_no_rows_is_no_call(capfd):
+    """A rank that receives no rows: an empty result, and zentorch is not called (it logs a null-pointer error
+    on an empty input, and raises for k > 1)."""
+    ex = _experts(8, 64, 32, 12)
+    ex.process_weights_after_loading()
+    empty = torch.zeros(0, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert ex.forward_topk(empty, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)).shape == (0, 64)
+        assert ex.zen_rows(empty, torch.zeros(0, dtype=torch.long), torch.zeros(0)).shape == (0, 64)
+    assert "Null pointer" not in capfd.readouterr().err

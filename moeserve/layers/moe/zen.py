@@ -92,6 +92,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_ids: 
     """x [T, H] BF16; w13 [E, 2I, H] (gate; up); w2 [E, H, I]; expert_ids [T, k] local slots (all >= 0);
     weights [T, k] float32 -> [T, H]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t])."""
     out = torch.empty_like(x)
+    if x.shape[0] == 0:  # no rows (a rank that received none): ZenDNN would log a null-pointer error
+        return out
     torch.ops.zentorch.zentorch_fused_moe(out, x.contiguous(), w13, w2, None, None,
                                           weights.float().contiguous(), expert_ids.to(torch.int32).contiguous(),
                                           False, "silu")
@@ -113,6 +115,8 @@ def fused_moe_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_sca
     (per token, symmetric INT8, before each GEMM), as Int8FusedExperts.forward does. The scales must be
     float32: vLLM notes that BF16 scales silently take a slower per-expert path."""
     out = torch.empty_like(x)
+    if x.shape[0] == 0:  # no rows (a rank that received none): ZenDNN would log a null-pointer error
+        return out
     torch.ops.zentorch.zentorch_fused_moe(out, x.contiguous(), w13, w2, None, None,
                                           weights.float().contiguous(), expert_ids.to(torch.int32).contiguous(),
                                           False, "silu", w13_scale, w2_scale)
