@@ -60,7 +60,7 @@ _HOOK = textwrap.dedent('''
 
     _zen.fused_moe, _zen.fused_moe_int8 = fused_moe, fused_moe_int8
     if os.environ.get("MOESERVE_TEST_ZEN_NOFLUSH") == "1":  # the bug the EPLB tests must catch
-        _zen.flush_cache = _zen.flush_cache_int8 = lambda: None
+        _zen.flush_cache = lambda: None
 ''')
 
 
@@ -172,7 +172,7 @@ def test_online_eplb_zentorch_scores_like_no_eplb(path, quant, fixed, single, ma
 
 
 def test_stale_zen_cache_is_caught(path, quant, fixed, marks, monkeypatch):
-    """The comparison above can fail: with zen.flush_cache / flush_cache_int8 no-ops in the ranks (zentorch
+    """The comparison above can fail: with zen.flush_cache a no-op in the ranks (zentorch
     keeps the weights it reordered before each move), the scores after EPLB moves are far off the fixed
     engine's."""
     monkeypatch.setenv("MOESERVE_TEST_ZEN_NOFLUSH", "1")
