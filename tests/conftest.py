@@ -7,6 +7,10 @@ import torch
 # compiling the decode graphs costs seconds per engine, and the compiled path has its own equality tests
 # (tests/engine/test_compiled_decode.py), which lift this.
 os.environ.setdefault("MOESERVE_ENFORCE_EAGER", "1")
+# No standby engine core behind every server the suite starts (each would import torch and the engine, with DP
+# its ranks too, while the test runs: measured +14% on two server test files); the restart tests that are
+# about it ask for it with --engine-standby.
+os.environ.setdefault("MOESERVE_ENGINE_STANDBY", "0")
 
 # One thread: the models are tiny, and on a shared 2-core machine a second OpenMP thread stalls at every
 # barrier while the other core is busy (measured: 30x slower small GEMMs).

@@ -73,9 +73,11 @@ def register(sub) -> None:
                    help="seconds before the first engine-core restart, doubled for each further one (max 30)")
     g.add_argument("--engine-stall-timeout", type=float, default=5.0, metavar="S",
                    help="/health answers 503 when the engine (or a DP rank with work) made no progress this long")
-    g.add_argument("--engine-standby", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--engine-standby", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("MOESERVE_ENGINE_STANDBY", "1") != "0",
                    help="keep the next engine core started and waiting (its interpreters up, imports done, DP "
-                        "rank processes too), so a restart after a death skips that (default on)")
+                        "rank processes too), so a restart after a death skips that (default on; "
+                        "MOESERVE_ENGINE_STANDBY=0 makes off the default, as the test suite does)")
     v = p.add_argument_group("vLLM ops flags (vLLM's meaning; docs/from-vllm.md)")
     v.add_argument("--max-log-len", type=int, default=None,
                    help="with --enable-log-requests, also log the prompt and its token ids, each cut to this "

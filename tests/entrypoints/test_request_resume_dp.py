@@ -20,7 +20,8 @@ def _check(reference: dict, got: dict) -> None:
 
 def test_streams_survive_a_killed_and_a_stopped_rank(ckpt_dir):
     s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32", "--data-parallel-size", "2",
-                      "--enable-expert-parallel", "--engine-stall-timeout", "3", "--engine-restart-backoff", "0.5")
+                      "--enable-expert-parallel", "--engine-stall-timeout", "3", "--engine-restart-backoff", "0.5",
+                      "--engine-standby")  # the suite's default is off (tests/conftest.py)
     stopped = None
     try:
         model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
