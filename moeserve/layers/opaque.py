@@ -76,7 +76,7 @@ def _(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: tor
 
 @torch.library.custom_op("moeserve::zen_experts", mutates_args=())
 def zen_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """x [T, H], expert_ids / weights [T, k] -> [T, H]: FusedExperts.zen_forward (zentorch's fused MoE)."""
+    """x [T, H], expert_ids / weights [T, k] -> [T, H]: the module's zen_forward (zentorch's fused MoE, BF16 or INT8)."""
     return _module(key).zen_forward(x, expert_ids, weights)
 
 

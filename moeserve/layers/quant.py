@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.int8 import QMAX, dequantize, quantize_per_channel, quantize_per_token  # noqa: F401 (A8W8's API)
-from moeserve.layers import opaque
 from moeserve.layers.moe import zen
 from moeserve.layers.moe.experts import FusedExperts, group_rows
 
@@ -323,11 +322,9 @@ class Int8FusedExperts(FusedExperts):
         zentorch call (an opaque op in a compiled graph), or a row per (token, expert) pair through forward()."""
         if self.zen_on(x) and x.shape[0]:
             if torch.compiler.is_compiling():
-                return torch.ops.moeserve.zen_int8_experts(x, expert_ids, weights, self.op_key)
+                return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)  # -> zen_forward
             return self.zen_forward(x, expert_ids, weights)
-        t, k = expert_ids.shape
-        rows = x.repeat_interleave(k, dim=0)  # [T*k, H], row t*k+j is token t for its j-th expert
-        return self(rows, expert_ids.reshape(-1), weights.reshape(-1)).view(t, k, x.shape[1]).sum(dim=1)
+        return self.topk_as_rows(x, expert_ids, weights)
 
     def zen_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward_topk through zentorch's INT8 fused MoE (BF16 in and out; x.dtype returned)."""
@@ -340,7 +337,7 @@ class Int8FusedExperts(FusedExperts):
         assert x.dim() == 2 and expert_ids.shape == weights.shape == (x.shape[0],)
         if self.zen_on(x) and x.shape[0]:  # each row its own token with k = 1; rows of other ranks 0
             if torch.compiler.is_compiling():
-                return torch.ops.moeserve.zen_int8_rows(x, expert_ids, weights, self.op_key)
+                return torch.ops.moeserve.zen_rows(x, expert_ids, weights, self.op_key)
             return self.zen_rows(x, expert_ids, weights)
         out = torch.zeros_like(x)
         if x.shape[0] == 0:
@@ -383,28 +380,3 @@ class Int8FusedExperts(FusedExperts):
             else:
                 out[lo:hi] = int8_mm(aq[lo:hi], w[e]).float().mul_(scale[e])
         return out
-
-
-@torch.library.custom_op("moeserve::zen_int8_experts", mutates_args=())
-def _zen_int8_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                      key: torch.Tensor) -> torch.Tensor:
-    """x [T, H], expert_ids / weights [T, k] -> [T, H]: Int8FusedExperts.zen_forward (zentorch's INT8 fused MoE
-    of the module registered under `key`, layers/opaque.py)."""
-    return opaque._module(key).zen_forward(x, expert_ids, weights)
-
-
-@_zen_int8_experts.register_fake
-def _(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("moeserve::zen_int8_rows", mutates_args=())
-def _zen_int8_rows(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                   key: torch.Tensor) -> torch.Tensor:
-    """x [N, H], expert_ids / weights [N] (-1: another rank's row, 0 out) -> [N, H]: Int8FusedExperts.zen_rows."""
-    return opaque._module(key).zen_rows(x, expert_ids, weights)
-
-
-@_zen_int8_rows.register_fake
-def _(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(x)

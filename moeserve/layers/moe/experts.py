@@ -117,6 +117,10 @@ class FusedExperts(nn.Module):
             if torch.compiler.is_compiling():
                 return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)
             return self.zen_forward(x, expert_ids, weights)
+        return self.topk_as_rows(x, expert_ids, weights)
+
+    def topk_as_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward_topk through forward(): a row per (token, expert) pair, summed per token."""
         t, k = expert_ids.shape
         rows = x.repeat_interleave(k, dim=0)  # [T*k, H], row t*k+j is token t for its j-th expert
         return self(rows, expert_ids.reshape(-1), weights.reshape(-1)).view(t, k, x.shape[1]).sum(dim=1)
