@@ -324,7 +324,8 @@ class HardwareDB:
         own = profile.pop("ranges", None) or {}
         ranges.update(own)
         device = (self.raw["efficiency"].get("devices") or {}).get(device_key) or {}
-        eff = {**self.raw["efficiency"]["default"], **profile, **device}
+        shared = {**self.raw["efficiency"]["default"], **profile}
+        eff = {**shared, **device}
         what = f"efficiency of {device_key!r} (profile {self.profile})"
         vals = {k: number(eff, k, what) for k in EFF_FIELDS}
         vals.update({k: number(eff, k, what) for k in EFF_OPTIONAL if eff.get(k) is not None})
@@ -335,9 +336,10 @@ class HardwareDB:
             if not isinstance(terms, list) or not all(isinstance(t, str) for t in terms):
                 raise ValueError(f"{what}: terms must be a list of names, got {terms!r}")
             vals["terms"] = tuple(terms)
-        # A factor set for this device alone is pinned: the shared range does not describe it.
+        # A factor set for this device alone is pinned: the shared range does not describe it (one set at
+        # the shared value, e.g. a --hardware-file restating it, changes nothing and keeps the range).
         vals["ranges"] = tuple((k, float(lo), float(hi)) for k, (lo, hi) in sorted(ranges.items())
-                               if k not in device)
+                               if k not in device or device[k] == shared.get(k))
         for k, lo, hi in vals["ranges"]:  # name the two entries to change (Efficiency knows neither)
             if not lo <= vals[k] <= hi:
                 p = f"efficiency.profiles.{self.profile}"

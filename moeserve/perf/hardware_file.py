@@ -134,9 +134,15 @@ def number(entry: dict, field: str, what: str, cast=float):
     return cast(v)
 
 
+def _changed(old: dict | None, new: dict | None) -> dict:
+    """The fields of `new` that differ from `old` (a restated built-in value is no change)."""
+    return {k: v for k, v in (new or {}).items() if k not in (old or {}) or (old or {})[k] != v}
+
+
 def _merge_ranges(base: dict | None, values: dict | None, ranges: dict | None) -> dict:
-    """A factor the file sets without giving its range is pinned (its value is then the user's, so the
-    built-in range no longer describes it); ranges the file gives replace the built-in ones."""
+    """A factor the file changes without giving its range is pinned (its value is then the user's, so the
+    built-in range no longer describes it); one restated at its built-in value keeps its range (`values`
+    holds the changed factors only, _changed); ranges the file gives replace the built-in ones."""
     out = {k: v for k, v in (base or {}).items() if k not in (values or {})}
     out.update(ranges or {})
     return out
@@ -159,15 +165,17 @@ def merge(base: dict, extra: dict) -> dict:
     for section in ("devices", "systems", "collectives"):
         out[section] = _merge_entries(out.get(section), extra.get(section))
     eff = extra.get("efficiency") or {}
-    out["efficiency"]["default"] = {**out["efficiency"]["default"], **(eff.get("default") or {})}
-    out["efficiency"]["ranges"] = _merge_ranges(out["efficiency"].get("ranges"), eff.get("default"),
-                                                eff.get("ranges"))
+    default = out["efficiency"]["default"]
+    out["efficiency"]["default"] = {**default, **(eff.get("default") or {})}
+    out["efficiency"]["ranges"] = _merge_ranges(out["efficiency"].get("ranges"),
+                                                _changed(default, eff.get("default")), eff.get("ranges"))
     out["efficiency"]["devices"] = _merge_entries(out["efficiency"].get("devices"), eff.get("devices"))
     profiles = dict(out["efficiency"].get("profiles") or {})
     for name, vals in (eff.get("profiles") or {}).items():
         old = profiles.get(name) or {}
         profiles[name] = {**old, **(vals or {}),
-                          "ranges": _merge_ranges(old.get("ranges"), vals, (vals or {}).get("ranges"))}
+                          "ranges": _merge_ranges(old.get("ranges"), _changed(old, vals),
+                                                  (vals or {}).get("ranges"))}
     out["efficiency"]["profiles"] = profiles
     if eff.get("default_profile"):
         out["efficiency"]["default_profile"] = eff["default_profile"]
