@@ -141,6 +141,7 @@ class ParallelConfig:
     stall_timeout: float = 5.0  # seconds without progress before a stopped rank is dead (--engine-stall-timeout)
     enable_elastic_ep: bool = False  # survivors ride through the loss of a rank (engine/elastic.py)
     elastic_ep_timeout: float = 60.0  # seconds the survivors may take to re-form before the engine is dead
+    elastic_ep_hang_timeout: float = 20.0  # seconds a rank may hold its peers up in a step before it counts as lost
 
     def __post_init__(self) -> None:
         _require(self.data_parallel_size >= 1, "--data-parallel-size must be >= 1")
@@ -214,7 +215,13 @@ class ParallelConfig:
         _require(self.distributed_timeout > 0, "--distributed-timeout must be > 0 seconds")
         _require(self.stall_timeout > 0, f"--engine-stall-timeout must be > 0 seconds, got {self.stall_timeout}")
         _require(self.elastic_ep_timeout > 0, f"--elastic-ep-timeout must be > 0 seconds, got {self.elastic_ep_timeout}")
+        _require(self.elastic_ep_hang_timeout > 0,
+                 f"--elastic-ep-hang-timeout must be > 0 seconds, got {self.elastic_ep_hang_timeout}")
         if self.enable_elastic_ep:  # survivors re-form one EP group of whole DP ranks (engine/elastic.py)
+            _require(self.elastic_ep_hang_timeout < self.distributed_timeout,
+                     f"--elastic-ep-hang-timeout {self.elastic_ep_hang_timeout:g} must be below --distributed-timeout "
+                     f"{self.distributed_timeout:g}: the peers of a hung rank wait in a collective, which fails the "
+                     "engine after --distributed-timeout")
             _require(self.enable_expert_parallel and self.data_parallel_size >= 2,
                      "--enable-elastic-ep rides through the loss of an expert-parallel rank: it needs "
                      "--enable-expert-parallel and --data-parallel-size >= 2")

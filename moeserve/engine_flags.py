@@ -108,6 +108,9 @@ ENGINE_HELP = {
                          "without it, re-place the experts and finish every request (docs/parallelism.md)",
     "elastic_ep_timeout": "--enable-elastic-ep: seconds the survivors may take to re-form before the engine "
                           "counts as dead",
+    "elastic_ep_hang_timeout": "--enable-elastic-ep: seconds a rank may go without beginning a collective while "
+                               "its peers wait on it (a hung rank) before it is killed and the others re-form "
+                               "without it; below --distributed-timeout",
     "kv_cache_dtype": "auto|bfloat16|float16|float32|fp8: KV-cache storage, the model dtype or FP8 e4m3 "
                       "(half the bytes of BF16; attention upcasts what it reads)",
     "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",

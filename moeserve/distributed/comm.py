@@ -43,6 +43,11 @@ class StepStats:
 
 STATS = StepStats()
 
+# Collectives this process has begun on groups of 2+ ranks. --enable-elastic-ep's hang check reads it
+# (engine/elastic.py ProgressBeacon): every rank begins the same sequence, so the rank its peers wait for
+# is the one whose count lags theirs.
+BEGUN = [0]
+
 
 class _PhaseTimer:
     __slots__ = ("phase", "start")
@@ -92,6 +97,7 @@ class GroupCoordinator:
     def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.world_size == 1:
             return x
+        BEGUN[0] += 1
         STATS.add_bytes("allreduce", 2 * _nbytes(x) * (self.world_size - 1) // self.world_size)
         dist.all_reduce(x, op=op, group=self.group)
         return x
@@ -101,6 +107,7 @@ class GroupCoordinator:
         if self.world_size == 1:
             return (x, None) if async_op else x
         assert x.is_contiguous(), "all_gather needs a contiguous tensor"
+        BEGUN[0] += 1
         out = x.new_empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]))
         STATS.add_bytes(kind, _nbytes(x) * (self.world_size - 1))
         work = _all_gather_single(out, x, group=self.group, async_op=async_op)
@@ -121,6 +128,7 @@ class GroupCoordinator:
         if self.world_size == 1:
             return (x, None) if async_op else x
         assert x.shape[0] % self.world_size == 0 and x.is_contiguous()
+        BEGUN[0] += 1
         out = x.new_empty((x.shape[0] // self.world_size,) + tuple(x.shape[1:]))
         STATS.add_bytes(kind, _nbytes(x) * (self.world_size - 1) // self.world_size)
         work = dist.reduce_scatter_tensor(out, x, group=self.group, async_op=async_op)
@@ -132,6 +140,7 @@ class GroupCoordinator:
         if self.world_size == 1:
             return (x, None) if async_op else x
         assert x.is_contiguous() and x.shape[0] == sum(send_counts)
+        BEGUN[0] += 1
         out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
         row = _nbytes(x[:1]) if x.shape[0] else 0
         STATS.add_bytes(kind, row * (sum(send_counts) - send_counts[self.rank]))
@@ -153,6 +162,7 @@ class GroupCoordinator:
         """Send a msgspec-encoded message from group rank src to all (length first, then the bytes)."""
         if self.world_size == 1:
             return payload
+        BEGUN[0] += 1
         length = torch.tensor([len(payload) if self.rank == src else 0], dtype=torch.long)
         dist.broadcast(length, self.ranks[src], group=self.group)
         buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.rank == src

@@ -24,7 +24,7 @@ import zmq
 from moeserve import netif
 from moeserve.config import EngineConfig
 from moeserve.engine.dp_balance import LeastLoadedRouter, slo_ranked_ttft
-from moeserve.engine.elastic import epoch_store
+from moeserve.engine.elastic import ProgressBoard, epoch_store, hung_ranks
 from moeserve.engine.launch import LocalRanks, TorchrunEnv, free_port, resolve_endpoints
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import (EngineCoreOutput, EngineCoreRequest, EngineStats, RankCommand, RankReform,
@@ -60,10 +60,23 @@ class DPEngineClient:
         host, port = zmq_addr.removeprefix("tcp://").rsplit(":", 1)
         # the address the ranks were told (--master-addr; 127.0.0.1 by default), not every interface
         self.sock.bind(f"tcp://{'*' if netif.is_wildcard(host) else netif.resolve(host)}:{port}")
-        self.ranks = LocalRanks(self.config, init_method, zmq_addr, torchrun, prespawned)
+        # --enable-elastic-ep: each rank publishes the collectives it has begun there (the hang check)
+        self.board = None
+        if parallel.enable_elastic_ep and torchrun is None:
+            self.board = ProgressBoard(ProgressBoard.path_for(int(port)), parallel.world_size, create=True)
+        self.hang_timeout = parallel.elastic_ep_hang_timeout
+        self._beats: dict[int, tuple[int, int]] | None = None  # the last beats read, and since when unchanged
+        self._beats_at = time.monotonic()
+        self.hung_killed: list[int] = []  # rank processes the hang check killed
+        try:
+            self.ranks = LocalRanks(self.config, init_method, zmq_addr, torchrun, prespawned)
+        except BaseException:
+            if self.board is not None:
+                self.board.unlink()
+            raise
         # the rank process serving each DP rank (its ZMQ identity is dp<first rank>): elastic EP drops lost ones
         self.slots: list[int] = list(range(self.dp_size))
-        self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots)
+        self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots, self.board)
         self.decoder = msgspec.msgpack.Decoder(RankReport)
         self.dead: str | None = None
         self.num_kv_blocks = 0
@@ -78,6 +91,8 @@ class DPEngineClient:
         self.elastic_stats = EngineStats()  # the elastic_* counters
         self.elastic = False  # a rank lost while starting fails the start: nothing runs yet
         self._wait_ready()
+        if self.board is not None:
+            self.board.unlink()  # every rank has mapped it
         self.elastic = parallel.enable_elastic_ep
 
     def _reset_ranks(self) -> None:
@@ -288,6 +303,8 @@ class DPEngineClient:
     def _check_alive(self) -> None:
         if self.dead:
             raise EngineDeadError(self.dead)
+        if self.elastic:
+            self._check_hung()
         if self.elastic and self._newly_dead() and len(self.slots) > len(self._newly_dead()):
             self._start_recovery()
             return
@@ -308,6 +325,30 @@ class DPEngineClient:
         return f"rank {first} (dp {first // t}, tp {first % t}) {_exit_text(dead[first])}; the engine stopped"
 
     # ---- --enable-elastic-ep: re-form the survivors ---------------------------------------------------
+    def _check_hung(self) -> None:
+        """Kill a rank that holds its peers up: no rank has begun a collective for --elastic-ep-hang-timeout
+        and this one's count lags the others' (they wait in a collective it never began). The caller then
+        sees it dead and re-forms the others. A long step that makes progress begins collectives (each MoE
+        layer has some), so it is not cut short; the timeout bounds one stretch of compute between two."""
+        if self.board is None or self.recovery is not None:
+            return
+        now = time.monotonic()
+        beats = {r: self.board.read(r) for r in self.slots}
+        if beats != self._beats:
+            self._beats, self._beats_at = beats, now
+            return
+        quiet = now - self._beats_at
+        if quiet <= self.hang_timeout:
+            return
+        for r in hung_ranks(beats, self.epoch):
+            if r in self.ranks.dead():
+                continue
+            logger.warning("rank %d began no collective for %.1f s while the other ranks waited on it "
+                           "(--elastic-ep-hang-timeout %g): killing it", r, quiet, self.hang_timeout)
+            self.ranks.kill_rank(r)
+            self.hung_killed.append(r)
+        self._beats = None
+
     def _start_recovery(self) -> None:
         """Drop the dead rank(s); tell each survivor its rank in a new epoch with a fresh rendezvous."""
         dead = self._newly_dead()
@@ -327,6 +368,7 @@ class DPEngineClient:
             self._send(dp, RankCommand(reform=RankReform(self.epoch, dp, self.dp_size, init)))
         started = self.recovery["started"] if self.recovery else time.monotonic()  # a loss while re-forming
         self.recovery = {"waiting": set(range(self.dp_size)), "started": started, "epoch_at": time.monotonic()}
+        self._beats = None
         self._reset_ranks()
 
     def _poll_recovery(self, poll_s: float) -> None:
@@ -350,6 +392,7 @@ class DPEngineClient:
         """Every unfinished request goes to the survivors with its tokens so far (issue 31's resume)."""
         took = time.monotonic() - self.recovery["started"]
         self.recovery = None
+        self._beats = None  # the hang check starts afresh in the new epoch
         st = self.elastic_stats
         st.elastic_last_recovery_s = took
         st.elastic_recovery_s += took
@@ -371,8 +414,10 @@ class DPEngineClient:
         raise EngineDeadError(message)
 
 
-def _stop(sock, ranks: LocalRanks, slots: list[int]) -> None:
+def _stop(sock, ranks: LocalRanks, slots: list[int], board=None) -> None:
     """Ask every DP rank to shut down, then make sure the local processes are gone."""
+    if board is not None:
+        board.unlink()  # a start that failed before every rank was ready
     try:
         for slot in slots:
             sock.send_multipart([f"dp{slot}".encode(), msgspec.msgpack.encode(RankCommand(shutdown=True))],

@@ -60,6 +60,19 @@ class RankWorker:
         self.decoder = msgspec.msgpack.Decoder(RankCommand)  # from the front end
         self.list_decoder = msgspec.msgpack.Decoder(list[RankCommand])  # from the TP leader
         self.arch = None
+        self.beacon = None  # --enable-elastic-ep: publishes this rank's progress for the front end's hang check
+        self.before_step = None
+        if config.parallel.enable_elastic_ep:  # TP 1: every rank is its DP rank's leader
+            from moeserve.engine.elastic import ProgressBeacon, ProgressBoard, test_hang_hook
+            try:
+                board = ProgressBoard(ProgressBoard.path_for(self.front_end_port), config.parallel.world_size)
+            except (OSError, ValueError) as e:  # no hang check then; the rest of elastic EP works
+                print(f"moeserve: {info.describe()}: no progress board ({e}): a hung rank is not detected",
+                      file=sys.stderr, flush=True)
+            else:
+                self.beacon = ProgressBeacon(board, info.rank)
+                self.beacon.start()
+            self.before_step = test_hang_hook(info.rank)  # testing only (MOESERVE_TEST_ELASTIC_HANG)
         self.start(config, info)
 
     def start(self, config: EngineConfig, info: RankInfo) -> None:
@@ -113,6 +126,8 @@ class RankWorker:
                                          self.config.scheduler.max_num_batched_tokens,
                                          self.core.scheduler.num_decode_tokens())  # MTP drafts included
         idle = not self.core.has_schedulable()
+        if self.before_step is not None:
+            self.before_step()
         outputs = self.core.step(budget, lockstep=True)
         self.core.runner.lockstep_step_done()  # --enable-eplb: a rebalance is a collective step boundary
         step = comm.STATS.reset()

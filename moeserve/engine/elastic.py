@@ -3,8 +3,10 @@
 Lifecycle (stage 1 of issue 37; one node, TP 1, gloo):
   0. start-up: check_elastic() refuses a layout that could not survive a loss (dummy weights: nothing to
      re-read the lost experts from; PD transfer; torchrun), naming the flag.
-  1. a rank process dies (its exit is seen by the front end, dp_client.py) or is stopped (SIGSTOP: after
-     --engine-stall-timeout the front end kills it, then as 1).
+  1. a rank process dies (its exit is seen by the front end, dp_client.py), is stopped (SIGSTOP: after
+     --engine-stall-timeout the front end kills it, then as 1) or hangs: each rank's ProgressBeacon publishes
+     how many collectives it has begun in the epoch (ProgressBoard, a shared file); when none has changed for
+     --elastic-ep-hang-timeout, the ranks whose count lags the others' (the one they wait for) are killed.
   2. the survivors leave the step they are in: their gloo collective raises when the dead peer's sockets
      close, and a survivor that leaves shuts down all its connections of the epoch, so a survivor blocked on
      it raises too (the cascade ends every survivor's step; --distributed-timeout bounds the worst case).
@@ -33,10 +35,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import mmap
 import os
 import socket
 import stat
 import sys
+import tempfile
+import threading
 import time
 
 from moeserve.config import ConfigError, EngineConfig, ParallelConfig
@@ -44,6 +49,142 @@ from moeserve.config import ConfigError, EngineConfig, ParallelConfig
 logger = logging.getLogger(__name__)
 
 WAIT_POLL_MS = 100  # a survivor waiting for its re-formation checks the front end's liveness this often
+BEAT_S = 0.05  # a rank's beacon publishes how many collectives it has begun this often
+
+
+# ---- hung ranks: progress the front end can see -----------------------------------------------------------
+
+class ProgressBoard:
+    """A small shared file (in /dev/shm where there is one) with two u64 per rank process: the epoch it serves in
+    and the collectives it has begun in that epoch (comm.BEGUN). Each rank's ProgressBeacon writes its slot,
+    the front end reads them all (DPEngineClient._check_hung). One node only, as elastic EP is."""
+
+    def __init__(self, path: str, slots: int, create: bool = False) -> None:
+        self.path = path
+        if create:
+            with open(path, "wb") as f:
+                f.write(bytes(16 * slots))
+        self._file = open(path, "r+b")
+        self._map = mmap.mmap(self._file.fileno(), 16 * slots)
+        self._words = memoryview(self._map).cast("Q")  # aligned 8-byte stores: a reader sees old or new
+
+    @staticmethod
+    def path_for(front_end_port: int) -> str:
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        return os.path.join(folder, f"moeserve-elastic-{front_end_port}.progress")
+
+    def write(self, slot: int, epoch: int, begun: int) -> None:
+        self._words[2 * slot + 1] = begun
+        self._words[2 * slot] = epoch
+
+    def read(self, slot: int) -> tuple[int, int]:
+        return self._words[2 * slot], self._words[2 * slot + 1]
+
+    def unlink(self) -> None:
+        """Remove the name (every rank has mapped it by then); the mapping lives on."""
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class ProgressBeacon(threading.Thread):
+    """A rank's thread that publishes, every BEAT_S, how many collectives the rank has begun in its epoch. It
+    runs while the main thread computes (torch ops release the GIL; a Python busy loop yields it every few ms),
+    so what it shows is the main thread's progress: a rank that begins no collective while its peers wait in
+    one holds them up, whether it spins, blocks or waits for a lock."""
+
+    def __init__(self, board: ProgressBoard, slot: int) -> None:
+        super().__init__(daemon=True, name="elastic-ep-beacon")
+        self.board, self.slot = board, slot
+        self.epoch, self.base = 0, 0
+
+    def new_epoch(self, epoch: int) -> None:
+        """Count from here (called before the epoch's first collective): the survivors' histories differ."""
+        from moeserve.distributed import comm
+
+        self.base = comm.BEGUN[0]
+        self.epoch = epoch
+
+    def run(self) -> None:
+        from moeserve.distributed import comm
+
+        while True:
+            self.board.write(self.slot, self.epoch, comm.BEGUN[0] - self.base)
+            time.sleep(BEAT_S)
+
+
+def hung_ranks(beats: dict[int, tuple[int, int]], epoch: int) -> list[int]:
+    """The ranks the others wait for, from beats {rank: (epoch, collectives begun)} that have not changed for
+    --elastic-ep-hang-timeout: those whose count lags the highest. Every rank begins the same sequence of
+    collectives, so a rank blocked in collective k + 1 has a higher count than the rank that never began it.
+    None when a rank still shows an older epoch, or when all are level (all compute one long stretch, or all
+    wait in one collective: --distributed-timeout ends that)."""
+    if not beats or any(e != epoch for e, _ in beats.values()):
+        return []
+    counts = {r: c for r, (_, c) in beats.items()}
+    low = min(counts.values())
+    if low == max(counts.values()):
+        return []
+    return sorted(r for r, c in counts.items() if c == low)
+
+
+# ---- testing only: a hung rank on demand -----------------------------------------------------------------
+
+TEST_HANG_ENV = "MOESERVE_TEST_ELASTIC_HANG"  # testing only: "RANK:STEP:MODE[:SECONDS]" (tests/distributed)
+
+
+def test_hang_hook(rank: int):
+    """TESTING ONLY (tests/distributed/test_elastic_ep_hang.py). With MOESERVE_TEST_ELASTIC_HANG=RANK:STEP:MODE
+    the rank process first started as RANK, at its STEP-th step (1-based, counted over its life), before the
+    step's forward: MODE "spin" busy-loops forever, "block" waits forever on an event, "crawl:SECONDS" sleeps
+    SECONDS before each collective of that step (a long step that makes progress). Returns a callable the
+    worker runs before each step, or None."""
+    spec = os.environ.get(TEST_HANG_ENV)
+    if not spec:
+        return None
+    parts = spec.split(":")
+    if int(parts[0]) != rank:
+        return None
+    at, mode = int(parts[1]), parts[2]
+    count = [0]
+
+    def before_step() -> None:
+        count[0] += 1
+        if count[0] == at:
+            print(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} {mode} at step {at}", file=sys.stderr,
+                  flush=True)
+            if mode == "spin":
+                while True:
+                    pass
+            if mode == "block":
+                threading.Event().wait()
+            if mode == "crawl":
+                _crawl(float(parts[3]))
+        elif count[0] == at + 1 and mode == "crawl":
+            _crawl(0.0)
+
+    return before_step
+
+
+def _crawl(seconds: float) -> None:
+    """Testing only: each collective of GroupCoordinator sleeps `seconds` first (0: undo)."""
+    from moeserve.distributed.comm import GroupCoordinator
+
+    names = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+    if not hasattr(GroupCoordinator, "_crawl_saved"):
+        GroupCoordinator._crawl_saved = {n: getattr(GroupCoordinator, n) for n in names}
+    saved = GroupCoordinator._crawl_saved
+    for n in names:
+        if seconds <= 0:
+            setattr(GroupCoordinator, n, saved[n])
+            continue
+
+        def slow(self, *a, _f=saved[n], **kw):
+            time.sleep(seconds)
+            return _f(self, *a, **kw)
+
+        setattr(GroupCoordinator, n, slow)
 
 
 def survivor_parallel(parallel: ParallelConfig, num_experts: int, alive: int, master_port: int) -> ParallelConfig:
@@ -241,6 +382,8 @@ def _join_epoch(worker, reform) -> None:
     # 10-20 s on a CPU (benchmarks/elastic_ep.py), and the loss should cost seconds
     config = dataclasses.replace(base, parallel=parallel, model=dataclasses.replace(base.model, enforce_eager=True))
     worker.epoch = reform.epoch
+    if worker.beacon is not None:
+        worker.beacon.new_epoch(reform.epoch)
     init_distributed(parallel, reform.rank, reform.init_method, store=store)
     worker.start(config, RankInfo.of(reform.rank, parallel))
     print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
