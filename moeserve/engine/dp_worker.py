@@ -127,7 +127,7 @@ class RankWorker:
                                          self.core.scheduler.num_decode_tokens())  # MTP drafts included
         idle = not self.core.has_schedulable()
         if self.before_step is not None:
-            self.before_step()
+            self.before_step(self)
         outputs = self.core.step(budget, lockstep=True)
         self.core.runner.lockstep_step_done()  # --enable-eplb: a rebalance is a collective step boundary
         step = comm.STATS.reset()

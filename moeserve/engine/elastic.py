@@ -138,8 +138,10 @@ def test_hang_hook(rank: int):
     """TESTING ONLY (tests/distributed/test_elastic_ep_hang.py). With MOESERVE_TEST_ELASTIC_HANG=RANK:STEP:MODE
     the rank process first started as RANK, at its STEP-th step (1-based, counted over its life), before the
     step's forward: MODE "spin" busy-loops forever, "block" waits forever on an event, "crawl:SECONDS" sleeps
-    SECONDS before each collective of that step (a long step that makes progress). Returns a callable the
-    worker runs before each step, or None."""
+    SECONDS before each collective of that step (a long step that makes progress); "die-in-move" SIGKILLs the
+    process inside the first EPLB weight move it starts from that step on (--enable-eplb), once the move's
+    first layer has posted its transfers and before the next. Returns a callable the worker runs before each
+    step (with itself), or None."""
     spec = os.environ.get(TEST_HANG_ENV)
     if not spec:
         return None
@@ -149,8 +151,12 @@ def test_hang_hook(rank: int):
     at, mode = int(parts[1]), parts[2]
     count = [0]
 
-    def before_step() -> None:
+    def before_step(worker) -> None:
         count[0] += 1
+        if mode == "die-in-move":
+            if count[0] == at:
+                _die_in_next_move(worker.core.runner.eplb, rank)
+            return
         if count[0] == at:
             print(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} {mode} at step {at}", file=sys.stderr,
                   flush=True)
@@ -165,6 +171,24 @@ def test_hang_hook(rank: int):
             _crawl(0.0)
 
     return before_step
+
+
+def _die_in_next_move(eplb, rank: int) -> None:
+    """Testing only: the next EPLB move this rank starts kills it after its first layer's transfers."""
+    import signal
+
+    if eplb is None:
+        raise RuntimeError(f"{TEST_HANG_ENV} die-in-move needs --enable-eplb")
+    start = eplb._start_move
+
+    def start_and_die(*a, **kw):
+        move = start(*a, **kw)
+        print(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} dies inside EPLB rebalance "
+              f"{eplb.num_rebalances + 1}'s weight move", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return move
+
+    eplb._start_move = start_and_die
 
 
 def _crawl(seconds: float) -> None:
