@@ -99,9 +99,10 @@ def _boundaries(logits: torch.Tensor, x: torch.Tensor, top_k: list[int],
     if radix:  # the bfloat16 bits as order-preserving int16 keys: numpy's radix sort; x is monotone in them
         sel = torch.tensor(radix)
         hi = (bits.index_select(0, sel) >> 16).to(torch.int16)
-        key = hi ^ ((hi >> 15) & 0x7FFF)
-        order = np.ascontiguousarray(np.argsort(key.numpy(), axis=-1, kind="stable")[:, ::-1])
-        srt[sel] = x.index_select(0, sel).gather(1, torch.from_numpy(order))
+        # the complement's ascending order is the keys' descending one (only the values matter: ties are equal)
+        key = (hi ^ ((hi >> 15) & 0x7FFF)).bitwise_not_()
+        order = torch.from_numpy(np.argsort(key.numpy(), axis=-1, kind="stable"))
+        srt[sel] = x.index_select(0, sel).gather(1, order)
     rest = [j for j in range(m) if not is_bf16[j]]
     if rest:
         sel = torch.tensor(rest)

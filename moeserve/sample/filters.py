@@ -84,8 +84,12 @@ def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float],
         probs = xs.softmax(-1)
         p = torch.tensor([top_p[i] for i in prows], dtype=torch.float32)
         left = list(range(len(prows)))
-        if CANDIDATES < V:  # the best CANDIDATES tokens, for rows whose best probability does not rule it out
-            tried = [j for j, h in enumerate((CANDIDATES * probs.amax(-1) < p).tolist()) if not h]
+        if CANDIDATES < V:
+            # the best CANDIDATES tokens, for rows where they can hold top_p: their mass is at most CANDIDATES x
+            # the best probability, and at most sqrt(CANDIDATES x sum of squares) (Cauchy-Schwarz), which rules
+            # out flat rows without a topk that would only fail
+            bound = torch.minimum(CANDIDATES * probs.amax(-1), (CANDIDATES * probs.square().sum(-1)).sqrt_())
+            tried = [j for j, h in enumerate((bound < p).tolist()) if not h]
             if tried:
                 sel = torch.tensor(tried)
                 vals, ids = probs.index_select(0, sel).topk(CANDIDATES, dim=-1)
