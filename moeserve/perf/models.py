@@ -46,12 +46,18 @@ class ModelSpec:
     # expert groups, which bounds the nodes it is sent to (moe.nodes_per_token). 1 / 1: no limit.
     n_group: int = 1
     topk_group: int = 1
+    # Busiest expert rank's load over the mean beyond sampling noise under EPLB, as published for this model
+    # (data/models.yaml `eplb_residual_imbalance`; docs/planner.md "Expert load"); 1.0: none published.
+    residual_imbalance: float = 1.0
 
     def __post_init__(self):
         if self.n_routed_experts and self.num_experts_per_tok > self.n_routed_experts:
             raise ValueError(f"{self.name}: top-k {self.num_experts_per_tok} > {self.n_routed_experts} experts")
         if not 1 <= self.topk_group <= self.n_group:
             raise ValueError(f"{self.name}: topk_group {self.topk_group} must be in [1, n_group {self.n_group}]")
+        if not 1.0 <= self.residual_imbalance <= 1e9:
+            raise ValueError(f"{self.name}: eplb_residual_imbalance is max/mean rank load, in [1, 1e9]; "
+                             f"got {self.residual_imbalance}")
 
     # ---- layer counts (cached: the simulator prices hundreds of thousands of steps)
     @cached_property
@@ -161,7 +167,10 @@ def from_hf_config(cfg: dict, name: str = "custom", where: str | None = None) ->
     if missing:
         raise ValueError(f"{where}: config lacks {missing}; is it a DeepSeek-V2/V3 config.json?")
     kw = {f: _count(cfg, f, where, _OPTIONAL.get(f, ...)) for f in (*_FIELDS, *_OPTIONAL)}
-    return ModelSpec(name=name, **kw)
+    skew = cfg.get("eplb_residual_imbalance", 1.0)  # a planner field (data/models.yaml), not Hugging Face's
+    if isinstance(skew, bool) or not isinstance(skew, (int, float)):
+        raise ValueError(f"{where}: eplb_residual_imbalance must be a number, got {skew!r}")
+    return ModelSpec(name=name, **kw, residual_imbalance=float(skew))
 
 
 # Fields a config may leave out or null, and what that means (no routed experts, no q compression, ...).

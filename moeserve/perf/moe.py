@@ -1,7 +1,8 @@
 """MoE layer costs: router, routed experts on the busiest rank, shared experts, dispatch/combine.
 
 Routing is modelled as uniform over experts (what EPLB with redundant copies aims at) plus sampling noise
-(comm.max_load_factor) times the residual skew Instance.imbalance.
+(comm.max_load_factor) times the residual skew: Instance.imbalance, or where that is None the model's
+published residual under EPLB (ModelSpec.residual_imbalance; none on a single expert rank).
 """
 from __future__ import annotations
 
@@ -23,12 +24,20 @@ def _scale_bytes(inst: Instance, hidden: int) -> float:
     return 4.0 * math.ceil(hidden / 128) if inst.compute_dtype in ("fp8", "fp4") else 4.0
 
 
+def residual_skew(m: ModelSpec, inst: Instance) -> float:
+    """The busiest expert rank's load over the mean beyond sampling noise: --imbalance (or --eplb-stats) where
+    given, else the model's published residual under EPLB; one expert rank has no other to be busier than."""
+    if inst.imbalance is not None:
+        return inst.imbalance
+    return m.residual_imbalance if inst.ep > 1 else 1.0
+
+
 def routed_load(m: ModelSpec, inst: Instance, n_tokens: float, noise: bool = True) -> tuple[float, float]:
     """(token copies on the busiest routed rank, expert slots with >=1 token on it); `noise` False (the
     kernel profile, no load_noise term): every rank gets the mean."""
     k, experts = m.num_experts_per_tok, m.n_routed_experts
     mean = n_tokens * k / inst.ep
-    busiest = mean * comm.max_load_factor(mean, inst.ep) * inst.imbalance if noise else mean
+    busiest = mean * comm.max_load_factor(mean, inst.ep) * residual_skew(m, inst) if noise else mean
     slots = inst.expert_slots(experts)
     per_slot = n_tokens * k / (experts + inst.redundant_experts)
     active = slots * (1.0 - math.exp(-per_slot))  # P(a slot gets no token) ~ exp(-mean per slot)

@@ -89,7 +89,7 @@ def _ctx(args):
                     redundant_experts=red, quantization=args.quantization, kv_dtype=args.kv_dtype,
                     mtp_drafts=args.mtp_drafts, mtp_acceptance=args.mtp_acceptance, moe_comm=args.moe_comm,
                     micro_batch_overlap=args.micro_batch_overlap,
-                    imbalance=1.0 if args.imbalance is None else args.imbalance,
+                    imbalance=args.imbalance,  # None: the model's published residual (perf/moe.py)
                     overlap_shared=args.overlap_shared, flashcomm=args.flashcomm,
                     weight_prefetch=args.weight_prefetch, max_num_seqs=args.max_num_seqs,
                     dense_tp=args.dense_tp, attention_dtype=args.attention_dtype)

@@ -24,7 +24,8 @@ def test_gb200_nvl72_nvfp4_routed_experts_and_dispatch_by_hand():
     step = decode_step(V3, hw, Instance(cards=72, quantization="nvfp4", redundant_experts=32), 64, 4096)
     n, k, ep = 64 * 72, 8, 72
     mean = n * k / ep                                       # 512 copies per rank
-    copies = mean * (1 + math.sqrt(2 * math.log(ep) / mean))  # Poisson noise on the busiest rank
+    copies = mean * (1 + math.sqrt(2 * math.log(ep) / mean)) * 1.027  # Poisson noise on the busiest rank x
+                                                                     # V3's residual under EPLB (models.yaml)
     active = 4 * (1 - math.exp(-n * k / 288))               # 288 slots, 4 per rank, all busy
     w = 0.5625
     act = copies * (H * w + 2 * I * 2 + 2 * I * 2 + I * (2 + w) + H * 2)

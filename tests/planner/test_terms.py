@@ -123,9 +123,10 @@ def test_framework_and_load_noise_terms():
     full = decode_step(V3, hw, inst, 60, 3072)
     no_fw = decode_step(V3, with_terms(hw, [t for t in TERMS if t != "framework"]), inst, 60, 3072)
     assert full.total - no_fw.total == pytest.approx(1e-3)  # FusionSpec ~1 ms per step
-    # load noise: 32 x 60 x 2 tokens x 8 copies / 32 ranks = 960 copies, + sqrt(2 ln 32 / 960) = 8.5%
+    # load noise: 32 x 60 x 2 tokens x 8 copies / 32 ranks = 960 copies, + sqrt(2 ln 32 / 960) = 8.5%, x the
+    # residual skew under EPLB published for DeepSeek-R1 (1.027, data/models.yaml)
     copies, _ = moe.routed_load(V3, inst, 3840)
-    assert copies == pytest.approx(960 * (1 + (2 * 3.4657 / 960) ** 0.5), rel=1e-4)
+    assert copies == pytest.approx(960 * (1 + (2 * 3.4657 / 960) ** 0.5) * 1.027, rel=1e-4)
     assert moe.routed_load(V3, inst, 3840, noise=False)[0] == 960
 
 
