@@ -111,6 +111,8 @@ ENGINE_HELP = {
     "elastic_ep_hang_timeout": "--enable-elastic-ep: seconds a rank may go without beginning a collective while "
                                "its peers wait on it (a hung rank) before it is killed and the others re-form "
                                "without it; below --distributed-timeout",
+    "elastic_ep_replace": "--enable-elastic-ep: start a replacement rank process for each lost one; it joins the "
+                          "next epoch and the experts spread over the full EP group again",
     "kv_cache_dtype": "auto|bfloat16|float16|float32|fp8: KV-cache storage, the model dtype or FP8 e4m3 "
                       "(half the bytes of BF16; attention upcasts what it reads)",
     "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",

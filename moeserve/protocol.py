@@ -93,10 +93,11 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     # its TTFT behind the queue, and the prefill seconds it adds for the next one.
     slo_ttft_estimate_s: float = 0.0
     slo_prefill_estimate_s: float = 0.0
-    # --enable-elastic-ep (engine/elastic.py), from the front end: ranks lost so far (none replaced yet: the
-    # engine runs degraded while > 0), seconds the re-formations took (the last one, all of them), requests
-    # re-queued on the survivors and the tokens (prompt + output so far) they recompute
+    # --enable-elastic-ep (engine/elastic.py), from the front end: ranks lost so far and replacements that
+    # joined (--elastic-ep-replace; the engine runs degraded while lost > replaced), seconds the re-formations
+    # took (the last one, all of them), requests re-queued and the tokens (prompt + output so far) they recompute
     elastic_ranks_lost: int = 0
+    elastic_ranks_replaced: int = 0
     elastic_last_recovery_s: float = 0.0
     elastic_recovery_s: float = 0.0
     elastic_requeued: int = 0

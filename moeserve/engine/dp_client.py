@@ -24,7 +24,7 @@ import zmq
 from moeserve import netif
 from moeserve.config import EngineConfig
 from moeserve.engine.dp_balance import LeastLoadedRouter, slo_ranked_ttft
-from moeserve.engine.elastic import ProgressBoard, epoch_store, hung_ranks
+from moeserve.engine.elastic import BOARD_SLOTS, JOINING_EPOCH, ProgressBoard, epoch_store, hung_ranks
 from moeserve.engine.launch import LocalRanks, TorchrunEnv, free_port, resolve_endpoints
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import (EngineCoreOutput, EngineCoreRequest, EngineStats, RankCommand, RankReform,
@@ -63,7 +63,7 @@ class DPEngineClient:
         # --enable-elastic-ep: each rank publishes the collectives it has begun there (the hang check)
         self.board = None
         if parallel.enable_elastic_ep and torchrun is None:
-            self.board = ProgressBoard(ProgressBoard.path_for(int(port)), parallel.world_size, create=True)
+            self.board = ProgressBoard(ProgressBoard.path_for(int(port)), BOARD_SLOTS, create=True)
         self.hang_timeout = parallel.elastic_ep_hang_timeout
         self._beats: dict[int, tuple[int, int]] | None = None  # the last beats read, and since when unchanged
         self._beats_at = time.monotonic()
@@ -76,7 +76,11 @@ class DPEngineClient:
             raise
         # the rank process serving each DP rank (its ZMQ identity is dp<first rank>): elastic EP drops lost ones
         self.slots: list[int] = list(range(self.dp_size))
-        self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots, self.board)
+        # --elastic-ep-replace: replacement rank processes started and not yet in an epoch -> up (said so)
+        self.joining: dict[int, bool] = {}
+        self._next_slot = parallel.world_size
+        self._unreplaced = 0  # ranks lost whose replacement has not been started yet
+        self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots, self.board, self.joining)
         self.decoder = msgspec.msgpack.Decoder(RankReport)
         self.dead: str | None = None
         self.num_kv_blocks = 0
@@ -91,8 +95,9 @@ class DPEngineClient:
         self.elastic_stats = EngineStats()  # the elastic_* counters
         self.elastic = False  # a rank lost while starting fails the start: nothing runs yet
         self._wait_ready()
-        if self.board is not None:
-            self.board.unlink()  # every rank has mapped it
+        self.replace = parallel.elastic_ep_replace
+        if self.board is not None and not self.replace:
+            self.board.unlink()  # every rank has mapped it (replacements map it later: unlinked at the end then)
         self.elastic = parallel.enable_elastic_ep
 
     def _reset_ranks(self) -> None:
@@ -160,6 +165,9 @@ class DPEngineClient:
         self._check_alive()
         if self.recovery is not None:
             self._poll_recovery(poll_s)
+            return []
+        if self.joining and all(self.joining.values()):  # every replacement is up: they join the next epoch
+            self._start_recovery()
             return []
         outputs: list[EngineCoreOutput] = []
         timeout_ms = int(poll_s * 1000)
@@ -230,7 +238,7 @@ class DPEngineClient:
                 total.phase_seconds[k] = total.phase_seconds.get(k, 0.0) + v
         total.outstanding_tokens = sum(self.router.load)
         total.stalled_s = self.stalled_s()
-        for f in ("elastic_ranks_lost", "elastic_last_recovery_s", "elastic_recovery_s", "elastic_requeued",
+        for f in ("elastic_ranks_lost", "elastic_ranks_replaced", "elastic_last_recovery_s", "elastic_recovery_s", "elastic_requeued",
                   "elastic_tokens_recomputed"):
             setattr(total, f, getattr(self.elastic_stats, f))
         if self.recovery is not None:  # re-forming is not a hang: the survivors report when ready
@@ -265,6 +273,9 @@ class DPEngineClient:
         """The next report; None for one of an older epoch, or an error that began a re-formation."""
         _, payload = self.sock.recv_multipart()
         report = self.decoder.decode(payload)
+        if report.epoch == JOINING_EPOCH:
+            self._joiner_report(report)
+            return None
         if report.epoch != self.epoch:
             return None  # elastic EP: sent before the survivors re-formed
         if report.error and self.elastic:
@@ -305,6 +316,7 @@ class DPEngineClient:
             raise EngineDeadError(self.dead)
         if self.elastic:
             self._check_hung()
+            self._check_joiners()
         if self.elastic and self._newly_dead() and len(self.slots) > len(self._newly_dead()):
             self._start_recovery()
             return
@@ -349,15 +361,55 @@ class DPEngineClient:
             self.hung_killed.append(r)
         self._beats = None
 
+    def _joiner_report(self, report: RankReport) -> None:
+        """--elastic-ep-replace: a replacement rank is up (it joins the next epoch), or failed before joining."""
+        slot = report.dp_rank
+        if slot not in self.joining:
+            return
+        if report.error:
+            logger.warning("replacement rank %d failed before joining: %s", slot, report.error)
+            self.ranks.kill_rank(slot)
+            self.lost.add(slot)
+            del self.joining[slot]
+            return
+        self.joining[slot] = True
+
+    def _check_joiners(self) -> None:
+        """A replacement that exited before joining is dropped (not replaced in turn: it would likely fail too)."""
+        for slot, code in self.ranks.dead().items():
+            if slot in self.joining:
+                logger.warning("replacement rank %d %s before joining; not replaced", slot, _exit_text(code))
+                del self.joining[slot]
+                self.lost.add(slot)
+
+    def _replace(self) -> None:
+        """--elastic-ep-replace: start a replacement rank process for each rank lost while serving (once the
+        survivors serve: its start would slow their re-formation); it says when it is up, and the survivors
+        and it then re-form as one group again (step())."""
+        while self._unreplaced and self._next_slot < BOARD_SLOTS:
+            slot, self._next_slot = self._next_slot, self._next_slot + 1
+            self._unreplaced -= 1
+            logger.warning("starting rank %d to replace a lost rank (--elastic-ep-replace)", slot)
+            self.ranks.spawn_replacement(slot)
+            self.joining[slot] = False
+
     def _start_recovery(self) -> None:
-        """Drop the dead rank(s); tell each survivor its rank in a new epoch with a fresh rendezvous."""
+        """Drop the dead rank(s) and take in the replacements that are up; tell each rank its rank in a new
+        epoch with a fresh rendezvous."""
         dead = self._newly_dead()
         self.lost.update(dead)
         for r, code in sorted(dead.items()):
             logger.warning("rank %d %s: the %d other ranks re-form without it (--enable-elastic-ep)", r,
                            _exit_text(code), len(self.slots) - len(dead))
-        self.elastic_stats.elastic_ranks_lost = len(self.lost)
+        self.elastic_stats.elastic_ranks_lost += len(dead)
         self.slots[:] = [s for s in self.slots if s not in self.lost]  # in place: the finalizer holds the list
+        up = sorted(s for s, ready in self.joining.items() if ready)
+        for s in up:
+            del self.joining[s]
+            self.slots.append(s)
+            logger.warning("replacement rank %d joins epoch %d", s, self.epoch + 1)
+        self.elastic_stats.elastic_ranks_replaced += len(up)
+        self._unreplaced += len(dead) if self.replace else 0
         self.epoch += 1
         self.dp_size = len(self.slots)
         init = f"tcp://{self.config.parallel.master_addr}:{free_port()}"
@@ -367,7 +419,9 @@ class DPEngineClient:
         for dp in range(self.dp_size):
             self._send(dp, RankCommand(reform=RankReform(self.epoch, dp, self.dp_size, init)))
         started = self.recovery["started"] if self.recovery else time.monotonic()  # a loss while re-forming
-        self.recovery = {"waiting": set(range(self.dp_size)), "started": started, "epoch_at": time.monotonic()}
+        grow = not dead and self.recovery is None  # only replacements join: no loss to recover from
+        self.recovery = {"waiting": set(range(self.dp_size)), "started": started, "epoch_at": time.monotonic(),
+                         "grow": grow}
         self._beats = None
         self._reset_ranks()
 
@@ -390,12 +444,13 @@ class DPEngineClient:
 
     def _finish_recovery(self) -> None:
         """Every unfinished request goes to the survivors with its tokens so far (issue 31's resume)."""
-        took = time.monotonic() - self.recovery["started"]
+        took, grow = time.monotonic() - self.recovery["started"], self.recovery["grow"]
         self.recovery = None
         self._beats = None  # the hang check starts afresh in the new epoch
         st = self.elastic_stats
-        st.elastic_last_recovery_s = took
-        st.elastic_recovery_s += took
+        if not grow:  # from a loss seen to the survivors serving (a replacement joining is not a recovery)
+            st.elastic_last_recovery_s = took
+            st.elastic_recovery_s += took
         for rid, (req, seen) in self.requests.items():
             out = list(req.output_token_ids) + seen
             params = req.sampling_params
@@ -407,6 +462,7 @@ class DPEngineClient:
         self._last_progress = time.monotonic()
         logger.warning("epoch %d: %d rank(s) serve again after %.2f s; %d request(s) re-queued", self.epoch,
                        self.dp_size, took, len(self.requests))
+        self._replace()
 
     def _fail(self, message: str) -> None:
         self.dead = message
@@ -414,10 +470,12 @@ class DPEngineClient:
         raise EngineDeadError(message)
 
 
-def _stop(sock, ranks: LocalRanks, slots: list[int], board=None) -> None:
+def _stop(sock, ranks: LocalRanks, slots: list[int], board=None, joining: dict | None = None) -> None:
     """Ask every DP rank to shut down, then make sure the local processes are gone."""
     if board is not None:
-        board.unlink()  # a start that failed before every rank was ready
+        board.unlink()  # a start that failed before every rank was ready, or --elastic-ep-replace
+    for slot in list(joining or ()):  # replacements in no epoch yet hold nothing: no clean exit to wait for
+        ranks.kill_rank(slot)
     try:
         for slot in slots:
             sock.send_multipart([f"dp{slot}".encode(), msgspec.msgpack.encode(RankCommand(shutdown=True))],

@@ -29,6 +29,7 @@ from moeserve.distributed import comm
 from moeserve.distributed.parallel_state import (RankInfo, destroy_distributed, get_tp_group, get_world_group,
                                                  init_distributed)
 from moeserve.engine.dp_balance import prefill_balanced_budget
+from moeserve.engine.elastic import EpochOver  # there, not here: this module also runs as __main__
 from moeserve.engine.engine_core import EngineCore
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import SLO_FIELDS, SPEC_FIELDS, EngineStats, RankCommand, RankReport
@@ -36,16 +37,11 @@ from moeserve.protocol import SLO_FIELDS, SPEC_FIELDS, EngineStats, RankCommand,
 IDLE_POLL_MS = 10  # how long an idle leader waits for commands before the next agreement round
 
 
-class EpochOver(Exception):
-    """--enable-elastic-ep: the front end re-forms the ranks (it saw a loss before this rank's collective did)."""
-
-    def __init__(self, reform) -> None:
-        super().__init__(f"the front end re-forms the ranks as epoch {reform.epoch}")
-        self.reform = reform
-
-
 class RankWorker:
-    def __init__(self, config: EngineConfig, info: RankInfo, zmq_addr: str, parent_pid: int | None) -> None:
+    def __init__(self, config: EngineConfig, info: RankInfo, zmq_addr: str, parent_pid: int | None,
+                 join: bool = False) -> None:
+        """join (--elastic-ep-replace): a replacement rank; it builds nothing here, says it is up and then
+        waits for the front end's next epoch (elastic.ride_through)."""
         self.parent_pid = parent_pid
         self.front_end_port = int(zmq_addr.rsplit(":", 1)[1])  # --enable-elastic-ep keeps this connection
         self.base_config = config  # --enable-elastic-ep: survivors derive each epoch's layout from it
@@ -63,9 +59,9 @@ class RankWorker:
         self.beacon = None  # --enable-elastic-ep: publishes this rank's progress for the front end's hang check
         self.before_step = None
         if config.parallel.enable_elastic_ep:  # TP 1: every rank is its DP rank's leader
-            from moeserve.engine.elastic import ProgressBeacon, ProgressBoard, test_hang_hook
+            from moeserve.engine.elastic import BOARD_SLOTS, ProgressBeacon, ProgressBoard, test_hang_hook
             try:
-                board = ProgressBoard(ProgressBoard.path_for(self.front_end_port), config.parallel.world_size)
+                board = ProgressBoard(ProgressBoard.path_for(self.front_end_port), BOARD_SLOTS)
             except (OSError, ValueError) as e:  # no hang check then; the rest of elastic EP works
                 print(f"moeserve: {info.describe()}: no progress board ({e}): a hung rank is not detected",
                       file=sys.stderr, flush=True)
@@ -73,6 +69,16 @@ class RankWorker:
                 self.beacon = ProgressBeacon(board, info.rank)
                 self.beacon.start()
             self.before_step = test_hang_hook(info.rank)  # testing only (MOESERVE_TEST_ELASTIC_HANG)
+        if join:
+            from moeserve.arch import DeepseekArch
+            from moeserve.engine.elastic import JOINING_EPOCH
+
+            self.config, self.info, self.leader = config, info, True
+            self.core = self.world = self.tp = None
+            self.arch = DeepseekArch.from_pretrained(config.model.model)
+            self.epoch = JOINING_EPOCH  # its reports say "a replacement, up and waiting"
+            self.report(RankReport(info.dp_rank, ready=True))
+            return
         self.start(config, info)
 
     def start(self, config: EngineConfig, info: RankInfo) -> None:
@@ -184,7 +190,7 @@ class RankWorker:
 
 
 def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, parent_pid: int | None,
-              num_threads: int, own_process: bool = False) -> None:
+              num_threads: int, own_process: bool = False, join: bool = False) -> None:
     """Entry point of a rank process (spawned by launch.py, or called per process under torchrun)."""
     torch.set_num_threads(num_threads)
     if own_process:  # requests bring their compiled automata (structured/params.py): none compiles here
@@ -194,11 +200,12 @@ def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, p
     info = RankInfo.of(rank, config.parallel)
     worker = None
     try:
-        init_distributed(config.parallel, rank, init_method)
-        worker = RankWorker(config, info, zmq_addr, parent_pid)
+        if not join:  # a replacement (--elastic-ep-replace) joins the front end's next epoch instead
+            init_distributed(config.parallel, rank, init_method)
+        worker = RankWorker(config, info, zmq_addr, parent_pid, join=join)
         if config.parallel.enable_elastic_ep:  # a peer's loss: re-form with the survivors, go on serving
             from moeserve.engine.elastic import ride_through
-            ride_through(worker)
+            ride_through(worker, joining=join)
         else:
             worker.run()
     except BaseException as e:  # noqa: BLE001 - report any failure, then exit non-zero
@@ -223,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--parent-pid", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--join", action="store_true", help="--elastic-ep-replace: join the running engine's next epoch")
     a = ap.parse_args(argv)
     # Started ahead of need by a standby engine core (launch.spawn_rank_processes): what the engine's build
     # imports is imported while waiting; torch._dynamo too, which nn.Embedding's initialisation on the meta
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     if not start:  # the engine core that started it went away before it was needed
         os._exit(0)
     init_method, zmq_addr, config_bytes = msgspec.msgpack.decode(start)
-    rank_main(config_bytes, a.rank, init_method, zmq_addr, a.parent_pid, a.threads, own_process=True)
+    rank_main(config_bytes, a.rank, init_method, zmq_addr, a.parent_pid, a.threads, own_process=True, join=a.join)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Elastic expert parallelism (--enable-elastic-ep): a DP/EP engine rides through the loss of a rank.
 
-Lifecycle (stage 1 of issue 37; one node, TP 1, gloo):
+Lifecycle (issue 37; one node, TP 1, gloo):
   0. start-up: check_elastic() refuses a layout that could not survive a loss (dummy weights: nothing to
      re-read the lost experts from; PD transfer; torchrun), naming the flag.
   1. a rank process dies (its exit is seen by the front end, dp_client.py), is stopped (SIGSTOP: after
@@ -23,12 +23,17 @@ Lifecycle (stage 1 of issue 37; one node, TP 1, gloo):
   5. when all are ready the front end re-queues every unfinished request with its tokens so far
      (EngineCoreRequest.output_token_ids, issue 31's resume): greedy and seeded outputs continue exactly where
      the front end last saw them. New requests that arrived meanwhile wait in the front end until then.
+  6. --elastic-ep-replace (stage 2): once the survivors serve, the front end starts a fresh rank process per
+     rank lost (dp_worker --join, launch.LocalRanks.spawn_replacement); it says it is up (a report of
+     JOINING_EPOCH) and waits; the front end then starts the next epoch with the survivors and it (the
+     survivors leave their step on the RankReform), every rank rebuilds for the full EP group and the
+     requests are re-queued as in 5.
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
 Stage 1 rebuilds each survivor's engine core: its KV cache and its requests are recomputed too (the prefix
 cache starts empty), and every weight is read again (from the page cache). Next (docs/parallelism.md): fill the
-new slots from replicas the survivors hold and a host copy, keep the survivors' KV, and let a replacement
-rank join (stage 2).
+new slots from replicas the survivors hold and a host copy, keep the survivors' KV, and move experts onto a
+replacement with the EPLB weight moves instead of rebuilding.
 """
 from __future__ import annotations
 
@@ -50,6 +55,18 @@ logger = logging.getLogger(__name__)
 
 WAIT_POLL_MS = 100  # a survivor waiting for its re-formation checks the front end's liveness this often
 BEAT_S = 0.05  # a rank's beacon publishes how many collectives it has begun this often
+JOINING_EPOCH = -1  # the epoch of a replacement rank's reports before it joins one (--elastic-ep-replace)
+BOARD_SLOTS = 256  # progress slots: one per rank process the front end ever starts (replacements included)
+
+
+class EpochOver(Exception):
+    """The front end re-forms the ranks (it saw a loss before this rank's collective did, or a replacement
+    joins). Defined here, not in dp_worker: a rank process runs dp_worker as __main__, where a class of its
+    own would be another class than the one `from moeserve.engine.dp_worker import` gives."""
+
+    def __init__(self, reform) -> None:
+        super().__init__(f"the front end re-forms the ranks as epoch {reform.epoch}")
+        self.reform = reform
 
 
 # ---- hung ranks: progress the front end can see -----------------------------------------------------------
@@ -251,23 +268,26 @@ def check_elastic(config: EngineConfig, arch, torchrun: bool = False) -> None:
 
 # ---- a rank's side ---------------------------------------------------------------------------------------
 
-def ride_through(worker) -> None:
+def ride_through(worker, joining: bool = False) -> None:
     """Run the rank's loop (dp_worker.RankWorker); when a step fails, leave the epoch, wait for the front end's
-    re-formation and serve in the new one. Returns when the front end shuts the engine down."""
-    from moeserve.engine.dp_worker import EpochOver
+    re-formation and serve in the new one. Returns when the front end shuts the engine down. joining: a
+    replacement rank (--elastic-ep-replace), in no epoch yet: it starts by waiting for one."""
     from moeserve.protocol import RankReport
 
     while True:
         reform = None
-        try:
-            worker.run()
-            return
-        except EpochOver as e:  # the front end saw the loss first; this rank's collective had not failed yet
-            reform = e.reform
-        except Exception as e:  # noqa: BLE001 - a peer died mid-step (or its collective timed out)
-            _left(worker, e, RankReport)
+        if not joining:
+            try:
+                worker.run()
+                return
+            except EpochOver as e:  # the front end saw the loss first; this rank's collective had not failed yet
+                reform = e.reform
+            except Exception as e:  # noqa: BLE001 - a peer died mid-step (or its collective timed out)
+                _left(worker, e, RankReport)
         while True:
-            _leave_epoch(worker)
+            if not joining:
+                _leave_epoch(worker)
+            joining = False
             reform = reform or _wait_for_reform(worker)
             if reform is None:
                 return
@@ -368,7 +388,6 @@ def _gather_survivors(worker, reform, store) -> None:
     """Wait until every survivor of the epoch has checked in at the front end's store, reading the front
     end meanwhile: a newer re-formation (another rank died while re-forming) or a shutdown ends the wait at
     once, where a process-group rendezvous would wait for the dead rank until --distributed-timeout."""
-    from moeserve.engine.dp_worker import EpochOver
 
     store.set(f"joined/{reform.rank}", b"1")
     keys = [f"joined/{r}" for r in range(reform.world_size)]
@@ -402,9 +421,12 @@ def _join_epoch(worker, reform) -> None:
     store = dist.TCPStore(url.hostname, url.port, None, False,
                           timeout=datetime.timedelta(seconds=parallel.distributed_timeout))
     _gather_survivors(worker, reform, store)
-    # decode runs eagerly from here: compiling the new layout's decode graphs would hold every survivor for
-    # 10-20 s on a CPU (benchmarks/elastic_ep.py), and the loss should cost seconds
-    config = dataclasses.replace(base, parallel=parallel, model=dataclasses.replace(base.model, enforce_eager=True))
+    # a degraded epoch decodes eagerly: compiling the new layout's decode graphs would hold every survivor for
+    # 10-20 s on a CPU (benchmarks/elastic_ep.py), and the loss should cost seconds; back to the full EP group
+    # (--elastic-ep-replace) the start-up layout and its compiled graphs return (inductor's cache has them)
+    full = reform.world_size >= base.parallel.data_parallel_size
+    config = dataclasses.replace(base, parallel=parallel, model=dataclasses.replace(
+        base.model, enforce_eager=base.model.enforce_eager or not full))
     worker.epoch = reform.epoch
     if worker.beacon is not None:
         worker.beacon.new_epoch(reform.epoch)

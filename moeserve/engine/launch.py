@@ -155,17 +155,18 @@ def spawn_rank_processes(config: EngineConfig) -> dict[int, subprocess.Popen]:
     standby engine core (entrypoints/launcher.py) starts them ahead, so a restart does not wait for those
     imports; a rank whose stdin closes with nothing written exits at once."""
     p = config.parallel
-    threads = max(1, (os.cpu_count() or 1) // p.ranks_per_node)
+    first = p.node_rank * p.ranks_per_node
+    return {rank: _spawn_rank(config, rank) for rank in range(first, first + p.ranks_per_node)}
+
+
+def _spawn_rank(config: EngineConfig, rank: int, join: bool = False) -> subprocess.Popen:
+    threads = max(1, (os.cpu_count() or 1) // config.parallel.ranks_per_node)
     env = dict(os.environ)
     root = str(PACKAGE_PARENT)
     env["PYTHONPATH"] = os.pathsep.join([root] + [x for x in env.get("PYTHONPATH", "").split(os.pathsep) if x])
-    first = p.node_rank * p.ranks_per_node
-    procs = {}
-    for rank in range(first, first + p.ranks_per_node):
-        cmd = [sys.executable, "-m", "moeserve.engine.dp_worker", "--rank", str(rank), "--parent-pid",
-               str(os.getpid()), "--threads", str(threads)]
-        procs[rank] = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
-    return procs
+    cmd = [sys.executable, "-m", "moeserve.engine.dp_worker", "--rank", str(rank), "--parent-pid",
+           str(os.getpid()), "--threads", str(threads)] + (["--join"] if join else [])
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
 
 
 class LocalRanks:
@@ -194,10 +195,19 @@ class LocalRanks:
                 proc.wait()
             prespawned = None
         self.procs = prespawned or spawn_rank_processes(config)
-        start = msgspec.msgpack.encode([init_method, zmq_addr, payload])
+        self.start = msgspec.msgpack.encode([init_method, zmq_addr, payload])
+        self.config = config
         for proc in self.procs.values():
-            proc.stdin.write(start)
+            proc.stdin.write(self.start)
             proc.stdin.close()
+
+    def spawn_replacement(self, rank: int) -> None:
+        """--elastic-ep-replace: a fresh rank process `rank` (a number no process had) that joins the running
+        engine's next epoch instead of starting one (dp_worker --join)."""
+        proc = _spawn_rank(self.config, rank, join=True)
+        proc.stdin.write(self.start)
+        proc.stdin.close()
+        self.procs[rank] = proc
 
     def dead(self) -> dict[int, int]:
         """rank -> exit code of local ranks that have exited."""

@@ -239,7 +239,7 @@ class ServerMetrics:
 
     def _update_elastic(self, stats: EngineStats) -> None:
         seen = self._elastic_seen
-        self.elastic_degraded.set(stats.elastic_ranks_lost)
+        self.elastic_degraded.set(stats.elastic_ranks_lost - stats.elastic_ranks_replaced)
         for counter, f in ((self.elastic_losses, "elastic_ranks_lost"), (self.elastic_requeued, "elastic_requeued"),
                            (self.elastic_recomputed, "elastic_tokens_recomputed")):
             if getattr(stats, f) > getattr(seen, f):

@@ -4,6 +4,7 @@ of an unfailed run, and /metrics says the engine is degraded, counts the loss an
 import os
 import signal
 import threading
+import time
 
 import httpx
 
@@ -50,5 +51,34 @@ def test_streams_ride_through_a_killed_rank_and_health_stays_200(ckpt_dir):
         assert s.metric("moeserve:elastic_ep_requests_requeued_total") == len(PROMPTS)
         assert s.metric("moeserve:elastic_ep_tokens_recomputed_total") > 0
         assert s.metric("moeserve:requests_resumed_total") == 0  # the API server saw no engine death
+    finally:
+        s.stop()
+
+
+def test_replacement_rank_joins_and_the_degraded_gauge_returns_to_0(ckpt_dir):
+    # --elastic-ep-replace: once the two survivors serve, the engine core starts a third rank process; it
+    # joins the next epoch (the server's stats heartbeat drives the idle front end), and the outputs stay
+    s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32", "--data-parallel-size", "3",
+                      "--enable-expert-parallel", "--num-redundant-experts", "1", "--enable-elastic-ep",
+                      "--elastic-ep-replace")
+    try:
+        model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        reference = _run_streams(s.url, model)
+        core = s.engine_pid
+        ranks = sorted(children(core))
+        got = _run_streams(s.url, model, lambda: os.kill(ranks[1], signal.SIGKILL))
+        for i in range(len(PROMPTS)):
+            assert got[i][-1] == "[DONE]" and _answer(got[i]) == _answer(reference[i]), i
+        deadline = time.monotonic() + 180
+        while s.metric("moeserve:elastic_ep_degraded") != 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert s.metric("moeserve:elastic_ep_degraded") == 0
+        assert s.metric("moeserve:elastic_ep_rank_losses_total") == 1
+        now = sorted(children(core))
+        assert len(now) == 3 and ranks[1] not in now and {ranks[0], ranks[2]} < set(now), (ranks, now)
+        again = _run_streams(s.url, model)  # the three serve
+        for i in range(len(PROMPTS)):
+            assert _answer(again[i]) == _answer(reference[i]), i
+        assert httpx.get(s.url + "/health", timeout=30).status_code == 200
     finally:
         s.stop()

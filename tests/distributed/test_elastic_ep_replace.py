@@ -1,0 +1,61 @@
+"""--elastic-ep-replace (issue 37 stage 2): after a rank is lost the front end starts a replacement rank process;
+it joins the next epoch, the experts spread over the full EP group again, and the outputs stay those of an
+unfailed run; the degraded count goes back to 0. Real rank processes over gloo, float32, the tiny V3
+checkpoint."""
+import time
+
+import pytest
+
+from moeserve import LLM
+from moeserve.config import ConfigError
+from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate, kill_mid_decode
+
+
+@pytest.fixture(scope="module")
+def path(ckpt_dir):
+    return ckpt_dir("v3")
+
+
+@pytest.fixture(scope="module")
+def reference(path):
+    llm = LLM(path, dtype="float32")
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def wait_for_full_group(engine, size: int) -> None:
+    """Let the idle front end read the replacement's hello and re-form with it (the server's stats heartbeat
+    does this under `moeserve serve`)."""
+    deadline = time.monotonic() + 180
+    while (engine.dp_size < size or engine.recovery is not None or engine.joining) and time.monotonic() < deadline:
+        engine.step(poll_s=0.1)
+    assert engine.dp_size == size and engine.recovery is None and not engine.joining
+
+
+def test_replacement_joins_and_serves_with_the_full_group(path, reference):
+    llm = elastic_llm(path, 3, elastic_ep_replace=True)
+    try:
+        engine = llm.engine
+        assert kill_mid_decode(engine, 1) == reference  # served by the two survivors meanwhile
+        assert (engine.slots, engine.stats().elastic_ranks_lost) == ([0, 2], 1)
+        wait_for_full_group(engine, 3)
+        assert (engine.slots, engine.epoch) == ([0, 2, 3], 2)
+        stats = engine.stats()
+        assert (stats.elastic_ranks_lost, stats.elastic_ranks_replaced) == (1, 1)
+        assert generate(llm) == reference
+        assert all(s.num_steps > 0 for s in engine.rank_stats) and len(engine.rank_stats) == 3  # all three serve
+        # the replacement is a rank like any other: its loss is replaced in turn, mid-decode
+        assert kill_mid_decode(engine, 3) == reference
+        wait_for_full_group(engine, 3)
+        assert engine.slots == [0, 2, 4]
+        stats = engine.stats()
+        assert (stats.elastic_ranks_lost, stats.elastic_ranks_replaced) == (2, 2)
+        assert generate(llm) == reference
+    finally:
+        llm.shutdown()
+    assert all(p.poll() is not None for p in engine.ranks.procs.values())
+
+
+def test_replace_needs_elastic_ep(path):
+    with pytest.raises(ConfigError) as e:
+        LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True, elastic_ep_replace=True)
+    assert "--elastic-ep-replace" in str(e.value) and "--enable-elastic-ep" in str(e.value)
