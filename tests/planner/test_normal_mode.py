@@ -48,7 +48,7 @@ def test_inside_one_domain_only_the_nvlink_part_runs():
     op = moe.moe_comm(V3, hw, inst, 4096, 4096 * 64, prefill=True)[0]
     copies, _ = moe.routed_load(V3, inst, 4096 * 64)
     recv = copies * 64 * (1 - (63 / 64) ** 8) / 8
-    assert op.seconds == pytest.approx(recv * D_BYTES / (900e9 * 0.633) + 1.2e-6)
+    assert op.seconds == pytest.approx(recv * D_BYTES / (900e9 * 0.778) + 1.2e-6)
 
 
 def test_rate_scales_with_the_nic_and_holds_beyond_the_table():
