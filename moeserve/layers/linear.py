@@ -53,8 +53,8 @@ def _copy_bytes(copy) -> int:
     """A packed BF16 tensor, or an object that knows its size (layers/quant.py's Int8Packed)."""
     if copy is None:
         return 0
-    if isinstance(copy, torch.Tensor):
-        return copy.numel() * copy.element_size()
+    if isinstance(copy, torch.Tensor):  # its storage: zentorch's INT8 pack holds more than its elements
+        return max(copy.numel() * copy.element_size(), copy.untyped_storage().nbytes())
     return copy.nbytes
 
 

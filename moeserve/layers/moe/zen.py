@@ -107,6 +107,26 @@ def usable_int8(w13: torch.Tensor) -> bool:
             and os.environ.get("MOESERVE_ZENTORCH_INT8", "1") != "0" and available())
 
 
+def usable_int8_linear(weight: torch.Tensor) -> bool:
+    """For an A8W8 Linear's weight (layers/quant.py Int8LinearMethod): INT8 on the CPU, zentorch available with
+    its dynamic-quantization INT8 linear; MOESERVE_ZENTORCH_INT8=0 switches it off with the INT8 experts."""
+    return usable_int8(weight) and hasattr(torch.ops.zentorch, "zentorch_dynamic_qlinear")
+
+
+def pack_int8_linear(weight: torch.Tensor) -> torch.Tensor:
+    """An INT8 weight [N, K] in zentorch's layout for zentorch_dynamic_qlinear: our own copy, self-contained
+    (its storage also holds a per-channel compensation term: N x 4 bytes past the N x K); no address-keyed
+    cache is involved (checked: new weights at a freed address compute with the new ones)."""
+    return torch.ops.zentorch.zentorch_weight_prepack_for_dynamic_qlinear(weight.detach().contiguous())
+
+
+def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] BF16 (quantized per token inside, symmetric, as int8.quantize_per_token) @ the packed INT8
+    weight, times scale [N] float32 per output channel, + bias -> [M, N] BF16."""
+    return torch.ops.zentorch.zentorch_dynamic_qlinear(x, packed, scale, bias, is_weight_prepacked=True)
+
+
 def fused_moe_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                    w2_scale: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """A8W8 experts in one call: x [T, H] BF16; w13 int8 [E, 2I, H] with w13_scale float32 [E, 2I] (one
