@@ -9,7 +9,13 @@ any request, and until every unfinished request had a token again; the requests 
 (prompt + output so far) they recompute. Last: requests lost and whether every output equals the reference.
 The model is benchmarks/dp_ep.py's shrunk bench config (32 routed experts) unless --bench-model.
 
+With --replace (--elastic-ep-replace) the front end starts a replacement per lost rank once the survivors
+serve; after the failed run it prints the seconds from the last kill until the full group served again, then
+runs the requests once more and prints their tok/s against the unfailed run's (a second unfailed run, so both
+are warm) and whether the outputs are the reference's.
+
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 2
+    PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --replace
 """
 from __future__ import annotations
 
@@ -76,6 +82,8 @@ def main() -> None:
     ap.add_argument("--before", type=int, default=8, help="tokens every request has before each kill")
     ap.add_argument("--bench-model", action="store_true", help="the full bench config (64 experts, ~475M)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--replace", action="store_true", help="--elastic-ep-replace: a replacement rank joins; "
+                    "tok/s before the loss and after the join")
     a = ap.parse_args()
     if a.kills >= a.dp:
         ap.error(f"--kills {a.kills} leaves no survivor of --dp {a.dp}")
@@ -88,18 +96,32 @@ def main() -> None:
     started = time.monotonic()
     llm = LLM(path, dtype="float32", data_parallel_size=a.dp, enable_expert_parallel=True, enable_elastic_ep=True,
               num_redundant_experts=-experts % a.dp, enforce_eager=a.enforce_eager, distributed_timeout=300,
-              max_model_len=a.prompt_len + a.new_tokens + 8)
+              max_model_len=a.prompt_len + a.new_tokens + 8, elastic_ep_replace=a.replace)
     print(f"DP={a.dp} EP, {experts} routed experts, float32, gloo; started in {time.monotonic() - started:.1f} s",
           flush=True)
     engine = llm.engine
     vocab = config["vocab_size"]
     prompts = [[(17 * i + 31 * j) % (vocab - 2) + 2 for j in range(a.prompt_len)] for i in range(a.requests)]
     params = SamplingParams(temperature=0, max_tokens=a.new_tokens, ignore_eos=True)
+    tok_s = {}
     try:
         want, _ = run(engine, prompts, params, [], a.before)
+        if a.replace:
+            t0 = time.monotonic()
+            run(engine, prompts, params, [], a.before)
+            tok_s["before"] = a.requests * a.new_tokens / (time.monotonic() - t0)
         live = sorted(engine.slots, reverse=True)
         victims = ([a.victim] if a.victim is not None else []) + [r for r in live if r != a.victim]
         got, records = run(engine, prompts, params, victims[:a.kills], a.before)
+        if a.replace:
+            deadline = time.monotonic() + 600
+            while (engine.dp_size < a.dp or engine.recovery is not None or engine.joining) \
+                    and time.monotonic() < deadline:
+                engine.step(poll_s=0.1)
+            joined = time.monotonic() - records[-1]["kill"]
+            t0 = time.monotonic()
+            again, _ = run(engine, prompts, params, [], a.before)
+            tok_s["after"] = a.requests * a.new_tokens / (time.monotonic() - t0)
     finally:
         llm.shutdown()
     print("kill  rank  ranks after  loss seen s  serving again s  next token s  all resumed s  requeued  recomputed")
@@ -109,6 +131,11 @@ def main() -> None:
     lost = sum(len(got.get(k, [])) != a.new_tokens for k in want)
     same = sum(got.get(k) == t for k, t in want.items())
     print(f"requests: {len(want)}, lost {lost}, outputs identical to the unfailed run: {same}/{len(want)}")
+    if a.replace:
+        same = sum(again.get(k) == t for k, t in want.items())
+        print(f"replacement: {engine.dp_size} ranks serve again {joined:.1f} s after the last kill "
+              f"(ranks {engine.slots}); tok/s unfailed {tok_s['before']:.1f}, after the join {tok_s['after']:.1f} "
+              f"(x{tok_s['after'] / tok_s['before']:.2f}); outputs identical: {same}/{len(want)}")
 
 
 if __name__ == "__main__":

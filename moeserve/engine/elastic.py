@@ -26,8 +26,8 @@ Lifecycle (issue 37; one node, TP 1, gloo):
   6. --elastic-ep-replace (stage 2): once the survivors serve, the front end starts a fresh rank process per
      rank lost (dp_worker --join, launch.LocalRanks.spawn_replacement); it says it is up (a report of
      JOINING_EPOCH) and waits; the front end then starts the next epoch with the survivors and it (the
-     survivors leave their step on the RankReform), every rank rebuilds for the full EP group and the
-     requests are re-queued as in 5.
+     survivors leave their step on the RankReform), every rank rebuilds for the full EP group (decoding
+     eagerly, as in 4) and the requests are re-queued as in 5.
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
 Stage 1 rebuilds each survivor's engine core: its KV cache and its requests are recomputed too (the prefix
@@ -421,12 +421,10 @@ def _join_epoch(worker, reform) -> None:
     store = dist.TCPStore(url.hostname, url.port, None, False,
                           timeout=datetime.timedelta(seconds=parallel.distributed_timeout))
     _gather_survivors(worker, reform, store)
-    # a degraded epoch decodes eagerly: compiling the new layout's decode graphs would hold every survivor for
-    # 10-20 s on a CPU (benchmarks/elastic_ep.py), and the loss should cost seconds; back to the full EP group
-    # (--elastic-ep-replace) the start-up layout and its compiled graphs return (inductor's cache has them)
-    full = reform.world_size >= base.parallel.data_parallel_size
-    config = dataclasses.replace(base, parallel=parallel, model=dataclasses.replace(
-        base.model, enforce_eager=base.model.enforce_eager or not full))
+    # decode runs eagerly from here: compiling the new layout's decode graphs would hold every survivor for
+    # 10-20 s on a CPU (benchmarks/elastic_ep.py), and the loss should cost seconds; so does a replacement's
+    # join (--elastic-ep-replace): re-tracing the start-up layout's graphs held all 4 ranks 22 s, eager 1-3 s
+    config = dataclasses.replace(base, parallel=parallel, model=dataclasses.replace(base.model, enforce_eager=True))
     worker.epoch = reform.epoch
     if worker.beacon is not None:
         worker.beacon.new_epoch(reform.epoch)
