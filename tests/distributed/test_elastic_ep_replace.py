@@ -2,12 +2,15 @@
 it joins the next epoch, the experts spread over the full EP group again, and the outputs stay those of an
 unfailed run; the degraded count goes back to 0. Real rank processes over gloo, float32, the tiny V3
 checkpoint."""
+import os
+import signal
 import time
 
 import pytest
 
 from moeserve import LLM
 from moeserve.config import ConfigError
+from moeserve.protocol import EngineCoreRequest
 from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate, kill_mid_decode
 
 
@@ -53,6 +56,26 @@ def test_replacement_joins_and_serves_with_the_full_group(path, reference):
     finally:
         llm.shutdown()
     assert all(p.poll() is not None for p in engine.ranks.procs.values())
+
+
+def test_shutdown_while_the_replacement_starts(path):
+    # rank 0 dies while idle; a request finds it, the survivors re-form, and the replacement (rank 3) is
+    # started as they serve again: shutting down at once, before it could join, leaves no process behind
+    llm = elastic_llm(path, 3, elastic_ep_replace=True)
+    engine = llm.engine
+    try:
+        os.kill(engine.ranks.procs[0].pid, signal.SIGKILL)
+        engine.ranks.procs[0].wait(30)
+        engine.add_request(EngineCoreRequest("r", PROMPTS[0], GREEDY, [1]))
+        deadline = time.monotonic() + 120
+        while not engine.joining and time.monotonic() < deadline:
+            engine.step()
+        assert engine.slots == [1, 2] and list(engine.joining) == [3]
+    finally:
+        llm.shutdown()
+    procs = engine.ranks.procs
+    assert all(p.poll() is not None for p in procs.values()), {r: p.poll() for r, p in procs.items()}
+    assert procs[3].returncode == -signal.SIGKILL  # killed while starting: it held nothing
 
 
 def test_replace_needs_elastic_ep(path):
