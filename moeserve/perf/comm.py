@@ -4,7 +4,7 @@ Time of one collective = latency floor + max(bytes over scale-up / achieved scal
 scale-out / achieved scale-out bandwidth), the two link classes running in parallel. Achieved bandwidths
 are nominal x `link` / `link_out` (data/hardware.yaml, each from a measured figure). The floor of an
 expert-parallel dispatch or combine comes from a measured table (DeepEP low-latency on H800, CANN on the
-CloudMatrix UB, kernels.md; TensorRT-LLM NVLinkOneSided on GB200 NVL72): the measured time at the table's EP size minus its own payload at the
+CloudMatrix UB, kernels.md; TensorRT-LLM NVLinkOneSided on GB200 NVL72; MORI-EP on MI300X): the measured time at the table's EP size minus its own payload at the
 measuring system's links, never decreasing with EP (floor_us). Plain collectives (allgather,
 reduce-scatter, allreduce, KV pulls) pay a per-hop latency from the link figures instead. The kernel
 profile drops every floor and hop latency (term `collective_floor`).
