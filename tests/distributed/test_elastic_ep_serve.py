@@ -8,6 +8,7 @@ import time
 
 import httpx
 
+from moeserve.engine.elastic import TEST_HANG_ENV
 from tests.entrypoints.server import ServerProcess
 from tests.entrypoints.test_request_resume import PROMPTS, _answer, _run_streams
 from tests.entrypoints.test_stopped_rank_server import children
@@ -79,6 +80,32 @@ def test_replacement_rank_joins_and_the_degraded_gauge_returns_to_0(ckpt_dir):
         again = _run_streams(s.url, model)  # the three serve
         for i in range(len(PROMPTS)):
             assert _answer(again[i]) == _answer(reference[i]), i
+        assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_streams_ride_through_a_hung_rank(ckpt_dir, monkeypatch):
+    # rank 1 busy-loops at its 250th step: the first batch of streams (the reference) takes ~170 lockstep steps,
+    # so it hangs mid-way through the second; the engine core kills it after --elastic-ep-hang-timeout and the
+    # two others finish every stream with the reference's output
+    monkeypatch.setenv(TEST_HANG_ENV, "1:250:spin")
+    s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32", "--data-parallel-size", "3",
+                      "--enable-expert-parallel", "--num-redundant-experts", "1", "--enable-elastic-ep",
+                      "--elastic-ep-hang-timeout", "3")
+    try:
+        model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        reference = _run_streams(s.url, model)
+        assert s.metric("moeserve:elastic_ep_rank_losses_total") == 0, "the rank hung during the reference run"
+        ranks = sorted(children(s.engine_pid))
+        got = _run_streams(s.url, model)
+        for i in range(len(PROMPTS)):
+            errors = [e for e in got[i] if isinstance(e, dict) and "error" in e]
+            assert not errors and got[i][-1] == "[DONE]", (i, errors, got[i][-3:])
+            assert _answer(got[i]) == _answer(reference[i]), i
+        assert s.metric("moeserve:elastic_ep_rank_losses_total") == 1
+        assert any("began no collective" in line and "killing it" in line for line in s.lines)
+        assert sorted(children(s.engine_pid)) == [ranks[0], ranks[2]]
         assert httpx.get(s.url + "/health", timeout=30).status_code == 200
     finally:
         s.stop()
