@@ -6,14 +6,20 @@ batch holds requests at every stage of their output (the simulator checks this a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
-from moeserve.perf import comm
+from moeserve.perf import comm, moe
 from moeserve.perf.deploy import DoesNotFit, Instance, PlanError, Workload
 from moeserve.perf.hardware import Hardware
 from moeserve.planner.memory import MemoryReport, memory_report, refusal_reason
 from moeserve.perf.models import ModelSpec
 from moeserve.perf.step import decode_step, prefill_step
+
+
+def layout(m: ModelSpec, inst: Instance) -> dict:
+    """An instance as JSON with its residual expert skew resolved (Instance.imbalance None: the model's
+    published figure under EPLB, perf/moe.residual_skew), so `layout.imbalance` is always the factor used."""
+    return {**asdict(inst), "imbalance": moe.residual_skew(m, inst)}
 
 
 def band(fn, hw: Hardware) -> list[float] | None:

@@ -68,7 +68,7 @@ def _which(label: str):
 
 
 def cmd_estimate(a):
-    from moeserve.planner.analysis import band, decode_point, kv_pull_ms, prefill_point, require_fits
+    from moeserve.planner.analysis import band, decode_point, kv_pull_ms, layout, prefill_point, require_fits
     m, hw, inst, wl = _ctx(a)
     with _which(f"decode instance ({inst.cards} cards)"):
         mem = require_fits(m, hw, inst, wl)
@@ -94,9 +94,9 @@ def cmd_estimate(a):
     pre_req = pre.tok_s_card * pre_inst.cards / wl.input_len
     # A separate prefill instance hands each prompt's KV to the decode instance before its first step.
     pull = kv_pull_ms(m, hw, inst, wl.input_len, inst.cards + pre_inst.cards) if separate else 0.0
-    obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst),
+    obj = {"model": m.name, "hardware": hw.key, "layout": layout(m, inst),
            "decode": {**pt.to_dict(), "band_tok_s_card": pt_band},
-           "memory": mem.to_dict(), "prefill_layout": asdict(pre_inst),
+           "memory": mem.to_dict(), "prefill_layout": layout(m, pre_inst),
            "prefill": {**pre.to_dict(), "band_ttft_ms": pre_band},
            "prefill_instances_per_decode_instance": round(dec_req / pre_req, 3),
            "kv_pull_ms": round(pull, 3), "ttft_with_kv_pull_ms": round(pre.ttft_ms + pull, 3)}
@@ -124,7 +124,7 @@ def args_decode(p):
 
 
 def cmd_decode(a):
-    from moeserve.planner.analysis import band, best_under_slo, decode_curve
+    from moeserve.planner.analysis import band, best_under_slo, decode_curve, layout
     from moeserve.planner.plots import plot_curves, plot_path
     m, hw, inst, wl = _ctx(a)
     plot = plot_path(a.plot) if a.plot is not None else None  # before the work: a bad path loses nothing
@@ -137,7 +137,7 @@ def cmd_decode(a):
     rng = band(lambda h: getattr(best_under_slo(m, h, inst, wl, a.tpot_ms), "tok_s_card", 0.0), hw)
     if plot:
         plot_curves({f"{hw.key} {inst.cards} cards": curve}, plot, tpot_slo_ms=a.tpot_ms)
-    obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst),
+    obj = {"model": m.name, "hardware": hw.key, "layout": layout(m, inst),
            "curve": [{k: v for k, v in p.to_dict().items() if k != "breakdown_ms"} for p in curve],
            "best_under_slo": best.to_dict() if best else None, "best_band_tok_s_card": rng,
            "tpot_slo_ms": a.tpot_ms, "plot": plot}
@@ -153,13 +153,13 @@ def cmd_decode(a):
 
 def _decode_at_batch(a, m, hw, inst, wl, plot):
     """`decode --batch-per-device B`: the stated operating point, not the best one under an SLO."""
-    from moeserve.planner.analysis import band, decode_at_batch, decode_curve, decode_point
+    from moeserve.planner.analysis import band, decode_at_batch, decode_curve, decode_point, layout
     from moeserve.planner.plots import plot_curves
     pt = decode_at_batch(m, hw, inst, wl, a.batch_per_device)
     rng = band(lambda h: decode_point(m, h, inst, wl, a.batch_per_device).tok_s_card, hw)
     if plot:
         plot_curves({f"{hw.key} {inst.cards} cards": decode_curve(m, hw, inst, wl)}, plot)
-    obj = {"model": m.name, "hardware": hw.key, "layout": asdict(inst), "batch_per_device": a.batch_per_device,
+    obj = {"model": m.name, "hardware": hw.key, "layout": layout(m, inst), "batch_per_device": a.batch_per_device,
            "at_batch": pt.to_dict(), "band_tok_s_card": rng, "plot": plot}
     text = (f"batch {pt.batch}/device: step {pt.step_ms:.2f} ms, TPOT {pt.tpot_ms:.2f} ms, {pt.tok_s_card:.0f} "
             f"tok/s/card{_band_text(rng, 'tok/s/card')}\n{_fmt_breakdown(pt.breakdown_ms)}"
@@ -178,7 +178,7 @@ def args_prefill(p):
 
 
 def cmd_prefill(a):
-    from moeserve.planner.analysis import band, prefill_point
+    from moeserve.planner.analysis import band, layout, prefill_point
     from moeserve.planner.analysis import requests_for_tokens
     m, hw, inst, wl = _ctx(a)
     requests = inst.dp if a.requests is None else a.requests
@@ -188,7 +188,7 @@ def cmd_prefill(a):
     rng = band(lambda h: prefill_point(m, h, inst, requests, wl.input_len, wl.cached_prompt_tokens).ttft_ms, hw)
     text = (f"prefill {pt.requests} x {pt.length} on {inst.cards} cards: TTFT {pt.ttft_ms:.1f} ms"
             f"{_band_text(rng, 'ms')}, {pt.tok_s_card:.0f} tok/s/card\n{_fmt_breakdown(pt.breakdown_ms)}")
-    return _emit(a, {"model": m.name, "hardware": hw.key, "layout": asdict(inst), **pt.to_dict(),
+    return _emit(a, {"model": m.name, "hardware": hw.key, "layout": layout(m, inst), **pt.to_dict(),
                      "band_ttft_ms": rng}, text)
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
-from moeserve.planner.analysis import band, best_under_slo, kv_pull_ms, prefill_point
+from moeserve.planner.analysis import band, best_under_slo, kv_pull_ms, layout, prefill_point
 from moeserve.perf.deploy import DoesNotFit, Instance, PlanError, Workload, fewest_redundant_slots
 from moeserve.perf.hardware import Hardware
 from moeserve.perf.models import ModelSpec
@@ -32,8 +32,8 @@ class Candidate:
     latency_ms: float    # decode: TPOT; prefill: TTFT of one batch
     batch: int
 
-    def to_dict(self) -> dict:
-        d = asdict(self.inst)
+    def to_dict(self, m: ModelSpec) -> dict:
+        d = layout(m, self.inst)
         return {"role": self.role, "layout": d, "tok_s_card": round(self.tok_s_card, 1),
                 "latency_ms": round(self.latency_ms, 2), "batch_per_dp": self.batch}
 
@@ -163,7 +163,7 @@ def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float,
         for p in _best_per_size(pres):
             s = split(cards, d, p, wl)
             if s:
-                plans.append(({**s, "decode": d.to_dict(), "prefill": p.to_dict(),
+                plans.append(({**s, "decode": d.to_dict(m), "prefill": p.to_dict(m),
                                "ttft_with_kv_pull_ms": round(p.latency_ms + pull, 2)}, d, p))
     plans.sort(key=lambda p: -p[0]["goodput_tok_s_card"])
     for plan, d, p in plans[:top]:
@@ -172,8 +172,8 @@ def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float,
     plans = [plan for plan, _, _ in plans]
     res = {"cards": cards, "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "kv_pull_ms": round(pull, 3),
            "plans": plans[:top],
-           "decode_candidates": [d.to_dict() for d in decs[:top]],
-           "prefill_candidates": [p.to_dict() for p in pres[:top]],
+           "decode_candidates": [d.to_dict(m) for d in decs[:top]],
+           "prefill_candidates": [p.to_dict(m) for p in pres[:top]],
            "layouts_tried": {"decode": dict(dec_tally), "prefill": dict(pre_tally)}}
     if not plans:
         res["refused"] = no_plan_reason(cards, tpot_ms, ttft_ms, dec_tally, pre_tally, decs, pres)

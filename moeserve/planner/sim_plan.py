@@ -3,11 +3,11 @@ default rates and request counts, refusals labelled by instance, the result dict
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import asdict
 
 from moeserve.perf.deploy import DoesNotFit, Instance, Workload
 from moeserve.perf.hardware import Hardware
 from moeserve.perf.models import ModelSpec
+from moeserve.planner.analysis import layout
 from moeserve.planner.sim_report import analytic_steady_state, decode_capacity, summarize
 from moeserve.planner.simulate import PROXIES, run, run_pd
 
@@ -69,7 +69,7 @@ def simulate_from_args(a, m, hw, inst, wl, pre: Instance | None = None) -> dict:
         res = summarize(raw, inst, a.tpot_ms, a.ttft_ms, window=(0.2, 0.9),
                         cards_per_group=cards / (d_n * inst.dp))
         pr = raw["prefill"]
-        res["prefill"] = {"layout": asdict(pre), "instances": p_n, "proxy": proxy, "steps": pr["steps"],
+        res["prefill"] = {"layout": layout(m, pre), "instances": p_n, "proxy": proxy, "steps": pr["steps"],
                           "busy_fraction": pr["busy_fraction"], "kv_pull_ms": raw["kv_pull_ms"]}
         res.update({"decode_instances": d_n, "cards": cards})
         pull = kv_pull_ms(m, hw, inst, wl.input_len, cards)

@@ -68,3 +68,18 @@ def test_cli_imbalance_flag_overrides_the_default(capsys):
         return json.loads(capsys.readouterr().out)["decode"]["tok_s_card"]
     default, balanced, skewed = tok_s(), tok_s("--imbalance", "1.0"), tok_s("--imbalance", "1.027")
     assert balanced > default == skewed
+
+
+def test_json_layouts_show_the_factor_in_use(capsys):
+    """Instance.imbalance None is printed resolved: layout, prefill_layout and search's plans say 1.027."""
+    assert main(["plan", "estimate", "--hardware", "hgx-h800", "--cards", "32", "--quantization", "fp8",
+                 "--batch", "64", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["layout"]["imbalance"] == obj["prefill_layout"]["imbalance"] == 1.027
+    assert main(["plan", "estimate", "--hardware", "hgx-h800", "--cards", "32", "--quantization", "fp8",
+                 "--batch", "64", "--imbalance", "1.2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["imbalance"] == 1.2
+    assert main(["plan", "search", "--hardware", "hgx-h800", "--cards", "32", "--quantization", "fp8",
+                 "--tpot-ms", "50", "--top", "1", "--json"]) == 0
+    obj = json.loads(capsys.readouterr().out)
+    assert obj["decode_candidates"][0]["layout"]["imbalance"] == 1.027
