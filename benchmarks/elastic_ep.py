@@ -14,8 +14,13 @@ serve; after the failed run it prints the seconds from the last kill until the f
 runs the requests once more and prints their tok/s against the unfailed run's (a second unfailed run, so both
 are warm) and whether the outputs are the reference's.
 
+With --hang spin|block the first victim is not killed but hangs (the testing-only fault hook
+MOESERVE_TEST_ELASTIC_HANG, triggered by a file the benchmark creates at that moment): its columns count from
+the hang, so "loss seen" is --hang-timeout (--elastic-ep-hang-timeout) plus the check's granularity.
+
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 2
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --replace
+    PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --hang spin --hang-timeout 5
 """
 from __future__ import annotations
 
@@ -30,8 +35,9 @@ from benchmarks.common import BENCH_CONFIG, bench_checkpoint  # noqa: E402
 from benchmarks.dp_ep import SHRUNK  # noqa: E402
 
 
-def run(engine, prompts, params, kills: list[int], before: int) -> tuple[dict, list[dict]]:
-    """Each request's tokens, and one timing record per kill."""
+def run(engine, prompts, params, kills: list[int], before: int, hang_file: str | None = None) -> tuple[dict, list[dict]]:
+    """Each request's tokens, and one timing record per kill (hang_file: the first victim hangs instead: the
+    file that triggers it)."""
     from moeserve.protocol import EngineCoreRequest
 
     tag = f"k{len(kills)}-"
@@ -67,7 +73,11 @@ def run(engine, prompts, params, kills: list[int], before: int) -> tuple[dict, l
             rec = {"victim": victim, "epoch": engine.epoch, "requeued0": stats.elastic_requeued,
                    "recomputed0": stats.elastic_tokens_recomputed, "kill": time.monotonic()}
             mark = {r: len(t) for r, t in got.items()}
-            os.kill(engine.ranks.procs[victim].pid, signal.SIGKILL)
+            if hang_file:
+                open(hang_file, "w").close()  # its next step hangs
+                hang_file = None
+            else:
+                os.kill(engine.ranks.procs[victim].pid, signal.SIGKILL)
     return {r.split("-", 1)[1]: t for r, t in got.items()}, records
 
 
@@ -82,6 +92,9 @@ def main() -> None:
     ap.add_argument("--before", type=int, default=8, help="tokens every request has before each kill")
     ap.add_argument("--bench-model", action="store_true", help="the full bench config (64 experts, ~475M)")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--hang", choices=("spin", "block"), default=None,
+                    help="the first victim hangs (busy loop / blocked) instead of being killed")
+    ap.add_argument("--hang-timeout", type=float, default=5.0, help="--elastic-ep-hang-timeout with --hang")
     ap.add_argument("--replace", action="store_true", help="--elastic-ep-replace: a replacement rank joins; "
                     "tok/s before the loss and after the join")
     a = ap.parse_args()
@@ -90,13 +103,21 @@ def main() -> None:
 
     from moeserve import LLM, SamplingParams
 
+    hang_file = None
+    if a.hang:
+        import tempfile
+
+        hang_file = os.path.join(tempfile.mkdtemp(prefix="elastic-hang-"), "go")
+        first = a.victim if a.victim is not None else a.dp - 1
+        os.environ["MOESERVE_TEST_ELASTIC_HANG"] = f"{first}:@{hang_file}:{a.hang}"  # the rank processes inherit it
     config = BENCH_CONFIG if a.bench_model else SHRUNK
     path = bench_checkpoint(config=config)
     experts = config["n_routed_experts"]
     started = time.monotonic()
     llm = LLM(path, dtype="float32", data_parallel_size=a.dp, enable_expert_parallel=True, enable_elastic_ep=True,
               num_redundant_experts=-experts % a.dp, enforce_eager=a.enforce_eager, distributed_timeout=300,
-              max_model_len=a.prompt_len + a.new_tokens + 8, elastic_ep_replace=a.replace)
+              max_model_len=a.prompt_len + a.new_tokens + 8, elastic_ep_replace=a.replace,
+              elastic_ep_hang_timeout=a.hang_timeout)
     print(f"DP={a.dp} EP, {experts} routed experts, float32, gloo; started in {time.monotonic() - started:.1f} s",
           flush=True)
     engine = llm.engine
@@ -112,7 +133,7 @@ def main() -> None:
             tok_s["before"] = a.requests * a.new_tokens / (time.monotonic() - t0)
         live = sorted(engine.slots, reverse=True)
         victims = ([a.victim] if a.victim is not None else []) + [r for r in live if r != a.victim]
-        got, records = run(engine, prompts, params, victims[:a.kills], a.before)
+        got, records = run(engine, prompts, params, victims[:a.kills], a.before, hang_file)
         if a.replace:
             deadline = time.monotonic() + 600
             while (engine.dp_size < a.dp or engine.recovery is not None or engine.joining) \
@@ -124,6 +145,12 @@ def main() -> None:
             tok_s["after"] = a.requests * a.new_tokens / (time.monotonic() - t0)
     finally:
         llm.shutdown()
+        if a.hang:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(hang_file), ignore_errors=True)
+    if a.hang:
+        print(f"kill 1 is a hang ({a.hang}; the hang check killed rank(s) {engine.hung_killed})")
     print("kill  rank  ranks after  loss seen s  serving again s  next token s  all resumed s  requeued  recomputed")
     for k, r in enumerate(records, 1):
         print(f"{k:4d}  {r['victim']:4d}  {a.dp - k:11d}  {r['seen'] - r['kill']:11.2f}  {r['ready'] - r['kill']:15.2f}"

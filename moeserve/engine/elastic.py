@@ -157,19 +157,25 @@ def test_hang_hook(rank: int):
     step's forward: MODE "spin" busy-loops forever, "block" waits forever on an event, "crawl:SECONDS" sleeps
     SECONDS before each collective of that step (a long step that makes progress); "die-in-move" SIGKILLs the
     process inside the first EPLB weight move it starts from that step on (--enable-eplb), once the move's
-    first layer has posted its transfers and before the next. Returns a callable the worker runs before each
-    step (with itself), or None."""
+    first layer has posted its transfers and before the next. STEP may be @PATH instead: the first step at
+    which the file PATH exists (benchmarks/elastic_ep.py --hang creates it when it wants the fault). Returns a
+    callable the worker runs before each step (with itself), or None."""
     spec = os.environ.get(TEST_HANG_ENV)
     if not spec:
         return None
     parts = spec.split(":")
     if int(parts[0]) != rank:
         return None
-    at, mode = int(parts[1]), parts[2]
+    mode = parts[2]
+    trigger = parts[1][1:] if parts[1].startswith("@") else None
+    at = 0 if trigger else int(parts[1])
     count = [0]
 
     def before_step(worker) -> None:
+        nonlocal at
         count[0] += 1
+        if trigger and not at and os.path.exists(trigger):
+            at = count[0]
         if mode == "die-in-move":
             if count[0] == at:
                 _die_in_next_move(worker.core.runner.eplb, rank)
