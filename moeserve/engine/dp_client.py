@@ -80,6 +80,7 @@ class DPEngineClient:
         self.joining: dict[int, bool] = {}
         self._next_slot = parallel.world_size
         self._unreplaced = 0  # ranks lost whose replacement has not been started yet
+        self._served: set[int] = set(range(self.dp_size))  # rank processes that were ready in an epoch
         self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots, self.board, self.joining)
         self.decoder = msgspec.msgpack.Decoder(RankReport)
         self.dead: str | None = None
@@ -409,7 +410,10 @@ class DPEngineClient:
             self.slots.append(s)
             logger.warning("replacement rank %d joins epoch %d", s, self.epoch + 1)
         self.elastic_stats.elastic_ranks_replaced += len(up)
-        self._unreplaced += len(dead) if self.replace else 0
+        if self.replace:  # a replacement lost before it ever served is not replaced in turn: it would likely
+            self._unreplaced += sum(r in self._served for r in dead)  # fail again, and again
+            for r in sorted(set(dead) - self._served):
+                logger.warning("replacement rank %d was lost before it served; not replaced", r)
         self.epoch += 1
         self.dp_size = len(self.slots)
         init = f"tcp://{self.config.parallel.master_addr}:{free_port()}"
@@ -446,6 +450,7 @@ class DPEngineClient:
         """Every unfinished request goes to the survivors with its tokens so far (issue 31's resume)."""
         took, grow = time.monotonic() - self.recovery["started"], self.recovery["grow"]
         self.recovery = None
+        self._served.update(self.slots)
         self._beats = None  # the hang check starts afresh in the new epoch
         st = self.elastic_stats
         if not grow:  # from a loss seen to the survivors serving (a replacement joining is not a recovery)
