@@ -33,6 +33,7 @@ from moeserve.protocol import (EngineCoreOutput, EngineCoreRequest, EngineStats,
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600.0  # loading a big checkpoint on every rank takes a while
+JOIN_GRACE_S = 10.0  # --elastic-ep-replace: a replacement that is up waits at most this long for another
 
 
 class EngineDeadError(RuntimeError):
@@ -77,7 +78,7 @@ class DPEngineClient:
         # the rank process serving each DP rank (its ZMQ identity is dp<first rank>): elastic EP drops lost ones
         self.slots: list[int] = list(range(self.dp_size))
         # --elastic-ep-replace: replacement rank processes started and not yet in an epoch -> up (said so)
-        self.joining: dict[int, bool] = {}
+        self.joining: dict[int, float | None] = {}  # slot -> when it said it is up (None: starting)
         self._next_slot = parallel.world_size
         self._unreplaced = 0  # ranks lost whose replacement has not been started yet
         self._served: set[int] = set(range(self.dp_size))  # rank processes that were ready in an epoch
@@ -167,7 +168,7 @@ class DPEngineClient:
         if self.recovery is not None:
             self._poll_recovery(poll_s)
             return []
-        if self.joining and all(self.joining.values()):  # every replacement is up: they join the next epoch
+        if self._joiners_due():  # the replacements that are up join the next epoch
             self._start_recovery()
             return []
         outputs: list[EngineCoreOutput] = []
@@ -373,7 +374,13 @@ class DPEngineClient:
             self.lost.add(slot)
             del self.joining[slot]
             return
-        self.joining[slot] = True
+        self.joining[slot] = time.monotonic()
+
+    def _joiners_due(self) -> bool:
+        """Replacements join when every one started is up, or once one has waited JOIN_GRACE_S for another
+        that is still starting (one join, one rebuild, for the replacements of a double loss)."""
+        up = [t for t in self.joining.values() if t is not None]
+        return bool(up) and (len(up) == len(self.joining) or time.monotonic() - min(up) > JOIN_GRACE_S)
 
     def _check_joiners(self) -> None:
         """A replacement that exited before joining is dropped (not replaced in turn: it would likely fail too)."""
@@ -392,7 +399,7 @@ class DPEngineClient:
             self._unreplaced -= 1
             logger.warning("starting rank %d to replace a lost rank (--elastic-ep-replace)", slot)
             self.ranks.spawn_replacement(slot)
-            self.joining[slot] = False
+            self.joining[slot] = None
 
     def _start_recovery(self) -> None:
         """Drop the dead rank(s) and take in the replacements that are up; tell each rank its rank in a new
@@ -404,7 +411,7 @@ class DPEngineClient:
                            _exit_text(code), len(self.slots) - len(dead))
         self.elastic_stats.elastic_ranks_lost += len(dead)
         self.slots[:] = [s for s in self.slots if s not in self.lost]  # in place: the finalizer holds the list
-        up = sorted(s for s, ready in self.joining.items() if ready)
+        up = sorted(s for s, t in self.joining.items() if t is not None)
         for s in up:
             del self.joining[s]
             self.slots.append(s)

@@ -243,6 +243,7 @@ def survivor_parallel(parallel: ParallelConfig, num_experts: int, alive: int, ma
     return dataclasses.replace(
         parallel, data_parallel_size=alive, master_port=master_port, num_redundant_experts=redundant,
         moe_node_size=None, enable_eplb=parallel.enable_eplb and many, enable_elastic_ep=many,
+        elastic_ep_replace=parallel.elastic_ep_replace and many,
         moe_pipeline_chunks=parallel.moe_pipeline_chunks if many else 1)
 
 

@@ -1,6 +1,7 @@
 """--enable-elastic-ep (issue 37, stage 1): a DP/EP engine whose rank dies (SIGKILL, or SIGSTOP past
 --engine-stall-timeout) goes on with the survivors, and every request finishes with the greedy tokens of an
 unfailed run. Real rank processes over gloo, float32, the tiny V3 checkpoint (8 routed experts)."""
+import dataclasses
 import os
 import signal
 import threading
@@ -166,6 +167,8 @@ def test_survivor_layout_tops_up_redundant_slots():
     assert (two.data_parallel_size, two.num_redundant_experts, two.master_port, two.enable_eplb) == (2, 2, 1234, True)
     one = survivor_parallel(p, 8, 1, 1234)
     assert (one.num_redundant_experts, one.enable_eplb, one.enable_elastic_ep) == (1, False, False)
+    replacing = survivor_parallel(dataclasses.replace(p, elastic_ep_replace=True), 8, 1, 1234)
+    assert not replacing.elastic_ep_replace  # a lone survivor's layout is valid (the front end replaces ranks)
 
 
 @pytest.mark.parametrize("kw,words", [

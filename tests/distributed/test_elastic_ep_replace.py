@@ -58,6 +58,34 @@ def test_replacement_joins_and_serves_with_the_full_group(path, reference):
     assert all(p.poll() is not None for p in engine.ranks.procs.values())
 
 
+def test_two_ranks_lost_at_once_are_both_replaced_in_one_join(path, reference):
+    llm = elastic_llm(path, 3, elastic_ep_replace=True)
+    try:
+        engine = llm.engine
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
+        got = {f"r{i}": [] for i in range(len(PROMPTS))}
+        killed = False
+        deadline = time.monotonic() + 300
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+            if not killed and sum(map(len, got.values())) >= 8:
+                for r in (0, 2):
+                    os.kill(engine.ranks.procs[r].pid, signal.SIGKILL)
+                killed = True
+        assert killed and [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
+        assert engine.slots == [1]  # one survivor finished them
+        degraded = engine.epoch  # 1 or 2: the two deaths may be seen at once or one after the other
+        wait_for_full_group(engine, 3)
+        assert (engine.slots, engine.epoch) == ([1, 3, 4], degraded + 1)  # both joined the next epoch together
+        stats = engine.stats()
+        assert (stats.elastic_ranks_lost, stats.elastic_ranks_replaced) == (2, 2)
+        assert generate(llm) == reference
+    finally:
+        llm.shutdown()
+
+
 def test_shutdown_while_the_replacement_starts(path):
     # rank 0 dies while idle; a request finds it, the survivors re-form, and the replacement (rank 3) is
     # started as they serve again: shutting down at once, before it could join, leaves no process behind
