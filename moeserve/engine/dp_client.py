@@ -449,9 +449,25 @@ class DPEngineClient:
             return  # another loss began a newer epoch
         if not rec["waiting"]:
             self._finish_recovery()
-        elif time.monotonic() - rec["epoch_at"] > timeout:
+        elif time.monotonic() - rec["epoch_at"] > timeout and not self._kill_laggards(timeout):
             self._fail(f"the {self.dp_size} surviving rank(s) did not re-form within {timeout:g} s "
                        f"(--elastic-ep-timeout); waiting for DP rank(s) {sorted(rec['waiting'])}")
+
+    def _kill_laggards(self, timeout: float) -> bool:
+        """A re-formation past --elastic-ep-timeout: kill the ranks the others wait on (their count of the
+        epoch's collectives lags, as for a hung rank), so the next _check_alive re-forms without them. False
+        when no rank can be named (all level: all stuck in the rendezvous or the build alike)."""
+        if self.board is None:
+            return False
+        hung = hung_ranks({r: self.board.read(r) for r in self.slots}, self.epoch)
+        if not hung or len(hung) == len(self.slots):
+            return False
+        for r in hung:
+            logger.warning("rank %d did not re-form within %g s (--elastic-ep-timeout) while the other ranks of "
+                           "epoch %d wait on it: killing it", r, timeout, self.epoch)
+            self.ranks.kill_rank(r)
+            self.hung_killed.append(r)
+        return True
 
     def _finish_recovery(self) -> None:
         """Every unfinished request goes to the survivors with its tokens so far (issue 31's resume)."""

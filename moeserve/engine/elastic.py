@@ -15,6 +15,8 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      rank order) a RankReform with its new rank and the new world size. Commands and reports of older epochs
      are dropped. Survivors check in at that store before they build process groups, reading the front end
      meanwhile, so a rank lost while re-forming starts epoch e + 2 at once (no rendezvous waits for it).
+     Past --elastic-ep-timeout, ranks the others wait on in the new epoch (the ProgressBoard names them) are
+     killed and the rest re-form again; if none can be named the engine stops.
   4. each survivor joins the new process groups and rebuilds its engine core for the smaller EP group:
      survivor_parallel() recomputes the placement (default map; redundant slots added where the experts no
      longer divide over the ranks) and the loader reads this rank's experts, only those, from the checkpoint.
@@ -157,7 +159,9 @@ def test_hang_hook(rank: int):
     step's forward: MODE "spin" busy-loops forever, "block" waits forever on an event, "crawl:SECONDS" sleeps
     SECONDS before each collective of that step (a long step that makes progress); "die-in-move" SIGKILLs the
     process inside the first EPLB weight move it starts from that step on (--enable-eplb), once the move's
-    first layer has posted its transfers and before the next. STEP may be @PATH instead: the first step at
+    first layer has posted its transfers and before the next; "spin-at-join" busy-loops once the rank has
+    joined the process groups of the first epoch it re-forms into, before it builds its engine core (STEP
+    unused). STEP may be @PATH instead: the first step at
     which the file PATH exists (benchmarks/elastic_ep.py --hang creates it when it wants the fault). Returns a
     callable the worker runs before each step (with itself), or None."""
     spec = os.environ.get(TEST_HANG_ENV)
@@ -170,6 +174,19 @@ def test_hang_hook(rank: int):
     trigger = parts[1][1:] if parts[1].startswith("@") else None
     at = 0 if trigger else int(parts[1])
     count = [0]
+
+    if mode == "spin-at-join":
+        def at_join() -> None:
+            print(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} spins while joining", file=sys.stderr,
+                  flush=True)
+            while True:
+                pass
+
+        def no_step(worker) -> None:
+            pass
+
+        no_step.at_join = at_join
+        return no_step
 
     def before_step(worker) -> None:
         nonlocal at
@@ -436,6 +453,9 @@ def _join_epoch(worker, reform) -> None:
     if worker.beacon is not None:
         worker.beacon.new_epoch(reform.epoch)
     init_distributed(parallel, reform.rank, reform.init_method, store=store)
+    at_join = getattr(worker.before_step, "at_join", None)  # testing only (MOESERVE_TEST_ELASTIC_HANG)
+    if at_join is not None:
+        at_join()
     worker.start(config, RankInfo.of(reform.rank, parallel))
     print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
           f"in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)

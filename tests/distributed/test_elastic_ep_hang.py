@@ -12,7 +12,7 @@ import pytest
 from moeserve import LLM
 from moeserve.config import ConfigError
 from moeserve.engine.elastic import TEST_HANG_ENV, hung_ranks
-from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate
+from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate, kill_mid_decode
 
 HANG_S = 3.0  # --elastic-ep-hang-timeout of these tests
 
@@ -81,3 +81,18 @@ def test_hang_timeout_must_be_below_the_collective_timeout(path):
         LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True, enable_elastic_ep=True,
             elastic_ep_hang_timeout=0)
     assert "--elastic-ep-hang-timeout must be > 0" in str(e.value)
+
+
+def test_survivor_hung_while_re_forming_is_killed_and_the_rest_re_form(path, reference, monkeypatch):
+    # rank 2 is killed mid-decode; rank 1 spins once it has joined epoch 1's process groups, so rank 0 waits on
+    # it there; past --elastic-ep-timeout the front end kills rank 1 (its count of epoch 1's collectives lags
+    # rank 0's) instead of giving up, and rank 0 alone finishes every request in epoch 2
+    monkeypatch.setenv(TEST_HANG_ENV, "1:0:spin-at-join")
+    llm = elastic_llm(path, 3, elastic_ep_timeout=8)
+    try:
+        engine = llm.engine
+        assert kill_mid_decode(engine, 2) == reference
+        assert engine.hung_killed == [1] and engine.ranks.procs[1].poll() == -signal.SIGKILL
+        assert (engine.slots, engine.epoch, engine.stats().elastic_ranks_lost) == ([0], 2, 2)
+    finally:
+        llm.shutdown()
