@@ -35,7 +35,8 @@ from benchmarks.common import BENCH_CONFIG, bench_checkpoint  # noqa: E402
 from benchmarks.dp_ep import SHRUNK  # noqa: E402
 
 
-def run(engine, prompts, params, kills: list[int], before: int, hang_file: str | None = None) -> tuple[dict, list[dict]]:
+def run(engine, prompts, params, kills: list[int], before: int,
+        hang_file: str | None = None) -> tuple[dict, list[dict]]:
     """Each request's tokens, and one timing record per kill (hang_file: the first victim hangs instead: the
     file that triggers it)."""
     from moeserve.protocol import EngineCoreRequest

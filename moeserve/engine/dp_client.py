@@ -240,8 +240,8 @@ class DPEngineClient:
                 total.phase_seconds[k] = total.phase_seconds.get(k, 0.0) + v
         total.outstanding_tokens = sum(self.router.load)
         total.stalled_s = self.stalled_s()
-        for f in ("elastic_ranks_lost", "elastic_ranks_replaced", "elastic_last_recovery_s", "elastic_recovery_s", "elastic_requeued",
-                  "elastic_tokens_recomputed"):
+        for f in ("elastic_ranks_lost", "elastic_ranks_replaced", "elastic_last_recovery_s", "elastic_recovery_s",
+                  "elastic_requeued", "elastic_tokens_recomputed"):
             setattr(total, f, getattr(self.elastic_stats, f))
         if self.recovery is not None:  # re-forming is not a hang: the survivors report when ready
             total.num_waiting += len(self.requests)
