@@ -43,11 +43,14 @@ def exponential_noise(probs: torch.Tensor, generators: list[torch.Generator], ba
     exponential_ is float32(-log1p(-u)) of the generator's float64 uniforms u, element by element (scalar
     log1p, ~4x the uniforms' cost): u per row and one vectorised log1p for the batch give the same bits
     (tests/sample: tokens and generator states)."""
-    u = torch.full(probs.shape, 0.5, dtype=torch.float64)
+    u = torch.empty(probs.shape, dtype=torch.float64)
     for i, g in enumerate(generators):
-        if not bad[i]:
+        if bad[i]:
+            u[i] = 0.5  # any value: the row's token is dropped
+        else:
             u[i].uniform_(0.0, 1.0, generator=g)
-    return torch.log1p(u.neg_()).neg_().to(probs.dtype)
+    # -x rounds to float32 as -(x rounded): the last negation on the float32 copy, half the bytes
+    return torch.log1p(u.neg_(), out=u).to(probs.dtype).neg_()
 
 
 def draw_candidates(c: Candidates, generator: torch.Generator) -> list[int | None]:
@@ -55,16 +58,17 @@ def draw_candidates(c: Candidates, generator: torch.Generator) -> list[int | Non
     c.probs[i, j] / c.probs[i].sum(), from one uniform per row of the shared generator (inverse CDF; over
     a whole vocabulary in two levels: blocks of BLOCK tokens, then the tokens of the chosen block)."""
     probs = c.probs
-    bad = bad_rows(probs)
     n, K = probs.shape
     u = torch.rand(n, dtype=torch.float64, generator=generator)
     if K <= 2 * BLOCK:
+        bad = bad_rows(probs)
         pos = _inverse_cdf(probs, u)
     else:
         nb = -(-K // BLOCK)
         blocks = probs if K == nb * BLOCK else torch.nn.functional.pad(probs, (0, nb * BLOCK - K))
         blocks = blocks.view(n, nb, BLOCK)
         mass = blocks.sum(-1, dtype=torch.float64)  # [n, nb]
+        bad = bad_rows(mass)  # the row's sum shows it as well (NaN, inf, nothing above 0): no pass of its own
         b = _inverse_cdf(mass, u)
         cdf = mass.cumsum(-1)
         below = (cdf.gather(1, b[:, None])[:, 0] - mass.gather(1, b[:, None])[:, 0]) / cdf[:, -1]

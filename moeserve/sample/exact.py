@@ -40,25 +40,36 @@ def sample_exact(logits: torch.Tensor, x: torch.Tensor, top_k: list[int], top_p:
     same random numbers (draw.exponential_noise). x [n, V]: the rows divided by their temperatures (the
     filters' input; not written); logits: the same rows before, whose bfloat16 bits sort fast."""
     n, V = logits.shape
-    probs = torch.empty(n, V)
     fast = [i for i in range(n) if top_p[i] < 1.0 and min_p[i] <= 0.0] if V > 1 else []
     slow = [i for i in range(n) if i not in fast]
     unsure: dict[int, tuple[torch.Tensor, float]] = {}  # row -> (its x, v): ties with v undecided
+    parts: list[tuple[list[int], torch.Tensor]] = []  # (rows, their probabilities)
     if fast:
-        sel = torch.tensor(fast)
-        xk, bounds = _boundaries(logits.index_select(0, sel), x.index_select(0, sel),
+        everyone = len(fast) == n  # the usual case: no copies of the rows
+        sel = None if everyone else torch.tensor(fast)
+        written = any(0 < top_k[i] < V for i in fast)  # _boundaries writes x's top-k rows
+        xk, bounds = _boundaries(logits if everyone else logits.index_select(0, sel),
+                                 x.index_select(0, sel) if not everyone else x.clone() if written else x,
                                  [top_k[i] for i in fast], [top_p[i] for i in fast])
-        for j, i in enumerate(fast):
-            if bounds[j] is None:
-                slow.append(i)
-                continue
-            v, tied = bounds[j]
-            probs[i] = xk[j].masked_fill(xk[j] < v, NEG_INF).softmax(-1)  # the old row when no tie is cut
-            if tied:
-                unsure[i] = (xk[j], v)
+        ok = [j for j, b in enumerate(bounds) if b is not None]
+        slow += [fast[j] for j in range(len(fast)) if bounds[j] is None]
+        if ok:
+            rows = xk if len(ok) == len(fast) else xk.index_select(0, torch.tensor(ok))
+            v = torch.tensor([bounds[j][0] for j in ok], dtype=torch.float32)[:, None]
+            # the old rows when no tie is cut (row-wise ops: each row's bits as alone)
+            parts.append(([fast[j] for j in ok], rows.masked_fill(rows < v, NEG_INF).softmax(-1)))
+            for k, j in enumerate(ok):
+                if bounds[j][1]:
+                    unsure[fast[j]] = (rows[k], bounds[j][0])
     if slow:
         slow.sort()
-        probs[torch.tensor(slow)] = _old(x, top_k, top_p, min_p, slow)
+        parts.append((slow, _old(x, top_k, top_p, min_p, slow)))
+    if len(parts) == 1 and parts[0][0] == list(range(n)):
+        probs = parts[0][1]
+    else:
+        probs = torch.empty(n, V)
+        for rows_, p in parts:
+            probs[torch.tensor(rows_)] = p
     bad = bad_rows(probs)  # an unsure row keeps its finite best token: never bad
     q = exponential_noise(probs, generators, bad)
     ratio = probs / q
@@ -88,33 +99,33 @@ def _old(x, top_k, top_p, min_p, rows: list[int]) -> torch.Tensor:
 
 def _boundaries(logits: torch.Tensor, x: torch.Tensor, top_k: list[int],
                 top_p: list[float]) -> tuple[torch.Tensor, list[tuple[float, bool] | None]]:
-    """logits [m, V] and x, the same rows divided by their temperatures (x is written) -> x after top-k as
+    """logits [m, V] and x, the same rows divided by their temperatures (x's top-k rows are written) -> x after top-k as
     exact_filter computes it; per row (v, tied): the nucleus's last value as the old sort found it and
     whether tokens past the nucleus tie with it, or None (take the old filter)."""
     m, V = logits.shape
-    srt = torch.empty(m, V)  # x's values, descending
-    bits = logits.contiguous().view(torch.int32)
-    is_bf16 = ((bits & 0xFFFF) == 0).all(-1).tolist()
+    logits = logits.contiguous()
+    # the int16 halves of the float32 bits (little-endian): the low ones all 0 in a row of bfloat16 values,
+    # the high ones its bfloat16 bits
+    halves = logits.view(torch.int16)
+    is_bf16 = (torch.count_nonzero(halves[:, 0::2], dim=-1) == 0).tolist()
     radix = [j for j in range(m) if is_bf16[j]]
-    if radix:  # the bfloat16 bits as order-preserving int16 keys: numpy's radix sort; x is monotone in them
-        sel = torch.tensor(radix)
-        hi = (bits.index_select(0, sel) >> 16).to(torch.int16)
-        # the complement's ascending order is the keys' descending one (only the values matter: ties are equal)
-        key = (hi ^ ((hi >> 15) & 0x7FFF)).bitwise_not_()
-        order = torch.from_numpy(np.argsort(key.numpy(), axis=-1, kind="stable"))
-        srt[sel] = x.index_select(0, sel).gather(1, order)
     rest = [j for j in range(m) if not is_bf16[j]]
-    if rest:
-        sel = torch.tensor(rest)
-        srt[sel] = torch.from_numpy(np.ascontiguousarray(np.sort(x.index_select(0, sel).numpy(), axis=-1)[:, ::-1]))
     krows = [j for j in range(m) if 0 < top_k[j] < V]
-    if krows:  # exact_filter's top-k, on x and on its sorted values (the k-th largest is srt[k - 1])
+    if krows:  # exact_filter's top-k on x (the k-th largest is also srt[k - 1], masked below)
         sel = torch.tensor(krows)
         rows = x.index_select(0, sel)
         ks = torch.tensor([top_k[j] for j in krows])
         kth = rows.topk(int(ks.max()), dim=-1).values.gather(1, (ks - 1)[:, None])
         x[sel] = rows.masked_fill(rows < kth, NEG_INF)
-        srt[sel] = srt.index_select(0, sel).masked_fill(srt.index_select(0, sel) < kth, NEG_INF)
+    if not rest:  # the bfloat16 bits as order-preserving int16 keys: numpy's radix sort; x is monotone in them
+        srt = x.gather(1, _radix_order(halves[:, 1::2]))
+    else:
+        srt = torch.empty(m, V)  # x's values, descending
+        if radix:
+            sel = torch.tensor(radix)
+            srt[sel] = x.index_select(0, sel).gather(1, _radix_order(halves.index_select(0, sel)[:, 1::2]))
+        sel = torch.tensor(rest)
+        srt[sel] = torch.from_numpy(np.ascontiguousarray(np.sort(x.index_select(0, sel).numpy(), axis=-1)[:, ::-1]))
     probs = srt.softmax(-1)  # exact_filter's top-p, on the same values in the same order
     drop = probs.cumsum(-1) - probs >= torch.tensor(top_p, dtype=torch.float32)[:, None]
     drop[:, 0] = False
@@ -125,3 +136,11 @@ def _boundaries(logits: torch.Tensor, x: torch.Tensor, top_k: list[int],
     tied = (k < V) & (after == v)
     ok = monotone & torch.isfinite(v) & torch.isfinite(srt[:, 0])
     return x, [(vj, tj) if oj else None for vj, tj, oj in zip(v.tolist(), tied.tolist(), ok.tolist())]
+
+
+def _radix_order(hi: torch.Tensor) -> torch.Tensor:
+    """The descending order [m, V] of rows of bfloat16 bits hi (int16): as order-preserving keys, whose
+    complement's ascending order numpy's stable argsort of int16 finds by a radix sort (only the values
+    matter: ties are equal)."""
+    key = (hi ^ ((hi >> 15) & 0x7FFF)).bitwise_not_()
+    return torch.from_numpy(np.argsort(key.numpy(), axis=-1, kind="stable"))

@@ -63,33 +63,46 @@ class Candidates:
         self.probs, self.ids = probs, ids  # ids None: column j is token j
 
 
-def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float],
-                     min_p: list[float]) -> list[tuple[list[int], Candidates]]:
+def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
+                     logits: torch.Tensor | None = None,
+                     rows: list[int] | None = None) -> list[tuple[list[int], Candidates]]:
     """The filtered distributions of the temperature-scaled rows x [n, V] as Candidates, grouped: [(row
     indices, Candidates)], each group from one batched op. top-k keeps exactly k tokens (the topk's, ties
     beyond it dropped); top-p the shortest prefix of the sorted candidates whose probability (under the
-    top-k-filtered row) reaches top_p; min-p drops probabilities below min_p x the best one."""
+    top-k-filtered row) reaches top_p; min-p drops probabilities below min_p x the best one.
+    logits [R, V] and rows: x is logits[rows] before the temperature, whose bfloat16 values (the same order
+    and ties) find a flat row's nucleus in fewer digits. Rows in the order of kinds() take no copies."""
     n, V = x.shape
+    kind = kinds(top_k, top_p, V)
     groups: list[tuple[list[int], Candidates]] = []
-    krows = [i for i in range(n) if 0 < top_k[i] < V]
+    krows = [i for i in range(n) if kind[i] == 0]
     if krows:  # the candidates are the top-k: the row's mass outside them is filtered out anyway
         ks = torch.tensor([top_k[i] for i in krows])
-        vals, ids = x.index_select(0, torch.tensor(krows)).topk(int(ks.max()), dim=-1)
+        vals, ids = _take(x, krows).topk(int(ks.max()), dim=-1)
         vals = vals.masked_fill(torch.arange(vals.shape[1])[None, :] >= ks[:, None], NEG_INF)
         probs = vals.softmax(-1)
         groups.append((krows, _finish(probs, ids, [top_p[i] for i in krows], [min_p[i] for i in krows])))
-    prows = [i for i in range(n) if not 0 < top_k[i] < V and top_p[i] < 1.0]
+    prows = [i for i in range(n) if kind[i] == 1]
+    rest = [i for i in range(n) if kind[i] == 2]  # temperature (and min-p) only
+    if not prows and not rest:
+        return groups
+    # the rows over the whole vocabulary (the top-p rows whose best candidates do not hold the nucleus, and
+    # rest): one softmax, and one group (one _finish, one draw)
+    np_ = len(prows)
+    allp = _take(x, prows + rest).softmax(-1)
+    left = list(range(np_))
     if prows:
-        xs = x.index_select(0, torch.tensor(prows))
-        probs = xs.softmax(-1)
+        probs = allp[:np_]
         p = torch.tensor([top_p[i] for i in prows], dtype=torch.float32)
-        left = list(range(len(prows)))
         if CANDIDATES < V:
             # the best CANDIDATES tokens, for rows where they can hold top_p: their mass is at most CANDIDATES x
             # the best probability, and at most sqrt(CANDIDATES x sum of squares) (Cauchy-Schwarz), which rules
             # out flat rows without a topk that would only fail
-            bound = torch.minimum(CANDIDATES * probs.amax(-1), (CANDIDATES * probs.square().sum(-1)).sqrt_())
-            tried = [j for j, h in enumerate((bound < p).tolist()) if not h]
+            # (the sum of squares, a second pass, only for the rows the best probability leaves open)
+            tried = [j for j, h in enumerate((CANDIDATES * probs.amax(-1) < p).tolist()) if not h]
+            if tried:
+                sq = (CANDIDATES * _take(probs, tried).square().sum(-1)).sqrt_()
+                tried = [j for j, h in zip(tried, (sq < p[tried]).tolist()) if not h]
             if tried:
                 sel = torch.tensor(tried)
                 vals, ids = probs.index_select(0, sel).topk(CANDIDATES, dim=-1)
@@ -97,29 +110,49 @@ def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float],
                 done = [k for k, c in enumerate(ok) if c]
                 if done:
                     keep = torch.tensor(done)
-                    rows = [tried[k] for k in done]
-                    groups.append(([prows[j] for j in rows], _finish(vals[keep], ids[keep],
-                                                                      [top_p[prows[j]] for j in rows],
-                                                                      [min_p[prows[j]] for j in rows])))
-                    left = sorted(set(left) - set(rows))
-        if left:  # flat distributions: the whole vocabulary
-            rows = [prows[j] for j in left]
-            if len(left) < len(prows):
+                    held = [tried[k] for k in done]
+                    groups.append(([prows[j] for j in held], _finish(vals[keep], ids[keep],
+                                                                      [top_p[prows[j]] for j in held],
+                                                                      [min_p[prows[j]] for j in held])))
+                    left = sorted(set(left) - set(held))
+        if left:  # flat distributions: the nucleus over the whole vocabulary
+            order = _take(x, [prows[j] for j in left]) if logits is None else \
+                _take(logits, [rows[prows[j]] for j in left])
+            if len(left) == np_:
+                probs.mul_(_nucleus(order, probs, p[:, None]))
+            else:
                 sel = torch.tensor(left)
-                xs, probs, p = xs.index_select(0, sel), probs.index_select(0, sel), p.index_select(0, sel)
-            # the scaled logits' order and ties are the probabilities' (the old filter sorted them too)
-            keep = _nucleus(xs, probs, p[:, None])
-            groups.append((rows, _finish(probs.mul_(keep), None, [1.0] * len(rows), [min_p[i] for i in rows])))
-    rest = [i for i in range(n) if not 0 < top_k[i] < V and not top_p[i] < 1.0]
-    if rest:  # temperature (and min-p) only: the whole vocabulary, unsorted
-        probs = x.index_select(0, torch.tensor(rest)).softmax(-1)
-        groups.append((rest, _finish(probs, None, [1.0] * len(rest), [min_p[i] for i in rest])))
+                sub = probs.index_select(0, sel)
+                allp = torch.cat([sub.mul_(_nucleus(order, sub, p.index_select(0, sel)[:, None])), allp[np_:]])
+        else:
+            allp = allp[np_:]
+    full = [prows[j] for j in left] + rest
+    if full:
+        groups.append((full, _finish(allp, None, [1.0] * len(full), [min_p[i] for i in full])))
     return groups
 
 
+def kinds(top_k: list[int], top_p: list[float], V: int) -> list[int]:
+    """candidate_filter's group of each row: 0 top-k, 1 top-p (no top-k), 2 neither."""
+    return [0 if 0 < k < V else 1 if p < 1.0 else 2 for k, p in zip(top_k, top_p)]
+
+
+def _consecutive(idx: list[int]) -> bool:
+    return idx == list(range(idx[0], idx[0] + len(idx)))
+
+
+def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
+    """x's rows idx: a view when they are consecutive (no copy), else a copy."""
+    if _consecutive(idx):
+        return x[idx[0]:idx[0] + len(idx)]
+    return x.index_select(0, torch.tensor(idx))
+
+
 # _nucleus's digits of a row's int32 keys, most significant first: (shift, bins); the first level counts every
-# token, the later ones only the tokens left in the chosen digit (a few hundred on a flat row)
+# token, the later ones only the tokens left in the chosen digit (a few hundred on a flat row). Rows of
+# bfloat16 values (compute_logits's, before the temperature) have 16-bit keys: two levels, the second of 16 bins
 LEVELS = ((20, 4096), (8, 4096), (0, 256))
+LEVELS_BF16 = ((20, 4096), (16, 16))
 
 
 def _nucleus(raw: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -130,16 +163,19 @@ def _nucleus(raw: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> tor
     No sort: the row's float32 bits as order-preserving int32 keys, and the nucleus's last key found digit by
     digit (a radix select): the probability mass per value of the key's top 12 bits (one bincount for the
     rows), from the top until it reaches top_p x the row's mass, then the same over the next 12 and last 8
-    bits among the tokens of the chosen digit only. About 3 passes over the rows plus a few small ops;
-    bfloat16-valued or not alike (a float sort of the row, or a radix sort of its bfloat16 keys, before)."""
+    bits (rows of bfloat16 values, as compute_logits gives them: the next 4 bits, the rest being 0) among the
+    tokens of the chosen digit only. About 3 passes over the rows plus a few small ops."""
     m, V = raw.shape
-    bits = raw.contiguous().view(torch.int32)
+    raw = raw.contiguous()
+    bits = raw.view(torch.int32)
+    # bfloat16 values: the low 16 bits (the even int16 halves, little-endian) all 0
+    levels = LEVELS_BF16 if int(torch.count_nonzero(raw.view(torch.int16)[:, 0::2])) == 0 else LEVELS
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # sign-magnitude -> two's complement: int32 in the floats' order
     target = top_p[:, 0].to(torch.float64)
     above = torch.zeros(m, dtype=torch.float64)  # per row: the mass of the keys above the digits chosen so far
     boundary = torch.zeros(m, dtype=torch.int64)
     k, w, r = key.view(-1), probs.contiguous().view(-1), torch.empty(0, dtype=torch.long)
-    for level, (shift, bins) in enumerate(LEVELS):
+    for level, (shift, bins) in enumerate(levels):
         if level == 0:
             d = (k >> shift) + bins // 2  # the signed top digit, offset to 0..bins-1
             flat = (d.view(m, V) + torch.arange(0, m * bins, bins, dtype=torch.int32)[:, None]).view(-1)
@@ -161,7 +197,7 @@ def _nucleus(raw: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> tor
             k, w, r = k.index_select(0, sel), w.index_select(0, sel), sel // V
         else:
             boundary |= digit << shift
-            if shift:
+            if level < len(levels) - 1:
                 sel = (d == digit.to(torch.int32).index_select(0, r)).nonzero()[:, 0]
                 k, w, r = k.index_select(0, sel), w.index_select(0, sel), r.index_select(0, sel)
     return key >= boundary.to(torch.int32)[:, None]
@@ -176,13 +212,12 @@ def _finish(probs: torch.Tensor, ids: torch.Tensor | None, top_p: list[float],
         drop[:, 0] = False
         probs = probs * ~drop
     mrows = [i for i, m in enumerate(min_p) if m > 0.0]
-    if len(mrows) == len(min_p):
-        m = torch.tensor(min_p, dtype=torch.float32)[:, None]
-        probs = probs * (probs >= m * probs.amax(-1, keepdim=True))
-    elif mrows:  # only the rows with a min_p: a whole-vocabulary pass costs ~0.1 ms a row
-        sel = torch.tensor(mrows)
-        rows = probs.index_select(0, sel)
+    if mrows:  # only the rows with a min_p (a whole-vocabulary pass costs ~0.1 ms a row), in place (probs is
+        # ours): consecutive rows (sampler.SamplingBatch.candidate_ordered) as a view, others copied and back
+        rows = _take(probs, mrows)
         m = torch.tensor([min_p[i] for i in mrows], dtype=torch.float32)[:, None]
-        probs = probs.index_copy(0, sel, rows * (rows >= m * rows.amax(-1, keepdim=True)))
+        rows.masked_fill_(rows < m * rows.amax(-1, keepdim=True), 0.0)
+        if not _consecutive(mrows):
+            probs.index_copy_(0, torch.tensor(mrows), rows)
     return Candidates(probs, ids)
 

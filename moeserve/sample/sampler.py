@@ -10,7 +10,7 @@ import torch
 
 from moeserve.sample.draw import MESSAGE, SamplingError, draw_candidates
 from moeserve.sample.exact import sample_exact
-from moeserve.sample.filters import Candidates, candidate_filter, exact_filter
+from moeserve.sample.filters import Candidates, candidate_filter, exact_filter, kinds
 from moeserve.sample.logprobs import TokenLogprobs, token_logprobs
 from moeserve.sampling_params import SamplingParams
 
@@ -69,6 +69,16 @@ class SamplingBatch:
         sel = torch.tensor(rows, dtype=torch.long)
         return scale(logits.index_select(0, sel), self.temperature.index_select(0, sel))
 
+    def candidate_ordered(self, vocab: int) -> list[int]:
+        """candidate_rows grouped as filters.candidate_filter groups them: each group's scaled rows are then
+        a slice of one copy, not a second copy."""
+        rows = self.candidate_rows
+        kind = kinds(*self.select(rows)[:2], vocab)
+        # and the rows with a min_p together (the top-p ones last, the others first: one group after candidate_filter
+        # merges them), for _finish's min-p on a view of them
+        minp = [(self.min_p[i] > 0.0) == (k == 1) for i, k in zip(rows, kind)]
+        return [i for _, _, i in sorted(zip(kind, minp, rows))]
+
     def select(self, rows: list[int]) -> tuple[list[int], list[float], list[float]]:
         """(top_k, top_p, min_p) of these rows."""
         return [self.top_k[i] for i in rows], [self.top_p[i] for i in rows], [self.min_p[i] for i in rows]
@@ -87,12 +97,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
             tokens[i] = t
     if batch.exact_rows:
         rows = batch.exact_rows
-        for i, t in zip(rows, sample_exact(logits.index_select(0, torch.tensor(rows)), batch.scaled(logits, rows),
+        sel = torch.tensor(rows)
+        raw = logits.index_select(0, sel)
+        for i, t in zip(rows, sample_exact(raw, scale(raw, batch.temperature.index_select(0, sel)),
                                            *batch.select(rows), [batch.generators[i] for i in rows])):
             tokens[i] = t
     if batch.candidate_rows:
-        rows = batch.candidate_rows
-        for group, cands in candidate_filter(batch.scaled(logits, rows), *batch.select(rows)):
+        rows = batch.candidate_ordered(logits.shape[-1])
+        for group, cands in candidate_filter(batch.scaled(logits, rows), *batch.select(rows), logits, rows):
             for j, t in zip(group, draw_candidates(cands, generator)):
                 tokens[rows[j]] = t
     return tokens
@@ -109,8 +121,8 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         rows = batch.exact_rows
         probs[torch.tensor(rows)] = exact_filter(batch.scaled(logits, rows), *batch.select(rows)).softmax(-1)
     if batch.candidate_rows:
-        rows = batch.candidate_rows
-        for group, c in candidate_filter(batch.scaled(logits, rows), *batch.select(rows)):
+        rows = batch.candidate_ordered(logits.shape[-1])
+        for group, c in candidate_filter(batch.scaled(logits, rows), *batch.select(rows), logits, rows):
             probs[torch.tensor([rows[j] for j in group])] = _dense(c, V)
     return probs
 
