@@ -64,7 +64,10 @@ class DPEngineClient:
         # --enable-elastic-ep: each rank publishes the collectives it has begun there (the hang check)
         self.board = None
         if parallel.enable_elastic_ep and torchrun is None:
-            self.board = ProgressBoard(ProgressBoard.path_for(int(port)), BOARD_SLOTS, create=True)
+            try:
+                self.board = ProgressBoard(ProgressBoard.path_for(int(port)), BOARD_SLOTS, create=True)
+            except OSError as e:  # the rest of elastic EP works without it
+                logger.warning("--enable-elastic-ep: no progress board (%s): a hung rank is not detected", e)
         self.hang_timeout = parallel.elastic_ep_hang_timeout
         self._beats: dict[int, tuple[int, int]] | None = None  # the last beats read, and since when unchanged
         self._beats_at = time.monotonic()
