@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -155,23 +156,28 @@ def decode_part(a) -> None:
     # per engine step (model runner execute) of the timed decodes: (step ms, of which StepSampler.sample ms),
     # thread CPU time: the forward is the same for every variant, so the steps' medians show the sampler's
     # share with less of the shared machine's noise than whole-run tok/s
-    steps: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
-    timing: list = [None, 0.0]  # [variant being timed or None, sampler seconds in this step]
+    # and the sampler's minor page faults (fresh pages for its temporaries: ~1 us each, in the thread time)
+    steps: dict[str, list[tuple[float, float, int]]] = {k: [] for k in variants}
+    timing: list = [None, 0.0, 0]  # [variant being timed or None, sampler seconds, faults in this step]
     runner = llm.engine.runner
     execute, sample = runner.execute, runner.sampler.sample
 
+    def faults() -> int:
+        return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
+
     def timed_sample(*args, **kw):
-        t0 = CLOCK()
+        t0, f0 = CLOCK(), faults()
         try:
             return sample(*args, **kw)
         finally:
             timing[1] += CLOCK() - t0
+            timing[2] += faults() - f0
 
     def timed_execute(out):
-        timing[1], t0 = 0.0, CLOCK()
+        timing[1], timing[2], t0 = 0.0, 0, CLOCK()
         result = execute(out)
         if timing[0] is not None:
-            steps[timing[0]].append(((CLOCK() - t0) * 1e3, timing[1] * 1e3))
+            steps[timing[0]].append(((CLOCK() - t0) * 1e3, timing[1] * 1e3, timing[2]))
         return result
 
     runner.execute, runner.sampler.sample = timed_execute, timed_sample
@@ -202,10 +208,12 @@ def decode_part(a) -> None:
             ratios = [m / g for m, g in zip(runs[k], runs["greedy"])]
             print(f"  {k}/greedy: median {statistics.median(ratios):.3f} (per repeat "
                   f"{', '.join(f'{x:.3f}' for x in ratios)})")
-    step_ms = {k: statistics.median(t for t, _ in v) for k, v in steps.items()}
-    sample_ms = {k: statistics.median(s for _, s in v) for k, v in steps.items()}
+    step_ms = {k: statistics.median(t for t, _, _ in v) for k, v in steps.items()}
+    sample_ms = {k: statistics.median(s for _, s, _ in v) for k, v in steps.items()}
+    sample_pf = {k: statistics.median(f for _, _, f in v) for k, v in steps.items()}
     print(f"per engine step (median of {len(steps['greedy'])} steps, prefill steps included): "
-          + ", ".join(f"{k} {step_ms[k]:.1f} ms of which sampling {sample_ms[k]:.1f} ms" for k in variants))
+          + ", ".join(f"{k} {step_ms[k]:.1f} ms of which sampling {sample_ms[k]:.1f} ms ({sample_pf[k]:.0f} page "
+                      f"faults)" for k in variants))
     for k in variants:
         if k != "greedy":  # greedy's step with this variant's sampling in place of greedy's
             est = step_ms["greedy"] / (step_ms["greedy"] - sample_ms["greedy"] + sample_ms[k])

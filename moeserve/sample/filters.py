@@ -215,8 +215,12 @@ def _finish(probs: torch.Tensor, ids: torch.Tensor | None, top_p: list[float],
     if mrows:  # only the rows with a min_p (a whole-vocabulary pass costs ~0.1 ms a row), in place (probs is
         # ours): consecutive rows (sampler.SamplingBatch.candidate_ordered) as a view, others copied and back
         rows = _take(probs, mrows)
-        m = torch.tensor([min_p[i] for i in mrows], dtype=torch.float32)[:, None]
-        rows.masked_fill_(rows < m * rows.amax(-1, keepdim=True), 0.0)
+        m = torch.tensor([min_p[i] for i in mrows], dtype=torch.float32)
+        # keep p >= min_p x max: zero p <= the float32 below that, a vectorised threshold_ per row (a bool mask
+        # and masked_fill cost ~10x that here)
+        below = torch.nextafter(m * rows.amax(-1), torch.tensor(NEG_INF)).tolist()
+        for j, t in enumerate(below):
+            torch.nn.functional.threshold_(rows[j], t, 0.0)
         if not _consecutive(mrows):
             probs.index_copy_(0, torch.tensor(mrows), rows)
     return Candidates(probs, ids)

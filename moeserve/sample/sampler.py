@@ -15,11 +15,12 @@ from moeserve.sample.logprobs import TokenLogprobs, token_logprobs
 from moeserve.sampling_params import SamplingParams
 
 
-def scale(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits [n, V] / temperature [n]; masked (-inf) entries stay masked (-inf / a temperature that
-    overflows float32 would be NaN; a finite one leaves +-inf as it is, so then no where is needed)."""
+def scale(logits: torch.Tensor, temperature: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """logits [n, V] / temperature [n] (inplace: into logits, a copy of the caller's); masked (-inf) entries stay
+    masked (-inf / a temperature that overflows float32 would be NaN; a finite one leaves +-inf as it is, so
+    then no where is needed)."""
     if bool(torch.isfinite(temperature).all()):
-        return logits / temperature[:, None]
+        return logits.div_(temperature[:, None]) if inplace else logits / temperature[:, None]
     return torch.where(torch.isinf(logits), logits, logits / temperature[:, None])
 
 
@@ -67,7 +68,7 @@ class SamplingBatch:
     def scaled(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """These rows of logits [R, V], divided by their temperatures: what the filters take."""
         sel = torch.tensor(rows, dtype=torch.long)
-        return scale(logits.index_select(0, sel), self.temperature.index_select(0, sel))
+        return scale(logits.index_select(0, sel), self.temperature.index_select(0, sel), inplace=True)
 
     def candidate_ordered(self, vocab: int) -> list[int]:
         """candidate_rows grouped as filters.candidate_filter groups them: each group's scaled rows are then
@@ -92,9 +93,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     if batch.greedy_rows:
         if batch.all_greedy:
             return logits.argmax(dim=-1).tolist()
-        sel = torch.tensor(batch.greedy_rows)
-        for i, t in zip(batch.greedy_rows, logits.index_select(0, sel).argmax(dim=-1).tolist()):
-            tokens[i] = t
+        if len(batch.greedy_rows) <= 8:  # a few rows: each where it is, not copied out first
+            for i in batch.greedy_rows:
+                tokens[i] = int(logits[i].argmax())
+        else:
+            sel = torch.tensor(batch.greedy_rows)
+            for i, t in zip(batch.greedy_rows, logits.index_select(0, sel).argmax(dim=-1).tolist()):
+                tokens[i] = t
     if batch.exact_rows:
         rows = batch.exact_rows
         sel = torch.tensor(rows)
