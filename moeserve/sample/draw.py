@@ -67,7 +67,9 @@ def draw_candidates(c: Candidates, generator: torch.Generator) -> list[int | Non
         nb = -(-K // BLOCK)
         blocks = probs if K == nb * BLOCK else torch.nn.functional.pad(probs, (0, nb * BLOCK - K))
         blocks = blocks.view(n, nb, BLOCK)
-        mass = blocks.sum(-1, dtype=torch.float64)  # [n, nb]
+        # [n, nb]: float32 block sums (pairwise: ~1e-7 relative), then float64 (sum(dtype=float64) would
+        # first copy every row to float64)
+        mass = blocks.sum(-1).to(torch.float64)
         bad = bad_rows(mass)  # the row's sum shows it as well (NaN, inf, nothing above 0): no pass of its own
         b = _inverse_cdf(mass, u)
         cdf = mass.cumsum(-1)

@@ -140,7 +140,7 @@ def _boundaries(logits: torch.Tensor, x: torch.Tensor, top_k: list[int],
     probs = srt.softmax(-1)  # exact_filter's top-p, on the same values in the same order
     drop = probs.cumsum(-1) - probs >= torch.tensor(top_p, dtype=torch.float32)[:, None]
     drop[:, 0] = False
-    k = (~drop).sum(-1)
+    k = V - torch.count_nonzero(drop, dim=-1)  # (a sum of bools would copy them to int64 first)
     monotone = ~(drop[:, :-1] & ~drop[:, 1:]).any(-1)
     v = srt.gather(1, (k - 1)[:, None])[:, 0]
     after = srt.gather(1, k.clamp(max=V - 1)[:, None])[:, 0]
