@@ -48,9 +48,12 @@ def run(engine, prompts, params, kills: list[int], before: int,
     records, pending = [], list(kills)
     mark = dict.fromkeys(got, 0)  # tokens of each request at the last kill
     rec = None
+    full = len(engine.slots)
     while engine.has_unfinished():
         outs = engine.step()
         now = time.monotonic()
+        if records and "full" not in records[-1] and _full(engine, full):
+            records[-1]["full"] = now  # --replace: the replacement joined while requests ran
         for out in outs:
             got[out.request_id] += out.new_token_ids
         if rec is not None:
@@ -80,6 +83,10 @@ def run(engine, prompts, params, kills: list[int], before: int,
             else:
                 os.kill(engine.ranks.procs[victim].pid, signal.SIGKILL)
     return {r.split("-", 1)[1]: t for r, t in got.items()}, records
+
+
+def _full(engine, size: int) -> bool:
+    return len(engine.slots) == size and engine.recovery is None and not engine.joining
 
 
 def main() -> None:
@@ -137,10 +144,9 @@ def main() -> None:
         got, records = run(engine, prompts, params, victims[:a.kills], a.before, hang_file)
         if a.replace:
             deadline = time.monotonic() + 600
-            while (engine.dp_size < a.dp or engine.recovery is not None or engine.joining) \
-                    and time.monotonic() < deadline:
+            while not _full(engine, a.dp) and time.monotonic() < deadline:
                 engine.step(poll_s=0.1)
-            joined = time.monotonic() - records[-1]["kill"]
+            joined = records[-1].get("full", time.monotonic()) - records[-1]["kill"]
             t0 = time.monotonic()
             again, _ = run(engine, prompts, params, [], a.before)
             tok_s["after"] = a.requests * a.new_tokens / (time.monotonic() - t0)

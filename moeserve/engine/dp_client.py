@@ -85,6 +85,7 @@ class DPEngineClient:
         self._next_slot = parallel.world_size
         self._unreplaced = 0  # ranks lost whose replacement has not been started yet
         self._served: set[int] = set(range(self.dp_size))  # rank processes that were ready in an epoch
+        self._spare: int | None = None  # the spare rank process started ahead (LocalRanks.spawn_spare)
         self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots, self.board, self.joining)
         self.decoder = msgspec.msgpack.Decoder(RankReport)
         self.dead: str | None = None
@@ -103,6 +104,8 @@ class DPEngineClient:
         self.replace = parallel.elastic_ep_replace
         if self.board is not None and not self.replace:
             self.board.unlink()  # every rank has mapped it (replacements map it later: unlinked at the end then)
+        if self.replace:
+            self._spawn_spare()
         self.elastic = parallel.enable_elastic_ep
 
     def _reset_ranks(self) -> None:
@@ -397,12 +400,23 @@ class DPEngineClient:
         """--elastic-ep-replace: start a replacement rank process for each rank lost while serving (once the
         survivors serve: its start would slow their re-formation); it says when it is up, and the survivors
         and it then re-form as one group again (step())."""
-        while self._unreplaced and self._next_slot < BOARD_SLOTS:
-            slot, self._next_slot = self._next_slot, self._next_slot + 1
+        while self._unreplaced and (self._spare is not None or self._next_slot < BOARD_SLOTS):
+            if self._spare is not None:  # imported already: it joins in moments
+                slot, self._spare = self._spare, None
+            else:
+                slot, self._next_slot = self._next_slot, self._next_slot + 1
             self._unreplaced -= 1
             logger.warning("starting rank %d to replace a lost rank (--elastic-ep-replace)", slot)
             self.ranks.spawn_replacement(slot)
             self.joining[slot] = None
+
+    def _spawn_spare(self) -> None:
+        """--elastic-ep-replace: keep one rank process started ahead (it imports torch and the engine, several
+        seconds of CPU, then waits), so a replacement joins in moments. Started at start-up and after each
+        join, not while ranks re-form or join (it would slow them)."""
+        if self._spare is None and self._next_slot < BOARD_SLOTS:
+            self._spare, self._next_slot = self._next_slot, self._next_slot + 1
+            self.ranks.spawn_spare(self._spare)
 
     def _start_recovery(self) -> None:
         """Drop the dead rank(s) and take in the replacements that are up; tell each rank its rank in a new
@@ -494,6 +508,8 @@ class DPEngineClient:
         logger.warning("epoch %d: %d rank(s) serve again after %.2f s; %d request(s) re-queued", self.epoch,
                        self.dp_size, took, len(self.requests))
         self._replace()
+        if grow and self.replace and not self.joining:
+            self._spawn_spare()
 
     def _fail(self, message: str) -> None:
         self.dead = message

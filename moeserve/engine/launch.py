@@ -182,6 +182,7 @@ class LocalRanks:
                  prespawned: dict[int, subprocess.Popen] | None = None) -> None:
         payload = msgspec.msgpack.encode(config)
         self.procs: dict[int, subprocess.Popen] = {}
+        self.spares: dict[int, subprocess.Popen] = {}  # --elastic-ep-replace: started, waiting on stdin
         self.thread: threading.Thread | None = None
         if torchrun is not None:
             from moeserve.engine.dp_worker import rank_main
@@ -201,10 +202,18 @@ class LocalRanks:
             proc.stdin.write(self.start)
             proc.stdin.close()
 
+    def spawn_spare(self, rank: int) -> None:
+        """--elastic-ep-replace: start rank process `rank` ahead of need; it imports torch and the engine, then
+        waits on stdin (as a standby engine core's ranks do) until spawn_replacement(rank) sends it on."""
+        self.spares[rank] = _spawn_rank(self.config, rank, join=True)
+
     def spawn_replacement(self, rank: int) -> None:
-        """--elastic-ep-replace: a fresh rank process `rank` (a number no process had) that joins the running
-        engine's next epoch instead of starting one (dp_worker --join)."""
-        proc = _spawn_rank(self.config, rank, join=True)
+        """--elastic-ep-replace: rank process `rank` (a number no process had) that joins the running engine's
+        next epoch instead of starting one (dp_worker --join): the spare of that number if it is alive, else
+        a fresh one."""
+        proc = self.spares.pop(rank, None)
+        if proc is None or proc.poll() is not None:
+            proc = _spawn_rank(self.config, rank, join=True)
         proc.stdin.write(self.start)
         proc.stdin.close()
         self.procs[rank] = proc
@@ -246,6 +255,10 @@ class LocalRanks:
         p.wait(5)
 
     def kill(self) -> None:
+        for p in self.spares.values():
+            p.kill()
+        for p in self.spares.values():
+            p.wait(5)
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()

@@ -38,6 +38,7 @@ def test_replacement_joins_and_serves_with_the_full_group(path, reference):
     llm = elastic_llm(path, 3, elastic_ep_replace=True)
     try:
         engine = llm.engine
+        assert list(engine.ranks.spares) == [3]  # started ahead: imports done before any loss
         assert kill_mid_decode(engine, 1) == reference  # served by the two survivors meanwhile
         assert (engine.slots, engine.stats().elastic_ranks_lost) == ([0, 2], 1)
         wait_for_full_group(engine, 3)
@@ -53,9 +54,10 @@ def test_replacement_joins_and_serves_with_the_full_group(path, reference):
         stats = engine.stats()
         assert (stats.elastic_ranks_lost, stats.elastic_ranks_replaced) == (2, 2)
         assert generate(llm) == reference
+        assert list(engine.ranks.spares) == [5]  # the next one, started ahead once rank 4 joined
     finally:
         llm.shutdown()
-    assert all(p.poll() is not None for p in engine.ranks.procs.values())
+    assert all(p.poll() is not None for p in [*engine.ranks.procs.values(), *engine.ranks.spares.values()])
 
 
 def test_two_ranks_lost_at_once_are_both_replaced_in_one_join(path, reference):
@@ -101,7 +103,7 @@ def test_shutdown_while_the_replacement_starts(path):
         assert engine.slots == [1, 2] and list(engine.joining) == [3]
     finally:
         llm.shutdown()
-    procs = engine.ranks.procs
+    procs = {**engine.ranks.procs, **engine.ranks.spares}
     assert all(p.poll() is not None for p in procs.values()), {r: p.poll() for r, p in procs.items()}
     assert procs[3].returncode == -signal.SIGKILL  # killed while starting: it held nothing
 

@@ -56,6 +56,12 @@ def test_streams_ride_through_a_killed_rank_and_health_stays_200(ckpt_dir):
         s.stop()
 
 
+def joiner(pid: int) -> bool:
+    """A replacement or spare rank process (dp_worker --join)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"--join" in f.read().split(b"\0")
+
+
 def test_replacement_rank_joins_and_the_degraded_gauge_returns_to_0(ckpt_dir):
     # --elastic-ep-replace: once the two survivors serve, the engine core starts a third rank process; it
     # joins the next epoch (the server's stats heartbeat drives the idle front end), and the outputs stay
@@ -66,7 +72,8 @@ def test_replacement_rank_joins_and_the_degraded_gauge_returns_to_0(ckpt_dir):
         model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         reference = _run_streams(s.url, model)
         core = s.engine_pid
-        ranks = sorted(children(core))
+        ranks = sorted(p for p in children(core) if not joiner(p))  # the fourth is the spare (dp_worker --join)
+        assert len(ranks) == 3 and len(children(core)) == 4
         got = _run_streams(s.url, model, lambda: os.kill(ranks[1], signal.SIGKILL))
         for i in range(len(PROMPTS)):
             assert got[i][-1] == "[DONE]" and _answer(got[i]) == _answer(reference[i]), i
@@ -75,8 +82,9 @@ def test_replacement_rank_joins_and_the_degraded_gauge_returns_to_0(ckpt_dir):
             time.sleep(0.5)
         assert s.metric("moeserve:elastic_ep_degraded") == 0
         assert s.metric("moeserve:elastic_ep_rank_losses_total") == 1
-        now = sorted(children(core))
-        assert len(now) == 3 and ranks[1] not in now and {ranks[0], ranks[2]} < set(now), (ranks, now)
+        now = sorted(children(core))  # the two survivors, the replacement and the next spare (started ahead)
+        assert len(now) == 4 and ranks[1] not in now and {ranks[0], ranks[2]} < set(now), (ranks, now)
+        assert sum(map(joiner, now)) == 2
         again = _run_streams(s.url, model)  # the three serve
         for i in range(len(PROMPTS)):
             assert _answer(again[i]) == _answer(reference[i]), i
