@@ -53,8 +53,12 @@ def _copy_bytes(copy) -> int:
     """A packed BF16 tensor, or an object that knows its size (layers/quant.py's Int8Packed)."""
     if copy is None:
         return 0
-    if isinstance(copy, torch.Tensor):  # its storage: zentorch's INT8 pack holds more than its elements
-        return max(copy.numel() * copy.element_size(), copy.untyped_storage().nbytes())
+    if isinstance(copy, torch.Tensor):
+        elements = copy.numel() * copy.element_size()
+        try:  # zentorch's INT8 pack holds more than its elements in its storage
+            return max(elements, copy.untyped_storage().nbytes())
+        except NotImplementedError:  # oneDNN's packed (opaque) tensors have no storage to ask
+            return elements
     return copy.nbytes
 
 
