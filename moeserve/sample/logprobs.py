@@ -17,7 +17,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | 
     """logits [R, V] (the raw model distribution, as vLLM and OpenAI report it), the token of each row and
     how many top entries it wants (None: no logprobs for that row). One log_softmax for the rows that want
     logprobs and one topk per distinct count."""
-    rows = [i for i, n in enumerate(num_top) if n is not None]
+    # the rows grouped by count: each count's topk on a slice of logp, not a copy of its rows
+    rows = sorted((i for i, n in enumerate(num_top) if n is not None), key=lambda i: num_top[i])
     out: list[TokenLogprobs | None] = [None] * len(num_top)
     if not rows:
         return out
@@ -30,7 +31,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | 
         if num_top[i]:
             by_n.setdefault(num_top[i], []).append(j)
     for n, js in by_n.items():
-        top = logp.index_select(0, torch.tensor(js)).topk(min(n, logp.shape[-1]))
+        top = logp[js[0]:js[-1] + 1].topk(min(n, logp.shape[-1]))
         for j, ids, vals in zip(js, top.indices.tolist(), top.values.tolist()):
             tops[j] = list(zip(ids, vals))
     for j, i in enumerate(rows):
