@@ -10,8 +10,8 @@ Two paths, chosen per row by sampler.SamplingBatch:
 - candidates (every other sampled row): top-k and top-p work on the row's best candidates only (one
   batched topk per step instead of a full-vocabulary sort per request), then min-p; the draw picks among
   the candidates (draw.draw_candidates). A top-p row whose nucleus its 256 best tokens do not hold uses the
-  whole vocabulary (a radix select over the row's float bits finds the nucleus's last value; tokens tied
-  with it are kept).
+  whole vocabulary (a radix select over the row's float bits, or over the 16 bits of bfloat16 logits, finds
+  the nucleus's last value; tokens tied with it are kept), in one group with the temperature-only rows.
 """
 from __future__ import annotations
 
@@ -96,9 +96,8 @@ def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_
         p = torch.tensor([top_p[i] for i in prows], dtype=torch.float32)
         if CANDIDATES < V:
             # the best CANDIDATES tokens, for rows where they can hold top_p: their mass is at most CANDIDATES x
-            # the best probability, and at most sqrt(CANDIDATES x sum of squares) (Cauchy-Schwarz), which rules
-            # out flat rows without a topk that would only fail
-            # (the sum of squares, a second pass, only for the rows the best probability leaves open)
+            # the best probability, and at most sqrt(CANDIDATES x sum of squares) (Cauchy-Schwarz, a second pass:
+            # only for the rows the first leaves open), which rules out flat rows without a topk that would fail
             tried = [j for j, h in enumerate((CANDIDATES * probs.amax(-1) < p).tolist()) if not h]
             if tried:
                 sq = (CANDIDATES * _take(probs, tried).square().sum(-1)).sqrt_()
