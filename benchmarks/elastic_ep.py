@@ -60,7 +60,7 @@ def run(engine, prompts, params, kills: list[int], before: int,
             if "seen" not in rec and engine.epoch > rec["epoch"]:
                 rec["seen"] = now
             if "ready" not in rec and engine.epoch > rec["epoch"] and engine.recovery is None:
-                rec["ready"] = now
+                rec["ready"], rec["ranks"] = now, len(engine.slots)
             if "ready" in rec and outs and "token" not in rec:
                 rec["token"] = now
             if "token" in rec and all(len(got[r]) > mark[r] or len(got[r]) == params.max_tokens for r in got):
@@ -160,7 +160,7 @@ def main() -> None:
         print(f"kill 1 is a hang ({a.hang}; the hang check killed rank(s) {engine.hung_killed})")
     print("kill  rank  ranks after  loss seen s  serving again s  next token s  all resumed s  requeued  recomputed")
     for k, r in enumerate(records, 1):
-        print(f"{k:4d}  {r['victim']:4d}  {a.dp - k:11d}  {r['seen'] - r['kill']:11.2f}  {r['ready'] - r['kill']:15.2f}"
+        print(f"{k:4d}  {r['victim']:4d}  {r['ranks']:11d}  {r['seen'] - r['kill']:11.2f}  {r['ready'] - r['kill']:15.2f}"
               f"  {r['token'] - r['kill']:12.2f}  {r['all'] - r['kill']:13.2f}  {r['requeued']:8d}  {r['recomputed']:10d}")
     lost = sum(len(got.get(k, [])) != a.new_tokens for k in want)
     same = sum(got.get(k) == t for k, t in want.items())

@@ -86,7 +86,11 @@ class DPEngineClient:
         self._unreplaced = 0  # ranks lost whose replacement has not been started yet
         self._served: set[int] = set(range(self.dp_size))  # rank processes that were ready in an epoch
         self._spare: int | None = None  # the spare rank process started ahead (LocalRanks.spawn_spare)
-        self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots, self.board, self.joining)
+        # the spare sent on into the current re-formation: its RankReform goes out once it says it is up
+        self._awaiting: set[int] = set()
+        self._epoch_init = ""  # the current epoch's rendezvous
+        self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots, self.board, self.joining,
+                                           self._awaiting)
         self.decoder = msgspec.msgpack.Decoder(RankReport)
         self.dead: str | None = None
         self.num_kv_blocks = 0
@@ -372,6 +376,11 @@ class DPEngineClient:
     def _joiner_report(self, report: RankReport) -> None:
         """--elastic-ep-replace: a replacement rank is up (it joins the next epoch), or failed before joining."""
         slot = report.dp_rank
+        if slot in self._awaiting and not report.error:  # the spare of this re-formation: its place in it
+            self._awaiting.discard(slot)
+            dp = self.slots.index(slot)
+            self._send(dp, RankCommand(reform=RankReform(self.epoch, dp, self.dp_size, self._epoch_init)))
+            return
         if slot not in self.joining:
             return
         if report.error:
@@ -438,14 +447,26 @@ class DPEngineClient:
             self._unreplaced += sum(r in self._served for r in dead)  # fail again, and again
             for r in sorted(set(dead) - self._served):
                 logger.warning("replacement rank %d was lost before it served; not replaced", r)
+            self._awaiting -= set(dead)
+            if self._unreplaced and self._spare is not None:  # imported already: it joins this re-formation
+                slot, self._spare = self._spare, None
+                self._unreplaced -= 1
+                logger.warning("rank %d (the spare) replaces a lost rank in epoch %d (--elastic-ep-replace)", slot,
+                               self.epoch + 1)
+                self.ranks.spawn_replacement(slot)
+                self.slots.append(slot)
+                self._awaiting.add(slot)
+                self.elastic_stats.elastic_ranks_replaced += 1
         self.epoch += 1
         self.dp_size = len(self.slots)
         init = f"tcp://{self.config.parallel.master_addr}:{free_port()}"
         # the epoch's rendezvous lives here, not on a survivor that may die too; older ones stay (a survivor
         # still checking in at one would wait out its timeout on a closed store)
         self._epoch_stores.append(epoch_store(init, self.config.parallel.distributed_timeout))
+        self._epoch_init = init
         for dp in range(self.dp_size):
-            self._send(dp, RankCommand(reform=RankReform(self.epoch, dp, self.dp_size, init)))
+            if self.slots[dp] not in self._awaiting:  # the spare gets it when it says it is up (_joiner_report)
+                self._send(dp, RankCommand(reform=RankReform(self.epoch, dp, self.dp_size, init)))
         started = self.recovery["started"] if self.recovery else time.monotonic()  # a loss while re-forming
         grow = not dead and self.recovery is None  # only replacements join: no loss to recover from
         self.recovery = {"waiting": set(range(self.dp_size)), "started": started, "epoch_at": time.monotonic(),
@@ -508,7 +529,7 @@ class DPEngineClient:
         logger.warning("epoch %d: %d rank(s) serve again after %.2f s; %d request(s) re-queued", self.epoch,
                        self.dp_size, took, len(self.requests))
         self._replace()
-        if grow and self.replace and not self.joining:
+        if self.replace and not self.joining:
             self._spawn_spare()
 
     def _fail(self, message: str) -> None:
@@ -517,12 +538,13 @@ class DPEngineClient:
         raise EngineDeadError(message)
 
 
-def _stop(sock, ranks: LocalRanks, slots: list[int], board=None, joining: dict | None = None) -> None:
+def _stop(sock, ranks: LocalRanks, slots: list[int], board=None, joining: dict | None = None,
+          awaiting: set | None = None) -> None:
     """Ask every DP rank to shut down, then make sure the local processes are gone."""
     if board is not None:
         board.unlink()  # a start that failed before every rank was ready, or --elastic-ep-replace
-    for slot in list(joining or ()):  # replacements in no epoch yet hold nothing: no clean exit to wait for
-        ranks.kill_rank(slot)
+    for slot in [*(joining or ()), *(awaiting or ())]:  # replacements in no epoch yet hold nothing: no clean
+        ranks.kill_rank(slot)  # exit to wait for
     try:
         for slot in slots:
             sock.send_multipart([f"dp{slot}".encode(), msgspec.msgpack.encode(RankCommand(shutdown=True))],

@@ -25,12 +25,13 @@ Lifecycle (issue 37; one node, TP 1, gloo):
   5. when all are ready the front end re-queues every unfinished request with its tokens so far
      (EngineCoreRequest.output_token_ids, issue 31's resume): greedy and seeded outputs continue exactly where
      the front end last saw them. New requests that arrived meanwhile wait in the front end until then.
-  6. --elastic-ep-replace (stage 2): once the survivors serve, the front end sends on a spare rank process it
-     started ahead (imports done), or starts a fresh one, per rank lost (dp_worker --join,
-     launch.LocalRanks.spawn_spare / spawn_replacement); it says it is up (a report of
-     JOINING_EPOCH) and waits; the front end then starts the next epoch with the survivors and it (the
-     survivors leave their step on the RankReform), every rank rebuilds for the full EP group (decoding
-     eagerly, as in 4) and the requests are re-queued as in 5.
+  6. --elastic-ep-replace (stage 2): the front end keeps a spare rank process started ahead (dp_worker --join,
+     imports done, waiting on stdin: launch.LocalRanks.spawn_spare). On a loss it is sent on and is a member
+     of the loss's epoch: once it says it is up (a report of JOINING_EPOCH) it gets its RankReform, and the
+     survivors wait for it at the store. Without a spare a fresh one starts once the survivors serve, says
+     it is up, and the front end starts the next epoch with the survivors and it (the survivors leave their
+     step on the RankReform). Every rank rebuilds for the full EP group (decoding eagerly, as in 4) and the
+     requests are re-queued as in 5.
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
 Stage 1 rebuilds each survivor's engine core: its KV cache and its requests are recomputed too (the prefix

@@ -39,28 +39,32 @@ def test_replacement_joins_and_serves_with_the_full_group(path, reference):
     try:
         engine = llm.engine
         assert list(engine.ranks.spares) == [3]  # started ahead: imports done before any loss
-        assert kill_mid_decode(engine, 1) == reference  # served by the two survivors meanwhile
-        assert (engine.slots, engine.stats().elastic_ranks_lost) == ([0, 2], 1)
+        # the spare joins the survivors' re-formation: one epoch, one interruption
+        assert kill_mid_decode(engine, 1) == reference
         wait_for_full_group(engine, 3)
-        assert (engine.slots, engine.epoch) == ([0, 2, 3], 2)
+        assert (engine.slots, engine.epoch) == ([0, 2, 3], 1)
         stats = engine.stats()
         assert (stats.elastic_ranks_lost, stats.elastic_ranks_replaced) == (1, 1)
         assert generate(llm) == reference
         assert all(s.num_steps > 0 for s in engine.rank_stats) and len(engine.rank_stats) == 3  # all three serve
-        # the replacement is a rank like any other: its loss is replaced in turn, mid-decode
+        # the replacement is a rank like any other: its loss is replaced in turn, mid-decode, by the next
+        # spare (started once rank 3 served; it may still be importing: the others wait for it)
+        assert list(engine.ranks.spares) == [4]
         assert kill_mid_decode(engine, 3) == reference
         wait_for_full_group(engine, 3)
-        assert engine.slots == [0, 2, 4]
+        assert (engine.slots, engine.epoch) == ([0, 2, 4], 2)
         stats = engine.stats()
         assert (stats.elastic_ranks_lost, stats.elastic_ranks_replaced) == (2, 2)
         assert generate(llm) == reference
-        assert list(engine.ranks.spares) == [5]  # the next one, started ahead once rank 4 joined
+        assert list(engine.ranks.spares) == [5]
     finally:
         llm.shutdown()
     assert all(p.poll() is not None for p in [*engine.ranks.procs.values(), *engine.ranks.spares.values()])
 
 
-def test_two_ranks_lost_at_once_are_both_replaced_in_one_join(path, reference):
+def test_two_ranks_lost_at_once_are_both_replaced(path, reference):
+    # the spare (rank 3) joins the survivor's re-formation; a fresh rank 4 starts once they serve and joins
+    # the epoch after
     llm = elastic_llm(path, 3, elastic_ep_replace=True)
     try:
         engine = llm.engine
@@ -77,10 +81,10 @@ def test_two_ranks_lost_at_once_are_both_replaced_in_one_join(path, reference):
                     os.kill(engine.ranks.procs[r].pid, signal.SIGKILL)
                 killed = True
         assert killed and [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
-        assert engine.slots == [1]  # one survivor finished them
+        assert engine.slots == [1, 3]  # the survivor and the spare finished them
         degraded = engine.epoch  # 1 or 2: the two deaths may be seen at once or one after the other
         wait_for_full_group(engine, 3)
-        assert (engine.slots, engine.epoch) == ([1, 3, 4], degraded + 1)  # both joined the next epoch together
+        assert (engine.slots, engine.epoch) == ([1, 3, 4], degraded + 1)
         stats = engine.stats()
         assert (stats.elastic_ranks_lost, stats.elastic_ranks_replaced) == (2, 2)
         assert generate(llm) == reference
@@ -89,18 +93,15 @@ def test_two_ranks_lost_at_once_are_both_replaced_in_one_join(path, reference):
 
 
 def test_shutdown_while_the_replacement_starts(path):
-    # rank 0 dies while idle; a request finds it, the survivors re-form, and the replacement (rank 3) is
-    # started as they serve again: shutting down at once, before it could join, leaves no process behind
+    # rank 0 dies while idle; a request finds it and the re-formation begins with the spare (rank 3) sent on:
+    # shutting down at once, before it could say it is up, leaves no process behind
     llm = elastic_llm(path, 3, elastic_ep_replace=True)
     engine = llm.engine
     try:
         os.kill(engine.ranks.procs[0].pid, signal.SIGKILL)
         engine.ranks.procs[0].wait(30)
         engine.add_request(EngineCoreRequest("r", PROMPTS[0], GREEDY, [1]))
-        deadline = time.monotonic() + 120
-        while not engine.joining and time.monotonic() < deadline:
-            engine.step()
-        assert engine.slots == [1, 2] and list(engine.joining) == [3]
+        assert engine.slots == [1, 2, 3] and engine._awaiting == {3} and engine.recovery is not None
     finally:
         llm.shutdown()
     procs = {**engine.ranks.procs, **engine.ranks.spares}
