@@ -495,9 +495,12 @@ class DPEngineClient:
         """A re-formation past --elastic-ep-timeout: kill the ranks the others wait on (their count of the
         epoch's collectives lags, as for a hung rank), so the next _check_alive re-forms without them. False
         when no rank can be named (all level: all stuck in the rendezvous or the build alike)."""
-        if self.board is None:
+        if self._awaiting:  # a spare that never said it is up: the others wait for it at the store
+            hung = sorted(self._awaiting)
+        elif self.board is None:
             return False
-        hung = hung_ranks({r: self.board.read(r) for r in self.slots}, self.epoch)
+        else:
+            hung = hung_ranks({r: self.board.read(r) for r in self.slots}, self.epoch)
         if not hung or len(hung) == len(self.slots):
             return False
         for r in hung:
