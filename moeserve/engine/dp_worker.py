@@ -77,6 +77,9 @@ class RankWorker:
             self.core = self.world = self.tp = None
             self.arch = DeepseekArch.from_pretrained(config.model.model)
             self.epoch = JOINING_EPOCH  # its reports say "a replacement, up and waiting"
+            before_hello = getattr(self.before_step, "before_hello", None)  # testing only
+            if before_hello is not None:
+                before_hello()
             self.report(RankReport(info.dp_rank, ready=True))
             return
         self.start(config, info)

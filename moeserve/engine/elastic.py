@@ -163,7 +163,8 @@ def test_hang_hook(rank: int):
     process inside the first EPLB weight move it starts from that step on (--enable-eplb), once the move's
     first layer has posted its transfers and before the next; "spin-at-join" busy-loops once the rank has
     joined the process groups of the first epoch it re-forms into, before it builds its engine core (STEP
-    unused). STEP may be @PATH instead: the first step at
+    unused); "spin-before-hello" busy-loops in a replacement (--elastic-ep-replace) before it says it is up.
+    STEP may be @PATH instead: the first step at
     which the file PATH exists (benchmarks/elastic_ep.py --hang creates it when it wants the fault). Returns a
     callable the worker runs before each step (with itself), or None."""
     spec = os.environ.get(TEST_HANG_ENV)
@@ -177,17 +178,16 @@ def test_hang_hook(rank: int):
     at = 0 if trigger else int(parts[1])
     count = [0]
 
-    if mode == "spin-at-join":
-        def at_join() -> None:
-            print(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} spins while joining", file=sys.stderr,
-                  flush=True)
+    if mode in ("spin-at-join", "spin-before-hello"):
+        def spin() -> None:
+            print(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} {mode}", file=sys.stderr, flush=True)
             while True:
                 pass
 
         def no_step(worker) -> None:
             pass
 
-        no_step.at_join = at_join
+        setattr(no_step, "at_join" if mode == "spin-at-join" else "before_hello", spin)
         return no_step
 
     def before_step(worker) -> None:

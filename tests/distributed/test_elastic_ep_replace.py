@@ -10,6 +10,7 @@ import pytest
 
 from moeserve import LLM
 from moeserve.config import ConfigError
+from moeserve.engine.elastic import TEST_HANG_ENV
 from moeserve.protocol import EngineCoreRequest
 from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate, kill_mid_decode
 
@@ -113,3 +114,19 @@ def test_replace_needs_elastic_ep(path):
     with pytest.raises(ConfigError) as e:
         LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True, elastic_ep_replace=True)
     assert "--elastic-ep-replace" in str(e.value) and "--enable-elastic-ep" in str(e.value)
+
+
+def test_spare_that_never_says_it_is_up_is_dropped(path, reference, monkeypatch):
+    # rank 1 is killed mid-decode; the spare (rank 3) sent on spins before its hello, so the survivors wait
+    # for it at the epoch's store; past --elastic-ep-timeout the front end kills it and the two re-form alone
+    monkeypatch.setenv(TEST_HANG_ENV, "3:0:spin-before-hello")
+    llm = elastic_llm(path, 3, elastic_ep_replace=True, elastic_ep_timeout=8)
+    try:
+        engine = llm.engine
+        assert kill_mid_decode(engine, 1) == reference
+        assert engine.hung_killed == [3] and engine.ranks.procs[3].poll() == -signal.SIGKILL
+        assert (engine.slots, engine.epoch) == ([0, 2], 2)
+        stats = engine.stats()
+        assert stats.elastic_ranks_lost - stats.elastic_ranks_replaced == 1  # degraded: not replaced in turn
+    finally:
+        llm.shutdown()
