@@ -256,7 +256,7 @@ class Int8LinearMethod:
     @staticmethod
     def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed = getattr(layer, "weight_zen", None)
-        if packed is not None and x.dtype == torch.bfloat16:
+        if packed is not None and x.dtype == torch.bfloat16 and x.numel() > 0:  # zentorch fails on no rows
             return zen_int8_linear(x, packed, layer.weight_zen_scale, layer.bias)
         return int8_linear(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "weight_packed", None))
 
