@@ -19,17 +19,6 @@ NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def path(ckpt_dir):
-    return ckpt_dir("v3")
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    llm = LLM(path, dtype="float32")
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-
-
 def tokens(llm, prompts=PROMPTS):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
 

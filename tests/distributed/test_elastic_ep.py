@@ -18,17 +18,6 @@ PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61)), [7, 8, 9
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def path(ckpt_dir):
-    return ckpt_dir("v3")
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    llm = LLM(path, dtype="float32")
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-
-
 def elastic_llm(path, dp, **kw):
     return LLM(path, dtype="float32", data_parallel_size=dp, enable_expert_parallel=True, enable_elastic_ep=True,
                num_redundant_experts=-8 % dp, distributed_timeout=60, **kw)

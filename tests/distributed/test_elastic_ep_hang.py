@@ -12,20 +12,10 @@ import pytest
 from moeserve import LLM
 from moeserve.config import ConfigError
 from moeserve.engine.elastic import TEST_HANG_ENV, hung_ranks
-from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate, kill_mid_decode
+# GREEDY, PROMPTS: what the reference fixture (conftest.py) decodes for this module
+from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate, kill_mid_decode  # noqa: F401
 
 HANG_S = 3.0  # --elastic-ep-hang-timeout of these tests
-
-
-@pytest.fixture(scope="module")
-def path(ckpt_dir):
-    return ckpt_dir("v3")
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    llm = LLM(path, dtype="float32")
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
 
 
 @pytest.mark.parametrize("dp,rank,mode", [(3, 1, "spin"), (2, 0, "block")])

@@ -7,20 +7,9 @@ import signal
 
 import pytest
 
-from moeserve import LLM
 from moeserve.engine.elastic import TEST_HANG_ENV
-from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate
-
-
-@pytest.fixture(scope="module")
-def path(ckpt_dir):
-    return ckpt_dir("v3")
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    llm = LLM(path, dtype="float32")
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+# GREEDY, PROMPTS: what the reference fixture (conftest.py) decodes for this module
+from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate  # noqa: F401
 
 
 @pytest.mark.parametrize("rank", [2, 0])

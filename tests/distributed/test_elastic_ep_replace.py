@@ -15,17 +15,6 @@ from moeserve.protocol import EngineCoreRequest
 from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate, kill_mid_decode
 
 
-@pytest.fixture(scope="module")
-def path(ckpt_dir):
-    return ckpt_dir("v3")
-
-
-@pytest.fixture(scope="module")
-def reference(path):
-    llm = LLM(path, dtype="float32")
-    return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-
-
 def wait_for_full_group(engine, size: int) -> None:
     """Let the idle front end read the replacement's hello and re-form with it (the server's stats heartbeat
     does this under `moeserve serve`)."""

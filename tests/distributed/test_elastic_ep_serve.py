@@ -14,9 +14,14 @@ from tests.entrypoints.test_request_resume import PROMPTS, _answer, _run_streams
 from tests.entrypoints.test_stopped_rank_server import children
 
 
+def elastic_server(ckpt_dir, *extra: str) -> ServerProcess:
+    """`moeserve serve` of the tiny V3 checkpoint, DP=3 + EP, elastic (8 experts + 1 replica over 3 ranks)."""
+    return ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32", "--data-parallel-size",
+                         "3", "--enable-expert-parallel", "--num-redundant-experts", "1", "--enable-elastic-ep", *extra)
+
+
 def test_streams_ride_through_a_killed_rank_and_health_stays_200(ckpt_dir):
-    s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32", "--data-parallel-size", "3",
-                      "--enable-expert-parallel", "--num-redundant-experts", "1", "--enable-elastic-ep")
+    s = elastic_server(ckpt_dir)
     try:
         model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         reference = _run_streams(s.url, model)
@@ -65,9 +70,7 @@ def joiner(pid: int) -> bool:
 def test_replacement_rank_joins_and_the_degraded_gauge_returns_to_0(ckpt_dir):
     # --elastic-ep-replace: once the two survivors serve, the engine core starts a third rank process; it
     # joins the next epoch (the server's stats heartbeat drives the idle front end), and the outputs stay
-    s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32", "--data-parallel-size", "3",
-                      "--enable-expert-parallel", "--num-redundant-experts", "1", "--enable-elastic-ep",
-                      "--elastic-ep-replace")
+    s = elastic_server(ckpt_dir, "--elastic-ep-replace")
     try:
         model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         reference = _run_streams(s.url, model)
@@ -98,9 +101,7 @@ def test_streams_ride_through_a_hung_rank(ckpt_dir, monkeypatch):
     # so it hangs mid-way through the second; the engine core kills it after --elastic-ep-hang-timeout and the
     # two others finish every stream with the reference's output
     monkeypatch.setenv(TEST_HANG_ENV, "1:250:spin")
-    s = ServerProcess(ckpt_dir("v3"), "--max-model-len", "256", "--dtype", "float32", "--data-parallel-size", "3",
-                      "--enable-expert-parallel", "--num-redundant-experts", "1", "--enable-elastic-ep",
-                      "--elastic-ep-hang-timeout", "3")
+    s = elastic_server(ckpt_dir, "--elastic-ep-hang-timeout", "3")
     try:
         model = httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         reference = _run_streams(s.url, model)
