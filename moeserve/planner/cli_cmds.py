@@ -5,7 +5,7 @@ import argparse
 from contextlib import contextmanager
 from dataclasses import asdict
 
-from moeserve.planner.cli_args import at_most, positive_float, positive_int, positive_int_list
+from moeserve.planner.cli_args import at_most, nonneg_int, positive_float, positive_int, positive_int_list
 from moeserve.perf.deploy import MAX_INSTANCES, DoesNotFit, PlanError, fewest_redundant_slots
 from moeserve.planner.cli import EXIT_REFUSED, _add_common, _ctx, _emit, cards
 
@@ -192,19 +192,60 @@ def cmd_prefill(a):
                      "band_ttft_ms": rng}, text)
 
 
+def args_memory(p):
+    _add_common(p)
+    g = p.add_argument_group("surviving rank losses (moeserve --enable-elastic-ep)")
+    g.add_argument("--elastic-ep-losses", "--survive-losses", dest="elastic_ep_losses", type=nonneg_int, default=0,
+                   metavar="N", help="also size the layout after N lost DP groups: experts per surviving card, "
+                   "degraded KV capacity, redundant slots or host copy that refill the lost experts; a layout "
+                   "that cannot survive is refused (exit 1). Default 0: the healthy layout only")
+    g.add_argument("--cards-per-node", type=positive_int, default=None,
+                   help="cards sharing one host's memory, for the host-copy size (default: the scale-up domain)")
+
+
+def _survival_text(s) -> list[str]:
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    lines = [f"after {s.losses} lost DP group(s) ({s.lost_cards} card(s)):"]
+    if s.degraded is not None:
+        d = s.degraded
+        lines.append(f"  {s.survivors} expert cards, {s.slots_before} -> {s.slots_after} routed experts per card "
+                     f"(redundant {s.redundant_have} -> {s.redundant_after}); weights {gib(d.weights)}, KV room "
+                     f"{gib(d.kv_free)} -> max batch {d.max_batch}/DP, {s.degraded_sequences} sequences "
+                     f"(healthy {s.healthy_sequences}{'' if s.carries_load else ': the rest wait for KV room'})")
+    rep = s.replicated
+    if s.replicas_cover:
+        lines.append(f"  refill from replicas: the {s.redundant_have} redundant slots give every expert "
+                     f"{s.losses + 1} copies (placed on distinct DP groups)")
+    else:
+        fit = (f"REFUSED: {s.replicated_reason}" if s.replicated_reason else
+               f"weights {gib(rep.weights)}, max batch {rep.max_batch}/DP (healthy {s.healthy.max_batch})")
+        lines.append(f"  refill from replicas needs --redundant-experts {s.redundant_needed} (have "
+                     f"{s.redundant_have}; {s.losses + 1} copies of every expert on distinct DP groups): {fit}")
+        lines.append(f"  else a host copy: {gib(s.host_copy_node)} per node of {s.cards_per_node} cards "
+                     f"({gib(s.host_copy_card)} per card), else the checkpoint ({gib(s.host_copy_card)} per lost card)")
+    lines.append(f"REFUSED (cannot survive): {s.reason}" if s.reason else f"survives {s.losses} loss(es)")
+    return lines
+
+
 def cmd_memory(a):
     from moeserve.planner.analysis import decode_memory
-    from moeserve.planner.memory import refusal_reason
+    from moeserve.planner.memory import refusal_reason, survival_report
     m, hw, inst, wl = _ctx(a)
     rep = decode_memory(m, hw, inst, wl)
     reason = refusal_reason(m, hw, inst, rep)
     obj = {**rep.to_dict(), "refused": reason}
     d = rep.to_dict()
-    text = "\n".join([f"  {k:<14} {v:8.2f} GiB" for k, v in d["weights_detail_gib"].items()] + [
+    lines = [f"  {k:<14} {v:8.2f} GiB" for k, v in d["weights_detail_gib"].items()] + [
         f"usable {d['usable_gib']:.1f} GiB, weights {d['weights_gib']:.1f}, activations "
         f"{d['activations_gib']:.2f}, KV room {d['kv_free_gib']:.1f} -> max batch {rep.max_batch}/DP",
-        f"REFUSED: {reason}" if reason else "fits"])
-    _emit(a, obj, text)
+        f"REFUSED: {reason}" if reason else "fits"]
+    if a.elastic_ep_losses and not reason:
+        surv = survival_report(m, hw, inst, wl, a.elastic_ep_losses, a.cards_per_node)
+        obj["survival"] = surv.to_dict()
+        lines += _survival_text(surv)
+        if surv.reason:
+            obj["refused"] = reason = f"--elastic-ep-losses {a.elastic_ep_losses}: {surv.reason}"
+    _emit(a, obj, "\n".join(lines))
     return EXIT_REFUSED if reason else 0
 
 

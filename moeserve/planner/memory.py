@@ -124,3 +124,136 @@ def check_fits(m: ModelSpec, hw: Hardware, inst: Instance, context: float, step_
     if reason:
         raise DoesNotFit(reason)
     return rep
+
+
+# ---- surviving rank losses (--elastic-ep-losses; moeserve --enable-elastic-ep, engine/elastic.py) ----------
+
+@dataclass(frozen=True)
+class SurvivalReport:
+    """What a layout needs to keep serving after `losses` lost DP groups (docs/planner.md "Surviving rank
+    losses"). A loss takes one DP group: its `tp` cards (attention TP cannot run without a member; moeserve's
+    elastic EP runs TP 1, where that is one rank). Lost cards are routed-expert ranks, the ones holding unique
+    experts (a dedicated shared-expert rank holds only the replicated shared experts)."""
+    losses: int
+    lost_cards: int
+    survivors: int            # routed-expert ranks left (0: nothing survives)
+    slots_before: int         # routed-expert slots per routed rank, healthy
+    slots_after: int          # per surviving routed rank (0 when nothing survives)
+    redundant_after: int      # instance-wide redundant slots after the survivors' re-placement
+    healthy: MemoryReport
+    degraded: MemoryReport | None
+    healthy_sequences: int    # decode sequences the instance holds (max batch x DP groups)
+    degraded_sequences: int
+    redundant_have: int
+    redundant_needed: int     # slots giving every expert losses + 1 copies (refill from a surviving replica)
+    replicated: MemoryReport | None  # the healthy layout with redundant_needed slots (None: cannot exist)
+    replicated_reason: str | None    # why that layout does not fit (None: it fits)
+    host_copy_card: float     # bytes of the routed experts one card holds (what a lost card takes away)
+    host_copy_node: float     # bytes of the distinct routed experts of one node's cards
+    cards_per_node: int
+    reason: str | None        # why the layout cannot survive (None: it can)
+
+    @property
+    def survives(self) -> bool:
+        return self.reason is None
+
+    @property
+    def carries_load(self) -> bool:
+        """The survivors hold every sequence the healthy instance ran (none waits for KV room)."""
+        return self.survives and self.degraded_sequences >= self.healthy_sequences
+
+    @property
+    def replicas_cover(self) -> bool:
+        """The layout already holds the slots for a surviving replica of every expert."""
+        return self.redundant_have >= self.redundant_needed
+
+    @property
+    def refill(self) -> str:
+        """Where the lost experts come from: replicas held by survivors, else a host copy / the checkpoint."""
+        return "replicas" if self.replicas_cover else "host copy or checkpoint"
+
+    def to_dict(self) -> dict:
+        g = lambda b: round(b / GIB, 3)
+        rep = self.replicated
+        return {"losses": self.losses, "lost_cards": self.lost_cards, "surviving_expert_ranks": self.survivors,
+                "experts_per_card_before": self.slots_before, "experts_per_card_after": self.slots_after,
+                "redundant_after": self.redundant_after, "survives": self.survives, "refused": self.reason,
+                "healthy_sequences": self.healthy_sequences, "degraded_sequences": self.degraded_sequences,
+                "carries_load": self.carries_load,
+                "degraded_memory": self.degraded.to_dict() if self.degraded else None,
+                "redundant_experts": self.redundant_have, "redundant_for_replicas": self.redundant_needed,
+                "replicas_cover": self.replicas_cover,
+                "replicated_weights_gib": g(rep.weights) if rep else None,
+                "replicated_max_batch_per_dp": rep.max_batch if rep else None,
+                "replicated_refused": self.replicated_reason,
+                "host_copy_gib_per_card": g(self.host_copy_card), "host_copy_gib_per_node": g(self.host_copy_node),
+                "cards_per_node": self.cards_per_node,
+                "host_copy_needed": not self.replicas_cover}
+
+
+def survivor_redundant(n_routed: int, redundant: int, ep: int, losses: int, tp: int = 1) -> tuple[int, int]:
+    """(routed ranks left, redundant slots) after `losses` DP groups of `tp` cards, one at a time, as the
+    engine re-places (engine/elastic.survivor_parallel): each loss tops the redundant slots up to the fewest
+    that spread over the survivors, starting from the previous epoch's. (0, redundant) when none is left."""
+    alive = ep
+    for _ in range(losses):
+        alive -= tp
+        if alive < 1:
+            return 0, redundant
+        redundant += -(n_routed + redundant) % alive if n_routed else 0
+    return alive, redundant
+
+
+def replica_redundant(n_routed: int, ep: int, losses: int) -> int:
+    """Redundant slots giving every routed expert losses + 1 copies (each on another DP group, so one
+    survives any `losses` losses), topped up to divide over the `ep` routed ranks."""
+    total = (losses + 1) * n_routed
+    return total + (-total % ep) - n_routed if n_routed else 0
+
+
+def survival_report(m: ModelSpec, hw: Hardware, inst: Instance, wl, losses: int,
+                    cards_per_node: int | None = None) -> SurvivalReport:
+    """Memory after `losses` lost DP groups (decode at the workload's mean context, as decode_memory) and
+    what refills the lost experts without a checkpoint read. cards_per_node: cards sharing one host's memory
+    (default: the scale-up domain, a node of an 8-card HGX / Atlas server)."""
+    from dataclasses import replace
+    from moeserve.planner.analysis import decode_memory
+    if losses < 0:
+        raise PlanError(f"--elastic-ep-losses must be >= 0, got {losses}")
+    n = m.n_routed_experts
+    k = min(cards_per_node or hw.scale_up_domain, inst.cards)
+    healthy = decode_memory(m, hw, inst, wl)
+    slots = inst.expert_slots(n) if n else 0
+    lost = losses * inst.tp
+    alive, red_after = survivor_redundant(n, inst.redundant_experts, inst.ep, losses, inst.tp)
+    degraded, reason, after = None, None, None
+    if losses and alive < 1:
+        reason = (f"{losses} lost DP group(s) of {inst.tp} card(s) leave no routed-expert rank of {inst.ep}: "
+                  "use more cards or fewer --elastic-ep-losses")
+    else:
+        after = replace(inst, cards=inst.cards - lost, redundant_experts=red_after)
+        degraded = decode_memory(m, hw, after, wl)
+        why = refusal_reason(m, hw, after, degraded)
+        if why:
+            reason = f"after {losses} lost DP group(s) ({after.cards} cards left): {why}"
+    expert_bytes = (m.num_moe_layers + (m.num_nextn_predict_layers if n else 0)) * m.expert_params * inst.weight_bytes
+    need = replica_redundant(n, inst.ep, losses)
+    replicated, rep_reason = None, None
+    groups = inst.ep // inst.tp  # DP groups holding routed experts
+    if losses + 1 > groups and n:
+        rep_reason = (f"{losses + 1} copies of each expert need {losses + 1} DP groups holding experts; the layout "
+                      f"has {groups}")
+    elif n:
+        rinst = replace(inst, redundant_experts=need)
+        replicated = decode_memory(m, hw, rinst, wl)
+        rep_reason = refusal_reason(m, hw, rinst, replicated)
+    node_experts = min(n, min(k, inst.ep) * slots)  # slots count: replicas on one node make it an upper bound
+    return SurvivalReport(
+        losses=losses, lost_cards=lost, survivors=alive,
+        slots_before=slots, slots_after=(n + red_after) // alive if alive and n else 0,
+        redundant_after=red_after, healthy=healthy, degraded=degraded,
+        healthy_sequences=healthy.max_batch * inst.dp,
+        degraded_sequences=degraded.max_batch * after.dp if degraded and not reason else 0,
+        redundant_have=inst.redundant_experts, redundant_needed=need, replicated=replicated,
+        replicated_reason=rep_reason, host_copy_card=slots * expert_bytes, host_copy_node=node_experts * expert_bytes,
+        cards_per_node=k, reason=reason)
