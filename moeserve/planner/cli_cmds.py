@@ -194,6 +194,10 @@ def cmd_prefill(a):
 
 def args_memory(p):
     _add_common(p)
+    _add_survival_flags(p)
+
+
+def _add_survival_flags(p):
     g = p.add_argument_group("surviving rank losses (moeserve --enable-elastic-ep)")
     g.add_argument("--elastic-ep-losses", "--survive-losses", dest="elastic_ep_losses", type=nonneg_int, default=0,
                    metavar="N", help="also size the layout after N lost DP groups: experts per surviving card, "
@@ -254,6 +258,7 @@ def args_search(p):
     p.add_argument("--tpot-ms", type=positive_float, default=50.0)
     p.add_argument("--ttft-ms", type=positive_float, default=None)
     p.add_argument("--top", type=positive_int, default=5)
+    _add_survival_flags(p)
     g = p.add_argument_group("check plans with the simulator")
     g.add_argument("--simulate", type=positive_int, default=None, metavar="N",
                    help="run the best N plans through `plan simulate --role pd` (Poisson arrivals)")
@@ -277,7 +282,8 @@ def cmd_search(a):
         flag = "--simulate-requests" if a.simulate_requests is not None else "--simulate-load"
         raise PlanError(f"{flag} sets up the plan simulation; add --simulate N")
     m, hw, inst, wl = _ctx(a)
-    res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top, skew=a.load_skew)
+    res = search(m, hw, a.cards, wl, a.tpot_ms, inst, a.ttft_ms, a.top, skew=a.load_skew,
+                 survive_losses=a.elastic_ep_losses, cards_per_node=a.cards_per_node)
     for pl in res["plans"][:a.simulate or 0]:
         try:
             pl["simulated"] = simulate_plan(m, hw, pl, wl, a.simulate_load, a.simulate_requests, a.tpot_ms,
@@ -293,6 +299,13 @@ def cmd_search(a):
                      + (f" ({rng[0]:.0f}..{rng[1]:.0f} over the efficiency ranges)" if rng else "") + ": "
                      f"{pl['prefill_instances']} x prefill {_lay(p)} : {pl['decode_instances']} x decode "
                      f"{_lay(d)} ({pl['prefill_cards']}:{pl['decode_cards']} cards)")
+        if "survival" in d:
+            sv = d["survival"]
+            refill = ("replicas held" if sv["replicas_cover"] else
+                      f"--redundant-experts {sv['redundant_for_replicas']} for replicas, else a host copy of "
+                      f"{sv['host_copy_gib_per_node']:.1f} GiB per node")
+            lines.append(f"   decode after {sv['losses']} loss(es): {sv['experts_per_card_after']} experts per card, "
+                         f"{sv['degraded_sequences']} of {sv['healthy_sequences']} sequences; refill: {refill}")
         if "refused" in pl.get("simulated", {}):
             lines.append(f"   not simulated: {pl['simulated']['refused']}")
         elif "simulated" in pl:

@@ -14,6 +14,7 @@ from moeserve.planner.analysis import band, best_under_slo, kv_pull_ms, layout, 
 from moeserve.perf.deploy import DoesNotFit, Instance, PlanError, Workload, fewest_redundant_slots
 from moeserve.perf.hardware import Hardware
 from moeserve.perf.models import ModelSpec
+from moeserve.planner.memory import SurvivalReport, survival_report
 
 SIZES = (8, 16, 24, 32, 48, 64, 72, 96, 128, 144, 160, 192, 256, 288, 320, 384)
 TPS = (1, 2, 4, 8)
@@ -31,11 +32,18 @@ class Candidate:
     tok_s_card: float    # decode: output tok/s/card at the SLO; prefill: input tok/s/card
     latency_ms: float    # decode: TPOT; prefill: TTFT of one batch
     batch: int
+    survival: SurvivalReport | None = None  # search --elastic-ep-losses N
 
     def to_dict(self, m: ModelSpec) -> dict:
         d = layout(m, self.inst)
-        return {"role": self.role, "layout": d, "tok_s_card": round(self.tok_s_card, 1),
-                "latency_ms": round(self.latency_ms, 2), "batch_per_dp": self.batch}
+        out = {"role": self.role, "layout": d, "tok_s_card": round(self.tok_s_card, 1),
+               "latency_ms": round(self.latency_ms, 2), "batch_per_dp": self.batch}
+        if self.survival is not None:
+            s = self.survival.to_dict()
+            out["survival"] = {k: s[k] for k in (
+                "losses", "experts_per_card_after", "degraded_sequences", "healthy_sequences",
+                "redundant_for_replicas", "replicas_cover", "host_copy_gib_per_node")}
+        return out
 
 
 def decode_layouts(m: ModelSpec, hw: Hardware, cards: int, base: Instance, skew=None):
@@ -61,8 +69,11 @@ def _refusal(err: PlanError) -> str:
     return "memory" if isinstance(err, DoesNotFit) else "layout"
 
 
-def best_decode(m, hw, cards, base, wl, tpot_ms, top=5, skew=None, tally: Counter | None = None) -> list[Candidate]:
-    """tally: counts layouts by outcome (fit, memory, layout, tpot), to say why a search found nothing."""
+def best_decode(m, hw, cards, base, wl, tpot_ms, top=5, skew=None, tally: Counter | None = None,
+                survive_losses: int = 0, cards_per_node: int | None = None) -> list[Candidate]:
+    """tally: counts layouts by outcome (fit, memory, layout, tpot, survive), to say why a search found
+    nothing; survive_losses: drop layouts whose survivors of that many lost DP groups do not fit in memory
+    (memory.survival_report), and give the others' survival summary."""
     out, tally = [], Counter() if tally is None else tally
     for inst in decode_layouts(m, hw, cards, base, skew):
         try:
@@ -70,9 +81,15 @@ def best_decode(m, hw, cards, base, wl, tpot_ms, top=5, skew=None, tally: Counte
         except PlanError as err:
             tally[_refusal(err)] += 1
             continue
+        surv = None
+        if pt and survive_losses:
+            surv = survival_report(m, hw, inst, wl, survive_losses, cards_per_node)
+            if not surv.survives:
+                tally["survive"] += 1
+                continue
         tally["fit" if pt else "tpot"] += 1  # None: TPOT at batch 1 already over the SLO
         if pt:
-            out.append(Candidate("decode", inst, pt.tok_s_card, pt.tpot_ms, pt.batch))
+            out.append(Candidate("decode", inst, pt.tok_s_card, pt.tpot_ms, pt.batch, surv))
     return sorted(out, key=lambda c: -c.tok_s_card)[:top]
 
 
@@ -151,9 +168,11 @@ def split(cards: int, dec: Candidate, pre: Candidate, wl: Workload) -> dict | No
 
 
 def search(m: ModelSpec, hw: Hardware, cards: int, wl: Workload, tpot_ms: float, base: Instance,
-           ttft_ms: float | None = None, top: int = 5, skew=None) -> dict:
+           ttft_ms: float | None = None, top: int = 5, skew=None, survive_losses: int = 0,
+           cards_per_node: int | None = None) -> dict:
     dec_tally, pre_tally = Counter(), Counter()
-    decs = best_decode(m, hw, cards, base, wl, tpot_ms, top=None, skew=skew, tally=dec_tally)
+    decs = best_decode(m, hw, cards, base, wl, tpot_ms, top=None, skew=skew, tally=dec_tally,
+                       survive_losses=survive_losses, cards_per_node=cards_per_node)
     pull = kv_pull_ms(m, hw, base, wl.input_len, cards)  # every instance within `cards`
     pres = best_prefill(m, hw, cards, base, wl, ttft_ms, top=None, kv_pull=pull, skew=skew, tally=pre_tally)
     plans = []
@@ -200,7 +219,8 @@ def no_plan_reason(cards, tpot_ms, ttft_ms, dec_tally, pre_tally, decs, pres) ->
     """Why a search found no plan: which role had no usable layout, and what refused its layouts."""
     def counts(t: Counter, slo: str) -> str:
         words = {"memory": "do not fit in memory", "layout": "cannot run on this model",
-                 slo: f"miss the {slo.upper()} SLO at batch 1"}
+                 slo: f"miss the {slo.upper()} SLO at batch 1",
+                 "survive": "do not fit in memory after the --elastic-ep-losses"}
         return ", ".join(f"{t[k]} {w}" for k, w in words.items() if t[k]) or "none to try"
     if not decs:
         return (f"no decode layout on up to {cards} cards meets TPOT <= {tpot_ms:g} ms: of "

@@ -146,3 +146,17 @@ def test_cli_prints_the_survival_and_refuses_naming_the_flag(capsys):
     assert code == 2 and "--cards-per-node" in err
     code, out, _ = run(capsys, "memory", "--hardware", "hgx-h800", "--cards", "32", "--json")
     assert code == 0 and "survival" not in json.loads(out)  # default 0: today's report
+
+
+def test_search_drops_layouts_whose_survivors_do_not_fit():
+    from moeserve.planner.search import search
+    hw, wl = load_hardware("910b"), Workload()
+    plain = search(V3, hw, 48, wl, 100.0, Instance(cards=48))
+    res = search(V3, hw, 48, wl, 100.0, Instance(cards=48), survive_losses=1)
+    tried, before = res["layouts_tried"]["decode"], plain["layouts_tried"]["decode"]
+    assert tried["survive"] > 0 and tried["survive"] + tried["fit"] == before["fit"]
+    assert "survival" not in plain["plans"][0]["decode"]
+    for plan in res["plans"]:
+        lay = plan["decode"]["layout"]
+        assert survival_report(V3, hw, Instance(**lay), wl, 1).survives
+        assert plan["decode"]["survival"]["losses"] == 1
