@@ -192,16 +192,14 @@ class SurvivalReport:
 
 
 def survivor_redundant(n_routed: int, redundant: int, ep: int, losses: int, tp: int = 1) -> tuple[int, int]:
-    """(routed ranks left, redundant slots) after `losses` DP groups of `tp` cards, one at a time, as the
-    engine re-places (engine/elastic.survivor_parallel): each loss tops the redundant slots up to the fewest
-    that spread over the survivors, starting from the previous epoch's. (0, redundant) when none is left."""
-    alive = ep
-    for _ in range(losses):
-        alive -= tp
-        if alive < 1:
-            return 0, redundant
-        redundant += -(n_routed + redundant) % alive if n_routed else 0
-    return alive, redundant
+    """(routed ranks left, redundant slots) after `losses` DP groups of `tp` cards, as the engine re-places
+    (engine/elastic.survivor_parallel, applied to the start-up layout, dp_worker's base_config, in every
+    epoch): the start-up redundant slots topped up to the fewest that spread over the survivors. (0, redundant)
+    when none is left."""
+    alive = ep - losses * tp
+    if alive < 1:
+        return 0, redundant
+    return alive, redundant + (-(n_routed + redundant) % alive if n_routed else 0)
 
 
 def replica_redundant(n_routed: int, ep: int, losses: int) -> int:

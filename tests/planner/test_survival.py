@@ -28,9 +28,9 @@ def run(capsys, *argv):
 
 @pytest.mark.parametrize("ep,redundant,losses,want", [
     (32, 0, 1, (31, 23)),    # 256 + 23 = 279 = 9 x 31
-    (32, 0, 2, (30, 44)),    # from 279: 279 % 30 = 9, + 21 -> 300 = 10 x 30 (from scratch it would be 9 x 30)
+    (32, 0, 2, (30, 14)),    # from the start-up 256 (not the first epoch's 279): 256 + 14 = 270 = 9 x 30
     (64, 0, 1, (63, 59)),    # 315 = 5 x 63
-    (64, 0, 2, (62, 116)),   # 315 % 62 = 5, + 57 -> 372 = 6 x 62
+    (64, 0, 2, (62, 54)),    # 256 % 62 = 8, + 54 -> 310 = 5 x 62 (from the first epoch's 315 it would be 6 x 62)
     (32, 32, 1, (31, 54)),   # 288 % 31 = 9, + 22 -> 310 = 10 x 31
     (32, 256, 1, (31, 271)),  # 512 % 31 = 16, + 15 -> 527 = 17 x 31
 ])
@@ -40,13 +40,14 @@ def test_survivor_slots_hand_computed(ep, redundant, losses, want):
 
 
 def test_survivor_slots_follow_the_engine():
-    """The planner re-places as the engine's survivor_parallel does, one loss at a time."""
+    """The planner re-places as the engine does: survivor_parallel applied to the start-up layout (dp_worker's
+    base_config) for every epoch's survivors."""
     from moeserve.config import ParallelConfig
     from moeserve.engine.elastic import survivor_parallel
     for ep, red in ((32, 0), (64, 0), (24, 8), (48, 32), (9, 0)):
-        p = ParallelConfig(data_parallel_size=ep, enable_expert_parallel=True, num_redundant_experts=red)
+        base = ParallelConfig(data_parallel_size=ep, enable_expert_parallel=True, num_redundant_experts=red)
         for losses in range(1, 4):
-            p = survivor_parallel(p, 256, ep - losses, 1)
+            p = survivor_parallel(base, 256, ep - losses, 1)
             assert survivor_redundant(256, red, ep, losses) == (ep - losses, p.num_redundant_experts)
 
 
@@ -90,7 +91,7 @@ def test_v3_on_64_h800_with_and_without_replicas():
     # a replicated layout's healthy memory is the bare one's "replicated" figure
     assert rep.healthy.weights == bare.replicated.weights
     two = survival_report(V3, H800, Instance(cards=64), Workload(), 2)
-    assert (two.slots_after, two.redundant_needed) == (6, 512)
+    assert (two.slots_after, two.redundant_after, two.redundant_needed) == (5, 54, 512)
 
 
 def test_one_node_less_is_refused_where_the_survivors_overflow():
