@@ -26,6 +26,7 @@ def args_estimate(p):
     p.add_argument("--batch", type=positive_int, default=None, help="sequences per DP group (default: max that fits)")
     p.add_argument("--prefill-requests", type=positive_int, default=None, help="default: one per DP group")
     _add_prefill_flags(p, "prefill instance (PD disaggregation; default: the decode layout)")
+    _add_survival_flags(p)
 
 
 def _add_prefill_flags(p, title: str):
@@ -81,6 +82,7 @@ def cmd_estimate(a):
         batch = mem.max_batch if a.batch is None else a.batch
         pt = decode_point(m, hw, inst, wl, batch)
         pt_band = band(lambda h: decode_point(m, h, inst, wl, batch).tok_s_card, hw)
+        surv = _survival(a, m, hw, inst, wl)
     separate = a.prefill_cards is not None
     with _which(f"prefill instance ({a.prefill_cards} cards)" if separate
                 else f"prefill on the decode layout ({inst.cards} cards)"):
@@ -100,6 +102,8 @@ def cmd_estimate(a):
            "prefill": {**pre.to_dict(), "band_ttft_ms": pre_band},
            "prefill_instances_per_decode_instance": round(dec_req / pre_req, 3),
            "kv_pull_ms": round(pull, 3), "ttft_with_kv_pull_ms": round(pre.ttft_ms + pull, 3)}
+    if surv is not None:
+        obj["survival"] = surv.to_dict()
     text = (f"{m.name} on {hw.name}, {inst.cards} cards (DP{inst.dp} x TP{inst.tp}, EP{inst.ep}), "
             f"context {wl.mean_decode_context:.0f}\n"
             f"decode batch {batch}/DP: step {pt.step_ms:.2f} ms, TPOT {pt.tpot_ms:.2f} ms, "
@@ -110,8 +114,21 @@ def cmd_estimate(a):
             f"prefill ({pre_inst.cards} cards, TP{pre_inst.tp}) {pre.requests} x {pre.length}: TTFT "
             f"{pre.ttft_ms:.1f} ms{_band_text(pre_band, 'ms')}, {pre.tok_s_card:.0f} tok/s/card; "
             f"{dec_req / pre_req:.2f} prefill instances per decode instance"
-            + (f"\nKV pull to decode {pull:.1f} ms per request: TTFT {pre.ttft_ms + pull:.1f} ms" if pull else ""))
+            + (f"\nKV pull to decode {pull:.1f} ms per request: TTFT {pre.ttft_ms + pull:.1f} ms" if pull else "")
+            + ("\n" + "\n".join(_survival_text(surv)) if surv is not None else ""))
     return _emit(a, obj, text)
+
+
+def _survival(a, m, hw, inst, wl):
+    """The decode instance's survival report (--elastic-ep-losses N > 0), else None; a layout that cannot
+    survive is refused (DoesNotFit, exit 1) naming the flag."""
+    from moeserve.planner.memory import survival_report
+    if not a.elastic_ep_losses:
+        return None
+    surv = survival_report(m, hw, inst, wl, a.elastic_ep_losses, a.cards_per_node)
+    if surv.reason:
+        raise DoesNotFit(f"--elastic-ep-losses {a.elastic_ep_losses}: {surv.reason}")
+    return surv
 
 
 def args_decode(p):
@@ -225,8 +242,9 @@ def _survival_text(s) -> list[str]:
                f"weights {gib(rep.weights)}, max batch {rep.max_batch}/DP (healthy {s.healthy.max_batch})")
         lines.append(f"  refill from replicas needs --redundant-experts {s.redundant_needed} (have "
                      f"{s.redundant_have}; {s.losses + 1} copies of every expert on distinct DP groups): {fit}")
-        lines.append(f"  else a host copy: {gib(s.host_copy_node)} per node of {s.cards_per_node} cards "
-                     f"({gib(s.host_copy_card)} per card), else the checkpoint ({gib(s.host_copy_card)} per lost card)")
+        lines.append(f"  else a host copy: {gib(s.host_copy_node)} per node of {s.cards_per_node} cards"
+                     f"{'' if s.node_given else ' (the scale-up domain; else give --cards-per-node)'}, "
+                     f"{gib(s.host_copy_card)} per card; else the checkpoint ({gib(s.host_copy_card)} per lost card)")
     lines.append(f"REFUSED (cannot survive): {s.reason}" if s.reason else f"survives {s.losses} loss(es)")
     return lines
 

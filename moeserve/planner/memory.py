@@ -152,6 +152,7 @@ class SurvivalReport:
     host_copy_node: float     # bytes of the distinct routed experts of one node's cards
     cards_per_node: int
     reason: str | None        # why the layout cannot survive (None: it can)
+    node_given: bool = True   # cards_per_node was given (else the scale-up domain stood in for it)
 
     @property
     def survives(self) -> bool:
@@ -254,4 +255,4 @@ def survival_report(m: ModelSpec, hw: Hardware, inst: Instance, wl, losses: int,
         degraded_sequences=degraded.max_batch * after.dp if degraded and not reason else 0,
         redundant_have=inst.redundant_experts, redundant_needed=need, replicated=replicated,
         replicated_reason=rep_reason, host_copy_card=slots * expert_bytes, host_copy_node=node_experts * expert_bytes,
-        cards_per_node=k, reason=reason)
+        cards_per_node=k, reason=reason, node_given=cards_per_node is not None)

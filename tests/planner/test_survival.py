@@ -134,7 +134,7 @@ def test_cli_prints_the_survival_and_refuses_naming_the_flag(capsys):
     code, out, _ = run(capsys, "memory", "--hardware", "hgx-h800", "--cards", "32", "--elastic-ep-losses", "1")
     assert code == 0
     assert "8 -> 9 routed experts per card" in out and "--redundant-experts 256" in out
-    assert "154.9 GiB per node of 8 cards" in out and "survives 1 loss" in out
+    assert "154.9 GiB per node of 8 cards (the scale-up domain" in out and "survives 1 loss" in out
     code, out, _ = run(capsys, "memory", "--hardware", "910b", "--cards", "16", "--survive-losses", "1", "--json")
     obj = json.loads(out)
     assert code == 1 and obj["refused"].startswith("--elastic-ep-losses 1:")
@@ -161,3 +161,14 @@ def test_search_drops_layouts_whose_survivors_do_not_fit():
         lay = plan["decode"]["layout"]
         assert survival_report(V3, hw, Instance(**lay), wl, 1).survives
         assert plan["decode"]["survival"]["losses"] == 1
+
+
+def test_estimate_reports_and_refuses(capsys):
+    code, out, _ = run(capsys, "estimate", "--hardware", "hgx-h800", "--cards", "64", "--elastic-ep-losses", "2",
+                       "--json")
+    surv = json.loads(out)["survival"]
+    assert code == 0 and (surv["experts_per_card_after"], surv["redundant_after"]) == (5, 54)
+    code, out, err = run(capsys, "estimate", "--hardware", "910b", "--cards", "16", "--elastic-ep-losses", "1")
+    assert code == 1 and "decode instance (16 cards): --elastic-ep-losses 1: after 1 lost DP group(s)" in err
+    code, out, _ = run(capsys, "estimate", "--hardware", "hgx-h800", "--cards", "32", "--json")
+    assert code == 0 and "survival" not in json.loads(out)
