@@ -64,12 +64,14 @@ class LeastLoadedRouter:
         self.prefixes = [PrefixMemory(max_prefix_blocks) for _ in range(dp_size)]
 
     def assign(self, request_id: str, prompt_tokens: int, max_new_tokens: int,
-               token_ids: list[int] | None = None, ttft: list[float] | None = None) -> int:
+               token_ids: list[int] | None = None, ttft: list[float] | None = None, rank: int | None = None) -> int:
         """ttft: each rank's predicted TTFT for this request (SLO-aware admission, slo_ranked_ttft); the
-        least predicted wins, the load breaks ties."""
+        least predicted wins, the load breaks ties. rank: the caller's choice instead (elastic EP sends a
+        re-queued request back to the survivor whose prefix cache holds it)."""
         hashes = self._hashes(token_ids) if token_ids is not None and self.block_size else []
         cached = [m.matched(hashes) * (self.block_size or 0) for m in self.prefixes]
-        dp = min(range(len(self.load)), key=lambda d: (ttft[d] if ttft else 0.0, self.load[d] - cached[d], d))
+        dp = rank if rank is not None else min(range(len(self.load)),
+                                               key=lambda d: (ttft[d] if ttft else 0.0, self.load[d] - cached[d], d))
         cost = prompt_tokens - cached[dp] + max_new_tokens
         self.owner[request_id], self.cost[request_id] = dp, cost
         self.load[dp] += cost

@@ -100,6 +100,8 @@ class DPEngineClient:
         self.epoch = 0
         self.lost: set[int] = set()  # rank processes dropped
         self.requests: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
+        self._owners: dict[str, int] = {}  # at a loss: request id -> the rank process it ran on
+        self._first_cached: dict[str, int] = {}  # request id -> prompt tokens cached at its first admission
         self.recovery: dict | None = None  # the re-formation in progress: epoch, waiting DP ranks, start
         self._epoch_stores: list = []
         self.elastic_stats = EngineStats()  # the elastic_* counters
@@ -130,7 +132,8 @@ class DPEngineClient:
                 return  # sent with the re-queued ones once the survivors are ready
         self._route(req)
 
-    def _route(self, req: EngineCoreRequest) -> None:
+    def _route(self, req: EngineCoreRequest, rank: int | None = None) -> None:
+        """rank: the DP rank to send it to (elastic EP's re-queue: where its KV is cached), else the router's."""
         max_new = req.sampling_params.max_tokens or self.config.scheduler.max_model_len
         max_new = max(1, max_new - len(req.output_token_ids))
         prompt = req.prompt_token_ids + req.output_token_ids if req.output_token_ids else req.prompt_token_ids
@@ -141,7 +144,7 @@ class DPEngineClient:
             st = self.rank_stats
             ttft = slo_ranked_ttft([s.slo_ttft_estimate_s for s in st], [s.slo_prefill_estimate_s for s in st],
                                    self.sent_since_report)
-        dp = self.router.assign(req.request_id, len(prompt), max_new, prompt, ttft)
+        dp = self.router.assign(req.request_id, len(prompt), max_new, prompt, ttft, rank=rank)
         self.sent_since_report[dp] += 1
         self._send(dp, RankCommand(requests=[req]))
 
@@ -150,6 +153,7 @@ class DPEngineClient:
         unknown = []
         for rid in request_ids:
             self.requests.pop(rid, None)
+            self._first_cached.pop(rid, None)
             if rid in self.router:
                 by_rank.setdefault(self.router.forget(rid), []).append(rid)
             else:
@@ -201,9 +205,13 @@ class DPEngineClient:
                 self.router.progress(out.request_id, len(out.new_token_ids))
                 if self.elastic and out.request_id in self.requests:
                     self.requests[out.request_id][1].extend(out.new_token_ids)
+                    # the prompt's cache hits are those of its first admission: a re-queued request's hits on
+                    # its survivor's prefix cache cover the recompute, not the prompt (as a resume's: engine_client)
+                    out.num_cached_tokens = self._first_cached.setdefault(out.request_id, out.num_cached_tokens)
                 if out.finish_reason is not None:
                     self.router.forget(out.request_id)
                     self.requests.pop(out.request_id, None)
+                    self._first_cached.pop(out.request_id, None)
                 outputs.append(out)
         if heard or not self.router:  # every step reports, so a long chunked prefill is progress too
             self._last_progress = time.monotonic()
@@ -431,6 +439,8 @@ class DPEngineClient:
         """Drop the dead rank(s) and take in the replacements that are up; tell each rank its rank in a new
         epoch with a fresh rendezvous."""
         dead = self._newly_dead()
+        if self.recovery is None:  # which rank process each request ran on (a loss while re-forming: kept)
+            self._owners = {rid: self.slots[dp] for rid, dp in self.router.owner.items()}
         self.lost.update(dead)
         for r, code in sorted(dead.items()):
             logger.warning("rank %d %s: the %d other ranks re-form without it (--enable-elastic-ep)", r,
@@ -525,9 +535,14 @@ class DPEngineClient:
             params = req.sampling_params
             if seen and params.prompt_logprobs is not None:
                 params = dataclasses.replace(params, prompt_logprobs=None)  # the caller has them already
-            self._route(msgspec.structs.replace(req, sampling_params=params, output_token_ids=out))
+            # a survivor's own request goes back to it: its engine core kept the prefix cache, so the recompute
+            # of the prompt and the output so far is mostly cache hits (engine/elastic.py, roll_back)
+            owner = self._owners.get(rid)
+            rank = self.slots.index(owner) if owner in self.slots else None
+            self._route(msgspec.structs.replace(req, sampling_params=params, output_token_ids=out), rank)
             st.elastic_requeued += 1
             st.elastic_tokens_recomputed += len(req.prompt_token_ids) + len(out)
+        self._owners = {}
         self._last_progress = time.monotonic()
         logger.warning("epoch %d: %d rank(s) serve again after %.2f s; %d request(s) re-queued", self.epoch,
                        self.dp_size, took, len(self.requests))

@@ -84,12 +84,13 @@ class RankWorker:
             return
         self.start(config, info)
 
-    def start(self, config: EngineConfig, info: RankInfo) -> None:
-        """Build the engine core over the process groups init_distributed() formed, then report ready."""
+    def start(self, config: EngineConfig, info: RankInfo, core: EngineCore | None = None) -> None:
+        """Build the engine core over the process groups init_distributed() formed (or serve on with `core`,
+        one elastic EP re-placed for them: engine/elastic.py), then report ready."""
         self.config, self.info = config, info
         self.world, self.tp = get_world_group(), get_tp_group()
         self.leader = info.tp_rank == 0
-        self.core = EngineCore(config, self.arch)
+        self.core = core if core is not None else EngineCore(config, self.arch)
         self.arch = self.core.arch
         self.stats = EngineStats()
         if self.leader:

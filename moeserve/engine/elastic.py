@@ -10,34 +10,46 @@ Lifecycle (issue 37; one node, TP 1, gloo):
   2. the survivors leave the step they are in: their gloo collective raises when the dead peer's sockets
      close, and a survivor that leaves shuts down all its connections of the epoch, so a survivor blocked on
      it raises too (the cascade ends every survivor's step; --distributed-timeout bounds the worst case).
-     Each reports the error with its epoch and waits for the front end (ride_through()).
+     Each rolls its engine core back to its last finished step (roll_back(): its requests dropped, their KV
+     blocks left in its prefix cache; a block is registered only once the step that wrote it finished, so
+     none of the interrupted step's is), reports the error with its epoch and waits for the front end
+     (ride_through()).
   3. the front end starts epoch e + 1: a TCPStore of its own on a fresh port, and to each survivor (in old
      rank order) a RankReform with its new rank and the new world size. Commands and reports of older epochs
      are dropped. Survivors check in at that store before they build process groups, reading the front end
      meanwhile, so a rank lost while re-forming starts epoch e + 2 at once (no rendezvous waits for it).
      Past --elastic-ep-timeout, ranks the others wait on in the new epoch (the ProgressBoard names them) are
      killed and the rest re-form again; if none can be named the engine stops.
-  4. each survivor joins the new process groups and rebuilds its engine core for the smaller EP group:
-     survivor_parallel() recomputes the placement (default map; redundant slots added where the experts no
-     longer divide over the ranks) and the loader reads this rank's experts, only those, from the checkpoint.
-     Decode runs eagerly in a degraded epoch (no graph compile on the way back). It reports ready in the
-     new epoch.
+  4. each survivor joins the new process groups; all ranks of the epoch say (one all-gather, _vote()) which
+     rank they were and a fingerprint of their expert maps. A survivor keeps its engine core (_keep_core():
+     non-expert weights, KV cache pool, prefix cache, scheduler) and re-places only its MoE slots for the new
+     EP group (survivor_parallel(): one rank fewer, redundant slots topped up where the experts no longer
+     divide over the ranks): when every rank kept its core under the same maps, each keeps the experts it
+     holds and takes a share of the lost rank's (keep_map()); with a rank that builds afresh (a replacement)
+     all use the default map. A slot whose expert the rank holds (a replica included) is copied, the others
+     are read from the checkpoint, only those experts (loader.load_expert_slots). Its dispatchers and online
+     EPLB are rebuilt over the new groups. A core that cannot be kept (MTP, INT8/FP8 experts: can_keep()) is
+     rebuilt from the checkpoint as before. Decode runs eagerly in a degraded epoch (no graph compile on the
+     way back). It reports ready in the new epoch.
   5. when all are ready the front end re-queues every unfinished request with its tokens so far
      (EngineCoreRequest.output_token_ids, issue 31's resume): greedy and seeded outputs continue exactly where
-     the front end last saw them. New requests that arrived meanwhile wait in the front end until then.
+     the front end last saw them. A survivor's own requests go back to it (its prefix cache holds their
+     blocks: the recompute is mostly cache hits), the lost rank's to the least loaded. New requests that
+     arrived meanwhile wait in the front end until then.
   6. --elastic-ep-replace (stage 2): the front end keeps a spare rank process started ahead (dp_worker --join,
      imports done, waiting on stdin: launch.LocalRanks.spawn_spare). On a loss it is sent on and is a member
      of the loss's epoch: once it says it is up (a report of JOINING_EPOCH) it gets its RankReform, and the
      survivors wait for it at the store. Without a spare a fresh one starts once the survivors serve, says
      it is up, and the front end starts the next epoch with the survivors and it (the survivors leave their
-     step on the RankReform). Every rank rebuilds for the full EP group (decoding eagerly, as in 4) and the
-     requests are re-queued as in 5.
+     step on the RankReform). The replacement builds its engine core for the full EP group, the survivors
+     keep theirs and re-place their slots onto its default map (as in 4, decoding eagerly), and the requests
+     are re-queued as in 5.
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
-Stage 1 rebuilds each survivor's engine core: its KV cache and its requests are recomputed too (the prefix
-cache starts empty), and every weight is read again (from the page cache). Next (docs/parallelism.md): fill the
-new slots from replicas the survivors hold and a host copy, keep the survivors' KV, and move experts onto a
-replacement with the EPLB weight moves instead of rebuilding.
+Every unfinished request is still re-queued and recomputed (a survivor's own from its prefix cache). Next
+(docs/parallelism.md): keep the survivors' requests running where they are (re-queue the lost rank's only),
+fill new slots from a peer's replica or a host copy instead of the checkpoint, and build a replacement for the
+survivors' map (today a join re-places every rank onto the default map).
 """
 from __future__ import annotations
 
@@ -339,7 +351,8 @@ def _left(worker, e: Exception, report_cls) -> None:
 
 
 def _leave_epoch(worker) -> None:
-    """Close the epoch's connections, then drop the engine core and the process groups. Only the dead rank's
+    """Close the epoch's connections, roll the engine core back to its last finished step (or drop it where it
+    cannot be kept: can_keep), then drop the process groups. Only the dead rank's
     neighbours in a ring all-gather see its sockets close; the other survivors wait on live ones, so every
     survivor that leaves shuts its connections down first: each blocked peer raises at once (waiting for
     the groups' last references to go would not do: a compiled graph or an async work may keep one)."""
@@ -348,7 +361,11 @@ def _leave_epoch(worker) -> None:
     from moeserve.distributed.parallel_state import destroy_distributed
 
     _shut_connections(worker.front_end_port)
-    worker.core = worker.world = worker.tp = None
+    if worker.core is not None and can_keep(worker.core):
+        roll_back(worker.core)
+    else:
+        worker.core = None
+    worker.world = worker.tp = None
     torch._dynamo.reset()
     gc.collect()
     try:
@@ -458,6 +475,179 @@ def _join_epoch(worker, reform) -> None:
     at_join = getattr(worker.before_step, "at_join", None)  # testing only (MOESERVE_TEST_ELASTIC_HANG)
     if at_join is not None:
         at_join()
-    worker.start(config, RankInfo.of(reform.rank, parallel))
+    info = RankInfo.of(reform.rank, parallel)
+    maps = _vote(worker, parallel)  # a collective of the new epoch: every rank, joiners too
+    how = "built its engine core"
+    if worker.core is not None:
+        kept, read = _keep_core(worker, config, info, maps)
+        how = f"kept its engine core ({kept} expert slots kept, {read} checkpoint tensors read)"
+    else:
+        worker.start(config, info)
     print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
-          f"in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+          f"in {time.monotonic() - started:.1f} s and {how}", file=sys.stderr, flush=True)
+
+
+# ---- a survivor keeps its engine core ----------------------------------------------------------------------
+
+def _moe_blocks(model) -> list:
+    from moeserve.layers.moe.layer import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def can_keep(core) -> bool:
+    """Whether a survivor can re-place its MoE slots for a new EP group instead of rebuilding: float routed
+    experts (FusedExperts: their stacked tensors are re-sliced here), no MTP layer (its MoE block's weights
+    come from the checkpoint's MTP tensors, not re-read here), no PD transfer. Otherwise it rebuilds."""
+    from moeserve.layers.moe.experts import FusedExperts
+
+    runner = core.runner
+    if runner.proposer is not None or core.kv_transfer is not None:
+        return False
+    return all(type(b.experts) is FusedExperts and not b.shared_remote and not b.placement.experts_tp_sharded
+               for b in _moe_blocks(runner.model))
+
+
+def roll_back(core) -> None:
+    """The interrupted step leaves no trace: every request this survivor had is dropped (the front end re-queues
+    each unfinished one with the tokens it saw, its own back to this rank, where the prefix cache holds their
+    blocks). The prefix cache stays valid: a block is registered only after the step that wrote it finished
+    (Scheduler.update_from_output), and a step writes KV only past a request's registered blocks, so no
+    half-written block is ever registered. EPLB moves in flight on the old groups are dropped: a layer whose
+    move did not finish keeps its old weights and map (_Move.finish switches a layer only once it has all)."""
+    from moeserve.engine.request import RequestStatus
+
+    for rid in list(core.scheduler.requests):
+        core.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        core.runner.release(rid)
+    core._pending = []
+    if core.runner.eplb is not None:
+        core.runner.eplb.pending = []
+    core.runner.decode_graphs = None  # traced over the old groups; a degraded epoch decodes eagerly
+
+
+def maps_digest(blocks) -> int:
+    """A fingerprint of the expert maps a rank serves (every rank of an epoch holds the same ones)."""
+    import hashlib
+
+    maps = [(b.layer_idx, b.expert_map.placement.num_ranks, b.expert_map.placement.phys_to_logical)
+            for b in sorted(blocks, key=lambda b: b.layer_idx)]
+    return int.from_bytes(hashlib.blake2b(repr(maps).encode(), digest_size=7).digest(), "little")
+
+
+def _vote(worker, parallel: ParallelConfig) -> dict[int, list[int]] | None:
+    """Every rank of the new epoch says which rank it was in the epoch its expert maps come from (-1: it holds
+    no engine core: a replacement, or a survivor that could not keep its own) and a fingerprint of those maps.
+    For a survivor that keeps its core: the new map of each MoE layer when every rank kept its core under the
+    same maps (keep_map: slots stay where they are), else None (the default layout, which the ranks that build
+    afresh use)."""
+    import torch
+
+    from moeserve.distributed.parallel_state import get_world_group
+
+    core = worker.core
+    blocks = _moe_blocks(core.runner.model) if core is not None else []
+    row = torch.tensor([[worker.info.rank if core is not None else -1, maps_digest(blocks) if blocks else 0]],
+                       dtype=torch.long)
+    votes = get_world_group().all_gather(row).tolist()
+    olds = [v[0] for v in votes]
+    if core is None or min(olds) < 0 or len(set(olds)) != len(olds) or len({v[1] for v in votes}) != 1:
+        return None
+    experts = worker.arch.n_routed_experts or 0
+    slots = (experts + parallel.num_redundant_experts) // parallel.world_size
+    return {b.layer_idx: keep_map(list(b.expert_map.placement.phys_to_logical), b.expert_map.placement.num_ranks,
+                                  olds, experts, slots) for b in blocks}
+
+
+def keep_map(old: list[int], old_ranks: int, survivors: list[int], num_experts: int, slots: int) -> list[int]:
+    """One MoE layer's map for the survivors (survivors[i]: the old EP rank of new rank i; `slots` per rank):
+    each survivor keeps the experts it holds in its first slots, the experts nobody holds any more go to the
+    ranks with the most free slots (ties: the lowest), and slots still free take a second copy of an expert
+    the rank holds (a local copy, nothing to read; online EPLB re-places by load later)."""
+    per = len(old) // old_ranks
+    held = [list(dict.fromkeys(old[o * per:(o + 1) * per]))[:slots] for o in survivors]  # a rank's copies: one
+    lost = sum(not any(e in h for h in held) for e in range(num_experts))
+    for e in range(num_experts):  # room for the lost experts: drop replicas held on several ranks (fullest first)
+        while lost > sum(slots - len(h) for h in held) and sum(e in h for h in held) > 1:
+            max((h for h in held if e in h), key=len).remove(e)
+    have = {e for h in held for e in h}
+    for e in range(num_experts):
+        if e not in have:
+            i = max(range(len(held)), key=lambda i: (slots - len(held[i]), -i))
+            if len(held[i]) >= slots:
+                raise ConfigError(f"{num_experts} experts do not fit {len(held)} x {slots} expert slots")
+            held[i].append(e)
+    for h in held:
+        for k in range(slots - len(h)):
+            h.append(h[k % len(h)])
+    return [e for h in held for e in h]
+
+
+def _keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | None) -> tuple[int, int]:
+    """Serve on with the survivor's engine core under the new process groups: its non-expert weights, KV cache
+    pool, prefix cache and scheduler stay; each MoE layer's slots are re-placed for the new EP group (`maps`,
+    or the default layout): a slot whose expert this rank holds is copied from it, the others are read from
+    the checkpoint, only those experts. Returns (slots copied, checkpoint tensors read)."""
+    from moeserve.distributed.comm import GroupCoordinator
+    from moeserve.distributed.parallel_state import get_ep_group, get_ep_hierarchy, get_tp_group
+    from moeserve.layers.moe.dispatch import make_codec, make_dispatcher
+    from moeserve.layers.moe.placement import ExpertMap, build_plan, validate_map
+    from moeserve.models.loader import load_expert_slots
+
+    core, worker.core = worker.core, None  # lost if the re-placement fails: the next epoch builds afresh
+    runner = core.runner
+    plan = build_plan(config.parallel, worker.arch, info.rank)
+    if maps is not None:
+        for i, phys in maps.items():
+            validate_map(phys, worker.arch.n_routed_experts, info.world_size, f"elastic EP layer {i}")
+        plan = dataclasses.replace(plan, layers={i: dataclasses.replace(p, phys_to_logical=tuple(maps[i]))
+                                                 for i, p in plan.layers.items()})
+    names = {m: n for n, m in runner.model.named_modules()}
+    blocks = _moe_blocks(runner.model)
+    wanted: dict[str, dict[int, list[int]]] = {}
+    kept = 0
+    ep, mb1, codec = get_ep_group(), get_ep_group(micro_batch=1), make_codec(plan.comm_dtype)
+    for block in blocks:
+        p, ex = plan.layers[block.layer_idx], block.experts
+        new = p.local_slot_experts()
+        have: dict[int, int] = {}
+        for s, e in enumerate(ex.slot_experts):
+            have.setdefault(e, s)
+        w13, w2 = ex.w13.data, ex.w2.data
+        n13 = w13.new_empty((len(new),) + tuple(w13.shape[1:]))
+        n2 = w2.new_empty((len(new),) + tuple(w2.shape[1:]))
+        for j, e in enumerate(new):
+            if e in have:
+                n13[j], n2[j] = w13[have[e]], w2[have[e]]
+                kept += 1
+            else:
+                wanted.setdefault(names[ex], {}).setdefault(e, []).append(j)
+        ex.w13.data, ex.w2.data = n13, n2  # the Parameters stay (the module's), their storage is the new slots'
+        ex.num_local_experts, ex.slot_experts = len(new), list(new)
+        block.placement, block.expert_map = p, ExpertMap(p)
+        block.dispatcher = make_dispatcher(plan.comm, ep, p, codec, plan.node_size, get_ep_hierarchy(),
+                                           plan.pipeline_chunks)
+        block.dispatchers = [block.dispatcher] + (
+            [make_dispatcher(plan.comm, mb1, p, codec, plan.node_size, get_ep_hierarchy(micro_batch=1),
+                             plan.pipeline_chunks)] if mb1 is not ep else [])
+    read = load_expert_slots(runner.model, config.model.model, wanted)
+    for block in blocks:
+        block.experts.process_weights_after_loading()  # oneDNN packs / zentorch of the new slots
+    for m in runner.model.modules():  # MLA and MoE blocks hold the TP group (one rank here: TP 1)
+        if isinstance(getattr(m, "tp", None), GroupCoordinator):
+            m.tp = get_tp_group()
+    runner.config = core.config = config
+    runner.moe_plan = plan
+    p = config.parallel
+    if p.enable_eplb and blocks:  # a new balancer over the new groups; the load counts go on
+        from moeserve.layers.moe.eplb_online import OnlineEPLB
+
+        recorder = runner.eplb.recorder if runner.eplb is not None else runner.load_recorder
+        runner.eplb = OnlineEPLB(blocks, worker.arch.n_routed_experts, p.eplb_step_interval, recorder)
+        runner.load_recorder = runner.eplb.recorder
+    elif runner.eplb is not None:  # one survivor: nothing to balance
+        runner.eplb = None
+        if not p.expert_load_stats:
+            runner.load_recorder = None
+    worker.start(config, info, core)
+    return kept, read

@@ -224,6 +224,49 @@ def load_named_tensors(model: torch.nn.Module, tensors) -> None:
     _check_complete(model, params, expert_modules, loaded)
 
 
+def load_expert_slots(model: torch.nn.Module, path: str, wanted: dict[str, dict[int, list[int]]]) -> int:
+    """Read only the routed experts `wanted` ({experts module name: {logical expert: [local slots]}}) from the
+    checkpoint into those slots; no other tensor is read (elastic EP: the experts a survivor takes over from a
+    lost rank, engine/elastic.py). Returns the tensors read."""
+    modules = dict(model.named_modules())
+    expert_modules = {n: m for n, m in modules.items() if isinstance(m, FusedExperts)}
+
+    def skip(name: str) -> bool:
+        if (em := _EXPERT.match(name)) is not None:
+            return int(em.group(2)) not in wanted.get(em.group(1), ())
+        fm = _FUSED_EXPERT.match(name)  # all experts in one tensor: read whole where one is wanted
+        return fm is None or not wanted.get(fm.group(1))
+
+    def fill(prefix: str, expert: int, proj: str, tensor: torch.Tensor, leaf: str = "weight") -> None:
+        experts, name = expert_modules[prefix], f"{prefix}.{expert}.{proj}.{leaf}"
+        filled.add(f"{prefix}.{expert}.{proj}")
+        for slot in wanted[prefix].get(expert, ()):
+            _quant_call(experts.load_expert, slot, proj, leaf, experts.shard(proj, tensor, leaf), name)
+
+    read, filled = 0, set()
+    if not any(wanted.values()):
+        return read
+    for name, tensor in iter_checkpoint(path, skip, keep_fp8=True):
+        read += 1
+        if isinstance(tensor, Fp8Weight) and not _takes_fp8(name, modules, expert_modules):
+            tensor = tensor.dequantize()
+        if (em := _EXPERT.match(name)) is not None:
+            fill(em.group(1), int(em.group(2)), em.group(3), tensor, em.group(4))
+        elif (fm := _FUSED_EXPERT.match(name)) is not None:
+            for j in wanted[fm.group(1)]:
+                if fm.group(2) == "down_proj":
+                    fill(fm.group(1), j, "down_proj", tensor[j])
+                else:
+                    gate, up = tensor[j].chunk(2, dim=0)
+                    fill(fm.group(1), j, "gate_proj", gate)
+                    fill(fm.group(1), j, "up_proj", up)
+    missing = [n for prefix, experts in wanted.items() for e in experts
+               for proj in ("gate_proj", "up_proj", "down_proj") if (n := f"{prefix}.{e}.{proj}") not in filled]
+    if missing:
+        raise CheckpointError(f"the checkpoint is missing tensor(s): {', '.join(missing[:5])}")
+    return read
+
+
 def _on_shared_expert_ranks(name: str, modules: dict) -> bool:
     """A shared-expert tensor that this rank does not hold: with --shared-expert-ranks only those ranks do."""
     m = _SHARED_EXPERT.match(name)

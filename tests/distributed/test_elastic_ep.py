@@ -11,7 +11,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import ConfigError, ParallelConfig
-from moeserve.engine.elastic import survivor_parallel
+from moeserve.engine.elastic import keep_map, survivor_parallel
 from moeserve.protocol import EngineCoreRequest
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61)), [7, 8, 9, 10, 11]]
@@ -42,10 +42,12 @@ def generate(llm):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
 
 
-def kill_mid_decode(engine, rank: int) -> list[list[int]]:
-    """Run PROMPTS through the engine's front end; SIGKILL rank process `rank` once 8 tokens are out."""
+def kill_mid_decode(engine, rank) -> list[list[int]]:
+    """Run PROMPTS through the engine's front end; SIGKILL rank process `rank` once 8 tokens are out (rank may be
+    a function of the engine, called once the requests are routed)."""
     for i, p in enumerate(PROMPTS):
         engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
+    rank = rank(engine) if callable(rank) else rank
     got = {f"r{i}": [] for i in range(len(PROMPTS))}
     killed = False
     deadline = time.monotonic() + 300
@@ -75,6 +77,41 @@ def test_dp3_loses_a_nonzero_rank_mid_decode_then_a_stopped_one(path, reference)
         assert engine.ranks.procs[2].poll() == -signal.SIGKILL
     finally:
         llm.shutdown()
+
+
+def test_survivors_keep_their_engine_core_and_prefix_cache(path, reference):
+    # a survivor keeps its engine core (weights, KV pool, prefix cache): the rank running the 41-token prompt
+    # survives, gets the request back and finds the two 16-token blocks it computed before the loss in its
+    # prefix cache (the only hits: the prompts share no block, and the others are under one block); an engine
+    # core rebuilt after the loss would start with an empty cache (0 hits)
+    llm = elastic_llm(path, 3)
+    try:
+        engine = llm.engine
+        owner = {}
+
+        def not_the_long_prompts_rank(engine):
+            owner["slot"] = engine.slots[engine.router.owner["r2"]]
+            return max(s for s in engine.slots if s != owner["slot"])
+
+        assert kill_mid_decode(engine, not_the_long_prompts_rank) == reference
+        stats = engine.stats()
+        assert owner["slot"] in engine.slots and stats.elastic_ranks_lost == 1
+        assert (stats.prefix_cache_hits, stats.elastic_requeued) == (32, len(PROMPTS))
+        assert generate(llm) == reference  # and the survivors serve on
+    finally:
+        llm.shutdown()
+
+
+def test_keep_map_keeps_held_slots_and_spreads_the_lost_experts():
+    # 8 experts + 1 replica over 3 ranks (rank r: slots 3r..3r+2), rank 1 lost; 2 survivors of 5 slots each
+    assert keep_map([0, 1, 2, 3, 4, 5, 6, 7, 0], 3, [0, 2], 8, 5) == [0, 1, 2, 3, 5, 6, 7, 0, 4, 6]
+    # 32 experts over 4 ranks, rank 0 lost: each survivor keeps its 8 and takes 3 (or 2 and a local copy)
+    got = keep_map(list(range(32)), 4, [1, 2, 3], 32, 11)
+    assert got[:8] == list(range(8, 16)) and got[11:19] == list(range(16, 24)) and got[22:30] == list(range(24, 32))
+    assert sorted(set(got)) == list(range(32)) and got[-1] == 24
+    # 2 of those 3 survivors, now 4 slots each: a replica held twice gives way so the lost experts fit
+    assert keep_map([0, 1, 2, 3, 4, 5, 6, 7, 0], 3, [1, 2], 8, 4) == [3, 4, 5, 1, 6, 7, 0, 2]
+    assert keep_map([0, 1, 2, 3, 4, 5, 0, 6, 7], 3, [0, 2], 8, 4) == [1, 2, 3, 4, 0, 6, 7, 5]
 
 
 def test_dp3_loses_a_second_rank_while_re_forming(path, reference):

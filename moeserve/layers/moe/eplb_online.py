@@ -129,9 +129,12 @@ class _Move:
         self.local, self.arrived = local, arrived  # (new slot, old slot) kept here; new slots filled remotely
 
     def finish(self) -> None:
-        for param, (got, work) in self.transfers:
+        # every transfer first: a peer lost mid-wait (elastic EP) must leave no tensor of the layer re-ordered
+        # while the others and the map are not; the survivor then keeps a consistent layer
+        for _, (_, work) in self.transfers:
             if work is not None:
                 work.wait()
+        for param, (got, _) in self.transfers:
             t = param.data
             out = torch.empty_like(t)
             for j, old_slot in self.local:
