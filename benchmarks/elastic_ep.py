@@ -6,7 +6,9 @@ requests of --new-tokens twice: once unfailed (the reference), once with --kills
 tokens. Per kill it prints seconds from the kill until the front end began the re-formation (loss seen),
 until the survivors served again (re-formed, every unfinished request re-queued), until the next token of
 any request, and until every unfinished request had a token again; the requests re-queued and the tokens
-(prompt + output so far) they recompute. Last: requests lost and whether every output equals the reference.
+(prompt + output so far) they recompute, and of those the tokens the ranks' prefix caches served (cache hits:
+a survivor that kept its engine core finds its own requests' blocks there; the reference run's prompts count
+too, as the failed run repeats them). Last: requests lost and whether every output equals the reference.
 The model is benchmarks/dp_ep.py's shrunk bench config (32 routed experts) unless --bench-model.
 
 With --replace (--elastic-ep-replace) the front end starts a replacement per lost rank once the survivors
@@ -68,6 +70,7 @@ def run(engine, prompts, params, kills: list[int], before: int,
                 stats = engine.stats()
                 rec["requeued"] = stats.elastic_requeued - rec["requeued0"]
                 rec["recomputed"] = stats.elastic_tokens_recomputed - rec["recomputed0"]
+                rec["hits"] = sum(_hits_since(engine, rec["hits0"]).values())
                 records.append(rec)
                 rec = None
                 mark = {r: len(t) for r, t in got.items()}  # the next kill waits for --before more tokens
@@ -75,7 +78,8 @@ def run(engine, prompts, params, kills: list[int], before: int,
             victim = pending.pop(0)
             stats = engine.stats()
             rec = {"victim": victim, "epoch": engine.epoch, "requeued0": stats.elastic_requeued,
-                   "recomputed0": stats.elastic_tokens_recomputed, "kill": time.monotonic()}
+                   "recomputed0": stats.elastic_tokens_recomputed, "kill": time.monotonic(),
+                   "hits0": _hits_since(engine, {})}
             mark = {r: len(t) for r, t in got.items()}
             if hang_file:
                 open(hang_file, "w").close()  # its next step hangs
@@ -83,6 +87,13 @@ def run(engine, prompts, params, kills: list[int], before: int,
             else:
                 os.kill(engine.ranks.procs[victim].pid, signal.SIGKILL)
     return {r.split("-", 1)[1]: t for r, t in got.items()}, records
+
+
+def _hits_since(engine, before: dict[int, int]) -> dict[int, int]:
+    """Prefix-cache hits (tokens) of each rank process since `before` (its counts then): a rank that rebuilt
+    its engine core counts from 0 again."""
+    now = {engine.slots[dp]: s.prefix_cache_hits for dp, s in enumerate(engine.rank_stats)}
+    return {r: n - before.get(r, 0) if n >= before.get(r, 0) else n for r, n in now.items()}
 
 
 def _full(engine, size: int) -> bool:
@@ -158,10 +169,12 @@ def main() -> None:
             shutil.rmtree(os.path.dirname(hang_file), ignore_errors=True)
     if a.hang:
         print(f"kill 1 is a hang ({a.hang}; the hang check killed rank(s) {engine.hung_killed})")
-    print("kill  rank  ranks after  loss seen s  serving again s  next token s  all resumed s  requeued  recomputed")
+    print("kill  rank  ranks after  loss seen s  serving again s  next token s  all resumed s  requeued  recomputed"
+          "  cache hits")
     for k, r in enumerate(records, 1):
         print(f"{k:4d}  {r['victim']:4d}  {r['ranks']:11d}  {r['seen'] - r['kill']:11.2f}  {r['ready'] - r['kill']:15.2f}"
-              f"  {r['token'] - r['kill']:12.2f}  {r['all'] - r['kill']:13.2f}  {r['requeued']:8d}  {r['recomputed']:10d}")
+              f"  {r['token'] - r['kill']:12.2f}  {r['all'] - r['kill']:13.2f}  {r['requeued']:8d}  {r['recomputed']:10d}"
+              f"  {r['hits']:10d}")
     lost = sum(len(got.get(k, [])) != a.new_tokens for k in want)
     same = sum(got.get(k) == t for k, t in want.items())
     print(f"requests: {len(want)}, lost {lost}, outputs identical to the unfailed run: {same}/{len(want)}")
