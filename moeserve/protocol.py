@@ -222,3 +222,6 @@ class RankReport(msgspec.Struct, array_like=True, omit_defaults=True):
     num_kv_blocks: int = 0  # sent with ready
     error: str | None = None  # the rank stopped; the message names it and the cause
     epoch: int = 0  # --enable-elastic-ep: the process-group epoch it was sent in (older ones are stale)
+    # --enable-elastic-ep, sent with ready in a new epoch: the requests a survivor kept scheduled -> the output
+    # tokens each has (the front end re-queues only the others)
+    kept: dict[str, int] = {}

@@ -102,6 +102,7 @@ class DPEngineClient:
         self.requests: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
         self._owners: dict[str, int] = {}  # at a loss: request id -> the rank process it ran on
         self._first_cached: dict[str, int] = {}  # request id -> prompt tokens cached at its first admission
+        self._late: list[EngineCoreOutput] = []  # outputs of older epochs read after a loss (_late_outputs)
         self.recovery: dict | None = None  # the re-formation in progress: epoch, waiting DP ranks, start
         self._epoch_stores: list = []
         self.elastic_stats = EngineStats()  # the elastic_* counters
@@ -181,11 +182,11 @@ class DPEngineClient:
         self._check_alive()
         if self.recovery is not None:
             self._poll_recovery(poll_s)
-            return []
+            return self._take_late()
         if self._joiners_due():  # the replacements that are up join the next epoch
             self._start_recovery()
-            return []
-        outputs: list[EngineCoreOutput] = []
+            return self._take_late()
+        outputs: list[EngineCoreOutput] = self._take_late()
         timeout_ms = int(poll_s * 1000)
         heard = False
         while self.sock.poll(timeout_ms):
@@ -291,13 +292,15 @@ class DPEngineClient:
 
     def _recv(self) -> RankReport | None:
         """The next report; None for one of an older epoch, or an error that began a re-formation."""
-        _, payload = self.sock.recv_multipart()
+        identity, payload = self.sock.recv_multipart()
         report = self.decoder.decode(payload)
         if report.epoch == JOINING_EPOCH:
             self._joiner_report(report)
             return None
-        if report.epoch != self.epoch:
-            return None  # elastic EP: sent before the survivors re-formed
+        if report.epoch != self.epoch:  # elastic EP: sent before the survivors re-formed
+            if int(identity[2:]) in self.slots and report.outputs:
+                self._late_outputs(report.outputs)
+            return None
         if report.error and self.elastic:
             # a survivor left its step: a rank died (seen here within moments) or the engine is broken
             deadline = time.monotonic() + 5.0
@@ -315,6 +318,25 @@ class DPEngineClient:
             cause = self._dead_rank_text()
             self._fail(f"{cause} (then {report.error})" if cause else report.error)
         return report
+
+    def _late_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """Tokens a survivor made in an older epoch, read after the loss was seen: the survivor keeps those
+        requests with them (RankReport.kept), so they are the caller's (next step()) and count as seen. A lost
+        rank's are dropped: its requests are re-queued with the tokens seen before."""
+        for out in outputs:
+            entry = self.requests.get(out.request_id)
+            if entry is None:
+                continue  # aborted here already
+            entry[1].extend(out.new_token_ids)
+            out.num_cached_tokens = self._first_cached.setdefault(out.request_id, out.num_cached_tokens)
+            if out.finish_reason is not None:
+                self.requests.pop(out.request_id, None)
+                self._first_cached.pop(out.request_id, None)
+            self._late.append(out)
+
+    def _take_late(self) -> list[EngineCoreOutput]:
+        late, self._late = self._late, []
+        return late
 
     def _wait_ready(self) -> None:
         ready: set[int] = set()
@@ -480,7 +502,7 @@ class DPEngineClient:
         started = self.recovery["started"] if self.recovery else time.monotonic()  # a loss while re-forming
         grow = not dead and self.recovery is None  # only replacements join: no loss to recover from
         self.recovery = {"waiting": set(range(self.dp_size)), "started": started, "epoch_at": time.monotonic(),
-                         "grow": grow}
+                         "grow": grow, "kept": {}}
         self._beats = None
         self._reset_ranks()
 
@@ -492,6 +514,7 @@ class DPEngineClient:
             report = self._recv()
             if report is not None and report.ready:
                 rec["waiting"].discard(report.dp_rank)
+                rec["kept"][report.dp_rank] = report.kept
                 self.num_kv_blocks = report.num_kv_blocks
         if self.recovery is not rec:
             return  # another loss began a newer epoch
@@ -521,8 +544,9 @@ class DPEngineClient:
         return True
 
     def _finish_recovery(self) -> None:
-        """Every unfinished request goes to the survivors with its tokens so far (issue 31's resume)."""
-        took, grow = time.monotonic() - self.recovery["started"], self.recovery["grow"]
+        """The requests a survivor kept stay there; every other unfinished request goes to the survivors with
+        its tokens so far (issue 31's resume)."""
+        took, grow, kept = time.monotonic() - self.recovery["started"], self.recovery["grow"], self.recovery["kept"]
         self.recovery = None
         self._served.update(self.slots)
         self._beats = None  # the hang check starts afresh in the new epoch
@@ -530,7 +554,10 @@ class DPEngineClient:
         if not grow:  # from a loss seen to the survivors serving (a replacement joining is not a recovery)
             st.elastic_last_recovery_s = took
             st.elastic_recovery_s += took
+        staying = self._adopt_kept(kept)
         for rid, (req, seen) in self.requests.items():
+            if rid in staying:
+                continue
             out = list(req.output_token_ids) + seen
             params = req.sampling_params
             if seen and params.prompt_logprobs is not None:
@@ -544,11 +571,34 @@ class DPEngineClient:
             st.elastic_tokens_recomputed += len(req.prompt_token_ids) + len(out)
         self._owners = {}
         self._last_progress = time.monotonic()
-        logger.warning("epoch %d: %d rank(s) serve again after %.2f s; %d request(s) re-queued", self.epoch,
-                       self.dp_size, took, len(self.requests))
+        logger.warning("epoch %d: %d rank(s) serve again after %.2f s; %d request(s) kept where they ran, %d "
+                       "re-queued", self.epoch, self.dp_size, took, len(staying), len(self.requests) - len(staying))
         self._replace()
         if self.replace and not self.joining:
             self._spawn_spare()
+
+    def _adopt_kept(self, kept: dict[int, dict[str, int]]) -> set[str]:
+        """The requests the survivors kept scheduled (their ready reports: DP rank -> {request id: output
+        tokens}) that stay there: unfinished here with exactly the tokens seen here (a survivor's outputs of the
+        older epoch are read before its ready report: _late_outputs). The router counts them on that rank.
+        Others a survivor holds are aborted there: finished or aborted here meanwhile (the abort was dropped
+        with the older epoch), or out of step with what was seen (re-queued then, as a lost rank's)."""
+        staying: set[str] = set()
+        for dp, held in sorted(kept.items()):
+            aborts = []
+            for rid, n in held.items():
+                entry = self.requests.get(rid)
+                if entry is None or rid in staying or len(entry[0].output_token_ids) + len(entry[1]) != n:
+                    aborts.append(rid)
+                    continue
+                req, seen = entry
+                staying.add(rid)
+                prompt = req.prompt_token_ids + list(req.output_token_ids) + seen
+                max_new = max(1, (req.sampling_params.max_tokens or self.config.scheduler.max_model_len) - n)
+                self.router.assign(rid, 0, max_new, prompt, rank=dp)  # nothing to prefill: its KV is there
+            if aborts:  # before any re-queue of the same id: the rank applies its commands in order
+                self._send(dp, RankCommand(aborts=aborts, abort_status=RequestStatus.FINISHED_ABORTED.value))
+        return staying
 
     def _fail(self, message: str) -> None:
         self.dead = message

@@ -94,7 +94,9 @@ class RankWorker:
         self.arch = self.core.arch
         self.stats = EngineStats()
         if self.leader:
-            self.report(RankReport(info.dp_rank, ready=True, num_kv_blocks=self.core.num_kv_blocks))
+            kept = ({rid: r.num_output_tokens for rid, r in self.core.scheduler.requests.items()}
+                    if core is not None else {})  # elastic EP: a survivor serves on with these
+            self.report(RankReport(info.dp_rank, ready=True, num_kv_blocks=self.core.num_kv_blocks, kept=kept))
 
     def report(self, msg: RankReport) -> None:
         msg.epoch = self.epoch
@@ -139,7 +141,6 @@ class RankWorker:
         if self.before_step is not None:
             self.before_step(self)
         outputs = self.core.step(budget, lockstep=True)
-        self.core.runner.lockstep_step_done()  # --enable-eplb: a rebalance is a collective step boundary
         step = comm.STATS.reset()
         st = self.stats
         st.num_steps += 1
@@ -150,6 +151,9 @@ class RankWorker:
             st.phase_seconds[k] = st.phase_seconds.get(k, 0.0) + v
         if self.leader:  # every step, so idle ranks' stats (their empty steps) are seen too
             self._report(outputs)
+        # --enable-eplb: a rebalance is a collective step boundary; after the report, so that a peer lost in it
+        # (elastic EP) finds the front end knowing every token this step made (the survivor keeps its requests)
+        self.core.runner.lockstep_step_done()
 
     def _report(self, outputs) -> None:
         """The leader sends this DP rank's outputs with its current load."""

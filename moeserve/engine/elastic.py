@@ -509,18 +509,17 @@ def can_keep(core) -> bool:
 
 
 def roll_back(core) -> None:
-    """The interrupted step leaves no trace: every request this survivor had is dropped (the front end re-queues
-    each unfinished one with the tokens it saw, its own back to this rank, where the prefix cache holds their
-    blocks). The prefix cache stays valid: a block is registered only after the step that wrote it finished
-    (Scheduler.update_from_output), and a step writes KV only past a request's registered blocks, so no
-    half-written block is ever registered. EPLB moves in flight on the old groups are dropped: a layer whose
-    move did not finish keeps its old weights and map (_Move.finish switches a layer only once it has all)."""
-    from moeserve.engine.request import RequestStatus
-
-    for rid in list(core.scheduler.requests):
-        core.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-        core.runner.release(rid)
-    core._pending = []
+    """The interrupted step leaves no trace, and the survivor's requests stay scheduled (the front end re-queues
+    only those no survivor kept: RankReport.kept). A step of a core that can be kept fails inside its forward
+    (the MoE collectives; the sampler and the scheduler's update come after it, and online EPLB's collectives
+    run after the step's report), so the scheduler never saw the step end: each request's computed tokens,
+    block table and outputs are those of its last finished step, and the next step schedules the interrupted
+    tokens again. Their KV was written past every request's computed tokens, where the re-run writes again;
+    nothing of it was registered in the prefix cache (a block is registered only in update_from_output, once
+    the step that wrote it finished), so no half-written block is ever shared. EPLB moves in flight on the
+    old groups are dropped: a layer whose move did not finish keeps its old weights and map together
+    (_Move.finish switches a layer only once all its transfers arrived)."""
+    core._pending = []  # rejections queued for the lost step's report: their requests are re-queued instead
     if core.runner.eplb is not None:
         core.runner.eplb.pending = []
     core.runner.decode_graphs = None  # traced over the old groups; a degraded epoch decodes eagerly

@@ -42,9 +42,10 @@ def generate(llm):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
 
 
-def kill_mid_decode(engine, rank) -> list[list[int]]:
+def kill_mid_decode(engine, rank, lost: list[str] | None = None) -> list[list[int]]:
     """Run PROMPTS through the engine's front end; SIGKILL rank process `rank` once 8 tokens are out (rank may be
-    a function of the engine, called once the requests are routed)."""
+    a function of the engine, called once the requests are routed). lost: filled with the ids of the requests
+    the killed rank ran."""
     for i, p in enumerate(PROMPTS):
         engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
     rank = rank(engine) if callable(rank) else rank
@@ -55,6 +56,8 @@ def kill_mid_decode(engine, rank) -> list[list[int]]:
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
         if not killed and sum(map(len, got.values())) >= 8:  # every rank mid-decode
+            if lost is not None:
+                lost += [rid for rid, dp in engine.router.owner.items() if engine.slots[dp] == rank]
             os.kill(engine.ranks.procs[rank].pid, signal.SIGKILL)
             killed = True
     assert killed and not engine.has_unfinished()
@@ -65,10 +68,11 @@ def test_dp3_loses_a_nonzero_rank_mid_decode_then_a_stopped_one(path, reference)
     llm = elastic_llm(path, 3)
     try:
         engine = llm.engine
-        assert kill_mid_decode(engine, 1) == reference  # none lost, none changed
+        lost: list[str] = []
+        assert kill_mid_decode(engine, 1, lost) == reference  # none lost, none changed
         stats = engine.stats()
         assert (engine.dp_size, engine.epoch, stats.elastic_ranks_lost) == (2, 1, 1)
-        assert stats.elastic_requeued == len(PROMPTS) and stats.elastic_last_recovery_s > 0
+        assert stats.elastic_requeued == len(lost) and stats.elastic_last_recovery_s > 0  # the survivors kept theirs
         # the offline LLM rides through a second loss: a stopped rank is killed after --engine-stall-timeout
         watcher = signal_after_steps(engine, 2, signal.SIGSTOP, engine.stats().num_steps + 3)
         assert generate(llm) == reference
@@ -79,24 +83,20 @@ def test_dp3_loses_a_nonzero_rank_mid_decode_then_a_stopped_one(path, reference)
         llm.shutdown()
 
 
-def test_survivors_keep_their_engine_core_and_prefix_cache(path, reference):
-    # a survivor keeps its engine core (weights, KV pool, prefix cache): the rank running the 41-token prompt
-    # survives, gets the request back and finds the two 16-token blocks it computed before the loss in its
-    # prefix cache (the only hits: the prompts share no block, and the others are under one block); an engine
-    # core rebuilt after the loss would start with an empty cache (0 hits)
+def test_survivors_keep_their_engine_core_and_requests(path, reference):
+    # a survivor keeps its engine core (weights, KV pool, prefix cache) and the requests it runs, which go on
+    # from their KV: only the lost rank's requests are re-queued and recomputed (prompt + tokens so far). An
+    # engine core rebuilt after the loss would hold no request: all 4 re-queued, 4 prompts recomputed
     llm = elastic_llm(path, 3)
     try:
         engine = llm.engine
-        owner = {}
-
-        def not_the_long_prompts_rank(engine):
-            owner["slot"] = engine.slots[engine.router.owner["r2"]]
-            return max(s for s in engine.slots if s != owner["slot"])
-
-        assert kill_mid_decode(engine, not_the_long_prompts_rank) == reference
+        lost: list[str] = []
+        assert kill_mid_decode(engine, 2, lost) == reference
         stats = engine.stats()
-        assert owner["slot"] in engine.slots and stats.elastic_ranks_lost == 1
-        assert (stats.prefix_cache_hits, stats.elastic_requeued) == (32, len(PROMPTS))
+        assert 0 < len(lost) < len(PROMPTS) and stats.elastic_ranks_lost == 1
+        assert stats.elastic_requeued == len(lost)
+        prompts = sum(len(PROMPTS[int(rid[1:])]) for rid in lost)  # ids are r<index>
+        assert prompts < stats.elastic_tokens_recomputed <= prompts + GREEDY.max_tokens * len(lost)
         assert generate(llm) == reference  # and the survivors serve on
     finally:
         llm.shutdown()

@@ -23,7 +23,8 @@ def test_rank_killed_inside_an_eplb_weight_move(path, reference, monkeypatch, ra
         assert engine.ranks.procs[rank].poll() == -signal.SIGKILL  # the hook fired: a move had started
         assert rank not in engine.slots and (engine.dp_size, engine.epoch) == (2, 1)
         stats = engine.stats()
-        assert stats.elastic_ranks_lost == 1 and stats.elastic_requeued == len(PROMPTS)
+        # the lost rank's requests are re-queued, the survivors keep theirs (every rank had one: 4 over 3)
+        assert stats.elastic_ranks_lost == 1 and 0 < stats.elastic_requeued < len(PROMPTS)
         before = stats.eplb_rebalances
         assert generate(llm) == reference  # the two survivors serve on, rebalancing as they go
         assert engine.stats().eplb_rebalances > before

@@ -54,7 +54,8 @@ def test_streams_ride_through_a_killed_rank_and_health_stays_200(ckpt_dir):
         assert s.metric("moeserve:elastic_ep_degraded") == 1
         assert s.metric("moeserve:elastic_ep_rank_losses_total") == 1
         assert s.metric("moeserve:elastic_ep_recovery_seconds_count") == 1
-        assert s.metric("moeserve:elastic_ep_requests_requeued_total") == len(PROMPTS)
+        # the killed rank's streams are re-queued, the survivors keep theirs (8 streams over 3 ranks)
+        assert 0 < s.metric("moeserve:elastic_ep_requests_requeued_total") < len(PROMPTS)
         assert s.metric("moeserve:elastic_ep_tokens_recomputed_total") > 0
         assert s.metric("moeserve:requests_resumed_total") == 0  # the API server saw no engine death
     finally:
