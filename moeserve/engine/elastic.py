@@ -10,10 +10,10 @@ Lifecycle (issue 37; one node, TP 1, gloo):
   2. the survivors leave the step they are in: their gloo collective raises when the dead peer's sockets
      close, and a survivor that leaves shuts down all its connections of the epoch, so a survivor blocked on
      it raises too (the cascade ends every survivor's step; --distributed-timeout bounds the worst case).
-     Each rolls its engine core back to its last finished step (roll_back(): its requests dropped, their KV
-     blocks left in its prefix cache; a block is registered only once the step that wrote it finished, so
-     none of the interrupted step's is), reports the error with its epoch and waits for the front end
-     (ride_through()).
+     Each rolls its engine core back to its last finished step (roll_back(): the step failed inside its
+     forward, before the scheduler's update, so its requests stay scheduled with the KV of their finished
+     steps; nothing of the interrupted step was registered in the prefix cache), reports the error with its
+     epoch and waits for the front end (ride_through()).
   3. the front end starts epoch e + 1: a TCPStore of its own on a fresh port, and to each survivor (in old
      rank order) a RankReform with its new rank and the new world size. Commands and reports of older epochs
      are dropped. Survivors check in at that store before they build process groups, reading the front end
@@ -31,11 +31,13 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      EPLB are rebuilt over the new groups. A core that cannot be kept (MTP, INT8/FP8 experts: can_keep()) is
      rebuilt from the checkpoint as before. Decode runs eagerly in a degraded epoch (no graph compile on the
      way back). It reports ready in the new epoch.
-  5. when all are ready the front end re-queues every unfinished request with its tokens so far
-     (EngineCoreRequest.output_token_ids, issue 31's resume): greedy and seeded outputs continue exactly where
-     the front end last saw them. A survivor's own requests go back to it (its prefix cache holds their
-     blocks: the recompute is mostly cache hits), the lost rank's to the least loaded. New requests that
-     arrived meanwhile wait in the front end until then.
+  5. each survivor's ready report lists the requests it kept (RankReport.kept, with their output tokens);
+     the front end has read the survivors' outputs of the older epoch before it (one socket per rank, in
+     order), so a kept request whose count matches what it saw stays where it runs. Every other unfinished
+     request (the lost rank's; one a survivor never read; one out of step, aborted there) is re-queued with
+     its tokens so far (EngineCoreRequest.output_token_ids, issue 31's resume): greedy and seeded outputs
+     continue exactly where the front end last saw them (to the rank that had it where it survived, else the
+     least loaded). New requests that arrived meanwhile wait in the front end until then.
   6. --elastic-ep-replace (stage 2): the front end keeps a spare rank process started ahead (dp_worker --join,
      imports done, waiting on stdin: launch.LocalRanks.spawn_spare). On a loss it is sent on and is a member
      of the loss's epoch: once it says it is up (a report of JOINING_EPOCH) it gets its RankReform, and the
@@ -46,10 +48,10 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      are re-queued as in 5.
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
-Every unfinished request is still re-queued and recomputed (a survivor's own from its prefix cache). Next
-(docs/parallelism.md): keep the survivors' requests running where they are (re-queue the lost rank's only),
-fill new slots from a peer's replica or a host copy instead of the checkpoint, and build a replacement for the
-survivors' map (today a join re-places every rank onto the default map).
+A loss costs the lost rank's requests (recomputed from their tokens) and the survivors' interrupted step. Next
+(docs/parallelism.md): fill new slots from a peer's replica or a host copy instead of the checkpoint, keep MTP
+and quantized experts too, and build a replacement for the survivors' map (today a join re-places every rank
+onto the default map).
 """
 from __future__ import annotations
 
