@@ -202,3 +202,32 @@ def test_tokenizer_errors_are_only_claimed_for_the_tokenizer(ckpt_dir, tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(src, name), tok_only)
     assert load_tokenizer(tok_only).encode("def f") == load_tokenizer(src).encode("def f")
+
+
+def test_load_expert_slots_reads_only_the_wanted_experts(ckpt_dir, tmp_path):
+    # elastic EP's re-placement (engine/elastic.py): expert 3 of layer 2 into local slots 0 and 5, nothing
+    # else read. Two tensors turned FP8 without a scale (another expert's, an attention weight's) would fail
+    # the read: loading past them proves them unread
+    from moeserve.arch import DeepseekArch
+    from moeserve.models.loader import load_expert_slots
+
+    src = ckpt_dir("v3")
+    dst = copy_ckpt(src, str(tmp_path / "experts"))
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    want = {p: tensors[f"model.layers.2.mlp.experts.3.{p}.weight"].float()
+            for p in ("gate_proj", "up_proj", "down_proj")}
+    for name in ("model.layers.2.mlp.experts.4.up_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight"):
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    model, _ = build_model(src, DeepseekArch.from_pretrained(src), torch.float32, 64)
+    experts = model.get_submodule("model.layers.2.mlp.experts")
+    with torch.no_grad():
+        experts.w13.zero_()
+        experts.w2.zero_()
+    assert load_expert_slots(model, dst, {"model.layers.2.mlp.experts": {3: [0, 5]}}) == 3
+    for slot in (0, 5):
+        for proj, w in want.items():
+            assert torch.equal(experts.expert_weight(slot, proj), w), (slot, proj)
+    assert not experts.w13[1].any() and not experts.w2[4].any()  # the other slots untouched
+    with pytest.raises(CheckpointError, match=r"experts\.4\.up_proj\.weight.*has no .*_scale_inv"):
+        load_expert_slots(model, dst, {"model.layers.2.mlp.experts": {4: [1]}})
