@@ -24,9 +24,10 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      rank they were and a fingerprint of their expert maps. A survivor keeps its engine core (_keep_core():
      non-expert weights, KV cache pool, prefix cache, scheduler) and re-places only its MoE slots for the new
      EP group (survivor_parallel(): one rank fewer, redundant slots topped up where the experts no longer
-     divide over the ranks): when every rank kept its core under the same maps, each keeps the experts it
-     holds and takes a share of the lost rank's (keep_map()); with a rank that builds afresh (a replacement)
-     all use the default map. A slot whose expert the rank holds (a replica included) is copied, the others
+     divide over the ranks): when the ranks that kept their cores did so under the same maps, each keeps the
+     experts it holds and takes a share of the lost rank's (keep_map()); a rank that builds afresh (a
+     replacement) receives that map and takes the experts no survivor keeps (placement.given_maps); else all
+     use the default map. A slot whose expert the rank holds (a replica included) is copied, the others
      are read from the checkpoint, only those experts (loader.load_expert_slots). Its dispatchers and online
      EPLB are rebuilt over the new groups. A core that cannot be kept (MTP, INT8/FP8 experts: can_keep()) is
      rebuilt from the checkpoint as before. Decode runs eagerly in a degraded epoch (no graph compile on the
@@ -43,15 +44,14 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      of the loss's epoch: once it says it is up (a report of JOINING_EPOCH) it gets its RankReform, and the
      survivors wait for it at the store. Without a spare a fresh one starts once the survivors serve, says
      it is up, and the front end starts the next epoch with the survivors and it (the survivors leave their
-     step on the RankReform). The replacement builds its engine core for the full EP group, the survivors
-     keep theirs and re-place their slots onto its default map (as in 4, decoding eagerly), and the requests
-     are re-queued as in 5.
+     step on the RankReform). The survivors keep their cores and requests (as in 4 and 5, decoding eagerly)
+     and the slots they hold, up to the full group's count per rank; the replacement builds its engine core
+     for that map, with the experts no survivor keeps, and the lost rank's requests are re-queued as in 5.
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
 A loss costs the lost rank's requests (recomputed from their tokens) and the survivors' interrupted step. Next
-(docs/parallelism.md): fill new slots from a peer's replica or a host copy instead of the checkpoint, keep MTP
-and quantized experts too, and build a replacement for the survivors' map (today a join re-places every rank
-onto the default map).
+(docs/parallelism.md): fill new slots from a peer's replica or a host copy instead of the checkpoint, and keep
+MTP and quantized experts too.
 """
 from __future__ import annotations
 
@@ -479,12 +479,15 @@ def _join_epoch(worker, reform) -> None:
         at_join()
     info = RankInfo.of(reform.rank, parallel)
     maps = _vote(worker, parallel)  # a collective of the new epoch: every rank, joiners too
-    how = "built its engine core"
+    how = "built its engine core" + (" for the others' expert map" if maps is not None else "")
     if worker.core is not None:
         kept, read = _keep_core(worker, config, info, maps)
         how = f"kept its engine core ({kept} expert slots kept, {read} checkpoint tensors read)"
     else:
-        worker.start(config, info)
+        from moeserve.layers.moe.placement import given_maps
+
+        with given_maps(maps):
+            worker.start(config, info)
     print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
           f"in {time.monotonic() - started:.1f} s and {how}", file=sys.stderr, flush=True)
 
@@ -539,34 +542,44 @@ def maps_digest(blocks) -> int:
 def _vote(worker, parallel: ParallelConfig) -> dict[int, list[int]] | None:
     """Every rank of the new epoch says which rank it was in the epoch its expert maps come from (-1: it holds
     no engine core: a replacement, or a survivor that could not keep its own) and a fingerprint of those maps.
-    For a survivor that keeps its core: the new map of each MoE layer when every rank kept its core under the
-    same maps (keep_map: slots stay where they are), else None (the default layout, which the ranks that build
-    afresh use)."""
+    When the ranks that kept their cores did so under the same maps, the new map of each MoE layer keeps
+    their slots where they are and gives the rest to the others (keep_map), and the ranks that build afresh
+    receive it (one more all-gather); else None: every rank uses the default layout."""
     import torch
 
     from moeserve.distributed.parallel_state import get_world_group
 
+    world = get_world_group()
     core = worker.core
     blocks = _moe_blocks(core.runner.model) if core is not None else []
     row = torch.tensor([[worker.info.rank if core is not None else -1, maps_digest(blocks) if blocks else 0]],
                        dtype=torch.long)
-    votes = get_world_group().all_gather(row).tolist()
+    votes = world.all_gather(row).tolist()  # [W, 2], the same on every rank: every decision below is too
     olds = [v[0] for v in votes]
-    if core is None or min(olds) < 0 or len(set(olds)) != len(olds) or len({v[1] for v in votes}) != 1:
+    keepers = [v for v in votes if v[0] >= 0]
+    if not keepers or len({v[1] for v in keepers}) != 1 or len({v[0] for v in keepers}) != len(keepers):
         return None
-    experts = worker.arch.n_routed_experts or 0
-    slots = (experts + parallel.num_redundant_experts) // parallel.world_size
-    return {b.layer_idx: keep_map(list(b.expert_map.placement.phys_to_logical), b.expert_map.placement.num_ranks,
-                                  olds, experts, slots) for b in blocks}
+    arch = worker.arch
+    experts = arch.n_routed_experts or 0
+    physical = experts + parallel.num_redundant_experts
+    maps = {b.layer_idx: keep_map(list(b.expert_map.placement.phys_to_logical), b.expert_map.placement.num_ranks,
+                                  olds, experts, physical // parallel.world_size) for b in blocks}
+    if len(keepers) < len(votes):  # the ranks that build take the first keeper's maps
+        layers = [i for i in range(arch.num_hidden_layers) if arch.is_moe_layer(i)]
+        flat = [e for i in layers for e in maps[i]] if maps else [0] * (len(layers) * physical)
+        got = world.all_gather(torch.tensor([flat], dtype=torch.long))[olds.index(keepers[0][0])].tolist()
+        maps = {i: got[k * physical:(k + 1) * physical] for k, i in enumerate(layers)}
+    return maps
 
 
 def keep_map(old: list[int], old_ranks: int, survivors: list[int], num_experts: int, slots: int) -> list[int]:
     """One MoE layer's map for the survivors (survivors[i]: the old EP rank of new rank i; `slots` per rank):
-    each survivor keeps the experts it holds in its first slots, the experts nobody holds any more go to the
-    ranks with the most free slots (ties: the lowest), and slots still free take a second copy of an expert
-    the rank holds (a local copy, nothing to read; online EPLB re-places by load later)."""
+    each survivor keeps the experts it holds in its first slots (-1: a rank holding none, a replacement), the
+    experts nobody holds any more go to the ranks with the most free slots (ties: the lowest), and slots
+    still free take a second copy of an expert the rank holds (a local copy, nothing to read; online EPLB
+    re-places by load later), on a rank holding none the experts with the fewest copies."""
     per = len(old) // old_ranks
-    held = [list(dict.fromkeys(old[o * per:(o + 1) * per]))[:slots] for o in survivors]  # a rank's copies: one
+    held = [list(dict.fromkeys(old[o * per:(o + 1) * per]))[:slots] if o >= 0 else [] for o in survivors]
     lost = sum(not any(e in h for h in held) for e in range(num_experts))
     for e in range(num_experts):  # room for the lost experts: drop replicas held on several ranks (fullest first)
         while lost > sum(slots - len(h) for h in held) and sum(e in h for h in held) > 1:
@@ -579,6 +592,9 @@ def keep_map(old: list[int], old_ranks: int, survivors: list[int], num_experts: 
                 raise ConfigError(f"{num_experts} experts do not fit {len(held)} x {slots} expert slots")
             held[i].append(e)
     for h in held:
+        if not h:
+            copies = {e: sum(g.count(e) for g in held) for e in range(num_experts)}
+            h += sorted(range(num_experts), key=lambda e: (copies[e], e))[:slots]
         for k in range(slots - len(h)):
             h.append(h[k % len(h)])
     return [e for h in held for e in h]

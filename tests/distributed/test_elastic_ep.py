@@ -112,6 +112,11 @@ def test_keep_map_keeps_held_slots_and_spreads_the_lost_experts():
     # 2 of those 3 survivors, now 4 slots each: a replica held twice gives way so the lost experts fit
     assert keep_map([0, 1, 2, 3, 4, 5, 6, 7, 0], 3, [1, 2], 8, 4) == [3, 4, 5, 1, 6, 7, 0, 2]
     assert keep_map([0, 1, 2, 3, 4, 5, 0, 6, 7], 3, [0, 2], 8, 4) == [1, 2, 3, 4, 0, 6, 7, 5]
+    # a replacement (-1) joins the 2 survivors of the first case, 3 slots each: they keep 3 of theirs, it
+    # takes the 3 experts left uncovered
+    assert keep_map([0, 1, 2, 3, 5, 6, 7, 0, 4, 6], 2, [0, 1, -1], 8, 3) == [0, 1, 2, 6, 7, 0, 3, 4, 5]
+    # the spare joins the loss's epoch (D=4, rank 3 lost): the survivors keep all, it takes the lost rank's
+    assert keep_map(list(range(32)), 4, [0, 1, 2, -1], 32, 8) == list(range(32))
 
 
 def test_dp3_loses_a_second_rank_while_re_forming(path, reference):

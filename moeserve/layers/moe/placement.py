@@ -186,10 +186,12 @@ def build_plan(parallel: ParallelConfig, arch, rank: int, mtp: bool = False) -> 
         return MoePlan("allgather", {i: LayerPlacement(ident, world, rank, True) for i in moe_layers},
                        parallel.moe_comm_dtype, parallel.moe_node_ranks, parallel.moe_pipeline_chunks)
     file_maps = _read_placement_file(parallel.expert_placement) if parallel.expert_placement else {}
+    given = _GIVEN.get() or {}
     layers = {}
     for i in moe_layers:
-        phys = file_maps.get(i, file_maps.get("default"))
-        where = f"--expert-placement {parallel.expert_placement} layer {i}"
+        phys = given.get(i, file_maps.get(i, file_maps.get("default")))
+        where = (f"--expert-placement {parallel.expert_placement} layer {i}" if i not in given
+                 else f"the placement of the elastic EP ranks layer {i}")
         if phys is None:
             phys, where = default_map(e, r, routed_world, shared), "default placement"
         elif r and len(phys) != e + r:
@@ -236,6 +238,13 @@ def _slot_list(value, where: str) -> list[int]:
 
 
 _CURRENT: Scoped[MoePlan] = Scoped("moe_plan")
+_GIVEN: Scoped[dict[int, list[int]]] = Scoped("moe_given_maps")
+
+
+def given_maps(maps: dict[int, list[int]] | None):
+    """build_plan() inside lays out these MoE layers ({decoder layer: P logical ids}) as given (elastic EP: a
+    rank that builds its engine core in an epoch whose other ranks kept theirs takes their map)."""
+    return _GIVEN.use(maps)
 
 
 def moe_plan_context(plan: MoePlan):
