@@ -7,8 +7,9 @@ outstanding work (prompt tokens + tokens still to generate of its unfinished req
 the outputs the ranks reported since the last call -> shutdown() tells all ranks to stop together.
 If a rank dies or reports a failure, step() raises EngineDeadError naming the rank; the other ranks are
 stopped (their collectives fail, or they are killed after the timeout). With --enable-elastic-ep a lost rank
-is dropped instead: the survivors re-form under a new epoch and every unfinished request is re-queued on
-them with its tokens so far (engine/elastic.py has the lifecycle).
+is dropped instead: the survivors re-form under a new epoch and keep the requests they ran; every other
+unfinished request (the lost rank's) is re-queued on them with its tokens so far (engine/elastic.py has the
+lifecycle).
 """
 from __future__ import annotations
 

@@ -199,7 +199,8 @@ class ServerMetrics:
         self.elastic_recovery = histogram("moeserve:elastic_ep_recovery_seconds", "Seconds from a rank loss "
                                           "seen to the survivors serving again", REQUEST_LATENCY_BUCKETS)
         self.elastic_requeued = counter("moeserve:elastic_ep_requests_requeued",
-                                        "Unfinished requests re-queued on the survivors after a rank loss")
+                                        "Unfinished requests re-queued on the survivors after a rank loss (the lost rank's; "
+                                        "the survivors keep theirs)")
         self.elastic_recomputed = counter("moeserve:elastic_ep_tokens_recomputed",
                                           "Tokens (prompt + output so far) the re-queued requests recompute")
         self._elastic_seen = EngineStats()
