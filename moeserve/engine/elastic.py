@@ -640,6 +640,7 @@ def _keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | 
             else:
                 wanted.setdefault(names[ex], {}).setdefault(e, []).append(j)
         ex.w13.data, ex.w2.data = n13, n2  # the Parameters stay (the module's), their storage is the new slots'
+        ex.packed = None  # the old slots' oneDNN packs: freed now, remade below (process_weights_after_loading)
         ex.num_local_experts, ex.slot_experts = len(new), list(new)
         block.placement, block.expert_map = p, ExpertMap(p)
         block.dispatcher = make_dispatcher(plan.comm, ep, p, codec, plan.node_size, get_ep_hierarchy(),
