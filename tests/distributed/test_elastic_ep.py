@@ -42,12 +42,12 @@ def generate(llm):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
 
 
-def kill_mid_decode(engine, rank, lost: list[str] | None = None) -> list[list[int]]:
+def kill_mid_decode(engine, rank, lost: list[str] | None = None, params=GREEDY) -> list[list[int]]:
     """Run PROMPTS through the engine's front end; SIGKILL rank process `rank` once 8 tokens are out (rank may be
     a function of the engine, called once the requests are routed). lost: filled with the ids of the requests
     the killed rank ran."""
     for i, p in enumerate(PROMPTS):
-        engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
+        engine.add_request(EngineCoreRequest(f"r{i}", p, params, [1]))
     rank = rank(engine) if callable(rank) else rank
     got = {f"r{i}": [] for i in range(len(PROMPTS))}
     killed = False
@@ -98,6 +98,22 @@ def test_survivors_keep_their_engine_core_and_requests(path, reference):
         prompts = sum(len(PROMPTS[int(rid[1:])]) for rid in lost)  # ids are r<index>
         assert prompts < stats.elastic_tokens_recomputed <= prompts + GREEDY.max_tokens * len(lost)
         assert generate(llm) == reference  # and the survivors serve on
+    finally:
+        llm.shutdown()
+
+
+def test_seeded_requests_continue_exactly_where_kept_and_where_re_queued(path):
+    # temperature 1, seeded: a kept request's generator is where its last finished step left it (the
+    # interrupted step failed before sampling), a re-queued one's is fast-forwarded past its tokens (issue
+    # 31's resume); both end with the tokens of an unfailed single-process engine
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompt_token_ids=PROMPTS,
+                                                                                 sampling_params=seeded)]
+    llm = elastic_llm(path, 3)
+    try:
+        lost: list[str] = []
+        assert kill_mid_decode(llm.engine, 1, lost, seeded) == want
+        assert 0 < llm.engine.stats().elastic_requeued == len(lost) < len(PROMPTS)  # both kinds were there
     finally:
         llm.shutdown()
 
