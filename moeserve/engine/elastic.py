@@ -29,7 +29,8 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      replacement) receives that map and takes the experts no survivor keeps (placement.given_maps); else all
      use the default map. A slot whose expert the rank holds (a replica included) is copied, the others
      are read from the checkpoint, only those experts (loader.load_expert_slots). Its dispatchers and online
-     EPLB are rebuilt over the new groups. A core that cannot be kept (MTP, INT8/FP8 experts: can_keep()) is
+     EPLB are rebuilt over the new groups (the MTP layer's MoE block is one more layer). A core that cannot be
+     kept (INT8/FP8 experts: can_keep()) is
      rebuilt from the checkpoint as before. Decode runs eagerly in a degraded epoch (no graph compile on the
      way back). It reports ready in the new epoch.
   5. each survivor's ready report lists the requests it kept (RankReport.kept, with their output tokens);
@@ -51,7 +52,7 @@ A second loss repeats 1-5 with one rank fewer; with no survivor left the engine 
 
 A loss costs the lost rank's requests (recomputed from their tokens) and the survivors' interrupted step. Next
 (docs/parallelism.md): fill new slots from a peer's replica or a host copy instead of the checkpoint, and keep
-MTP and quantized experts too.
+quantized experts too.
 """
 from __future__ import annotations
 
@@ -497,20 +498,28 @@ def _join_epoch(worker, reform) -> None:
 def _moe_blocks(model) -> list:
     from moeserve.layers.moe.layer import MoE
 
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    return [m for m in model.modules() if isinstance(m, MoE)] if model is not None else []
+
+
+def _roots(runner) -> list:
+    """The modules that hold MoE blocks under their checkpoint names: the model, and the MTP layer's module."""
+    return [runner.model] + ([runner.proposer.mtp] if runner.proposer is not None else [])
+
+
+def _core_blocks(runner) -> list:
+    return [b for root in _roots(runner) for b in _moe_blocks(root)]
 
 
 def can_keep(core) -> bool:
     """Whether a survivor can re-place its MoE slots for a new EP group instead of rebuilding: float routed
-    experts (FusedExperts: their stacked tensors are re-sliced here), no MTP layer (its MoE block's weights
-    come from the checkpoint's MTP tensors, not re-read here), no PD transfer. Otherwise it rebuilds."""
+    experts (FusedExperts: their stacked tensors are re-sliced here; the MTP layer's too), no PD transfer.
+    Otherwise it rebuilds."""
     from moeserve.layers.moe.experts import FusedExperts
 
-    runner = core.runner
-    if runner.proposer is not None or core.kv_transfer is not None:
+    if core.kv_transfer is not None:
         return False
     return all(type(b.experts) is FusedExperts and not b.shared_remote and not b.placement.experts_tp_sharded
-               for b in _moe_blocks(runner.model))
+               for b in _core_blocks(core.runner))
 
 
 def roll_back(core) -> None:
@@ -523,7 +532,9 @@ def roll_back(core) -> None:
     nothing of it was registered in the prefix cache (a block is registered only in update_from_output, once
     the step that wrote it finished), so no half-written block is ever shared. EPLB moves in flight on the
     old groups are dropped: a layer whose move did not finish keeps its old weights and map together
-    (_Move.finish switches a layer only once all its transfers arrived)."""
+    (_Move.finish switches a layer only once all its transfers arrived). With MTP the step may also fail in
+    the MTP pass, after sampling: greedy requests re-run it to the same tokens; a seeded one's generator has
+    drawn that step's noise already (seeded MTP is not exact across a resume either: docs/serving.md)."""
     core._pending = []  # rejections queued for the lost step's report: their requests are re-queued instead
     if core.runner.eplb is not None:
         core.runner.eplb.pending = []
@@ -551,7 +562,7 @@ def _vote(worker, parallel: ParallelConfig) -> dict[int, list[int]] | None:
 
     world = get_world_group()
     core = worker.core
-    blocks = _moe_blocks(core.runner.model) if core is not None else []
+    blocks = _core_blocks(core.runner) if core is not None else []
     row = torch.tensor([[worker.info.rank if core is not None else -1, maps_digest(blocks) if blocks else 0]],
                        dtype=torch.long)
     votes = world.all_gather(row).tolist()  # [W, 2], the same on every rank: every decision below is too
@@ -565,7 +576,8 @@ def _vote(worker, parallel: ParallelConfig) -> dict[int, list[int]] | None:
     maps = {b.layer_idx: keep_map(list(b.expert_map.placement.phys_to_logical), b.expert_map.placement.num_ranks,
                                   olds, experts, physical // parallel.world_size) for b in blocks}
     if len(keepers) < len(votes):  # the ranks that build take the first keeper's maps
-        layers = [i for i in range(arch.num_hidden_layers) if arch.is_moe_layer(i)]
+        mtp = worker.base_config.speculative is not None  # the MTP layer's MoE block is one more layer
+        layers = [i for i in range(arch.num_hidden_layers + int(mtp)) if arch.is_moe_layer(i)]
         flat = [e for i in layers for e in maps[i]] if maps else [0] * (len(layers) * physical)
         got = world.all_gather(torch.tensor([flat], dtype=torch.long))[olds.index(keepers[0][0])].tolist()
         maps = {i: got[k * physical:(k + 1) * physical] for k, i in enumerate(layers)}
@@ -613,15 +625,15 @@ def _keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | 
 
     core, worker.core = worker.core, None  # lost if the re-placement fails: the next epoch builds afresh
     runner = core.runner
-    plan = build_plan(config.parallel, worker.arch, info.rank)
+    plan = build_plan(config.parallel, worker.arch, info.rank, mtp=config.speculative is not None)
     if maps is not None:
         for i, phys in maps.items():
             validate_map(phys, worker.arch.n_routed_experts, info.world_size, f"elastic EP layer {i}")
         plan = dataclasses.replace(plan, layers={i: dataclasses.replace(p, phys_to_logical=tuple(maps[i]))
                                                  for i, p in plan.layers.items()})
-    names = {m: n for n, m in runner.model.named_modules()}
-    blocks = _moe_blocks(runner.model)
-    wanted: dict[str, dict[int, list[int]]] = {}
+    names = {m: (k, n) for k, root in enumerate(_roots(runner)) for n, m in root.named_modules()}
+    blocks = _core_blocks(runner)
+    wanted: list[dict[str, dict[int, list[int]]]] = [{} for _ in _roots(runner)]  # per root
     kept = 0
     ep, mb1, codec = get_ep_group(), get_ep_group(micro_batch=1), make_codec(plan.comm_dtype)
     for block in blocks:
@@ -638,7 +650,8 @@ def _keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | 
                 n13[j], n2[j] = w13[have[e]], w2[have[e]]
                 kept += 1
             else:
-                wanted.setdefault(names[ex], {}).setdefault(e, []).append(j)
+                k, name = names[ex]
+                wanted[k].setdefault(name, {}).setdefault(e, []).append(j)
         ex.w13.data, ex.w2.data = n13, n2  # the Parameters stay (the module's), their storage is the new slots'
         ex.packed = None  # the old slots' oneDNN packs: freed now, remade below (process_weights_after_loading)
         ex.num_local_experts, ex.slot_experts = len(new), list(new)
@@ -648,10 +661,10 @@ def _keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | 
         block.dispatchers = [block.dispatcher] + (
             [make_dispatcher(plan.comm, mb1, p, codec, plan.node_size, get_ep_hierarchy(micro_batch=1),
                              plan.pipeline_chunks)] if mb1 is not ep else [])
-    read = load_expert_slots(runner.model, config.model.model, wanted)
+    read = sum(load_expert_slots(root, config.model.model, w) for root, w in zip(_roots(runner), wanted))
     for block in blocks:
         block.experts.process_weights_after_loading()  # oneDNN packs / zentorch of the new slots
-    for m in runner.model.modules():  # MLA and MoE blocks hold the TP group (one rank here: TP 1)
+    for m in [m for root in _roots(runner) for m in root.modules()]:  # MLA, MoE hold the TP group (TP 1 here)
         if isinstance(getattr(m, "tp", None), GroupCoordinator):
             m.tp = get_tp_group()
     runner.config = core.config = config

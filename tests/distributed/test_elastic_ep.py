@@ -190,6 +190,7 @@ def test_dp3_with_mtp_and_online_eplb_loses_a_rank(mtp_ckpt_dir):
         assert kill_mid_decode(llm.engine, 1) == want
         stats = llm.engine.stats()
         assert (llm.engine.dp_size, stats.elastic_ranks_lost) == (2, 1) and stats.spec_num_drafts > 0
+        assert stats.elastic_requeued < len(PROMPTS)  # the survivors kept their cores, MTP layer included
     finally:
         llm.shutdown()
 

@@ -52,6 +52,39 @@ def test_replacement_joins_and_serves_with_the_full_group(path, reference):
     assert all(p.poll() is not None for p in [*engine.ranks.procs.values(), *engine.ranks.spares.values()])
 
 
+def test_replacement_with_mtp_builds_for_the_survivors_map(mtp_ckpt_dir):
+    # MTP, ranks 0 and 2 killed at once: the survivor keeps its core (the MTP layer's MoE block included) and
+    # its 3 slots of each MoE layer; the spare builds its engine core for the survivor's map, not the default
+    # one (a layer it laid out otherwise would route tokens to the wrong experts), the MTP layer's too; both
+    # decode the unfailed engine's tokens with drafts, and so do the three after rank 4 joins
+    model = mtp_ckpt_dir("v3")
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    want = generate(LLM(model, dtype="float32", speculative_config=mtp))
+    llm = elastic_llm(model, 3, speculative_config=mtp, elastic_ep_replace=True)
+    try:
+        engine = llm.engine
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
+        got = {f"r{i}": [] for i in range(len(PROMPTS))}
+        killed = False
+        deadline = time.monotonic() + 300
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+            if not killed and sum(map(len, got.values())) >= 8:
+                for r in (0, 2):
+                    os.kill(engine.ranks.procs[r].pid, signal.SIGKILL)
+                killed = True
+        assert killed and [got[f"r{i}"] for i in range(len(PROMPTS))] == want
+        assert engine.slots == [1, 3] and engine.stats().elastic_requeued < len(PROMPTS)  # rank 1 kept its own
+        wait_for_full_group(engine, 3)
+        assert engine.slots == [1, 3, 4]
+        assert generate(llm) == want
+        assert engine.stats().spec_num_drafts > 0
+    finally:
+        llm.shutdown()
+
+
 def test_two_ranks_lost_at_once_are_both_replaced(path, reference):
     # the spare (rank 3) joins the survivor's re-formation; a fresh rank 4 starts once they serve and joins
     # the epoch after
