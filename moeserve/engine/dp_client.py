@@ -197,24 +197,7 @@ class DPEngineClient:
                 if self.recovery is not None:
                     return outputs
                 continue
-            self._last_report[report.dp_rank] = time.monotonic()
-            self.rank_stats[report.dp_rank] = report.stats or self.rank_stats[report.dp_rank]
-            if report.stats:
-                self.sent_since_report[report.dp_rank] = 0
-            for out in report.outputs:
-                if out.request_id not in self.router:
-                    continue  # aborted here already
-                self.router.progress(out.request_id, len(out.new_token_ids))
-                if self.elastic and out.request_id in self.requests:
-                    self.requests[out.request_id][1].extend(out.new_token_ids)
-                    # the prompt's cache hits are those of its first admission: a re-queued request's hits on
-                    # its survivor's prefix cache cover the recompute, not the prompt (as a resume's: engine_client)
-                    out.num_cached_tokens = self._first_cached.setdefault(out.request_id, out.num_cached_tokens)
-                if out.finish_reason is not None:
-                    self.router.forget(out.request_id)
-                    self.requests.pop(out.request_id, None)
-                    self._first_cached.pop(out.request_id, None)
-                outputs.append(out)
+            self._take_report(report, outputs)
         if heard or not self.router:  # every step reports, so a long chunked prefill is progress too
             self._last_progress = time.monotonic()
         elif (silent := time.monotonic() - self._last_progress) > self.stall_timeout and self.ranks.stopped():
@@ -233,6 +216,27 @@ class DPEngineClient:
             self._fail(f"no report from any rank for {self.timeout:.0f} s (--distributed-timeout) while "
                        f"{len(self.router)} request(s) are unfinished")
         return outputs
+
+    def _take_report(self, report: RankReport, outputs: list[EngineCoreOutput]) -> None:
+        """A step report of the current epoch: its outputs counted as seen and appended to outputs."""
+        self._last_report[report.dp_rank] = time.monotonic()
+        self.rank_stats[report.dp_rank] = report.stats or self.rank_stats[report.dp_rank]
+        if report.stats:
+            self.sent_since_report[report.dp_rank] = 0
+        for out in report.outputs:
+            if out.request_id not in self.router:
+                continue  # aborted here already
+            self.router.progress(out.request_id, len(out.new_token_ids))
+            if self.elastic and out.request_id in self.requests:
+                self.requests[out.request_id][1].extend(out.new_token_ids)
+                # the prompt's cache hits are those of its first admission: a re-queued request's hits on
+                # its survivor's prefix cache cover the recompute, not the prompt (as a resume's: engine_client)
+                out.num_cached_tokens = self._first_cached.setdefault(out.request_id, out.num_cached_tokens)
+            if out.finish_reason is not None:
+                self.router.forget(out.request_id)
+                self.requests.pop(out.request_id, None)
+                self._first_cached.pop(out.request_id, None)
+            outputs.append(out)
 
     def stats(self) -> EngineStats:
         """Sums over DP ranks (comm bytes and phase seconds of the TP leaders). Also the liveness check of
@@ -503,7 +507,7 @@ class DPEngineClient:
         started = self.recovery["started"] if self.recovery else time.monotonic()  # a loss while re-forming
         grow = not dead and self.recovery is None  # only replacements join: no loss to recover from
         self.recovery = {"waiting": set(range(self.dp_size)), "started": started, "epoch_at": time.monotonic(),
-                         "grow": grow, "kept": {}}
+                         "grow": grow, "kept": {}, "early": []}
         self._beats = None
         self._reset_ranks()
 
@@ -517,10 +521,16 @@ class DPEngineClient:
                 rec["waiting"].discard(report.dp_rank)
                 rec["kept"][report.dp_rank] = report.kept
                 self.num_kv_blocks = report.num_kv_blocks
+            elif report is not None:  # a survivor that is ready steps on with the requests it kept (alone, or
+                rec["early"].append(report)  # with others ready too): its tokens count after _adopt_kept
         if self.recovery is not rec:
             return  # another loss began a newer epoch
         if not rec["waiting"]:
             self._finish_recovery()
+            for report in rec["early"]:  # only the requests that stayed on that rank (others were re-queued)
+                report = msgspec.structs.replace(report, outputs=[
+                    o for o in report.outputs if self.router.owner.get(o.request_id) == report.dp_rank])
+                self._take_report(report, self._late)
         elif time.monotonic() - rec["epoch_at"] > timeout and not self._kill_laggards(timeout):
             self._fail(f"the {self.dp_size} surviving rank(s) did not re-form within {timeout:g} s "
                        f"(--elastic-ep-timeout); waiting for DP rank(s) {sorted(rec['waiting'])}")
