@@ -50,6 +50,7 @@ def kill_mid_decode(engine, rank, lost: list[str] | None = None, params=GREEDY) 
     for i, p in enumerate(PROMPTS):
         engine.add_request(EngineCoreRequest(f"r{i}", p, params, [1]))
     rank = rank(engine) if callable(rank) else rank
+    ranks = rank if isinstance(rank, tuple) else (rank,)  # several: killed at once
     got = {f"r{i}": [] for i in range(len(PROMPTS))}
     killed = False
     deadline = time.monotonic() + 300
@@ -58,8 +59,9 @@ def kill_mid_decode(engine, rank, lost: list[str] | None = None, params=GREEDY) 
             got[out.request_id] += out.new_token_ids
         if not killed and min(map(len, got.values())) >= 2:  # every rank mid-decode
             if lost is not None:
-                lost += [rid for rid, dp in engine.router.owner.items() if engine.slots[dp] == rank]
-            os.kill(engine.ranks.procs[rank].pid, signal.SIGKILL)
+                lost += [rid for rid, dp in engine.router.owner.items() if engine.slots[dp] in ranks]
+            for r in ranks:
+                os.kill(engine.ranks.procs[r].pid, signal.SIGKILL)
             killed = True
     assert killed and not engine.has_unfinished()
     return [got[f"r{i}"] for i in range(len(PROMPTS))]

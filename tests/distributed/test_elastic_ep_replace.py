@@ -63,19 +63,7 @@ def test_replacement_with_mtp_builds_for_the_survivors_map(mtp_ckpt_dir):
     llm = elastic_llm(model, 3, speculative_config=mtp, elastic_ep_replace=True)
     try:
         engine = llm.engine
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
-        got = {f"r{i}": [] for i in range(len(PROMPTS))}
-        killed = False
-        deadline = time.monotonic() + 300
-        while engine.has_unfinished() and time.monotonic() < deadline:
-            for out in engine.step():
-                got[out.request_id] += out.new_token_ids
-            if not killed and sum(map(len, got.values())) >= 8:
-                for r in (0, 2):
-                    os.kill(engine.ranks.procs[r].pid, signal.SIGKILL)
-                killed = True
-        assert killed and [got[f"r{i}"] for i in range(len(PROMPTS))] == want
+        assert kill_mid_decode(engine, (0, 2)) == want
         assert engine.slots == [1, 3] and engine.stats().elastic_requeued < len(PROMPTS)  # rank 1 kept its own
         wait_for_full_group(engine, 3)
         assert engine.slots == [1, 3, 4]
@@ -91,19 +79,7 @@ def test_two_ranks_lost_at_once_are_both_replaced(path, reference):
     llm = elastic_llm(path, 3, elastic_ep_replace=True)
     try:
         engine = llm.engine
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(EngineCoreRequest(f"r{i}", p, GREEDY, [1]))
-        got = {f"r{i}": [] for i in range(len(PROMPTS))}
-        killed = False
-        deadline = time.monotonic() + 300
-        while engine.has_unfinished() and time.monotonic() < deadline:
-            for out in engine.step():
-                got[out.request_id] += out.new_token_ids
-            if not killed and sum(map(len, got.values())) >= 8:
-                for r in (0, 2):
-                    os.kill(engine.ranks.procs[r].pid, signal.SIGKILL)
-                killed = True
-        assert killed and [got[f"r{i}"] for i in range(len(PROMPTS))] == reference
+        assert kill_mid_decode(engine, (0, 2)) == reference
         assert engine.slots == [1, 3]  # the survivor and the spare finished them
         degraded = engine.epoch  # 1 or 2: the two deaths may be seen at once or one after the other
         wait_for_full_group(engine, 3)
