@@ -3,10 +3,11 @@
 Lifecycle (issue 37; one node, TP 1, gloo):
   0. start-up: check_elastic() refuses a layout that could not survive a loss (dummy weights: nothing to
      re-read the lost experts from; PD transfer; torchrun), naming the flag.
-  1. a rank process dies (its exit is seen by the front end, dp_client.py), is stopped (SIGSTOP: after
-     --engine-stall-timeout the front end kills it, then as 1) or hangs: each rank's ProgressBeacon publishes
-     how many collectives it has begun in the epoch (ProgressBoard, a shared file); when none has changed for
-     --elastic-ep-hang-timeout, the ranks whose count lags the others' (the one they wait for) are killed.
+  1. a rank process dies (its exit is seen by the front end, dp_client.py, whose re-formation bookkeeping is
+     elastic_front.py), is stopped (SIGSTOP: after --engine-stall-timeout the front end kills it, then as 1) or
+     hangs: each rank's ProgressBeacon publishes how many collectives it has begun in the epoch (ProgressBoard,
+     a shared file); when none has changed for --elastic-ep-hang-timeout, the ranks whose count lags the
+     others' (the one they wait for) are killed.
   2. the survivors leave the step they are in: their gloo collective raises when the dead peer's sockets
      close, and a survivor that leaves shuts down all its connections of the epoch, so a survivor blocked on
      it raises too (the cascade ends every survivor's step; --distributed-timeout bounds the worst case).
@@ -20,17 +21,17 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      meanwhile, so a rank lost while re-forming starts epoch e + 2 at once (no rendezvous waits for it).
      Past --elastic-ep-timeout, ranks the others wait on in the new epoch (the ProgressBoard names them) are
      killed and the rest re-form again; if none can be named the engine stops.
-  4. each survivor joins the new process groups; all ranks of the epoch say (one all-gather, _vote()) which
-     rank they were and a fingerprint of their expert maps. A survivor keeps its engine core (_keep_core():
-     non-expert weights, KV cache pool, prefix cache, scheduler) and re-places only its MoE slots for the new
-     EP group (survivor_parallel(): one rank fewer, redundant slots topped up where the experts no longer
-     divide over the ranks): when the ranks that kept their cores did so under the same maps, each keeps the
-     experts it holds and takes a share of the lost rank's (keep_map()); a rank that builds afresh (a
-     replacement) receives that map and takes the experts no survivor keeps (placement.given_maps); else all
-     use the default map. A slot whose expert the rank holds (a replica included) is copied, the others
-     are read from the checkpoint, only those experts (loader.load_expert_slots). Its dispatchers and online
-     EPLB are rebuilt over the new groups (the MTP layer's MoE block is one more layer). A core that cannot be
-     kept (INT8/FP8 experts: can_keep()) is
+  4. each survivor joins the new process groups; all ranks of the epoch say (one all-gather: vote_maps() in
+     elastic_placement.py, which holds the rest of this step) which rank they were and a fingerprint of their
+     expert maps. A survivor keeps its engine core (keep_core(): non-expert weights, KV cache pool, prefix
+     cache, scheduler) and re-places only its MoE slots for the new EP group (survivor_parallel(): one rank
+     fewer, redundant slots topped up where the experts no longer divide over the ranks): when the ranks that
+     kept their cores did so under the same maps, each keeps the experts it holds and takes a share of the
+     lost rank's (keep_map()); a rank that builds afresh (a replacement) receives that map and takes the
+     experts no survivor keeps (placement.given_maps); else all use the default map. A slot whose expert the
+     rank holds (a replica included) is copied, the others are read from the checkpoint, only those experts
+     (loader.load_expert_slots). Its dispatchers and online EPLB are rebuilt over the new groups (the MTP
+     layer's MoE block is one more layer). A core that cannot be kept (INT8/FP8 experts: can_keep()) is
      rebuilt from the checkpoint as before. Decode runs eagerly in a degraded epoch (no graph compile on the
      way back). It reports ready in the new epoch.
   5. each survivor's ready report lists the requests it kept (RankReport.kept, with their output tokens);
@@ -69,6 +70,7 @@ import threading
 import time
 
 from moeserve.config import ConfigError, EngineConfig, ParallelConfig
+from moeserve.engine.elastic_placement import can_keep, keep_core, roll_back, vote_maps
 
 logger = logging.getLogger(__name__)
 
@@ -479,10 +481,10 @@ def _join_epoch(worker, reform) -> None:
     if at_join is not None:
         at_join()
     info = RankInfo.of(reform.rank, parallel)
-    maps = _vote(worker, parallel)  # a collective of the new epoch: every rank, joiners too
+    maps = vote_maps(worker, parallel)  # a collective of the new epoch: every rank, joiners too
     how = "built its engine core" + (" for the others' expert map" if maps is not None else "")
     if worker.core is not None:
-        kept, read = _keep_core(worker, config, info, maps)
+        kept, read = keep_core(worker, config, info, maps)
         how = f"kept its engine core ({kept} expert slots kept, {read} checkpoint tensors read)"
     else:
         from moeserve.layers.moe.placement import given_maps
@@ -491,194 +493,3 @@ def _join_epoch(worker, reform) -> None:
             worker.start(config, info)
     print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
           f"in {time.monotonic() - started:.1f} s and {how}", file=sys.stderr, flush=True)
-
-
-# ---- a survivor keeps its engine core ----------------------------------------------------------------------
-
-def _moe_blocks(model) -> list:
-    from moeserve.layers.moe.layer import MoE
-
-    return [m for m in model.modules() if isinstance(m, MoE)] if model is not None else []
-
-
-def _roots(runner) -> list:
-    """The modules that hold MoE blocks under their checkpoint names: the model, and the MTP layer's module."""
-    return [runner.model] + ([runner.proposer.mtp] if runner.proposer is not None else [])
-
-
-def _core_blocks(runner) -> list:
-    return [b for root in _roots(runner) for b in _moe_blocks(root)]
-
-
-def can_keep(core) -> bool:
-    """Whether a survivor can re-place its MoE slots for a new EP group instead of rebuilding: float routed
-    experts (FusedExperts: their stacked tensors are re-sliced here; the MTP layer's too), no PD transfer.
-    Otherwise it rebuilds."""
-    from moeserve.layers.moe.experts import FusedExperts
-
-    if core.kv_transfer is not None:
-        return False
-    return all(type(b.experts) is FusedExperts and not b.shared_remote and not b.placement.experts_tp_sharded
-               for b in _core_blocks(core.runner))
-
-
-def roll_back(core) -> None:
-    """The interrupted step leaves no trace, and the survivor's requests stay scheduled (the front end re-queues
-    only those no survivor kept: RankReport.kept). A step of a core that can be kept fails inside its forward
-    (the MoE collectives; the sampler and the scheduler's update come after it, and online EPLB's collectives
-    run after the step's report), so the scheduler never saw the step end: each request's computed tokens,
-    block table and outputs are those of its last finished step, and the next step schedules the interrupted
-    tokens again. Their KV was written past every request's computed tokens, where the re-run writes again;
-    nothing of it was registered in the prefix cache (a block is registered only in update_from_output, once
-    the step that wrote it finished), so no half-written block is ever shared. EPLB moves in flight on the
-    old groups are dropped: a layer whose move did not finish keeps its old weights and map together
-    (_Move.finish switches a layer only once all its transfers arrived). With MTP the step may also fail in
-    the MTP pass, after sampling: greedy requests re-run it to the same tokens; a seeded one's generator has
-    drawn that step's noise already (seeded MTP is not exact across a resume either: docs/serving.md)."""
-    core._pending = []  # rejections queued for the lost step's report: their requests are re-queued instead
-    if core.runner.eplb is not None:
-        core.runner.eplb.pending = []
-    core.runner.decode_graphs = None  # traced over the old groups; a degraded epoch decodes eagerly
-
-
-def maps_digest(blocks) -> int:
-    """A fingerprint of the expert maps a rank serves (every rank of an epoch holds the same ones)."""
-    import hashlib
-
-    maps = [(b.layer_idx, b.expert_map.placement.num_ranks, b.expert_map.placement.phys_to_logical)
-            for b in sorted(blocks, key=lambda b: b.layer_idx)]
-    return int.from_bytes(hashlib.blake2b(repr(maps).encode(), digest_size=7).digest(), "little")
-
-
-def _vote(worker, parallel: ParallelConfig) -> dict[int, list[int]] | None:
-    """Every rank of the new epoch says which rank it was in the epoch its expert maps come from (-1: it holds
-    no engine core: a replacement, or a survivor that could not keep its own) and a fingerprint of those maps.
-    When the ranks that kept their cores did so under the same maps, the new map of each MoE layer keeps
-    their slots where they are and gives the rest to the others (keep_map), and the ranks that build afresh
-    receive it (one more all-gather); else None: every rank uses the default layout."""
-    import torch
-
-    from moeserve.distributed.parallel_state import get_world_group
-
-    world = get_world_group()
-    core = worker.core
-    blocks = _core_blocks(core.runner) if core is not None else []
-    row = torch.tensor([[worker.info.rank if core is not None else -1, maps_digest(blocks) if blocks else 0]],
-                       dtype=torch.long)
-    votes = world.all_gather(row).tolist()  # [W, 2], the same on every rank: every decision below is too
-    olds = [v[0] for v in votes]
-    keepers = [v for v in votes if v[0] >= 0]
-    if not keepers or len({v[1] for v in keepers}) != 1 or len({v[0] for v in keepers}) != len(keepers):
-        return None
-    arch = worker.arch
-    experts = arch.n_routed_experts or 0
-    physical = experts + parallel.num_redundant_experts
-    maps = {b.layer_idx: keep_map(list(b.expert_map.placement.phys_to_logical), b.expert_map.placement.num_ranks,
-                                  olds, experts, physical // parallel.world_size) for b in blocks}
-    if len(keepers) < len(votes):  # the ranks that build take the first keeper's maps
-        mtp = worker.base_config.speculative is not None  # the MTP layer's MoE block is one more layer
-        layers = [i for i in range(arch.num_hidden_layers + int(mtp)) if arch.is_moe_layer(i)]
-        flat = [e for i in layers for e in maps[i]] if maps else [0] * (len(layers) * physical)
-        got = world.all_gather(torch.tensor([flat], dtype=torch.long))[olds.index(keepers[0][0])].tolist()
-        maps = {i: got[k * physical:(k + 1) * physical] for k, i in enumerate(layers)}
-    return maps
-
-
-def keep_map(old: list[int], old_ranks: int, survivors: list[int], num_experts: int, slots: int) -> list[int]:
-    """One MoE layer's map for the survivors (survivors[i]: the old EP rank of new rank i; `slots` per rank):
-    each survivor keeps the experts it holds in its first slots (-1: a rank holding none, a replacement), the
-    experts nobody holds any more go to the ranks with the most free slots (ties: the lowest), and slots
-    still free take a second copy of an expert the rank holds (a local copy, nothing to read; online EPLB
-    re-places by load later), on a rank holding none the experts with the fewest copies."""
-    per = len(old) // old_ranks
-    held = [list(dict.fromkeys(old[o * per:(o + 1) * per]))[:slots] if o >= 0 else [] for o in survivors]
-    lost = sum(not any(e in h for h in held) for e in range(num_experts))
-    for e in range(num_experts):  # room for the lost experts: drop replicas held on several ranks (fullest first)
-        while lost > sum(slots - len(h) for h in held) and sum(e in h for h in held) > 1:
-            max((h for h in held if e in h), key=len).remove(e)
-    have = {e for h in held for e in h}
-    for e in range(num_experts):
-        if e not in have:
-            i = max(range(len(held)), key=lambda i: (slots - len(held[i]), -i))
-            if len(held[i]) >= slots:
-                raise ConfigError(f"{num_experts} experts do not fit {len(held)} x {slots} expert slots")
-            held[i].append(e)
-    for h in held:
-        if not h:
-            copies = {e: sum(g.count(e) for g in held) for e in range(num_experts)}
-            h += sorted(range(num_experts), key=lambda e: (copies[e], e))[:slots]
-        for k in range(slots - len(h)):
-            h.append(h[k % len(h)])
-    return [e for h in held for e in h]
-
-
-def _keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | None) -> tuple[int, int]:
-    """Serve on with the survivor's engine core under the new process groups: its non-expert weights, KV cache
-    pool, prefix cache and scheduler stay; each MoE layer's slots are re-placed for the new EP group (`maps`,
-    or the default layout): a slot whose expert this rank holds is copied from it, the others are read from
-    the checkpoint, only those experts. Returns (slots copied, checkpoint tensors read)."""
-    from moeserve.distributed.comm import GroupCoordinator
-    from moeserve.distributed.parallel_state import get_ep_group, get_ep_hierarchy, get_tp_group
-    from moeserve.layers.moe.dispatch import make_codec, make_dispatcher
-    from moeserve.layers.moe.placement import ExpertMap, build_plan, validate_map
-    from moeserve.models.loader import load_expert_slots
-
-    core, worker.core = worker.core, None  # lost if the re-placement fails: the next epoch builds afresh
-    runner = core.runner
-    plan = build_plan(config.parallel, worker.arch, info.rank, mtp=config.speculative is not None)
-    if maps is not None:
-        for i, phys in maps.items():
-            validate_map(phys, worker.arch.n_routed_experts, info.world_size, f"elastic EP layer {i}")
-        plan = dataclasses.replace(plan, layers={i: dataclasses.replace(p, phys_to_logical=tuple(maps[i]))
-                                                 for i, p in plan.layers.items()})
-    names = {m: (k, n) for k, root in enumerate(_roots(runner)) for n, m in root.named_modules()}
-    blocks = _core_blocks(runner)
-    wanted: list[dict[str, dict[int, list[int]]]] = [{} for _ in _roots(runner)]  # per root
-    kept = 0
-    ep, mb1, codec = get_ep_group(), get_ep_group(micro_batch=1), make_codec(plan.comm_dtype)
-    for block in blocks:
-        p, ex = plan.layers[block.layer_idx], block.experts
-        new = p.local_slot_experts()
-        have: dict[int, int] = {}
-        for s, e in enumerate(ex.slot_experts):
-            have.setdefault(e, s)
-        w13, w2 = ex.w13.data, ex.w2.data
-        n13 = w13.new_empty((len(new),) + tuple(w13.shape[1:]))
-        n2 = w2.new_empty((len(new),) + tuple(w2.shape[1:]))
-        for j, e in enumerate(new):
-            if e in have:
-                n13[j], n2[j] = w13[have[e]], w2[have[e]]
-                kept += 1
-            else:
-                k, name = names[ex]
-                wanted[k].setdefault(name, {}).setdefault(e, []).append(j)
-        ex.w13.data, ex.w2.data = n13, n2  # the Parameters stay (the module's), their storage is the new slots'
-        ex.packed = None  # the old slots' oneDNN packs: freed now, remade below (process_weights_after_loading)
-        ex.num_local_experts, ex.slot_experts = len(new), list(new)
-        block.placement, block.expert_map = p, ExpertMap(p)
-        block.dispatcher = make_dispatcher(plan.comm, ep, p, codec, plan.node_size, get_ep_hierarchy(),
-                                           plan.pipeline_chunks)
-        block.dispatchers = [block.dispatcher] + (
-            [make_dispatcher(plan.comm, mb1, p, codec, plan.node_size, get_ep_hierarchy(micro_batch=1),
-                             plan.pipeline_chunks)] if mb1 is not ep else [])
-    read = sum(load_expert_slots(root, config.model.model, w) for root, w in zip(_roots(runner), wanted))
-    for block in blocks:
-        block.experts.process_weights_after_loading()  # oneDNN packs / zentorch of the new slots
-    for m in [m for root in _roots(runner) for m in root.modules()]:  # MLA, MoE hold the TP group (TP 1 here)
-        if isinstance(getattr(m, "tp", None), GroupCoordinator):
-            m.tp = get_tp_group()
-    runner.config = core.config = config
-    runner.moe_plan = plan
-    p = config.parallel
-    if p.enable_eplb and blocks:  # a new balancer over the new groups; the load counts go on
-        from moeserve.layers.moe.eplb_online import OnlineEPLB
-
-        recorder = runner.eplb.recorder if runner.eplb is not None else runner.load_recorder
-        runner.eplb = OnlineEPLB(blocks, worker.arch.n_routed_experts, p.eplb_step_interval, recorder)
-        runner.load_recorder = runner.eplb.recorder
-    elif runner.eplb is not None:  # one survivor: nothing to balance
-        runner.eplb = None
-        if not p.expert_load_stats:
-            runner.load_recorder = None
-    worker.start(config, info, core)
-    return kept, read

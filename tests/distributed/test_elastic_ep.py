@@ -11,7 +11,8 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.config import ConfigError, ParallelConfig
-from moeserve.engine.elastic import keep_map, survivor_parallel
+from moeserve.engine.elastic import survivor_parallel
+from moeserve.engine.elastic_placement import keep_map
 from moeserve.protocol import EngineCoreRequest
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 61)), [7, 8, 9, 10, 11]]
@@ -101,6 +102,30 @@ def test_survivors_keep_their_engine_core_and_requests(path, reference):
         prompts = sum(len(PROMPTS[int(rid[1:])]) for rid in lost)  # ids are r<index>
         assert prompts < stats.elastic_tokens_recomputed <= prompts + GREEDY.max_tokens * len(lost)
         assert generate(llm) == reference  # and the survivors serve on
+    finally:
+        llm.shutdown()
+
+
+def test_a_step_report_read_before_the_recovery_finished_counts(path, reference):
+    # regression (31f6248): a lone survivor is ready at once and steps on with the requests it kept, so its
+    # first step report of the new epoch may be read in the same poll as its ready report, before
+    # _finish_recovery; it was dropped, and its token lost. Here the front end, once it has read the ready
+    # report, waits until that step report is queued too: it is always read early
+    llm = elastic_llm(path, 2)
+    try:
+        engine, recv, early = llm.engine, llm.engine._recv, []
+
+        def recv_then_wait():
+            report = recv()
+            if report is not None and report.ready and engine.recovery is not None:
+                assert engine.sock.poll(60_000), "the survivor did not step on with its kept requests"
+                early.append(report.dp_rank)
+            return report
+
+        engine._recv = recv_then_wait
+        lost: list[str] = []
+        assert kill_mid_decode(engine, 1, lost) == reference
+        assert early == [0] and 0 < engine.stats().elastic_requeued == len(lost) < len(PROMPTS)  # 0 kept some
     finally:
         llm.shutdown()
 
