@@ -23,13 +23,24 @@ the hang, so "loss seen" is --hang-timeout (--elastic-ep-hang-timeout) plus the 
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 2
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --replace
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --hang spin --hang-timeout 5
+
+Last it prints how each rank that joined an epoch filled its expert slots, from the rank processes' join lines
+(their stderr passes through the benchmark): slots kept (an expert the rank held), received from peers
+(engine/elastic_transfer.py), checkpoint tensors read. --redundant sets --num-redundant-experts (replicas let
+survivors hold a lost rank's experts); --default-layout makes rank 0 vote other expert maps (the testing hook
+MOESERVE_TEST_ELASTIC_HANG=0:0:other-maps, as after a loss mid-re-formation), so the survivors re-place onto
+the default layout, where most slots are filled from peers:
+
+    PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --redundant 8 --default-layout
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,6 +107,28 @@ def _hits_since(engine, before: dict[int, int]) -> dict[int, int]:
     return {r: n - before.get(r, 0) if n >= before.get(r, 0) else n for r, n in now.items()}
 
 
+class JoinLog:
+    """fd 2 through a pipe (the rank processes inherit it): every line goes on to the real stderr, the ranks'
+    join lines ("joined epoch ...": how each filled its expert slots) are kept."""
+
+    LINE = re.compile(r"joined epoch (\d+) as rank (\d+) of \d+ in ([\d.]+) s and (.*)$")
+
+    def __init__(self) -> None:
+        r, w = os.pipe()
+        self.out = os.dup(2)
+        os.dup2(w, 2)
+        os.close(w)
+        self.joins: list[tuple[int, int, float, str]] = []
+        threading.Thread(target=self._pump, args=(r,), daemon=True).start()
+
+    def _pump(self, r: int) -> None:
+        with os.fdopen(r, "rb") as f:
+            for line in f:
+                os.write(self.out, line)
+                if (m := self.LINE.search(line.decode(errors="replace").rstrip())) is not None:
+                    self.joins.append((int(m[1]), int(m[2]), float(m[3]), m[4]))
+
+
 def _full(engine, size: int) -> bool:
     return len(engine.slots) == size and engine.recovery is None and not engine.joining
 
@@ -116,9 +149,18 @@ def main() -> None:
     ap.add_argument("--hang-timeout", type=float, default=5.0, help="--elastic-ep-hang-timeout with --hang")
     ap.add_argument("--replace", action="store_true", help="--elastic-ep-replace: a replacement rank joins; "
                     "tok/s before the loss and after the join")
+    ap.add_argument("--redundant", type=int, default=None, help="--num-redundant-experts (default: the fewest "
+                    "that divide over --dp)")
+    ap.add_argument("--default-layout", action="store_true", help="the survivors re-place onto the default "
+                    "layout (rank 0 votes other maps: a testing hook), filling slots from peers")
     a = ap.parse_args()
     if a.kills >= a.dp:
         ap.error(f"--kills {a.kills} leaves no survivor of --dp {a.dp}")
+    if a.default_layout and a.hang:
+        ap.error("--default-layout and --hang both use the testing hook MOESERVE_TEST_ELASTIC_HANG")
+    if a.default_layout:
+        os.environ["MOESERVE_TEST_ELASTIC_HANG"] = "0:0:other-maps"  # the rank processes inherit it
+    log = JoinLog()
 
     from moeserve import LLM, SamplingParams
 
@@ -134,7 +176,8 @@ def main() -> None:
     experts = config["n_routed_experts"]
     started = time.monotonic()
     llm = LLM(path, dtype="float32", data_parallel_size=a.dp, enable_expert_parallel=True, enable_elastic_ep=True,
-              num_redundant_experts=-experts % a.dp, enforce_eager=a.enforce_eager, distributed_timeout=300,
+              num_redundant_experts=-experts % a.dp if a.redundant is None else a.redundant,
+              enforce_eager=a.enforce_eager, distributed_timeout=300,
               max_model_len=a.prompt_len + a.new_tokens + 8, elastic_ep_replace=a.replace,
               elastic_ep_hang_timeout=a.hang_timeout)
     print(f"DP={a.dp} EP, {experts} routed experts, float32, gloo; started in {time.monotonic() - started:.1f} s",
@@ -178,6 +221,10 @@ def main() -> None:
     lost = sum(len(got.get(k, [])) != a.new_tokens for k in want)
     same = sum(got.get(k) == t for k, t in want.items())
     print(f"requests: {len(want)}, lost {lost}, outputs identical to the unfailed run: {same}/{len(want)}")
+    time.sleep(0.2)  # the last join lines through the pipe
+    print("epoch  rank  join s  expert slots")
+    for epoch, rank, took, how in sorted(log.joins):
+        print(f"{epoch:5d}  {rank:4d}  {took:6.1f}  {how}")
     if a.replace:
         same = sum(again.get(k) == t for k, t in want.items())
         print(f"replacement: {engine.dp_size} ranks serve again {joined:.1f} s after the last kill "

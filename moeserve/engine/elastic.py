@@ -29,7 +29,8 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      kept their cores did so under the same maps, each keeps the experts it holds and takes a share of the
      lost rank's (keep_map()); a rank that builds afresh (a replacement) receives that map and takes the
      experts no survivor keeps (placement.given_maps); else all use the default map. A slot whose expert the
-     rank holds (a replica included) is copied, the others are read from the checkpoint, only those experts
+     rank holds (a replica included) is copied; when every rank kept its core, one a peer holds arrives from
+     it (elastic_transfer.py); the others are read from the checkpoint, only those experts
      (loader.load_expert_slots). Its dispatchers and online EPLB are rebuilt over the new groups (the MTP
      layer's MoE block is one more layer). A core that cannot be kept (INT8/FP8 experts: can_keep()) is
      rebuilt from the checkpoint as before. Decode runs eagerly in a degraded epoch (no graph compile on the
@@ -52,8 +53,8 @@ Lifecycle (issue 37; one node, TP 1, gloo):
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
 A loss costs the lost rank's requests (recomputed from their tokens) and the survivors' interrupted step. Next
-(docs/parallelism.md): fill new slots from a peer's replica or a host copy instead of the checkpoint, and keep
-quantized experts too.
+(docs/parallelism.md): a replacement's experts from the survivors, a host copy instead of the checkpoint, and
+keep quantized experts too.
 """
 from __future__ import annotations
 
@@ -180,8 +181,10 @@ def test_hang_hook(rank: int):
     process inside the first EPLB weight move it starts from that step on (--enable-eplb), once the move's
     first layer has posted its transfers and before the next; "spin-at-join" busy-loops once the rank has
     joined the process groups of the first epoch it re-forms into, before it builds its engine core (STEP
-    unused); "spin-before-hello" busy-loops in a replacement (--elastic-ep-replace) before it says it is up.
-    STEP may be @PATH instead: the first step at
+    unused); "spin-before-hello" busy-loops in a replacement (--elastic-ep-replace) before it says it is up;
+    "other-maps" (not a hang) makes the rank vote another fingerprint of its expert maps in each re-formation,
+    as a keeper left under other maps by a loss mid-re-formation would: every rank takes the default layout
+    (STEP unused). STEP may be @PATH instead: the first step at
     which the file PATH exists (benchmarks/elastic_ep.py --hang creates it when it wants the fault). Returns a
     callable the worker runs before each step (with itself), or None."""
     spec = os.environ.get(TEST_HANG_ENV)
@@ -194,6 +197,13 @@ def test_hang_hook(rank: int):
     trigger = parts[1][1:] if parts[1].startswith("@") else None
     at = 0 if trigger else int(parts[1])
     count = [0]
+
+    if mode == "other-maps":
+        def other_maps(worker) -> None:
+            pass
+
+        other_maps.vote_other_maps = True  # elastic_placement.vote_maps
+        return other_maps
 
     if mode in ("spin-at-join", "spin-before-hello"):
         def spin() -> None:
@@ -481,11 +491,12 @@ def _join_epoch(worker, reform) -> None:
     if at_join is not None:
         at_join()
     info = RankInfo.of(reform.rank, parallel)
-    maps = vote_maps(worker, parallel)  # a collective of the new epoch: every rank, joiners too
+    maps, everyone = vote_maps(worker, parallel)  # a collective of the new epoch: every rank, joiners too
     how = "built its engine core" + (" for the others' expert map" if maps is not None else "")
     if worker.core is not None:
-        kept, read = keep_core(worker, config, info, maps)
-        how = f"kept its engine core ({kept} expert slots kept, {read} checkpoint tensors read)"
+        kept, got, read = keep_core(worker, config, info, maps, peers=everyone)
+        how = (f"kept its engine core ({kept} expert slots kept, {got} received from peers, {read} checkpoint "
+               "tensors read)")
     else:
         from moeserve.layers.moe.placement import given_maps
 

@@ -63,12 +63,13 @@ def maps_digest(blocks) -> int:
     return int.from_bytes(hashlib.blake2b(repr(maps).encode(), digest_size=7).digest(), "little")
 
 
-def vote_maps(worker, parallel: ParallelConfig) -> dict[int, list[int]] | None:
+def vote_maps(worker, parallel: ParallelConfig) -> tuple[dict[int, list[int]] | None, bool]:
     """Every rank of the new epoch says which rank it was in the epoch its expert maps come from (-1: it holds
     no engine core: a replacement, or a survivor that could not keep its own) and a fingerprint of those maps.
     When the ranks that kept their cores did so under the same maps, the new map of each MoE layer keeps
     their slots where they are and gives the rest to the others (keep_map), and the ranks that build afresh
-    receive it (one more all-gather); else None: every rank uses the default layout."""
+    receive it (one more all-gather); else None: every rank uses the default layout. Also whether every rank
+    kept its core (then they can fill slots from each other: keep_core's peers)."""
     import torch
 
     from moeserve.distributed.parallel_state import get_world_group
@@ -76,13 +77,16 @@ def vote_maps(worker, parallel: ParallelConfig) -> dict[int, list[int]] | None:
     world = get_world_group()
     core = worker.core
     blocks = _core_blocks(core.runner) if core is not None else []
-    row = torch.tensor([[worker.info.rank if core is not None else -1, maps_digest(blocks) if blocks else 0]],
-                       dtype=torch.long)
+    digest = maps_digest(blocks) if blocks else 0
+    if getattr(worker.before_step, "vote_other_maps", False):  # testing only: as if its maps differed
+        digest += 1
+    row = torch.tensor([[worker.info.rank if core is not None else -1, digest]], dtype=torch.long)
     votes = world.all_gather(row).tolist()  # [W, 2], the same on every rank: every decision below is too
     olds = [v[0] for v in votes]
     keepers = [v for v in votes if v[0] >= 0]
+    everyone = len(keepers) == len(votes)
     if not keepers or len({v[1] for v in keepers}) != 1 or len({v[0] for v in keepers}) != len(keepers):
-        return None
+        return None, everyone
     arch = worker.arch
     experts = arch.n_routed_experts or 0
     physical = experts + parallel.num_redundant_experts
@@ -94,7 +98,7 @@ def vote_maps(worker, parallel: ParallelConfig) -> dict[int, list[int]] | None:
         flat = [e for i in layers for e in maps[i]] if maps else [0] * (len(layers) * physical)
         got = world.all_gather(torch.tensor([flat], dtype=torch.long))[olds.index(keepers[0][0])].tolist()
         maps = {i: got[k * physical:(k + 1) * physical] for k, i in enumerate(layers)}
-    return maps
+    return maps, everyone
 
 
 def keep_map(old: list[int], old_ranks: int, survivors: list[int], num_experts: int, slots: int) -> list[int]:
@@ -125,13 +129,17 @@ def keep_map(old: list[int], old_ranks: int, survivors: list[int], num_experts: 
     return [e for h in held for e in h]
 
 
-def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | None) -> tuple[int, int]:
+def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | None,
+              peers: bool = False) -> tuple[int, int, int]:
     """Serve on with the survivor's engine core under the new process groups: its non-expert weights, KV cache
     pool, prefix cache and scheduler stay; each MoE layer's slots are re-placed for the new EP group (`maps`,
-    or the default layout): a slot whose expert this rank holds is copied from it, the others are read from
-    the checkpoint, only those experts. Returns (slots copied, checkpoint tensors read)."""
+    or the default layout): a slot whose expert this rank holds is copied from it; with `peers` (every rank
+    of the epoch keeps its core: they all run this) one a peer holds arrives from it (elastic_transfer.py);
+    the others are read from the checkpoint, only those experts. Returns (slots copied, slots received,
+    checkpoint tensors read)."""
     from moeserve.distributed.comm import GroupCoordinator
-    from moeserve.distributed.parallel_state import get_ep_group, get_ep_hierarchy, get_tp_group
+    from moeserve.distributed.parallel_state import get_ep_group, get_ep_hierarchy, get_tp_group, get_world_group
+    from moeserve.engine.elastic_transfer import DISK, LOCAL, SlotTransfer, gather_held, peer_routes
     from moeserve.layers.moe.dispatch import make_codec, make_dispatcher
     from moeserve.layers.moe.placement import ExpertMap, build_plan, validate_map
     from moeserve.models.loader import load_expert_slots
@@ -149,31 +157,43 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
     wanted: list[dict[str, dict[int, list[int]]]] = [{} for _ in _roots(runner)]  # per root
     kept = 0
     ep, mb1, codec = get_ep_group(), get_ep_group(micro_batch=1), make_codec(plan.comm_dtype)
+    world = get_world_group()  # = the EP group (TP 1); a layer's rank r holds phys_to_logical's r-th share
+    held = gather_held(world, blocks) if peers and world.world_size > 1 else None  # every rank kept its core
+    moves = []
     for block in blocks:
         p, ex = plan.layers[block.layer_idx], block.experts
         new = p.local_slot_experts()
         have: dict[int, int] = {}
         for s, e in enumerate(ex.slot_experts):
             have.setdefault(e, s)
-        w13, w2 = ex.w13.data, ex.w2.data
-        n13 = w13.new_empty((len(new),) + tuple(w13.shape[1:]))
-        n2 = w2.new_empty((len(new),) + tuple(w2.shape[1:]))
+        n = len(new)
+        wants = [list(p.phys_to_logical[r * n:(r + 1) * n]) for r in range(world.world_size)]
+        routes = peer_routes(held[block.layer_idx], wants) if held is not None else None
+        mine = routes[world.rank] if routes else [LOCAL if e in have else DISK for e in new]
+        pairs = [(prm, prm.data, prm.data.new_empty((n,) + tuple(prm.shape[1:]))) for prm in _slot_params(ex)]
         for j, e in enumerate(new):
-            if e in have:
-                n13[j], n2[j] = w13[have[e]], w2[have[e]]
+            if mine[j] == LOCAL:
+                for _, old, fresh in pairs:
+                    fresh[j] = old[have[e]]
                 kept += 1
-            else:
+            elif mine[j] == DISK:
                 k, name = names[ex]
                 wanted[k].setdefault(name, {}).setdefault(e, []).append(j)
-        ex.w13.data, ex.w2.data = n13, n2  # the Parameters stay (the module's), their storage is the new slots'
+        if routes and any(src >= 0 for row in routes for src in row):  # every rank sees the same routes
+            move = SlotTransfer(world, routes, wants, have)
+            move.start([(old, fresh) for _, old, fresh in pairs])  # rows copied out: the old may go
+            moves.append(move)
+        for prm, _, fresh in pairs:
+            prm.data = fresh  # the Parameters stay (the module's), their storage is the new slots'
         ex.packed = None  # the old slots' oneDNN packs: freed now, remade below (process_weights_after_loading)
-        ex.num_local_experts, ex.slot_experts = len(new), list(new)
+        ex.num_local_experts, ex.slot_experts = n, list(new)
         block.placement, block.expert_map = p, ExpertMap(p)
         block.dispatcher = make_dispatcher(plan.comm, ep, p, codec, plan.node_size, get_ep_hierarchy(),
                                            plan.pipeline_chunks)
         block.dispatchers = [block.dispatcher] + (
             [make_dispatcher(plan.comm, mb1, p, codec, plan.node_size, get_ep_hierarchy(micro_batch=1),
                              plan.pipeline_chunks)] if mb1 is not ep else [])
+    got = sum(m.finish() for m in moves)
     read = sum(load_expert_slots(root, config.model.model, w) for root, w in zip(_roots(runner), wanted))
     for block in blocks:
         block.experts.process_weights_after_loading()  # oneDNN packs / zentorch of the new slots
@@ -194,4 +214,9 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
         if not p.expert_load_stats:
             runner.load_recorder = None
     worker.start(config, info, core)
-    return kept, read
+    return kept, got, read
+
+
+def _slot_params(experts) -> list:
+    """The experts module's per-slot tensors ([slots, ...]: w13, w2), re-placed slot by slot."""
+    return [prm for prm in experts.parameters(recurse=False) if prm.dim() and prm.shape[0] == len(experts.slot_experts)]
