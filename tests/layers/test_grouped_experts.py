@@ -184,6 +184,27 @@ def test_packed_bf16_experts_equal_per_expert_linear(n):
     assert packed_copy_bytes(ex) >= 8 * 3 * 64 * 32 * 2
 
 
+@pytest.mark.parametrize("t", [1, 5, 64])
+def test_packed_bf16_forward_topk_equals_rows_through_forward(t):
+    """forward_topk over the packed copies gathers each token once per expert it routes to (no repeated
+    copy of every token first) and gives the bits of the row path: each (token, expert) row's
+    per-expert result, weighted, summed over the token's experts. Rows of other ranks (-1) count 0."""
+    ex = _bf16_experts(8, 64, 32, t)
+    ex.process_weights_after_loading(zentorch=False)
+    if ex.packed is None:
+        pytest.skip("oneDNN BF16 packing does not run here")
+    g = torch.Generator().manual_seed(200 + t)
+    x = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:3] for _ in range(t)])
+    ids[0, 1] = -1
+    weights = torch.rand(t, 3, generator=g)
+    with torch.no_grad():
+        got = ex.forward_topk(x, ids, weights)
+        rows = _per_expert_f_linear(ex, x.repeat_interleave(3, dim=0), ids.reshape(-1), weights.reshape(-1))
+        assert torch.equal(got, rows.view(t, 3, 64).sum(dim=1))
+        assert torch.equal(got, ex.topk_as_rows(x, ids, weights))
+
+
 def test_packed_bf16_experts_in_a_compiled_graph_and_switched_off(monkeypatch):
     """Above the few-row gathered path, a fullgraph compile calls the packed experts as one opaque op and gets
     the eager result; MOESERVE_PACK_EXPERTS=0 keeps one copy."""

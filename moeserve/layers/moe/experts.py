@@ -117,6 +117,10 @@ class FusedExperts(nn.Module):
             if torch.compiler.is_compiling():
                 return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)
             return self.zen_forward(x, expert_ids, weights)
+        if self.packed is not None and not torch.compiler.is_compiling():
+            t, k = expert_ids.shape
+            rows = self._packed_rows(x.to(self.w13.dtype), expert_ids.reshape(-1), weights.reshape(-1), k)
+            return rows.view(t, k, x.shape[1]).sum(dim=1)
         return self.topk_as_rows(x, expert_ids, weights)
 
     def topk_as_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -167,18 +171,27 @@ class FusedExperts(nn.Module):
 
     def packed_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward() over the oneDNN-packed copies: one GEMM pair per busy expert, the SwiGLU over all rows."""
-        order, offs, valid = group_rows(expert_ids, self.num_local_experts)
+        return self._packed_rows(x.to(self.w13.dtype), expert_ids, weights)
+
+    def _packed_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                     k: int | None = None) -> torch.Tensor:
+        """Rows [N, H] of packed_forward; with k, x holds the tokens and row i is token i // k (forward_topk
+        without repeating every token k times first). Only the rows that are ours are gathered and computed:
+        each [N, H] pass is a full read and write of the step's activations (a prefill's dominant cost
+        besides the GEMMs)."""
+        order, offs, _ = group_rows(expert_ids, self.num_local_experts)
         bounds = [0] + offs.tolist()
-        xs = x[order]
+        mine = order[: bounds[-1]]  # rows of other ranks (-1) sort last
+        out = x.new_zeros(expert_ids.shape[0], x.shape[1])
         busy = [e for e in range(self.num_local_experts) if bounds[e + 1] > bounds[e]]
-        y = torch.zeros_like(xs)  # rows of other ranks (past bounds[-1]) stay 0
         if busy:
+            xs = x[mine if k is None else mine // k]
             h = torch.cat([packed_linear(xs[bounds[e]:bounds[e + 1]], self.packed[e][0]) for e in busy])
             gate, up = h.split(self.intermediate, dim=-1)
             a = F.silu(gate) * up
-            y[: bounds[-1]] = torch.cat([packed_linear(a[bounds[e]:bounds[e + 1]], self.packed[e][1])
-                                         for e in busy])
-        return self._weighted(x, y, order, valid, weights)
+            y = torch.cat([packed_linear(a[bounds[e]:bounds[e + 1]], self.packed[e][1]) for e in busy])
+            out[mine] = _times_weights(y, weights[mine])
+        return out
 
     @staticmethod
     def _weighted(x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, valid: torch.Tensor,
@@ -210,6 +223,12 @@ class FusedExperts(nn.Module):
         a = F.silu(gate) * up
         y = (a[:, None, :].float() * self.w2[ids].float()).sum(-1)  # [N, H]
         return torch.where((expert_ids >= 0)[:, None], y * weights[:, None], 0.0).to(x.dtype)
+
+
+def _times_weights(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [M, H] rows times their float32 routing weights [M], in place: the product is computed in float32
+    and rounded once to y's dtype (the bits of (y.float() * w).to(y.dtype), without a float32 copy of y)."""
+    return torch.mul(y, weights[:, None], out=y)
 
 
 @torch.library.custom_op("moeserve::grouped_mm", mutates_args=())
