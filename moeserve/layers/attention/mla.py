@@ -143,13 +143,18 @@ class MLAttention(nn.Module):
         k_nope, v = kv_up.split([self.dn, self.dv], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [H, len, d]
+        # SDPA's flash kernel wants V's head dim equal to Q/K's (dn + dr = 192 against dv = 128 in V3): V is
+        # zero-padded and the padding sliced off the output (as MLA prefill on flash-attn does). Without it
+        # SDPA falls back to its math path: 3.3x slower for a 128-token prompt here (1 thread).
+        if v.shape[-1] < k.shape[-1]:
+            v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, len, d]: the flash kernel's layout
         if offset == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             allowed = torch.ones(q_len, ctx_len, dtype=torch.bool).tril(diagonal=offset)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale)
-        return o.transpose(0, 1).reshape(q_len, self.num_heads * self.dv)
+        return o[0, :, :, : self.dv].transpose(0, 1).reshape(q_len, self.num_heads * self.dv)
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 d) -> torch.Tensor:
