@@ -32,6 +32,7 @@ MOESERVE_TEST_ELASTIC_HANG=0:0:other-maps, as after a loss mid-re-formation), so
 the default layout, where most slots are filled from peers:
 
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --redundant 8 --default-layout
+    PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --quantization a8w8
 """
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def run(engine, prompts, params, kills: list[int], before: int,
         elif pending and all(len(t) - mark[r] >= before or len(t) == params.max_tokens for r, t in got.items()):
             victim = pending.pop(0)
             stats = engine.stats()
-            rec = {"victim": victim, "epoch": engine.epoch, "requeued0": stats.elastic_requeued,
+            ran = {r.split("-", 1)[1] for r, dp in engine.router.owner.items() if engine.slots[dp] == victim}
+            rec = {"victim": victim, "ran": ran, "epoch": engine.epoch, "requeued0": stats.elastic_requeued,
                    "recomputed0": stats.elastic_tokens_recomputed, "kill": time.monotonic(),
                    "hits0": _hits_since(engine, {})}
             mark = {r: len(t) for r, t in got.items()}
@@ -151,6 +153,7 @@ def main() -> None:
                     "tok/s before the loss and after the join")
     ap.add_argument("--redundant", type=int, default=None, help="--num-redundant-experts (default: the fewest "
                     "that divide over --dp)")
+    ap.add_argument("--quantization", default=None, help="e.g. a8w8: quantized experts (survivors keep them)")
     ap.add_argument("--default-layout", action="store_true", help="the survivors re-place onto the default "
                     "layout (rank 0 votes other maps: a testing hook), filling slots from peers")
     a = ap.parse_args()
@@ -179,8 +182,9 @@ def main() -> None:
               num_redundant_experts=-experts % a.dp if a.redundant is None else a.redundant,
               enforce_eager=a.enforce_eager, distributed_timeout=300,
               max_model_len=a.prompt_len + a.new_tokens + 8, elastic_ep_replace=a.replace,
-              elastic_ep_hang_timeout=a.hang_timeout)
-    print(f"DP={a.dp} EP, {experts} routed experts, float32, gloo; started in {time.monotonic() - started:.1f} s",
+              elastic_ep_hang_timeout=a.hang_timeout, quantization=a.quantization)
+    print(f"DP={a.dp} EP, {experts} routed experts, float32{', ' + a.quantization if a.quantization else ''}, "
+          f"gloo; started in {time.monotonic() - started:.1f} s",
           flush=True)
     engine = llm.engine
     vocab = config["vocab_size"]
@@ -221,6 +225,10 @@ def main() -> None:
     lost = sum(len(got.get(k, [])) != a.new_tokens for k in want)
     same = sum(got.get(k) == t for k, t in want.items())
     print(f"requests: {len(want)}, lost {lost}, outputs identical to the unfailed run: {same}/{len(want)}")
+    if same < len(want):  # which differ, and whether they ran on a lost rank (re-queued: recomputed)
+        ran = set().union(*(r["ran"] for r in records))
+        print("  differing: " + ", ".join(f"{k}{' (lost rank)' if k in ran else ''}" for k, t in want.items()
+                                          if got.get(k) != t))
     time.sleep(0.2)  # the last join lines through the pipe
     print("epoch  rank  join s  expert slots")
     for epoch, rank, took, how in sorted(log.joins):

@@ -32,8 +32,9 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      rank holds (a replica included) is copied; when every rank kept its core, one a peer holds arrives from
      it (elastic_transfer.py); the others are read from the checkpoint, only those experts
      (loader.load_expert_slots). Its dispatchers and online EPLB are rebuilt over the new groups (the MTP
-     layer's MoE block is one more layer). A core that cannot be kept (INT8/FP8 experts: can_keep()) is
-     rebuilt from the checkpoint as before. Decode runs eagerly in a degraded epoch (no graph compile on the
+     layer's MoE block is one more layer). Quantized experts (A8W8, FP8) are re-placed the same way, their
+     scales with them; a core that cannot be kept (can_keep(): PD transfer, TP-sharded experts) is rebuilt
+     from the checkpoint as before. Decode runs eagerly in a degraded epoch (no graph compile on the
      way back). It reports ready in the new epoch.
   5. each survivor's ready report lists the requests it kept (RankReport.kept, with their output tokens);
      the front end has read the survivors' outputs of the older epoch before it (one socket per rank, in
@@ -53,8 +54,7 @@ Lifecycle (issue 37; one node, TP 1, gloo):
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
 A loss costs the lost rank's requests (recomputed from their tokens) and the survivors' interrupted step. Next
-(docs/parallelism.md): a replacement's experts from the survivors, a host copy instead of the checkpoint, and
-keep quantized experts too.
+(docs/parallelism.md): a replacement's experts from the survivors, a host copy instead of the checkpoint.
 """
 from __future__ import annotations
 

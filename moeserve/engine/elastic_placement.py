@@ -24,14 +24,19 @@ def _core_blocks(runner) -> list:
 
 
 def can_keep(core) -> bool:
-    """Whether a survivor can re-place its MoE slots for a new EP group instead of rebuilding: float routed
-    experts (FusedExperts: their stacked tensors are re-sliced here; the MTP layer's too), no PD transfer.
-    Otherwise it rebuilds."""
+    """Whether a survivor can re-place its MoE slots for a new EP group instead of rebuilding: routed experts
+    whose every per-slot tensor is stacked [slots, ...], re-sliced here (the MTP layer's too): float
+    FusedExperts, A8W8's Int8FusedExperts (int8 weights, per-channel scales; a slot read from the checkpoint
+    is quantized by its load_expert, as at start-up) and FP8's Fp8FusedExperts (e4m3 weights, block scales);
+    no PD transfer. Otherwise it rebuilds."""
+    from moeserve.layers.fp8 import Fp8FusedExperts
     from moeserve.layers.moe.experts import FusedExperts
+    from moeserve.layers.quant import Int8FusedExperts
 
     if core.kv_transfer is not None:
         return False
-    return all(type(b.experts) is FusedExperts and not b.shared_remote and not b.placement.experts_tp_sharded
+    kinds = (FusedExperts, Int8FusedExperts, Fp8FusedExperts)
+    return all(type(b.experts) in kinds and not b.shared_remote and not b.placement.experts_tp_sharded
                for b in _core_blocks(core.runner))
 
 
@@ -218,5 +223,6 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
 
 
 def _slot_params(experts) -> list:
-    """The experts module's per-slot tensors ([slots, ...]: w13, w2), re-placed slot by slot."""
+    """The experts module's per-slot tensors ([slots, ...]: w13, w2, and a quantized module's scales),
+    re-placed slot by slot."""
     return [prm for prm in experts.parameters(recurse=False) if prm.dim() and prm.shape[0] == len(experts.slot_experts)]

@@ -72,6 +72,8 @@ class SlotTransfer:
         """pairs: (old tensor, new tensor) of each expert tensor, both [slots, ...]."""
         counts = [len(x) for x in self.send]
         for old, new in pairs:
+            if old.dtype.is_floating_point and old.element_size() == 1:  # FP8: gloo moves it as bytes
+                old, new = old.view(torch.uint8), new.view(torch.uint8)
             rows = [old[s] for x in self.send for s in x]
             payload = torch.stack(rows) if rows else old.new_empty((0,) + tuple(old.shape[1:]))
             got, work = self.group.all_to_all(payload.contiguous(), counts, self.recv_counts, async_op=True,
