@@ -29,8 +29,11 @@ def expert_packing_enabled() -> bool:
 class FusedExperts(nn.Module):
     CHECKPOINT_LEAVES = ("weight",)  # per expert projection, what a checkpoint must provide
     # A compiled graph gathers each row's expert weights (gathered_forward) up to this many rows per slot,
-    # above it GEMMs per expert: measured crossover ~2.5 rows per slot (benchmarks/packed_experts.py --gathered)
-    GATHER_ROWS_PER_SLOT = 2
+    # above it GEMMs per expert (benchmarks/packed_experts.py --gathered, 64 slots, 1 thread): the crossover
+    # was ~2.5 rows per slot on an AMD EPYC (AVX-512, no AMX), between 24 and 48 rows (0.4-0.75) on an Intel
+    # Xeon with AMX, where oneDNN's packed GEMMs are faster and the gathered kernel slower (at 48 rows 7.2 ms
+    # against 5.9; in the engine at batch 8 10.6 ms a layer).
+    GATHER_ROWS_PER_SLOT = 0.5 if torch.cpu._is_amx_tile_supported() else 2
     # zentorch's fused MoE runs these experts (layers/moe/zen.py): set by process_weights_after_loading
     zen = False
 
