@@ -29,11 +29,12 @@ def expert_packing_enabled() -> bool:
 class FusedExperts(nn.Module):
     CHECKPOINT_LEAVES = ("weight",)  # per expert projection, what a checkpoint must provide
     # A compiled graph gathers each row's expert weights (gathered_forward) up to this many rows per slot,
-    # above it GEMMs per expert (benchmarks/packed_experts.py --gathered, 64 slots, 1 thread): the crossover
-    # was ~2.5 rows per slot on an AMD EPYC (AVX-512, no AMX), between 24 and 48 rows (0.4-0.75) on an Intel
-    # Xeon with AMX, where oneDNN's packed GEMMs are faster and the gathered kernel slower (at 48 rows 7.2 ms
-    # against 5.9; in the engine at batch 8 10.6 ms a layer).
-    GATHER_ROWS_PER_SLOT = 0.5 if torch.cpu._is_amx_tile_supported() else 2
+    # above it GEMMs per expert. On an AMD EPYC (AVX-512, no AMX) the crossover was ~2.5 rows per slot
+    # (benchmarks/packed_experts.py --gathered, 64 slots, 1 thread). On an Intel Xeon with AMX the packed
+    # GEMMs won in the engine at every batch (V3-shaped checkpoint, batch 1 / 2 / 4 decode tok/s, two runs
+    # each: gathered up to 0.5 rows per slot 30.0, 29.1 / 48.9, 47.8 / 66.1, 68.9; never 29.5, 31.1 / 50.1,
+    # 50.3 / 82.5, 77.4), though the kernel alone on a cold pool favours gathering up to ~24 rows.
+    GATHER_ROWS_PER_SLOT = 0 if torch.cpu._is_amx_tile_supported() else 2
     # zentorch's fused MoE runs these experts (layers/moe/zen.py): set by process_weights_after_loading
     zen = False
 
