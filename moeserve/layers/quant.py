@@ -153,12 +153,19 @@ class Int8Packed:
 
 def _int8_packed_mm(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                     zero_points: torch.Tensor) -> torch.Tensor:
+    return _u8_packed_mm(xq.view(torch.uint8) ^ _U8_ZERO_POINT, packed, scale, zero_points)
+
+
+def _u8_packed_mm(xu: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                  zero_points: torch.Tensor) -> torch.Tensor:
+    """_int8_packed_mm of activations already flipped to uint8 (xq ^ 128): callers with many GEMMs over
+    slices of one activation tensor (the routed experts) flip it once."""
     # With AMX one row goes in as two: oneDNN's single-row AMX path has a cliff at some shapes (K = 256:
     # 100-200x slower than two rows, measured on torch 2.13); two rows take its GEMM kernel. VNNI has none.
-    one_row = xq.shape[0] == 1 and _cpu_int8_unit() == "amx"
-    x = xq.repeat(2, 1) if one_row else xq
-    y = torch.ops.onednn.qlinear_pointwise(x.view(torch.uint8) ^ _U8_ZERO_POINT, 1.0, _U8_ZERO_POINT, packed,
-                                           scale, zero_points, None, 1.0, 0, torch.float32, "none", [], "")
+    one_row = xu.shape[0] == 1 and _cpu_int8_unit() == "amx"
+    x = xu.repeat(2, 1) if one_row else xu
+    y = torch.ops.onednn.qlinear_pointwise(x, 1.0, _U8_ZERO_POINT, packed, scale, zero_points, None, 1.0, 0,
+                                           torch.float32, "none", [], "")
     return y[:1] if one_row else y
 
 
@@ -404,12 +411,17 @@ class Int8FusedExperts(FusedExperts):
                     int8_mm(aq[bounds[e]:bounds[e + 1]], w[e], out=acc[bounds[e]:bounds[e + 1]])
             return acc.float().mul_(scale[ids])
         out = torch.empty(aq.shape[0], w.shape[1], dtype=torch.float32, device=aq.device)
+        # A GEMM per busy expert (~120 a layer at batch 32 over 64 experts): the activations are flipped to
+        # uint8 once for all of them, and with AMX packing always pays (Int8Packed.pays) so it is not asked.
+        au = aq.view(torch.uint8) ^ _U8_ZERO_POINT
+        amx = _cpu_int8_unit() == "amx"
         for e in range(len(bounds) - 1):
             lo, hi = bounds[e], bounds[e + 1]
             if hi == lo:
                 continue
-            if packed is not None and packed[e][proj].pays(hi - lo):
-                out[lo:hi] = packed[e][proj].mm_scaled(aq[lo:hi])
+            p = packed[e][proj]
+            if amx or p.pays(hi - lo):
+                out[lo:hi] = _u8_packed_mm(au[lo:hi], p.packed, p.scale, p.zero_points)
             else:
                 out[lo:hi] = int8_mm(aq[lo:hi], w[e]).float().mul_(scale[e])
         return out
