@@ -364,7 +364,10 @@ class Int8FusedExperts(FusedExperts):
             if torch.compiler.is_compiling():
                 return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)  # -> zen_forward
             return self.zen_forward(x, expert_ids, weights)
-        return self.topk_as_rows(x, expert_ids, weights)
+        if torch.compiler.is_compiling():
+            return self.topk_as_rows(x, expert_ids, weights)
+        t, k = expert_ids.shape
+        return self._rows(x, expert_ids.reshape(-1), weights.reshape(-1), k).view(t, k, x.shape[1]).sum(dim=1)
 
     def zen_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward_topk through zentorch's INT8 fused MoE (BF16 in and out; x.dtype returned)."""
@@ -379,7 +382,13 @@ class Int8FusedExperts(FusedExperts):
             if torch.compiler.is_compiling():
                 return torch.ops.moeserve.zen_rows(x, expert_ids, weights, self.op_key)
             return self.zen_rows(x, expert_ids, weights)
-        out = torch.zeros_like(x)
+        return self._rows(x, expert_ids, weights)
+
+    def _rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+              k: int | None = None) -> torch.Tensor:
+        """forward's rows; with k, x holds the tokens and row i is token i // k (forward_topk): each token is
+        quantized once, not once per expert it routes to, and no repeated copy of the tokens is made."""
+        out = x.new_zeros(expert_ids.shape[0], x.shape[1])
         if x.shape[0] == 0:
             return out
         order, offs, _ = group_rows(expert_ids, self.num_local_experts)
@@ -391,7 +400,11 @@ class Int8FusedExperts(FusedExperts):
             return out
         ids = expert_ids[rows]  # [R]
         packed = getattr(self, "packed", None)
-        xq, xs = quantize_per_token(x[rows])  # [R, H] int8, [R, 1]
+        if k is None:
+            xq, xs = quantize_per_token(x[rows])  # [R, H] int8, [R, 1]
+        else:  # per-token quantization is row by row: the same bits for a token whichever rows surround it
+            tq, ts = quantize_per_token(x)
+            xq, xs = tq[rows // k], ts[rows // k]
         h = self._grouped_mm(xq, self.w13, self.w13_scale, bounds, packed, 0, ids).mul_(xs)  # [R, 2I] float32
         gate, up = h.split(self.intermediate, dim=-1)
         aq, a_s = quantize_per_token(F.silu(gate) * up)  # [R, I] int8, [R, 1]

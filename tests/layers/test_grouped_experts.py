@@ -119,6 +119,25 @@ def test_int8_experts_packed_equal_unpacked(pack_anywhere):
         assert torch.equal(q(x, ids, w), plain)
 
 
+@pytest.mark.parametrize("t", [1, 7, 80])
+def test_int8_forward_topk_equals_rows_through_forward(t, pack_anywhere):
+    """forward_topk quantizes each token once and gathers it per expert (no repeated tokens), packed or not,
+    with the row path's bits; 80 tokens take the compiled quantizer where an engine switched it on."""
+    g = torch.Generator().manual_seed(300 + t)
+    q = _int8_experts(6, g)
+    x = torch.randn(t, 64, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(t)])
+    w = torch.rand(t, 2, generator=g)
+    with torch.no_grad():
+        for packed in (False, True):
+            if packed:
+                q.process_weights_after_loading(zentorch=False)
+            got = q.forward_topk(x, ids, w)
+            rows = q(x.repeat_interleave(2, dim=0), ids.reshape(-1), w.reshape(-1))
+            assert torch.equal(got, rows.view(t, 2, 64).sum(dim=1)), packed
+            assert torch.equal(got, q.topk_as_rows(x, ids, w)), packed
+
+
 def test_vnni_packs_large_weights_and_runs_them_packed_from_two_rows(monkeypatch):
     """Without AMX, oneDNN's call overhead pays only for large weights and more than one row: smaller ones
     stay unpacked, a one-row GEMM goes through torch._int_mm, and the mix gives the same result."""
