@@ -26,13 +26,15 @@ the hang, so "loss seen" is --hang-timeout (--elastic-ep-hang-timeout) plus the 
 
 Last it prints how each rank that joined an epoch filled its expert slots, from the rank processes' join lines
 (their stderr passes through the benchmark): slots kept (an expert the rank held), received from peers
-(engine/elastic_transfer.py), checkpoint tensors read. --redundant sets --num-redundant-experts (replicas let
-survivors hold a lost rank's experts); --default-layout makes rank 0 vote other expert maps (the testing hook
-MOESERVE_TEST_ELASTIC_HANG=0:0:other-maps, as after a loss mid-re-formation), so the survivors re-place onto
-the default layout, where most slots are filled from peers:
+(engine/elastic_transfer.py), from the host copy (--host-copy: engine/elastic_host_copy.py), checkpoint
+tensors read. --redundant sets --num-redundant-experts (replicas let survivors hold a lost rank's experts);
+--default-layout makes rank 0 vote other expert maps (the testing hook MOESERVE_TEST_ELASTIC_HANG=0:0:
+other-maps, as after a loss mid-re-formation), so the survivors re-place onto the default layout, where most
+slots are filled from peers; --quantization a8w8 quantizes the experts (and linears):
 
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --redundant 8 --default-layout
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --quantization a8w8
+    PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 2 --host-copy
 """
 from __future__ import annotations
 
@@ -153,6 +155,8 @@ def main() -> None:
                     "tok/s before the loss and after the join")
     ap.add_argument("--redundant", type=int, default=None, help="--num-redundant-experts (default: the fewest "
                     "that divide over --dp)")
+    ap.add_argument("--host-copy", action="store_true", help="--elastic-ep-host-copy: lost experts come from "
+                    "the ranks' host shared-memory files, not the checkpoint")
     ap.add_argument("--quantization", default=None, help="e.g. a8w8: quantized experts (survivors keep them)")
     ap.add_argument("--default-layout", action="store_true", help="the survivors re-place onto the default "
                     "layout (rank 0 votes other maps: a testing hook), filling slots from peers")
@@ -182,7 +186,7 @@ def main() -> None:
               num_redundant_experts=-experts % a.dp if a.redundant is None else a.redundant,
               enforce_eager=a.enforce_eager, distributed_timeout=300,
               max_model_len=a.prompt_len + a.new_tokens + 8, elastic_ep_replace=a.replace,
-              elastic_ep_hang_timeout=a.hang_timeout, quantization=a.quantization)
+              elastic_ep_hang_timeout=a.hang_timeout, quantization=a.quantization, elastic_ep_host_copy=a.host_copy)
     print(f"DP={a.dp} EP, {experts} routed experts, float32{', ' + a.quantization if a.quantization else ''}, "
           f"gloo; started in {time.monotonic() - started:.1f} s",
           flush=True)

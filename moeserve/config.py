@@ -143,6 +143,7 @@ class ParallelConfig:
     elastic_ep_timeout: float = 60.0  # seconds the survivors may take to re-form before the engine is dead
     elastic_ep_hang_timeout: float = 20.0  # seconds a rank may hold its peers up in a step before it counts as lost
     elastic_ep_replace: bool = False  # the front end starts a replacement for each lost rank (engine/elastic.py)
+    elastic_ep_host_copy: bool = False  # each rank keeps its experts in host shared memory (elastic_host_copy.py)
 
     def __post_init__(self) -> None:
         _require(self.data_parallel_size >= 1, "--data-parallel-size must be >= 1")
@@ -220,6 +221,8 @@ class ParallelConfig:
                  f"--elastic-ep-hang-timeout must be > 0 seconds, got {self.elastic_ep_hang_timeout}")
         _require(self.enable_elastic_ep or not self.elastic_ep_replace,
                  "--elastic-ep-replace starts a replacement for a lost rank: it needs --enable-elastic-ep")
+        _require(self.enable_elastic_ep or not self.elastic_ep_host_copy,
+                 "--elastic-ep-host-copy keeps the experts for survivors of a lost rank: it needs --enable-elastic-ep")
         if self.enable_elastic_ep:  # survivors re-form one EP group of whole DP ranks (engine/elastic.py)
             _require(self.elastic_ep_hang_timeout < self.distributed_timeout,
                      f"--elastic-ep-hang-timeout {self.elastic_ep_hang_timeout:g} must be below --distributed-timeout "

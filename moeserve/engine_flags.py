@@ -113,6 +113,9 @@ ENGINE_HELP = {
                                "without it; below --distributed-timeout",
     "elastic_ep_replace": "--enable-elastic-ep: start a replacement rank process for each lost one; it joins the "
                           "next epoch and the experts spread over the full EP group again",
+    "elastic_ep_host_copy": "--enable-elastic-ep: each rank also keeps its routed experts in host shared memory "
+                            "(/dev/shm; as much memory again), so the survivors of a loss take a lost expert "
+                            "no survivor holds from there instead of the checkpoint",
     "kv_cache_dtype": "auto|bfloat16|float16|float32|fp8: KV-cache storage, the model dtype or FP8 e4m3 "
                       "(half the bytes of BF16; attention upcasts what it reads)",
     "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",

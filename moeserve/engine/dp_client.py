@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 import weakref
 
@@ -23,6 +24,7 @@ import zmq
 
 from moeserve import netif
 from moeserve.config import EngineConfig
+from moeserve.engine import elastic_host_copy
 from moeserve.engine.dp_balance import LeastLoadedRouter, slo_ranked_ttft
 from moeserve.engine.elastic import BOARD_SLOTS, JOINING_EPOCH, ProgressBoard
 from moeserve.engine.elastic_front import ElasticFront, _exit_text
@@ -59,6 +61,10 @@ class DPEngineClient(ElasticFront):  # ElasticFront: the re-formation bookkeepin
                 self.board = ProgressBoard(ProgressBoard.path_for(int(port)), BOARD_SLOTS, create=True)
             except OSError as e:  # the rest of elastic EP works without it
                 logger.warning("--enable-elastic-ep: no progress board (%s): a hung rank is not detected", e)
+        self.host_copy = None  # --elastic-ep-host-copy: the ranks' expert files (elastic_host_copy.py)
+        if parallel.enable_elastic_ep and parallel.elastic_ep_host_copy and torchrun is None:
+            self.host_copy = elastic_host_copy.folder(int(port))
+            shutil.rmtree(self.host_copy, ignore_errors=True)  # a former engine's on this port
         self.hang_timeout = parallel.elastic_ep_hang_timeout
         self._beats: dict[int, tuple[int, int]] | None = None  # the last beats read, and since when unchanged
         self._beats_at = time.monotonic()
@@ -68,6 +74,8 @@ class DPEngineClient(ElasticFront):  # ElasticFront: the re-formation bookkeepin
         except BaseException:
             if self.board is not None:
                 self.board.unlink()
+            if self.host_copy is not None:
+                shutil.rmtree(self.host_copy, ignore_errors=True)
             raise
         # the rank process serving each DP rank (its ZMQ identity is dp<first rank>): elastic EP drops lost ones
         self.slots: list[int] = list(range(self.dp_size))
@@ -81,7 +89,7 @@ class DPEngineClient(ElasticFront):  # ElasticFront: the re-formation bookkeepin
         self._awaiting: set[int] = set()
         self._epoch_init = ""  # the current epoch's rendezvous
         self._finalizer = weakref.finalize(self, _stop, self.sock, self.ranks, self.slots, self.board, self.joining,
-                                           self._awaiting)
+                                           self._awaiting, self.host_copy)
         self.decoder = msgspec.msgpack.Decoder(RankReport)
         self.dead: str | None = None
         self.num_kv_blocks = 0
@@ -361,7 +369,7 @@ class DPEngineClient(ElasticFront):  # ElasticFront: the re-formation bookkeepin
 
 
 def _stop(sock, ranks: LocalRanks, slots: list[int], board=None, joining: dict | None = None,
-          awaiting: set | None = None) -> None:
+          awaiting: set | None = None, host_copy: str | None = None) -> None:
     """Ask every DP rank to shut down, then make sure the local processes are gone."""
     if board is not None:
         board.unlink()  # a start that failed before every rank was ready, or --elastic-ep-replace
@@ -376,3 +384,5 @@ def _stop(sock, ranks: LocalRanks, slots: list[int], board=None, joining: dict |
     ranks.join(timeout=10)
     ranks.kill()
     sock.close()
+    if host_copy is not None:  # after the ranks: none writes there any more
+        shutil.rmtree(host_copy, ignore_errors=True)

@@ -92,6 +92,11 @@ class RankWorker:
         self.leader = info.tp_rank == 0
         self.core = core if core is not None else EngineCore(config, self.arch)
         self.arch = self.core.arch
+        if core is None and self.base_config.parallel.elastic_ep_host_copy:  # before ready: whole when it counts
+            from moeserve.engine import elastic_host_copy
+            from moeserve.engine.elastic_placement import expert_roots, slot_params
+
+            elastic_host_copy.write(self, expert_roots(self.core.runner), slot_params)
         self.stats = EngineStats()
         if self.leader:
             kept = ({rid: r.num_output_tokens for rid, r in self.core.scheduler.requests.items()}

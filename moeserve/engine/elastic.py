@@ -290,6 +290,7 @@ def survivor_parallel(parallel: ParallelConfig, num_experts: int, alive: int, ma
         parallel, data_parallel_size=alive, master_port=master_port, num_redundant_experts=redundant,
         moe_node_size=None, enable_eplb=parallel.enable_eplb and many, enable_elastic_ep=many,
         elastic_ep_replace=parallel.elastic_ep_replace and many,
+        elastic_ep_host_copy=parallel.elastic_ep_host_copy and many,  # a lone survivor reads base_config's
         moe_pipeline_chunks=parallel.moe_pipeline_chunks if many else 1)
 
 
@@ -494,9 +495,9 @@ def _join_epoch(worker, reform) -> None:
     maps, everyone = vote_maps(worker, parallel)  # a collective of the new epoch: every rank, joiners too
     how = "built its engine core" + (" for the others' expert map" if maps is not None else "")
     if worker.core is not None:
-        kept, got, read = keep_core(worker, config, info, maps, peers=everyone)
-        how = (f"kept its engine core ({kept} expert slots kept, {got} received from peers, {read} checkpoint "
-               "tensors read)")
+        kept, got, hosted, read = keep_core(worker, config, info, maps, peers=everyone)
+        how = (f"kept its engine core ({kept} expert slots kept, {got} received from peers, {hosted} from the host "
+               f"copy, {read} checkpoint tensors read)")
     else:
         from moeserve.layers.moe.placement import given_maps
 

@@ -14,13 +14,13 @@ def _moe_blocks(model) -> list:
     return [m for m in model.modules() if isinstance(m, MoE)] if model is not None else []
 
 
-def _roots(runner) -> list:
+def expert_roots(runner) -> list:
     """The modules that hold MoE blocks under their checkpoint names: the model, and the MTP layer's module."""
     return [runner.model] + ([runner.proposer.mtp] if runner.proposer is not None else [])
 
 
 def _core_blocks(runner) -> list:
-    return [b for root in _roots(runner) for b in _moe_blocks(root)]
+    return [b for root in expert_roots(runner) for b in _moe_blocks(root)]
 
 
 def can_keep(core) -> bool:
@@ -140,10 +140,12 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
     pool, prefix cache and scheduler stay; each MoE layer's slots are re-placed for the new EP group (`maps`,
     or the default layout): a slot whose expert this rank holds is copied from it; with `peers` (every rank
     of the epoch keeps its core: they all run this) one a peer holds arrives from it (elastic_transfer.py);
-    the others are read from the checkpoint, only those experts. Returns (slots copied, slots received,
-    checkpoint tensors read)."""
+    with --elastic-ep-host-copy one no survivor holds comes from a file a rank wrote (elastic_host_copy.py);
+    the others are read from the checkpoint, only those experts. Returns (slots copied, slots received, slots
+    from the host copy, checkpoint tensors read)."""
     from moeserve.distributed.comm import GroupCoordinator
     from moeserve.distributed.parallel_state import get_ep_group, get_ep_hierarchy, get_tp_group, get_world_group
+    from moeserve.engine.elastic_host_copy import HostCopy
     from moeserve.engine.elastic_transfer import DISK, LOCAL, SlotTransfer, gather_held, peer_routes
     from moeserve.layers.moe.dispatch import make_codec, make_dispatcher
     from moeserve.layers.moe.placement import ExpertMap, build_plan, validate_map
@@ -157,9 +159,11 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
             validate_map(phys, worker.arch.n_routed_experts, info.world_size, f"elastic EP layer {i}")
         plan = dataclasses.replace(plan, layers={i: dataclasses.replace(p, phys_to_logical=tuple(maps[i]))
                                                  for i, p in plan.layers.items()})
-    names = {m: (k, n) for k, root in enumerate(_roots(runner)) for n, m in root.named_modules()}
+    names = {m: (k, n) for k, root in enumerate(expert_roots(runner)) for n, m in root.named_modules()}
     blocks = _core_blocks(runner)
-    wanted: list[dict[str, dict[int, list[int]]]] = [{} for _ in _roots(runner)]  # per root
+    wanted: list[dict[str, dict[int, list[int]]]] = [{} for _ in expert_roots(runner)]  # per root
+    host = HostCopy(worker.front_end_port) if worker.base_config.parallel.elastic_ep_host_copy else None
+    hosted = 0
     kept = 0
     ep, mb1, codec = get_ep_group(), get_ep_group(micro_batch=1), make_codec(plan.comm_dtype)
     world = get_world_group()  # = the EP group (TP 1); a layer's rank r holds phys_to_logical's r-th share
@@ -175,20 +179,26 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
         wants = [list(p.phys_to_logical[r * n:(r + 1) * n]) for r in range(world.world_size)]
         routes = peer_routes(held[block.layer_idx], wants) if held is not None else None
         mine = routes[world.rank] if routes else [LOCAL if e in have else DISK for e in new]
-        pairs = [(prm, prm.data, prm.data.new_empty((n,) + tuple(prm.shape[1:]))) for prm in _slot_params(ex)]
+        pairs = [(pn, prm, prm.data, prm.data.new_empty((n,) + tuple(prm.shape[1:]))) for pn, prm in slot_params(ex)]
+        disk: dict[int, list[int]] = {}  # expert -> new slots that no survivor can fill
         for j, e in enumerate(new):
             if mine[j] == LOCAL:
-                for _, old, fresh in pairs:
+                for *_, old, fresh in pairs:
                     fresh[j] = old[have[e]]
                 kept += 1
             elif mine[j] == DISK:
-                k, name = names[ex]
-                wanted[k].setdefault(name, {}).setdefault(e, []).append(j)
+                disk.setdefault(e, []).append(j)
+        k, name = names[ex]
+        for e, js in disk.items():  # --elastic-ep-host-copy: a lost rank's file has it, else the checkpoint
+            if host is not None and host.fill(k, name, e, [(pn, fresh) for pn, *_, fresh in pairs], js):
+                hosted += len(js)
+            else:
+                wanted[k].setdefault(name, {})[e] = js
         if routes and any(src >= 0 for row in routes for src in row):  # every rank sees the same routes
             move = SlotTransfer(world, routes, wants, have)
-            move.start([(old, fresh) for _, old, fresh in pairs])  # rows copied out: the old may go
+            move.start([(old, fresh) for *_, old, fresh in pairs])  # rows copied out: the old may go
             moves.append(move)
-        for prm, _, fresh in pairs:
+        for _, prm, _, fresh in pairs:
             prm.data = fresh  # the Parameters stay (the module's), their storage is the new slots'
         ex.packed = None  # the old slots' oneDNN packs: freed now, remade below (process_weights_after_loading)
         ex.num_local_experts, ex.slot_experts = n, list(new)
@@ -199,10 +209,10 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
             [make_dispatcher(plan.comm, mb1, p, codec, plan.node_size, get_ep_hierarchy(micro_batch=1),
                              plan.pipeline_chunks)] if mb1 is not ep else [])
     got = sum(m.finish() for m in moves)
-    read = sum(load_expert_slots(root, config.model.model, w) for root, w in zip(_roots(runner), wanted))
+    read = sum(load_expert_slots(root, config.model.model, w) for root, w in zip(expert_roots(runner), wanted))
     for block in blocks:
         block.experts.process_weights_after_loading()  # oneDNN packs / zentorch of the new slots
-    for m in [m for root in _roots(runner) for m in root.modules()]:  # MLA, MoE hold the TP group (TP 1 here)
+    for m in [m for root in expert_roots(runner) for m in root.modules()]:  # MLA, MoE hold the TP group (TP 1 here)
         if isinstance(getattr(m, "tp", None), GroupCoordinator):
             m.tp = get_tp_group()
     runner.config = core.config = config
@@ -219,10 +229,11 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
         if not p.expert_load_stats:
             runner.load_recorder = None
     worker.start(config, info, core)
-    return kept, got, read
+    return kept, got, hosted, read
 
 
-def _slot_params(experts) -> list:
+def slot_params(experts) -> list:
     """The experts module's per-slot tensors ([slots, ...]: w13, w2, and a quantized module's scales),
     re-placed slot by slot."""
-    return [prm for prm in experts.parameters(recurse=False) if prm.dim() and prm.shape[0] == len(experts.slot_experts)]
+    n = len(experts.slot_experts)
+    return [(name, prm) for name, prm in experts.named_parameters(recurse=False) if prm.dim() and prm.shape[0] == n]

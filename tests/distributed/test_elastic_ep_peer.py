@@ -10,8 +10,9 @@ from moeserve.engine.elastic_transfer import DISK, LOCAL, peer_routes
 # GREEDY, PROMPTS: what the reference fixture (conftest.py) decodes for this module
 from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, kill_mid_decode  # noqa: F401
 
+# (epoch, rank, slots kept, received from peers, from the host copy, checkpoint tensors read)
 JOINED = re.compile(r"joined epoch (\d+) as rank (\d+) of \d+ .* kept its engine core \((\d+) expert slots kept, "
-                    r"(\d+) received from peers, (\d+) checkpoint tensors read\)")
+                    r"(\d+) received from peers, (\d+) from the host copy, (\d+) checkpoint tensors read\)")
 
 
 def test_peer_routes_prefer_local_then_the_least_busy_holder_then_the_checkpoint():
@@ -42,4 +43,4 @@ def test_survivors_on_the_default_layout_fill_slots_from_peers_not_the_checkpoin
     assert sorted(j[1] for j in joins) == [0, 1, 2] and {j[0] for j in joins} == {1}
     assert all(read == 0 for *_, read in joins), joins
     # survivors hold 4 of their 6 experts' slots at most; every layer's other slots arrive from a peer
-    assert all(got > 0 for _, _, _, got, _ in joins), joins
+    assert all(got > 0 for _, _, _, got, _, _ in joins), joins

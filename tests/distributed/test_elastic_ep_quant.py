@@ -57,4 +57,4 @@ def test_quantized_survivors_fill_slots_from_peers(path, fp8_path, monkeypatch, 
     finally:
         llm.shutdown()
     joins = _joins(capfd)
-    assert len(joins) == 3 and all(read == 0 and got > 0 for _, _, _, got, read in joins), joins
+    assert len(joins) == 3 and all(read == 0 and got > 0 for _, _, _, got, _, read in joins), joins
