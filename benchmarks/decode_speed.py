@@ -117,6 +117,21 @@ def phase_split(llm, prompt_len: int, new_tokens: int) -> dict[str, float]:
     return split
 
 
+def cpu_description() -> str:
+    """The CPU and the kernels it gets, since the ratios depend on them: AMX (oneDNN's BF16 / INT8 tiles,
+    Intel) and zentorch (AMD's kernels, the routed experts and A8W8 linears on AMD CPUs)."""
+    from moeserve.layers.moe import zen
+
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    amx = "AMX" if torch.cpu._is_amx_tile_supported() else "no AMX"
+    return f"{name}; {amx}; zentorch {'on' if zen.available() else 'off'}"
+
+
 def bytes_per_token(cfg: dict, mode: str, context: int) -> float:
     """Bytes one batch-1 decode step reads: the weights it uses (INT8 ones at one byte with --quantization
     a8w8, lm_head included; the absorbed MLA matrices and the float32 router stay as they are) and the latent KV of
@@ -280,7 +295,9 @@ def report(res: dict, peer: dict | None, args) -> dict:
     bytes_tok = {m: bytes_per_token(V3_CONFIG, m.split("-")[0], context) for m in MODES}
     out = {"bandwidth_GBs": bw, "active_params_M": counts["active"] / 1e6, "threads": torch.get_num_threads(),
            "bytes_per_token": bytes_tok, "moeserve": res, "vllm": peer}
-    print(f"\nread bandwidth {bw:.1f} GB/s; a batch-1 step reads {bytes_tok['bf16'] / 1e6:.0f} MB (BF16), "
+    out["cpu"] = cpu_description()
+    print(f"\ncpu: {out['cpu']}")
+    print(f"read bandwidth {bw:.1f} GB/s; a batch-1 step reads {bytes_tok['bf16'] / 1e6:.0f} MB (BF16), "
           f"{bytes_tok['a8w8'] / 1e6:.0f} MB (A8W8: the absorbed MLA matrices stay BF16)")
     for m, r in res.items():
         if 1 in r["decode"]:
@@ -288,7 +305,12 @@ def report(res: dict, peer: dict | None, args) -> dict:
             frac = r["decode"][1]["median"] / roof
             out.setdefault("roofline", {})[m] = dict(tok_s=roof, fraction=frac)
             print(f"{m}: batch-1 roofline {roof:.1f} tok/s, reached {frac:.0%}")
-        print(f"{m}: batch-1 step by phase (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases_batch1_ms"].items()))
+        phases = r["phases_batch1_ms"]
+        if m.endswith("-eager"):
+            print(f"{m}: batch-1 step by phase (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+        else:  # the timers run outside the graphs only: inside them every phase reads ~0
+            print(f"{m}: batch-1 step {phases['step']:.2f} ms (phases are timed in the -eager modes only: "
+                  "their timers stay out of the compiled graphs)")
     def ratio(num: str, den: str) -> None:
         if num in res and den in res:
             ratios = {b: res[num]["decode"][b]["median"] / res[den]["decode"][b]["median"] for b in args.batches}

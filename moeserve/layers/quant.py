@@ -163,7 +163,7 @@ def _u8_packed_mm(xu: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     # With AMX one row goes in as two: oneDNN's single-row AMX path has a cliff at some shapes (K = 256:
     # 100-200x slower than two rows, measured on torch 2.13); two rows take its GEMM kernel. VNNI has none.
     one_row = xu.shape[0] == 1 and _cpu_int8_unit() == "amx"
-    x = xu.repeat(2, 1) if one_row else xu
+    x = xu.expand(2, -1) if one_row else xu  # a stride-0 view: oneDNN reads the row twice, nothing is copied
     y = torch.ops.onednn.qlinear_pointwise(x, 1.0, _U8_ZERO_POINT, packed, scale, zero_points, None, 1.0, 0,
                                            torch.float32, "none", [], "")
     return y[:1] if one_row else y
