@@ -9,7 +9,8 @@ import pytest
 from moeserve import LLM
 from moeserve.config import ConfigError
 from moeserve.engine import elastic_host_copy
-from tests.distributed.test_elastic_ep import PROMPTS, generate, kill_mid_decode
+# GREEDY, PROMPTS: what the reference fixture (conftest.py) decodes for this module
+from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, generate, kill_mid_decode  # noqa: F401
 from tests.distributed.test_elastic_ep_peer import JOINED
 
 
@@ -40,3 +41,20 @@ def test_host_copy_needs_elastic_ep(path):
     with pytest.raises(ConfigError) as e:
         LLM(path, dtype="float32", data_parallel_size=2, enable_expert_parallel=True, elastic_ep_host_copy=True)
     assert "--elastic-ep-host-copy" in str(e.value) and "--enable-elastic-ep" in str(e.value)
+
+
+
+def test_a_second_loss_takes_what_the_lost_rank_took_over_from_the_first_ones_file(path, reference, capfd):
+    # D=3: rank 2 dies, then rank 1, which holds some of rank 2's experts by then; files are never rewritten,
+    # so the lone survivor finds those in rank 2's file and the rest of rank 1's in rank 1's: nothing is read
+    llm = LLM(path, dtype="float32", data_parallel_size=3, enable_expert_parallel=True, enable_elastic_ep=True,
+              num_redundant_experts=1, distributed_timeout=60, elastic_ep_host_copy=True)
+    try:
+        assert kill_mid_decode(llm.engine, 2) == reference
+        assert kill_mid_decode(llm.engine, 1) == reference  # request ids reused: the first batch has finished
+        assert (llm.engine.slots, llm.engine.epoch) == ([0], 2)
+    finally:
+        llm.shutdown()
+    joins = [tuple(map(int, m.groups())) for m in JOINED.finditer(capfd.readouterr().err)]
+    assert sorted((j[0], j[1]) for j in joins) == [(1, 0), (1, 1), (2, 0)], joins
+    assert all(read == 0 for *_, read in joins) and [j[4] > 0 for j in joins if j[0] == 2] == [True], joins
