@@ -46,11 +46,21 @@ def write(worker, roots: list, slot_params) -> int:
                 for e, s in first.items():
                     tensors[_key(k, name, e, pname)] = prm.data[s].clone()  # a row of its own (safetensors)
     where = folder(worker.front_end_port)
-    os.makedirs(where, exist_ok=True)
     path = os.path.join(where, f"{os.getpid()}.safetensors")
-    save_file(tensors, path + ".part")
-    os.replace(path + ".part", path)
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    size = sum(t.numel() * t.element_size() for t in tensors.values())
+    try:
+        os.makedirs(where, exist_ok=True)
+        save_file(tensors, path + ".part")
+        os.replace(path + ".part", path)
+    except OSError as e:  # a full /dev/shm (a container's is 64 MiB by default): say what it takes
+        try:
+            os.unlink(path + ".part")
+        except OSError:
+            pass
+        raise RuntimeError(f"--elastic-ep-host-copy: cannot write this rank's {size / 2**20:.1f} MiB of experts to "
+                           f"{path}: {e}; the copy needs that much free in {os.path.dirname(where)} per rank: "
+                           "make room there or drop the flag") from e
+    return size
 
 
 class HostCopy:

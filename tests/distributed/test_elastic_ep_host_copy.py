@@ -58,3 +58,38 @@ def test_a_second_loss_takes_what_the_lost_rank_took_over_from_the_first_ones_fi
     joins = [tuple(map(int, m.groups())) for m in JOINED.finditer(capfd.readouterr().err)]
     assert sorted((j[0], j[1]) for j in joins) == [(1, 0), (1, 1), (2, 0)], joins
     assert all(read == 0 for *_, read in joins) and [j[4] > 0 for j in joins if j[0] == 2] == [True], joins
+
+
+def test_host_copy_round_trip_and_a_write_that_fails_names_the_flag():
+    # the file a rank writes holds each distinct expert once (its first slot), and fill() puts its rows into the
+    # slots asked; a copy that cannot be written (here a file where the folder goes) fails naming the flag
+    import types
+
+    import torch
+
+    from moeserve.engine.elastic_placement import slot_params
+    from moeserve.layers.moe.experts import FusedExperts
+
+    ex = FusedExperts(3, 8, 4, slot_experts=[5, 2, 5])
+    for prm in ex.parameters(recurse=False):
+        prm.data.copy_(torch.randn_like(prm))
+    worker = types.SimpleNamespace(front_end_port=2)  # a port the front end never binds: a folder of its own
+    where = elastic_host_copy.folder(2)
+    try:
+        assert elastic_host_copy.write(worker, [ex], slot_params) == 2 * (8 * 8 + 8 * 4) * 4
+        fresh = [(n, torch.zeros_like(p)) for n, p in slot_params(ex)]
+        host = elastic_host_copy.HostCopy(2)
+        assert host.fill(0, "", 5, fresh, [1, 2]) and not host.fill(0, "", 7, fresh, [0])
+        assert all(torch.equal(t[1], p[0]) and torch.equal(t[2], p[0]) and not t[0].any()
+                   for (_, t), (_, p) in zip(fresh, slot_params(ex)))
+    finally:
+        import shutil
+
+        shutil.rmtree(where, ignore_errors=True)
+    open(where, "w").close()
+    try:
+        with pytest.raises(RuntimeError) as e:
+            elastic_host_copy.write(worker, [ex], slot_params)
+        assert "--elastic-ep-host-copy" in str(e.value) and "free in" in str(e.value)
+    finally:
+        os.unlink(where)
