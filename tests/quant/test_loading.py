@@ -80,7 +80,7 @@ def test_float_checkpoint_is_quantized_at_load(ckpt_dir):
     # MLA's absorbed decode uses the dequantized kv_b_proj
     attn = llm.engine.runner.model.model.layers[1].self_attn
     w = attn.kv_b_proj.dequantized_weight().view(attn.num_heads, -1, attn.kv_lora_rank)
-    assert torch.equal(attn.w_uk, w[:, : attn.dn])
+    assert torch.equal(attn.w_uk_t, w[:, : attn.dn].transpose(1, 2))
     out = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert all(len(o.outputs[0].token_ids) == 12 for o in out)
 

@@ -107,8 +107,7 @@ def decode(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     """MLAttention._decode through AMLA: the same absorbed query and W_UV as the standard path."""
     b = q_nope.shape[0]
     kv = gather_decode_context(cache, d, q_nope.dtype)  # [B, L, C + dr]
-    q_lat = torch.bmm(q_nope.transpose(0, 1), attn.w_uk).transpose(0, 1)  # [B, H, C]
-    q_full = torch.cat([q_lat, q_pe], dim=-1)
+    q_full = torch.cat([attn.absorb_query(q_nope), q_pe], dim=-1)  # [B, H, C + dr]
     if _impl == "amla-triton":
         from moeserve.layers.attention.amla_triton import amla_attention_triton
         o_lat = amla_attention_triton(q_full, kv, d.mask, attn.scale, attn.kv_lora_rank)
