@@ -11,6 +11,13 @@ import struct
 _SIOCGIFADDR = 0x8915
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS's pick), for a rendezvous this process is about to start."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def is_wildcard(host: str) -> bool:
     """0.0.0.0 / :: (every interface): the user asked for it explicitly."""
     try:

@@ -19,8 +19,8 @@ import time
 import msgspec
 
 from moeserve.engine.elastic import BOARD_SLOTS, epoch_store, hung_ranks
-from moeserve.engine.launch import free_port
 from moeserve.engine.request import RequestStatus
+from moeserve.netif import free_port
 from moeserve.protocol import EngineCoreOutput, RankCommand, RankReform, RankReport
 
 logger = logging.getLogger("moeserve.engine.dp_client")  # the front end's log, as before the split

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 import msgspec
 
 from moeserve.config import ConfigError, EngineConfig, ParallelConfig
+from moeserve.netif import free_port
 
 # the folder holding the moeserve package: rank interpreters get it on PYTHONPATH (a checkout need not be installed)
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -41,12 +41,6 @@ class TorchrunEnv:
             return None
         return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), env.get("MASTER_ADDR", "127.0.0.1"),
                    int(env.get("MASTER_PORT", "29500")))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def resolve_endpoints(parallel: ParallelConfig, torchrun: TorchrunEnv | None) -> tuple[ParallelConfig, str, str]:
