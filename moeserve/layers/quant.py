@@ -425,15 +425,14 @@ class Int8FusedExperts(FusedExperts):
             return acc.float().mul_(scale[ids])
         out = torch.empty(aq.shape[0], w.shape[1], dtype=torch.float32, device=aq.device)
         # A GEMM per busy expert (~120 a layer at batch 32 over 64 experts): the activations are flipped to
-        # uint8 once for all of them, and with AMX packing always pays (Int8Packed.pays) so it is not asked.
+        # uint8 once for all of them
         au = aq.view(torch.uint8) ^ _U8_ZERO_POINT
-        amx = _cpu_int8_unit() == "amx"
         for e in range(len(bounds) - 1):
             lo, hi = bounds[e], bounds[e + 1]
             if hi == lo:
                 continue
             p = packed[e][proj]
-            if amx or p.pays(hi - lo):
+            if p.pays(hi - lo):
                 out[lo:hi] = _u8_packed_mm(au[lo:hi], p.packed, p.scale, p.zero_points)
             else:
                 out[lo:hi] = int8_mm(aq[lo:hi], w[e]).float().mul_(scale[e])

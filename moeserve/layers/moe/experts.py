@@ -175,7 +175,7 @@ class FusedExperts(nn.Module):
 
     def packed_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward() over the oneDNN-packed copies: one GEMM pair per busy expert, the SwiGLU over all rows."""
-        return self._packed_rows(x.to(self.w13.dtype), expert_ids, weights)
+        return self._packed_rows(x, expert_ids, weights)
 
     def _packed_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                      k: int | None = None) -> torch.Tensor:
