@@ -27,14 +27,18 @@ the hang, so "loss seen" is --hang-timeout (--elastic-ep-hang-timeout) plus the 
 Last it prints how each rank that joined an epoch filled its expert slots, from the rank processes' join lines
 (their stderr passes through the benchmark): slots kept (an expert the rank held), received from peers
 (engine/elastic_transfer.py), from the host copy (--host-copy: engine/elastic_host_copy.py), checkpoint
-tensors read. --redundant sets --num-redundant-experts (replicas let survivors hold a lost rank's experts);
---default-layout makes rank 0 vote other expert maps (the testing hook MOESERVE_TEST_ELASTIC_HANG=0:0:
-other-maps, as after a loss mid-re-formation), so the survivors re-place onto the default layout, where most
-slots are filled from peers; --quantization a8w8 quantizes the experts (and linears):
+tensors read; a replacement (--replace) the same for the core it built (engine/elastic_replace.py: received
+from the survivors, from the host copy, checkpoint expert tensors read). --redundant sets
+--num-redundant-experts (replicas let survivors hold a lost rank's experts); --default-layout makes rank 0
+vote other expert maps (the testing hook MOESERVE_TEST_ELASTIC_HANG=0:0:other-maps, as after a loss
+mid-re-formation), so the survivors re-place onto the default layout, where most slots are filled from peers;
+--quantization a8w8 quantizes the experts (and linears):
 
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --redundant 8 --default-layout
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --quantization a8w8
     PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 2 --host-copy
+    PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --replace --redundant 32
+    PYTHONPATH=. python benchmarks/elastic_ep.py --dp 4 --kills 1 --replace --host-copy
 """
 from __future__ import annotations
 

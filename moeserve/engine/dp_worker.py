@@ -84,15 +84,18 @@ class RankWorker:
             return
         self.start(config, info)
 
-    def start(self, config: EngineConfig, info: RankInfo, core: EngineCore | None = None) -> None:
+    def start(self, config: EngineConfig, info: RankInfo, core: EngineCore | None = None,
+              built: bool = False) -> None:
         """Build the engine core over the process groups init_distributed() formed (or serve on with `core`,
-        one elastic EP re-placed for them: engine/elastic.py), then report ready."""
+        one elastic EP re-placed for them: engine/elastic.py; built: one elastic EP built for them,
+        engine/elastic_replace.py), then report ready."""
         self.config, self.info = config, info
         self.world, self.tp = get_world_group(), get_tp_group()
         self.leader = info.tp_rank == 0
         self.core = core if core is not None else EngineCore(config, self.arch)
         self.arch = self.core.arch
-        if core is None and self.base_config.parallel.elastic_ep_host_copy:  # before ready: whole when it counts
+        built = built or core is None
+        if built and self.base_config.parallel.elastic_ep_host_copy:  # before ready: whole when it counts
             from moeserve.engine import elastic_host_copy
             from moeserve.engine.elastic_placement import expert_roots, slot_params
 
@@ -100,7 +103,7 @@ class RankWorker:
         self.stats = EngineStats()
         if self.leader:
             kept = ({rid: r.num_output_tokens for rid, r in self.core.scheduler.requests.items()}
-                    if core is not None else {})  # elastic EP: a survivor serves on with these
+                    if not built else {})  # elastic EP: a survivor serves on with these
             self.report(RankReport(info.dp_rank, ready=True, num_kv_blocks=self.core.num_kv_blocks, kept=kept))
 
     def report(self, msg: RankReport) -> None:

@@ -29,13 +29,15 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      kept their cores did so under the same maps, each keeps the experts it holds and takes a share of the
      lost rank's (keep_map()); a rank that builds afresh (a replacement) receives that map and takes the
      experts no survivor keeps (placement.given_maps); else all use the default map. A slot whose expert the
-     rank holds (a replica included) is copied; when every rank kept its core, one a peer holds arrives from
-     it (elastic_transfer.py); the others are read from the checkpoint, only those experts
-     (loader.load_expert_slots). Its dispatchers and online EPLB are rebuilt over the new groups (the MTP
-     layer's MoE block is one more layer). Quantized experts (A8W8, FP8) are re-placed the same way, their
-     scales with them; a core that cannot be kept (can_keep(): PD transfer, TP-sharded experts) is rebuilt
-     from the checkpoint as before. Decode runs eagerly in a degraded epoch (no graph compile on the
-     way back). It reports ready in the new epoch.
+     rank holds (a replica included) is copied; one a peer holds arrives from it (elastic_transfer.py: every
+     rank takes part once one kept its core; a rank building afresh leaves those experts unread at its build
+     and receives them after it: elastic_replace.py); with --elastic-ep-host-copy one no survivor holds comes
+     from a file a rank wrote (elastic_host_copy.py); the others are read from the checkpoint, only those
+     experts (loader.load_expert_slots, loader.experts_supplied). Its dispatchers and online EPLB are rebuilt
+     over the new groups (the MTP layer's MoE block is one more layer). Quantized experts (A8W8, FP8) are
+     re-placed the same way, their scales with them; a core that cannot be kept (can_keep(): PD transfer,
+     TP-sharded experts) is rebuilt from the checkpoint as before. Decode runs eagerly in a degraded epoch
+     (no graph compile on the way back). It reports ready in the new epoch.
   5. each survivor's ready report lists the requests it kept (RankReport.kept, with their output tokens);
      the front end has read the survivors' outputs of the older epoch before it (one socket per rank, in
      order), so a kept request whose count matches what it saw stays where it runs. Every other unfinished
@@ -50,11 +52,13 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      it is up, and the front end starts the next epoch with the survivors and it (the survivors leave their
      step on the RankReform). The survivors keep their cores and requests (as in 4 and 5, decoding eagerly)
      and the slots they hold, up to the full group's count per rank; the replacement builds its engine core
-     for that map, with the experts no survivor keeps, and the lost rank's requests are re-queued as in 5.
+     for that map, with the experts no survivor keeps (those a survivor still holds in a slot it gives up, or
+     as a replica, arrive from it; the rest from the host copy, else the checkpoint: elastic_replace.py), and
+     the lost rank's requests are re-queued as in 5.
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
 A loss costs the lost rank's requests (recomputed from their tokens) and the survivors' interrupted step. Next
-(docs/parallelism.md): a replacement's experts from the survivors, a host copy instead of the checkpoint.
+(docs/parallelism.md): compiled decode graphs back after a loss or a join.
 """
 from __future__ import annotations
 
@@ -492,16 +496,18 @@ def _join_epoch(worker, reform) -> None:
     if at_join is not None:
         at_join()
     info = RankInfo.of(reform.rank, parallel)
-    maps, everyone = vote_maps(worker, parallel)  # a collective of the new epoch: every rank, joiners too
-    how = "built its engine core" + (" for the others' expert map" if maps is not None else "")
+    maps, peers = vote_maps(worker, parallel)  # a collective of the new epoch: every rank, joiners too
     if worker.core is not None:
-        kept, got, hosted, read = keep_core(worker, config, info, maps, peers=everyone)
+        kept, got, hosted, read = keep_core(worker, config, info, maps, peers=peers)
         how = (f"kept its engine core ({kept} expert slots kept, {got} received from peers, {hosted} from the host "
                f"copy, {read} checkpoint tensors read)")
-    else:
-        from moeserve.layers.moe.placement import given_maps
+    else:  # a replacement: its experts from the survivors and the host copy where they have them
+        from moeserve.engine.elastic_replace import build_core
 
-        with given_maps(maps):
-            worker.start(config, info)
+        core, got, hosted, read = build_core(worker, config, info, maps, peers)
+        worker.start(config, info, core, built=True)
+        whose = " for the others' expert map" if maps is not None else ""
+        how = (f"built its engine core{whose} ({got} expert slots received from peers, {hosted} from the host "
+               f"copy, {read} checkpoint expert tensors read)")
     print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
           f"in {time.monotonic() - started:.1f} s and {how}", file=sys.stderr, flush=True)

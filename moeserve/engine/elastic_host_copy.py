@@ -5,9 +5,10 @@ Lifecycle: a rank that builds its engine core (at start-up, or a replacement) wr
 end's folder (/dev/shm where there is one) before it reports ready: each distinct expert it holds, every
 per-slot tensor of it as it serves (quantized ones with their scales: nothing is quantized again). The file
 outlives the rank (the point: a lost rank's file is what its survivors read); a survivor re-placing its
-slots (elastic_placement.keep_core) looks there for each expert no survivor holds, and only an expert in no
-file is read from the checkpoint. Files are never rewritten: every expert a rank ever took over came from a
-file or the checkpoint already. The front end removes the folder at start and at shutdown.
+slots (elastic_placement.keep_core) and a replacement building its core (elastic_replace.build_core) look
+there for each expert no survivor holds, and only an expert in no file is read from the checkpoint. Files
+are never rewritten: every expert a rank ever took over came from a file or the checkpoint already. The
+front end removes the folder at start and at shutdown.
 """
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ class HostCopy:
                     self.files.append((path, set(f.keys())))
             except Exception:  # noqa: BLE001 - unreadable: its experts come from the checkpoint
                 continue
+        self.experts = {k.rsplit("/", 1)[0] for _, keys in self.files for k in keys}  # "root/module/expert"
+
+    def has(self, root: int, module: str, expert: int) -> bool:
+        """Whether a file holds `expert` of that experts module (a rank writes every tensor of an expert it
+        holds): a replacement rank then leaves it unread at its build (elastic_replace.py)."""
+        return _key(root, module, expert, "")[:-1] in self.experts
 
     def fill(self, root: int, module: str, expert: int, tensors: list[tuple[str, torch.Tensor]],
              slots: list[int]) -> bool:

@@ -73,8 +73,9 @@ def vote_maps(worker, parallel: ParallelConfig) -> tuple[dict[int, list[int]] | 
     no engine core: a replacement, or a survivor that could not keep its own) and a fingerprint of those maps.
     When the ranks that kept their cores did so under the same maps, the new map of each MoE layer keeps
     their slots where they are and gives the rest to the others (keep_map), and the ranks that build afresh
-    receive it (one more all-gather); else None: every rank uses the default layout. Also whether every rank
-    kept its core (then they can fill slots from each other: keep_core's peers)."""
+    receive it (one more all-gather); else None: every rank uses the default layout. Also whether a rank kept
+    its core: then every rank takes part in the peer fill (keep_core's peers; one building afresh receives in
+    elastic_replace.build_core)."""
     import torch
 
     from moeserve.distributed.parallel_state import get_world_group
@@ -89,9 +90,9 @@ def vote_maps(worker, parallel: ParallelConfig) -> tuple[dict[int, list[int]] | 
     votes = world.all_gather(row).tolist()  # [W, 2], the same on every rank: every decision below is too
     olds = [v[0] for v in votes]
     keepers = [v for v in votes if v[0] >= 0]
-    everyone = len(keepers) == len(votes)
+    peers = bool(keepers)
     if not keepers or len({v[1] for v in keepers}) != 1 or len({v[0] for v in keepers}) != len(keepers):
-        return None, everyone
+        return None, peers
     arch = worker.arch
     experts = arch.n_routed_experts or 0
     physical = experts + parallel.num_redundant_experts
@@ -103,7 +104,7 @@ def vote_maps(worker, parallel: ParallelConfig) -> tuple[dict[int, list[int]] | 
         flat = [e for i in layers for e in maps[i]] if maps else [0] * (len(layers) * physical)
         got = world.all_gather(torch.tensor([flat], dtype=torch.long))[olds.index(keepers[0][0])].tolist()
         maps = {i: got[k * physical:(k + 1) * physical] for k, i in enumerate(layers)}
-    return maps, everyone
+    return maps, peers
 
 
 def keep_map(old: list[int], old_ranks: int, survivors: list[int], num_experts: int, slots: int) -> list[int]:
@@ -139,7 +140,8 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
     """Serve on with the survivor's engine core under the new process groups: its non-expert weights, KV cache
     pool, prefix cache and scheduler stay; each MoE layer's slots are re-placed for the new EP group (`maps`,
     or the default layout): a slot whose expert this rank holds is copied from it; with `peers` (every rank
-    of the epoch keeps its core: they all run this) one a peer holds arrives from it (elastic_transfer.py);
+    of the epoch runs this, or elastic_replace.build_core where it builds afresh) one a peer holds arrives from
+    it (elastic_transfer.py);
     with --elastic-ep-host-copy one no survivor holds comes from a file a rank wrote (elastic_host_copy.py);
     the others are read from the checkpoint, only those experts. Returns (slots copied, slots received, slots
     from the host copy, checkpoint tensors read)."""
@@ -167,7 +169,8 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
     kept = 0
     ep, mb1, codec = get_ep_group(), get_ep_group(micro_batch=1), make_codec(plan.comm_dtype)
     world = get_world_group()  # = the EP group (TP 1); a layer's rank r holds phys_to_logical's r-th share
-    held = gather_held(world, blocks) if peers and world.world_size > 1 else None  # every rank kept its core
+    held = (gather_held(world, {b.layer_idx: list(b.experts.slot_experts) for b in blocks})
+            if peers and world.world_size > 1 else None)  # a rank building afresh takes part: elastic_replace.py
     moves = []
     for block in blocks:
         p, ex = plan.layers[block.layer_idx], block.experts

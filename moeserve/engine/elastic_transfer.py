@@ -1,8 +1,9 @@
 """Elastic EP (engine/elastic.py has the lifecycle), step 4: a survivor fills a new expert slot from a peer
 that holds the expert, over the new epoch's process group, instead of reading it from the checkpoint.
 
-Every rank of the epoch kept its engine core (a replacement builds from the checkpoint: then nobody sends).
-One all-gather tells every rank what every other holds per MoE layer (its slots before the re-placement);
+Every rank of the epoch takes part once one kept its engine core: a survivor sends from the slots it held, a
+rank that builds its core afresh (a replacement: elastic_replace.py) holds nothing and only receives, after its
+build. One all-gather tells every rank what every other holds per MoE layer (its slots before the re-placement);
 with the new map, which every rank has, each derives the same routes (peer_routes): a slot whose expert
 the rank holds is a local copy, one a peer holds arrives from it (the holder that sends the fewest so far),
 and only an expert nobody holds any more is read from the checkpoint. Then one all-to-all per expert tensor
@@ -40,11 +41,11 @@ def peer_routes(held: list[list[int]], wants: list[list[int]]) -> list[list[int]
     return routes
 
 
-def gather_held(group, blocks) -> dict[int, list[list[int]]]:
-    """{layer: [the experts rank r's slots hold, for each rank]} from every rank's blocks (two all-gathers:
-    the slot counts, then the lists padded to the longest; ranks of different degraded epochs may differ)."""
-    layers = sorted(b.layer_idx for b in blocks)
-    slots = {b.layer_idx: list(b.experts.slot_experts) for b in blocks}
+def gather_held(group, slots: dict[int, list[int]]) -> dict[int, list[list[int]]]:
+    """{layer: [the experts rank r's slots hold, for each rank]} from every rank's {MoE layer: its slots'
+    experts} (every rank names the same layers; a rank building afresh holds []). Two all-gathers: the slot
+    counts, then the lists padded to the longest (ranks of different degraded epochs may differ)."""
+    layers = sorted(slots)
     n = max((len(s) for s in slots.values()), default=0)
     widths = group.all_gather(torch.tensor([[n]], dtype=torch.long)).view(-1).tolist()
     width = max(widths)

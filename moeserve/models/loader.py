@@ -7,7 +7,8 @@
 - MTP layers (decoder index >= num_hidden_layers) are kept aside (LoadedCheckpoint.mtp_weights) when
   speculative decoding asks for them, and otherwise never read (DeepSeek-V3's is ~14B parameters).
 - Routed experts `mlp.experts.{j}.{gate,up,down}_proj.weight` go into the stacked per-layer tensors; only
-  experts this rank holds are read (FusedExperts.slots_of).
+  experts this rank holds are read (FusedExperts.held_experts; the MTP layer's from the MoE plan), and none
+  of those that experts_supplied() names (elastic EP: a replacement rank receives them from its peers).
 Every failure names the tensor or file and what was expected.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from moeserve.layers.fp8 import Fp8Weight, tp_slice_fp8
 from moeserve.layers.moe.experts import FusedExperts
+from moeserve.scoped import Scoped
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,23 @@ class CheckpointError(ValueError):
 class LoadedCheckpoint:
     mtp_weights: dict[str, torch.Tensor] = field(default_factory=dict)  # names as in the file
     num_tensors: int = 0
+    num_expert_tensors: int = 0  # routed-expert tensors among num_tensors (MTP layer's included)
+
+
+_SUPPLIED: Scoped[dict[int, set[int]]] = Scoped("loader_supplied_experts")
+
+
+def experts_supplied(supplied: dict[int, set[int]] | None):
+    """load_weights() (and the MTP layer's load) inside reads no tensor of these routed experts ({decoder layer:
+    logical experts}) and leaves their slots unset for the caller to fill: elastic EP's replacement rank
+    receives them from the survivors or the host copy (engine/elastic_replace.py)."""
+    return _SUPPLIED.use(supplied)
+
+
+def _supplied(prefix: str) -> set[int]:
+    """The experts of experts module `prefix` (model.layers.{i}.mlp.experts) that experts_supplied() names."""
+    m = _LAYER.match(prefix)
+    return (_SUPPLIED.get() or {}).get(int(m.group(1)), set()) if m else set()
 
 
 def checkpoint_files(path: str) -> dict[str, list[str]]:
@@ -163,11 +182,23 @@ def load_weights(model: torch.nn.Module, path: str, keep_mtp: bool = False) -> L
     """
     result = LoadedCheckpoint()
     layers = model.arch.num_hidden_layers
-    skip = None if keep_mtp else (lambda name: is_mtp_tensor(name, layers))
+    held = {n: m.held_experts() for n, m in model.named_modules() if isinstance(m, FusedExperts)}
+
+    def skip(name: str) -> bool:
+        if is_mtp_tensor(name, layers) and not keep_mtp:
+            return True
+        em = _EXPERT.match(name)  # a routed expert another rank holds, or one a peer supplies: not read
+        if em is None:
+            return False
+        prefix, expert = em.group(1), int(em.group(2))
+        if prefix not in held:
+            held[prefix] = _plan_held(prefix, model.arch)
+        return expert not in held[prefix] or expert in _supplied(prefix)
 
     def main_tensors():
         for name, tensor in iter_checkpoint(path, skip, keep_fp8=True):
             result.num_tensors += 1
+            result.num_expert_tensors += _EXPERT.match(name) is not None
             if is_mtp_tensor(name, layers):
                 result.mtp_weights[name] = tensor
                 continue
@@ -175,6 +206,15 @@ def load_weights(model: torch.nn.Module, path: str, keep_mtp: bool = False) -> L
 
     load_named_tensors(model, main_tensors())
     return result
+
+
+def _plan_held(prefix: str, arch) -> set[int]:
+    """The experts this rank holds in an experts module the model lacks (the MTP layer's, read before it is
+    built): the MoE plan's placement the model is built under; every expert without a plan."""
+    from moeserve.layers.moe.placement import current_layer_placement
+
+    n = arch.n_routed_experts or 0
+    return set(current_layer_placement(int(_LAYER.match(prefix).group(1)), n)[1].local_slot_experts())
 
 
 def load_named_tensors(model: torch.nn.Module, tensors) -> None:
@@ -320,7 +360,7 @@ def _check_complete(model, params, expert_modules, loaded: set[str]) -> None:
             missing.append(name)
     for prefix, experts in expert_modules.items():
         leaves = experts.CHECKPOINT_LEAVES
-        for expert in experts.held_experts():
+        for expert in experts.held_experts() - _supplied(prefix):
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 missing.extend(n for leaf in leaves if (n := f"{prefix}.{expert}.{proj}.{leaf}") not in loaded)
     if missing:

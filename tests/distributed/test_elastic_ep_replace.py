@@ -3,6 +3,7 @@ it joins the next epoch, the experts spread over the full EP group again, and th
 unfailed run; the degraded count goes back to 0. Real rank processes over gloo, float32, the tiny V3
 checkpoint."""
 import os
+import re
 import signal
 import time
 
@@ -13,6 +14,12 @@ from moeserve.config import ConfigError
 from moeserve.engine.elastic import TEST_HANG_ENV
 from moeserve.protocol import EngineCoreRequest
 from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, elastic_llm, generate, kill_mid_decode
+
+
+# a rank that built its engine core in a re-formation: (epoch, rank, slots received from peers, from the host
+# copy, checkpoint expert tensors read)
+BUILT = re.compile(r"joined epoch (\d+) as rank (\d+) of \d+ .* built its engine core[^(]*\((\d+) expert slots "
+                   r"received from peers, (\d+) from the host copy, (\d+) checkpoint expert tensors read\)")
 
 
 def wait_for_full_group(engine, size: int) -> None:
@@ -73,9 +80,9 @@ def test_replacement_with_mtp_builds_for_the_survivors_map(mtp_ckpt_dir):
         llm.shutdown()
 
 
-def test_two_ranks_lost_at_once_are_both_replaced(path, reference):
+def test_two_ranks_lost_at_once_are_both_replaced(path, reference, capfd):
     # the spare (rank 3) joins the survivor's re-formation; a fresh rank 4 starts once they serve and joins
-    # the epoch after
+    # the epoch after, when the two hold every expert: it receives its experts from them and reads none
     llm = elastic_llm(path, 3, elastic_ep_replace=True)
     try:
         engine = llm.engine
@@ -89,6 +96,9 @@ def test_two_ranks_lost_at_once_are_both_replaced(path, reference):
         assert generate(llm) == reference
     finally:
         llm.shutdown()
+    built = [tuple(map(int, m.groups())) for m in BUILT.finditer(capfd.readouterr().err)]
+    assert [(got > 0, hosted, read) for epoch, _, got, hosted, read in built if epoch > degraded] == [(True, 0, 0)]
+    assert any(read > 0 for epoch, *_, read in built if epoch <= degraded), built  # the spare: experts nobody held
 
 
 def test_shutdown_while_the_replacement_starts(path):
