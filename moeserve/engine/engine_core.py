@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from moeserve import host_malloc
 from moeserve.config import EngineConfig, check_slo_ms
 from moeserve.engine.kv_cache import KVCacheManager
 from moeserve.engine.model_runner import ModelRunner
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     def __init__(self, config: EngineConfig, arch: DeepseekArch | None = None) -> None:
         self.config = config
+        host_malloc.keep_freed_memory()  # before the first step's temporaries: they page-fault otherwise
         self.arch = arch or DeepseekArch.from_pretrained(config.model.model)
         from moeserve.layers.attention import amla
         amla.set_decode_impl(config.model.mla_decode)  # the MLA decode path of this process (mla.py's hook)
