@@ -59,11 +59,12 @@ def test_replacement_joins_and_serves_with_the_full_group(path, reference):
     assert all(p.poll() is not None for p in [*engine.ranks.procs.values(), *engine.ranks.spares.values()])
 
 
-def test_replacement_with_mtp_builds_for_the_survivors_map(mtp_ckpt_dir):
+def test_replacement_with_mtp_builds_for_the_survivors_map(mtp_ckpt_dir, capfd):
     # MTP, ranks 0 and 2 killed at once: the survivor keeps its core (the MTP layer's MoE block included) and
     # its 3 slots of each MoE layer; the spare builds its engine core for the survivor's map, not the default
     # one (a layer it laid out otherwise would route tokens to the wrong experts), the MTP layer's too; both
-    # decode the unfailed engine's tokens with drafts, and so do the three after rank 4 joins
+    # decode the unfailed engine's tokens with drafts, and so do the three after rank 4 joins, whose experts
+    # (the MTP layer's included) all arrive from the two: it reads none
     model = mtp_ckpt_dir("v3")
     mtp = {"method": "mtp", "num_speculative_tokens": 1}
     want = generate(LLM(model, dtype="float32", speculative_config=mtp))
@@ -76,8 +77,11 @@ def test_replacement_with_mtp_builds_for_the_survivors_map(mtp_ckpt_dir):
         assert engine.slots == [1, 3, 4]
         assert generate(llm) == want
         assert engine.stats().spec_num_drafts > 0
+        degraded = engine.epoch - 1
     finally:
         llm.shutdown()
+    built = [tuple(map(int, m.groups())) for m in BUILT.finditer(capfd.readouterr().err)]
+    assert [(got > 0, hosted, read) for epoch, _, got, hosted, read in built if epoch > degraded] == [(True, 0, 0)]
 
 
 def test_two_ranks_lost_at_once_are_both_replaced(path, reference, capfd):
