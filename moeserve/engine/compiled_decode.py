@@ -86,6 +86,26 @@ def warm_up_quantizer(width: int, dtype: torch.dtype) -> None:
     logger.info("prefill INT8 quantizer compiled in %.1f s", time.perf_counter() - start)
 
 
+def warm_up_expert_epilogue(hidden: int, intermediate: int, top_k: int, dtype: torch.dtype, a8w8: bool) -> None:
+    """Switch the routed experts' passes around their GEMMs at prefill sizes to their kernels
+    (layers/moe/expert_epilogue.py) and compile them now for this model's shapes and dtypes, instead of in the
+    first request's prefill. Process-wide, like warm_up_quantizer."""
+    from moeserve.layers.moe import expert_epilogue
+
+    expert_epilogue.enable()
+    start = time.perf_counter()
+    tokens = -(-expert_epilogue.MIN_ROWS // top_k)
+    rows = tokens * top_k
+    mine = torch.arange(rows)
+    with torch.inference_mode():
+        for y_dtype in ((torch.float32,) if a8w8 else (dtype,)):  # INT8 experts hand over float32 sums
+            expert_epilogue.combine(torch.zeros(rows, hidden, dtype=y_dtype), torch.ones(rows), mine,
+                                    tokens, top_k, dtype)
+        if a8w8:
+            expert_epilogue.swiglu_quant(torch.ones(rows, 2 * intermediate), torch.ones(rows, 1), intermediate)
+    logger.info("prefill expert epilogue compiled in %.1f s", time.perf_counter() - start)
+
+
 def _configure_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
         os.environ.get("MOESERVE_CACHE", os.path.expanduser("~/.cache/moeserve")), "inductor"))

@@ -14,7 +14,7 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.device_memory import module_bytes
-from moeserve.engine.compiled_decode import CompiledDecode, warm_up_quantizer, why_eager
+from moeserve.engine.compiled_decode import CompiledDecode, warm_up_expert_epilogue, warm_up_quantizer, why_eager
 from moeserve.engine.kv_memory import check_kv_pool, num_kv_blocks
 from moeserve.engine.scheduler import SchedulerOutput
 from moeserve.distributed.parallel_state import get_world_group
@@ -112,6 +112,9 @@ class ModelRunner:
         graphs.warm_up(self.proposer.kv_caches if self.proposer is not None else self.kv_caches)
         if self.config.quant.method == "a8w8":  # prefill's INT8 activation quantization as one kernel too
             warm_up_quantizer(self.arch.hidden_size, self.dtype)
+        if self.arch.n_routed_experts:  # and the routed experts' passes around their GEMMs
+            warm_up_expert_epilogue(self.arch.hidden_size, self.arch.moe_intermediate_size,
+                                    self.arch.num_experts_per_tok, self.dtype, self.config.quant.method == "a8w8")
         return graphs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

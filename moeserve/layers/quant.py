@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.int8 import QMAX, dequantize, quantize_per_channel, quantize_per_token  # noqa: F401 (A8W8's API)
-from moeserve.layers.moe import zen
+from moeserve.layers.moe import expert_epilogue, zen
 from moeserve.layers.moe.experts import FusedExperts, group_rows
 
 _FALLBACK_K_CHUNK = 1024  # 1024 * 128 * 128 = 2^24: float32 sums stay exact integers per chunk
@@ -367,7 +367,11 @@ class Int8FusedExperts(FusedExperts):
         if torch.compiler.is_compiling():
             return self.topk_as_rows(x, expert_ids, weights)
         t, k = expert_ids.shape
-        return self._rows(x, expert_ids.reshape(-1), weights.reshape(-1), k).view(t, k, x.shape[1]).sum(dim=1)
+        ids, w = expert_ids.reshape(-1), weights.reshape(-1)
+        y, y_scale, rows = self._gemms(x, ids, k)
+        if expert_epilogue.enabled_for(rows.numel()):  # weighting, token order and the sum over k in one kernel
+            return expert_epilogue.combine(y, (y_scale * w[rows, None]).view(-1), rows, t, k, x.dtype)
+        return self._placed(x, y, y_scale, rows, w).view(t, k, x.shape[1]).sum(dim=1)
 
     def zen_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward_topk through zentorch's INT8 fused MoE (BF16 in and out; x.dtype returned)."""
@@ -384,20 +388,33 @@ class Int8FusedExperts(FusedExperts):
             return self.zen_rows(x, expert_ids, weights)
         return self._rows(x, expert_ids, weights)
 
-    def _rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-              k: int | None = None) -> torch.Tensor:
-        """forward's rows; with k, x holds the tokens and row i is token i // k (forward_topk): each token is
-        quantized once, not once per expert it routes to, and no repeated copy of the tokens is made."""
-        out = x.new_zeros(expert_ids.shape[0], x.shape[1])
-        if x.shape[0] == 0:
-            return out
+    def _rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward's rows: x [N, H], one row per (token, expert) pair."""
+        y, y_scale, rows = self._gemms(x, expert_ids)
+        return self._placed(x, y, y_scale, rows, weights)
+
+    @staticmethod
+    def _placed(x: torch.Tensor, y: torch.Tensor, y_scale: torch.Tensor, rows: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """_gemms' outputs scaled, weighted and put back in pair order, [N, H] in x.dtype; rows not ours 0."""
+        out = x.new_zeros(weights.shape[0], x.shape[1])
+        if rows.numel():
+            out[rows] = y.mul_(y_scale * weights[rows, None]).to(x.dtype)
+        return out
+
+    def _gemms(self, x: torch.Tensor, expert_ids: torch.Tensor,
+               k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The experts over our rows, grouped by expert: (y [R, H] float32 before its activation scale, that
+        scale [R, 1], rows [R] the pair each row of y belongs to). With k, x holds the tokens and pair i is
+        token i // k: each token is quantized once, not once per expert it routes to, and no repeated copy of
+        the tokens is made."""
         order, offs, _ = group_rows(expert_ids, self.num_local_experts)
         # The one host sync of the INT8 path: no maintained grouped INT8 GEMM runs on CPU (torch._grouped_mm
         # takes float types only), so each busy expert is one oneDNN call on its slice of rows.
         bounds = [0] + offs.tolist()
         rows = order[:bounds[-1]]  # [R] our rows, grouped by expert
         if rows.numel() == 0:
-            return out
+            return x.new_empty(0, x.shape[1], dtype=torch.float32), x.new_empty(0, 1, dtype=torch.float32), rows
         ids = expert_ids[rows]  # [R]
         packed = getattr(self, "packed", None)
         if k is None:
@@ -405,12 +422,13 @@ class Int8FusedExperts(FusedExperts):
         else:  # per-token quantization is row by row: the same bits for a token whichever rows surround it
             tq, ts = quantize_per_token(x)
             xq, xs = tq[rows // k], ts[rows // k]
-        h = self._grouped_mm(xq, self.w13, self.w13_scale, bounds, packed, 0, ids).mul_(xs)  # [R, 2I] float32
-        gate, up = h.split(self.intermediate, dim=-1)
-        aq, a_s = quantize_per_token(F.silu(gate) * up)  # [R, I] int8, [R, 1]
-        y = self._grouped_mm(aq, self.w2, self.w2_scale, bounds, packed, 1, ids)  # [R, H] float32
-        out[rows] = y.mul_(a_s * weights[rows, None]).to(x.dtype)
-        return out
+        h = self._grouped_mm(xq, self.w13, self.w13_scale, bounds, packed, 0, ids)  # [R, 2I] float32
+        if expert_epilogue.swiglu_quant_for(rows.numel(), self.intermediate):  # scale, SwiGLU, quantization: one kernel
+            aq, a_s = expert_epilogue.swiglu_quant(h, xs, self.intermediate)
+        else:
+            gate, up = h.mul_(xs).split(self.intermediate, dim=-1)
+            aq, a_s = quantize_per_token(F.silu(gate) * up)  # [R, I] int8, [R, 1]
+        return self._grouped_mm(aq, self.w2, self.w2_scale, bounds, packed, 1, ids), a_s, rows
 
     @staticmethod
     def _grouped_mm(aq: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bounds: list[int], packed,

@@ -16,7 +16,7 @@ from torch import nn
 
 from moeserve.layers import opaque
 from moeserve.layers.linear import pack_weight, packed_linear
-from moeserve.layers.moe import zen
+from moeserve.layers.moe import expert_epilogue, zen
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +122,7 @@ class FusedExperts(nn.Module):
                 return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)
             return self.zen_forward(x, expert_ids, weights)
         if self.packed is not None and not torch.compiler.is_compiling():
-            t, k = expert_ids.shape
-            rows = self._packed_rows(x.to(self.w13.dtype), expert_ids.reshape(-1), weights.reshape(-1), k)
-            return rows.view(t, k, x.shape[1]).sum(dim=1)
+            return self._packed_tokens(x.to(self.w13.dtype), expert_ids, weights)
         return self.topk_as_rows(x, expert_ids, weights)
 
     def topk_as_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -177,25 +175,45 @@ class FusedExperts(nn.Module):
         """forward() over the oneDNN-packed copies: one GEMM pair per busy expert, the SwiGLU over all rows."""
         return self._packed_rows(x, expert_ids, weights)
 
-    def _packed_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                     k: int | None = None) -> torch.Tensor:
-        """Rows [N, H] of packed_forward; with k, x holds the tokens and row i is token i // k (forward_topk
-        without repeating every token k times first). Only the rows that are ours are gathered and computed:
-        each [N, H] pass is a full read and write of the step's activations (a prefill's dominant cost
-        besides the GEMMs)."""
+    def _packed_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Rows [N, H] of packed_forward: each row times its weight, in x's row order; rows not ours 0."""
+        y, mine = self._packed_gemms(x, expert_ids)
+        out = x.new_zeros(expert_ids.shape[0], x.shape[1])
+        if mine.numel():
+            out[mine] = _times_weights(y, weights[mine])
+        return out
+
+    def _packed_tokens(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward_topk over the packed copies: x [T, H] tokens, expert_ids / weights [T, k] -> [T, H]. Each token
+        is gathered once per expert it routes to (no k-fold repeat first); at prefill sizes (engines that
+        compile) weighting, reordering and the sum over k are one kernel (expert_epilogue.combine)."""
+        t, k = expert_ids.shape
+        ids, w = expert_ids.reshape(-1), weights.reshape(-1)
+        y, mine = self._packed_gemms(x, ids, k)
+        if expert_epilogue.enabled_for(mine.numel()):
+            return expert_epilogue.combine(y, w[mine], mine, t, k, x.dtype)
+        out = x.new_zeros(ids.shape[0], x.shape[1])
+        if mine.numel():
+            out[mine] = _times_weights(y, w[mine])
+        return out.view(t, k, x.shape[1]).sum(dim=1)
+
+    def _packed_gemms(self, x: torch.Tensor, expert_ids: torch.Tensor,
+                      k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts' outputs over the packed copies, unweighted: (y [R, H] in group order, mine [R] the row
+        of expert_ids each belongs to); with k, x holds the tokens and row i is token i // k. Only the rows that
+        are ours are gathered and computed: each [N, H] pass is a full read and write of the step's
+        activations (a prefill's dominant cost besides the GEMMs)."""
         order, offs, _ = group_rows(expert_ids, self.num_local_experts)
         bounds = [0] + offs.tolist()
         mine = order[: bounds[-1]]  # rows of other ranks (-1) sort last
-        out = x.new_zeros(expert_ids.shape[0], x.shape[1])
         busy = [e for e in range(self.num_local_experts) if bounds[e + 1] > bounds[e]]
-        if busy:
-            xs = x[mine if k is None else mine // k]
-            h = torch.cat([packed_linear(xs[bounds[e]:bounds[e + 1]], self.packed[e][0]) for e in busy])
-            gate, up = h.split(self.intermediate, dim=-1)
-            a = F.silu(gate) * up
-            y = torch.cat([packed_linear(a[bounds[e]:bounds[e + 1]], self.packed[e][1]) for e in busy])
-            out[mine] = _times_weights(y, weights[mine])
-        return out
+        if not busy:
+            return x.new_empty(0, x.shape[1]), mine
+        xs = x[mine if k is None else mine // k]
+        h = torch.cat([packed_linear(xs[bounds[e]:bounds[e + 1]], self.packed[e][0]) for e in busy])
+        gate, up = h.split(self.intermediate, dim=-1)
+        a = F.silu(gate) * up
+        return torch.cat([packed_linear(a[bounds[e]:bounds[e + 1]], self.packed[e][1]) for e in busy]), mine
 
     @staticmethod
     def _weighted(x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, valid: torch.Tensor,
