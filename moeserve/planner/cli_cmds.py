@@ -471,10 +471,12 @@ def args_profile_cpu(p):
                    help="also run moeserve's CPU engine on the bench model and compare")
     p.add_argument("--batches", type=positive_int_list, default=[1, 4, 16], help="decode batch sizes")
     p.add_argument("--threads", type=at_most(1024, "torch threads"), default=None)
+    p.add_argument("--eager", action="store_true",
+                   help="measure and price the eager decode step instead of the compiled one (the default)")
 
 
 
 def cmd_profile_cpu(a):
     from moeserve.planner.cpucheck import format_report, run_check
-    res = run_check(a.batches, measure=a.measure, threads=a.threads)
+    res = run_check(a.batches, measure=a.measure, threads=a.threads, eager=a.eager)
     return _emit(a, res, format_report(res))

@@ -7,8 +7,13 @@ packed for the kernel the engine runs, over a pool of distinct weight matrices l
 one small eager op (Python + dispatcher, over a mix of tiny linear/softmax/topk/index/cat ops). The
 prediction is the planner's own cost model on a one-card "device" built from those numbers (efficiency
 1.0: the profile already measures achieved rates; HBM bandwidth = the GEMM weight-streaming bandwidth,
-since decode reads its bytes through GEMMs) plus GEMM calls x fixed cost + other ops x cost-per-op, where
-the op counts come from one traced decode step of the engine (a structural count, not a timing).
+since decode reads its bytes through GEMMs) plus, per class of what one decode step runs, calls x the
+measured cost of one call. The compiled step (the engine's default) is counted from a profile of one real
+step (planner/cpucount.py: graph entries, fused kernels, calls of our opaque ops, GEMMs, views, other ops),
+its guard evaluation timed on the graphs' own guards, and the per-call costs come from microbenchmarks here
+(a trivial compiled graph's entry and kernel, a trivial custom op, a mix of views); the eager step (--eager)
+is counted by a dispatch mode (GEMM calls, every other op at the small-op cost). The counts are structural,
+not timings: nothing is fitted to the measured step.
 Measured side: engine step times of decode-only steps on the bench model (moeserve/bench_model.py). The
 profile takes the best of several runs, so the error is reported against the fastest measured step
 (uncontended, like the profile); the median is shown too (shared machines are noisy).
@@ -20,6 +25,7 @@ import time
 import torch
 
 from moeserve.perf.deploy import Instance
+from moeserve.planner import cpucount
 from moeserve.perf.hardware import cpu_hardware
 from moeserve.perf.models import load_model
 from moeserve.perf.step import decode_step
@@ -97,6 +103,63 @@ def measure_op_cost(reps: int = 200) -> float:
     return min(_timed(lambda: [mix() for _ in range(reps)]) for _ in range(3)) / (8 * reps)
 
 
+def measure_view_cost(reps: int = 200) -> float:
+    """Seconds per metadata-only op (views, an allocation): the compiled step's cheapest ops, ~1 us where a
+    computing op costs several."""
+    x = torch.randn(4, 64).to(torch.bfloat16)
+
+    def mix():  # 8 ops
+        y = x.view(2, 2, 64).permute(1, 0, 2).reshape(4, 64)
+        return y[1:], y.select(0, 0).unsqueeze(0), y.transpose(0, 1), torch.empty(4, 64)
+
+    with torch.inference_mode():
+        mix()
+        return min(_timed(lambda: [mix() for _ in range(reps)]) for _ in range(3)) / (8 * reps)
+
+
+def measure_graph_costs(reps: int = 200) -> tuple[float, float]:
+    """(seconds per entry into a compiled graph, seconds per fused kernel call in it), on a trivial graph
+    compiled as the engine compiles its decode layers (inductor, fullgraph, static shapes, inference mode)
+    that runs one elementwise kernel: the kernel itself is timed by calling it directly with the arguments
+    the graph gave it; the rest of a call is the entry. Guard evaluation of the engine's graphs is timed on
+    their own guards (cpucount.guard_seconds), so this entry's own (trivial) guards stay in it."""
+    import torch._dynamo
+
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    graph = torch.compile(lambda t: t * 2 + 1, fullgraph=True, dynamic=False)
+    torch._dynamo.config.recompile_limit += 1  # room for it beside the engine's graphs
+    with torch.inference_mode():
+        graph(x)
+        with cpucount.capturing_kernels() as calls:
+            graph(x)
+        assert len(calls) == 1, f"expected one fused kernel, the graph ran {len(calls)}"
+        fn, args = calls[0]
+        t_call = min(_timed(lambda: [graph(x) for _ in range(reps)]) for _ in range(3)) / reps
+        t_kernel = min(_timed(lambda: [fn(*args) for _ in range(reps)]) for _ in range(3)) / reps
+    return max(0.0, t_call - t_kernel), t_kernel
+
+
+_PROBE = None
+
+
+def measure_opaque_cost(reps: int = 200) -> float:
+    """Seconds a graph's call of one of our custom ops (layers/opaque.py, the packed linear's op) adds to the
+    work inside it: a custom op around torch.empty_like against torch.empty_like itself."""
+    global _PROBE
+    if _PROBE is None:
+        @torch.library.custom_op("moeserve_cpucheck::probe", mutates_args=())
+        def _probe(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty_like(t)
+        _PROBE = _probe
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    op = torch.ops.moeserve_cpucheck.probe
+    with torch.inference_mode():
+        op(x)
+        t_op = min(_timed(lambda: [op(x) for _ in range(reps)]) for _ in range(3)) / reps
+        t_in = min(_timed(lambda: [torch.empty_like(x) for _ in range(reps)]) for _ in range(3)) / reps
+    return max(0.0, t_op - t_in)
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -107,24 +170,31 @@ def profile(threads: int | None = None) -> dict:
     if threads is not None:
         torch.set_num_threads(threads)
     stream_bw, gemm_call = measure_weight_streaming()
+    entry, kernel = measure_graph_costs()
     return {"threads": torch.get_num_threads(), "mem_bw_gbs": measure_bandwidth() / 1e9,
             "gemm_stream_gbs": stream_bw / 1e9, "gemm_call_us": gemm_call * 1e6,
             "gemm_bf16_gflops": measure_gemm() / 1e9, "gemm_decode_gflops": measure_decode_gemm() / 1e9,
-            "op_cost_us": measure_op_cost() * 1e6}
+            "op_cost_us": measure_op_cost() * 1e6, "view_us": measure_view_cost() * 1e6,
+            "graph_entry_us": entry * 1e6, "kernel_us": kernel * 1e6, "opaque_call_us": measure_opaque_cost() * 1e6}
 
 
-def predict(prof: dict, batch: int, context: float, ops_per_step: float, gemms_per_step: float = 0.0) -> dict:
+# Per-call price of each counted class (cpucount.CLASSES): the profile's measured cost of one such call.
+PRICES = {"graph": "graph_entry_us", "kernel": "kernel_us", "opaque": "opaque_call_us", "gemm": "gemm_call_us",
+          "view": "view_us", "op": "op_cost_us"}
+
+
+def predict(prof: dict, batch: int, context: float, counts: dict | None = None, guard_ms: float = 0.0) -> dict:
+    """Step time = the planner's cost model on this CPU (bytes / streaming bandwidth, FLOPs / rate) + each
+    counted class x its measured per-call cost + the step's measured guard evaluation (compiled step)."""
     m = load_model("moeserve-bench")
-    overhead_us = gemms_per_step * prof["gemm_call_us"] + (ops_per_step - gemms_per_step) * prof["op_cost_us"]
-    hw = cpu_hardware(prof, overhead_us * 1e-3)
+    by_class = {c: n * prof[PRICES[c]] * 1e-3 for c, n in (counts or {}).items()}
+    if guard_ms:
+        by_class["guards"] = guard_ms
+    overhead_ms = sum(by_class.values())
+    hw = cpu_hardware(prof, overhead_ms)
     st = decode_step(m, hw, Instance(cards=1, quantization="bf16"), batch, context)
     return {"step_ms": st.total * 1e3, "roofline_ms": (st.total - st.overhead) * 1e3,
-            "overhead_ms": st.overhead * 1e3}
-
-
-GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_grouped_mm",
-            "qlinear_pointwise", "_linear_pointwise",  # linear stays whole under inference_mode
-            "zentorch_linear_unary", "zentorch_fused_moe")  # AMD CPUs with zentorch (layers/moe/zen.py)
+            "overhead_ms": st.overhead * 1e3, "by_class_ms": by_class}
 
 
 def count_ops(engine) -> tuple[int, int]:
@@ -136,7 +206,7 @@ def count_ops(engine) -> tuple[int, int]:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Counter.n += 1
-            Counter.gemms += func.overloadpacket.__name__ in GEMM_OPS
+            Counter.gemms += func.overloadpacket.__name__ in cpucount.GEMM_OPS
             return func(*args, **(kwargs or {}))
 
     with Counter():
@@ -145,49 +215,71 @@ def count_ops(engine) -> tuple[int, int]:
 
 
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
-                   checkpoint: str | None = None) -> list[dict]:
-    """Median decode-step time of the eager CPU engine per batch size, on checkpoint (default: the bench model).
-    Eager: the prediction prices the step's aten ops one by one (op_cost_us per op, gemm_call_us per GEMM), which
-    only the eager engine runs as such; count_ops's dispatch mode also cannot run inside compiled graphs
-    (with them it failed: "found no compiled frames"). Predicting the compiled decode step is issue 41's."""
+                   checkpoint: str | None = None, eager: bool = False) -> list[dict]:
+    """Decode-step times of the CPU engine per batch size on checkpoint (default: the bench model), with what
+    one step runs counted by class: compiled (the engine's default; cpucount.count_compiled_step, plus the
+    step's guard evaluation timed on the graphs' own guards) or eager (`eager`: count_ops's dispatch mode,
+    every op at the small-op cost, GEMMs at the GEMM call cost; it cannot run inside compiled graphs)."""
     from moeserve.llm import LLM
     from moeserve.sampling_params import SamplingParams
     from moeserve.bench_model import bench_checkpoint
     from moeserve.protocol import EngineCoreRequest
 
     llm = LLM(checkpoint or bench_checkpoint(), dtype="bfloat16", max_model_len=1024, max_num_seqs=max(batches),
-              max_num_batched_tokens=max(batches) * prompt_len, enable_prefix_caching=False, enforce_eager=True)
+              max_num_batched_tokens=max(batches) * prompt_len, enable_prefix_caching=False, enforce_eager=eager)
     eng, rows = llm.engine, []
+    if not eager and eng.runner.decode_graphs is None:
+        raise RuntimeError("the engine runs its decode eagerly (MOESERVE_ENFORCE_EAGER=1 in the environment?); "
+                           "measure with eager=True (--eager) or without that setting")
     for b in batches:
-        params = SamplingParams(temperature=0, max_tokens=steps + 3, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
         for i in range(b):
             ids = [(7 * i + j) % 31000 + 2 for j in range(prompt_len)]
             eng.add_request(EngineCoreRequest(f"b{b}-{i}", ids, params, []))
         eng.step()  # prefill
-        ops, gemms = count_ops(eng)
+        guard_ms = 0.0
+        if eager:
+            ops, gemms = count_ops(eng)
+            counts = {"gemm": gemms, "op": ops - gemms}
+        else:
+            eng.step()  # the first decode step through the graphs: lazy state settles outside the count
+            counts = dict(cpucount.count_compiled_step(eng))
+            guard_ms = 1e3 * cpucount.guard_seconds(eng, b)
         times = [_timed(eng.step) for _ in range(steps)]
         while eng.has_unfinished():
             eng.step()
         times.sort()
-        rows.append({"batch": b, "context": prompt_len + 2 + steps / 2, "ops_per_step": ops,
-                     "gemms_per_step": gemms,
+        rows.append({"batch": b, "context": prompt_len + 3 + steps / 2, "counts": counts, "guard_ms": guard_ms,
+                     "ops_per_step": sum(counts.values()), "gemms_per_step": counts["gemm"],
                      "measured_ms": 1e3 * times[0], "measured_median_ms": round(1e3 * times[len(times) // 2], 3)})
     return rows
 
 
-def run_check(batches: list[int], measure: bool = False, threads: int | None = None) -> dict:
+def run_check(batches: list[int], measure: bool = False, threads: int | None = None, eager: bool = False) -> dict:
     prof = profile(threads)
-    rows = measure_engine(batches) if measure else [
-        {"batch": b, "context": 138.0, "ops_per_step": None, "gemms_per_step": None, "measured_ms": None}
-        for b in batches]
+    load = _load_average()
+    rows = measure_engine(batches, eager=eager) if measure else [
+        {"batch": b, "context": 138.0, "counts": None, "guard_ms": 0.0, "ops_per_step": None,
+         "gemms_per_step": None, "measured_ms": None} for b in batches]
     for r in rows:
-        p = predict(prof, r["batch"], r["context"], r["ops_per_step"] or 0, r["gemms_per_step"] or 0)
+        p = predict(prof, r["batch"], r["context"], r["counts"], r["guard_ms"])
         r.update({"predicted_ms": round(p["step_ms"], 3), "predicted_roofline_ms": round(p["roofline_ms"], 3),
-                  "predicted_overhead_ms": round(p["overhead_ms"], 3)})
+                  "predicted_overhead_ms": round(p["overhead_ms"], 3),
+                  "by_class_ms": {c: round(v, 3) for c, v in p["by_class_ms"].items()}})
         if r["measured_ms"]:
             r["measured_ms"] = round(r["measured_ms"], 3)
             r["error_pct"] = round(100 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"], 1)
-    return {"profile": {k: round(v, 3) for k, v in prof.items()}, "rows": rows, "measured": measure}
+    return {"profile": {k: round(v, 3) for k, v in prof.items()}, "rows": rows, "measured": measure,
+            "step": "eager" if eager else "compiled", "load_before": load, "load_after": _load_average()}
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average (the machine's other work while measuring), where the OS reports one."""
+    try:
+        import os
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def format_report(res: dict) -> str:
@@ -195,7 +287,9 @@ def format_report(res: dict) -> str:
     lines = [f"CPU profile: {p['mem_bw_gbs']:.1f} GB/s read, weights through GEMMs {p['gemm_stream_gbs']:.1f} GB/s "
              f"+ {p['gemm_call_us']:.1f} us per call, {p['gemm_bf16_gflops']:.0f} GFLOP/s BF16 GEMM "
              f"({p['gemm_decode_gflops']:.0f} at 64x1024x1024), {p['op_cost_us']:.1f} us per small op, "
-             f"{p['threads']:.0f} threads",
+             f"{p['view_us']:.1f} per view, graph entry {p['graph_entry_us']:.1f} us + {p['kernel_us']:.1f} per "
+             f"fused kernel, custom op call {p['opaque_call_us']:.1f} us, {p['threads']:.0f} threads",
+             f"{res['step']} decode step; load average {res['load_before']} before, {res['load_after']} after",
              f"{'batch':>5} {'ops':>6} {'roofline ms':>12} {'overhead ms':>12} {'predicted ms':>13} "
              f"{'best ms':>9} {'median ms':>10} {'error':>7}"]
     for r in res["rows"]:
@@ -204,6 +298,13 @@ def format_report(res: dict) -> str:
         err = f"{r['error_pct']:>+6.1f}%" if "error_pct" in r else f"{'-':>7}"
         lines.append(f"{r['batch']:>5} {r['ops_per_step'] or '-':>6} {r['predicted_roofline_ms']:>12.2f} "
                      f"{r['predicted_overhead_ms']:>12.2f} {r['predicted_ms']:>13.2f} {meas} {err}")
+    for r in res["rows"]:
+        if r["counts"]:
+            parts = [f"{c} {r['counts'][c]} x {p[PRICES[c]]:.1f} us = {r['by_class_ms'][c]:.2f}"
+                     for c in cpucount.CLASSES if c in r["counts"]]
+            if r["guard_ms"]:
+                parts.append(f"guards {r['guard_ms']:.2f}")
+            lines.append(f"  batch {r['batch']} overhead ms: " + ", ".join(parts))
     if not res["measured"]:
         lines.append("(run with --measure to time the engine and report the error)")
     return "\n".join(lines)

@@ -1,26 +1,75 @@
-"""The CPU check's prediction side: the planner's cost model on a device built from a CPU profile."""
+"""The CPU check: the planner's cost model on a device built from a CPU profile, plus what one decode step
+runs (counted by class: planner/cpucount.py) at measured per-call costs."""
 import pytest
 
-from moeserve.planner import cpucheck
+from moeserve.planner import cpucheck, cpucount
 
 PROF = {"threads": 1, "mem_bw_gbs": 12.0, "gemm_stream_gbs": 10.0, "gemm_call_us": 30.0,
-        "gemm_bf16_gflops": 1000.0, "gemm_decode_gflops": 500.0, "op_cost_us": 10.0}
+        "gemm_bf16_gflops": 1000.0, "gemm_decode_gflops": 500.0, "op_cost_us": 10.0, "view_us": 1.0,
+        "graph_entry_us": 20.0, "kernel_us": 1.0, "opaque_call_us": 3.0}
 
 
-def test_prediction_is_roofline_plus_gemm_calls_and_ops():
-    p = cpucheck.predict(PROF, batch=1, context=128, ops_per_step=1000, gemms_per_step=100)
+def test_eager_prediction_is_roofline_plus_gemm_calls_and_ops():
+    p = cpucheck.predict(PROF, batch=1, context=128, counts={"gemm": 100, "op": 900})
     assert p["overhead_ms"] == pytest.approx(100 * 0.030 + 900 * 0.010)  # GEMM calls x 30 us + 900 ops x 10 us
     assert p["step_ms"] == pytest.approx(p["roofline_ms"] + p["overhead_ms"])
     # batch 1 is weight-streaming bound: ~active BF16 weights / 10 GB/s (bench model ~190M active+head)
     assert 20 < p["roofline_ms"] < 80
     # weights stream at the GEMM rate, not the plain read rate
-    faster_read = cpucheck.predict({**PROF, "mem_bw_gbs": 50.0}, 1, 128, 1000, 100)
+    faster_read = cpucheck.predict({**PROF, "mem_bw_gbs": 50.0}, 1, 128, {"gemm": 100, "op": 900})
     assert faster_read["roofline_ms"] == pytest.approx(p["roofline_ms"])
 
 
+def test_compiled_prediction_prices_each_class_and_the_guards():
+    counts = {"graph": 8, "kernel": 100, "opaque": 24, "gemm": 110, "view": 500, "op": 300}
+    p = cpucheck.predict(PROF, batch=1, context=128, counts=counts, guard_ms=0.6)
+    # 8 x 20 + 100 x 1 + 24 x 3 + 110 x 30 + 500 x 1 + 300 x 10 us, + 0.6 ms of guard evaluation
+    assert p["by_class_ms"] == pytest.approx({"graph": 0.16, "kernel": 0.1, "opaque": 0.072, "gemm": 3.3,
+                                              "view": 0.5, "op": 3.0, "guards": 0.6})
+    assert p["overhead_ms"] == pytest.approx(7.732)
+    assert p["step_ms"] == pytest.approx(p["roofline_ms"] + 7.732)
+    assert p["roofline_ms"] == pytest.approx(cpucheck.predict(PROF, 1, 128)["roofline_ms"])
+
+
+class Ev:
+    """A profiler event as classify reads it."""
+
+    def __init__(self, name, *children):
+        self.name, self.cpu_parent, self.cpu_children = name, None, list(children)
+        for c in children:
+            c.cpu_parent = self
+
+    def walk(self):
+        yield self
+        for c in self.cpu_children:
+            yield from c.walk()
+
+
+def test_classify_counts_outermost_ops_and_the_insides_of_ours():
+    roots = [
+        Ev("TorchDynamo Cache Lookup"),
+        Ev("Torch-Compiled Region: 0/1", Ev("## Call CompiledFxGraph f0 ##",
+           Ev("moeserve::packed_linear", Ev("mkldnn::_linear_pointwise")),  # opaque + its GEMM
+           Ev("moeserve::mla_attention",
+              Ev("aten::view"),
+              Ev("aten::bmm", Ev("aten::empty")),  # the bmm's own allocation belongs to it
+              Ev("aten::to", Ev("aten::_to_copy", Ev("aten::copy_"))),  # a conversion: one op
+              Ev("aten::to")),  # converts nothing: a view
+           Ev("aten::mm"),  # an extern GEMM in the graph
+           Ev("aten::topk"))),
+        Ev("aten::index", Ev("aten::reshape", Ev("aten::view"))),  # around the forward
+        Ev("aten::linear", Ev("aten::t"), Ev("aten::mm")),
+        Ev("aten::empty"),
+    ]
+    events = [e for r in roots for e in r.walk()]
+    counts = cpucount.classify(events)
+    assert counts == {"graph": 1, "kernel": 0, "opaque": 2, "gemm": 4, "view": 3, "op": 3}
+
+
 def test_faster_profile_predicts_faster():
-    slow = cpucheck.predict(PROF, 4, 128, 500, 50)["step_ms"]
-    fast = cpucheck.predict({**PROF, "gemm_stream_gbs": 20.0, "op_cost_us": 5.0}, 4, 128, 500, 50)["step_ms"]
+    slow = cpucheck.predict(PROF, 4, 128, {"gemm": 50, "op": 450})["step_ms"]
+    fast = cpucheck.predict({**PROF, "gemm_stream_gbs": 20.0, "op_cost_us": 5.0}, 4, 128,
+                            {"gemm": 50, "op": 450})["step_ms"]
     assert fast < slow
 
 
@@ -28,6 +77,8 @@ def test_profile_measures_positive_rates():
     prof = cpucheck.profile()
     assert prof["mem_bw_gbs"] > 0.1 and prof["gemm_bf16_gflops"] > 1 and prof["op_cost_us"] > 0
     assert prof["gemm_stream_gbs"] > 0.1 and prof["gemm_call_us"] >= 0
+    assert prof["view_us"] > 0 and prof["graph_entry_us"] > 0 and prof["kernel_us"] > 0
+    assert prof["opaque_call_us"] >= 0
 
 
 def test_the_measured_side_runs_outside_the_repo(tmp_path):
@@ -49,13 +100,23 @@ small = {{**BENCH_CONFIG, "hidden_size": 64, "intermediate_size": 128, "moe_inte
          "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 48,
          "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}}
 path = bench_checkpoint({str(tmp_path / "bench")!r}, small)
-print(json.dumps(measure_engine([2], prompt_len=8, steps=2, checkpoint=path)))
+rows = measure_engine([2], prompt_len=8, steps=2, checkpoint=path)  # compiled: the engine's default
+rows += measure_engine([2], prompt_len=8, steps=2, checkpoint=path, eager=True)
+print(json.dumps(rows))
 """
-    # without the suite's MOESERVE_ENFORCE_EAGER, as a user runs it: the engine would compile its decode graphs,
-    # under which the op counter failed ("found no compiled frames")
+    # without the suite's MOESERVE_ENFORCE_EAGER, as a user runs it: the engine compiles its decode graphs,
+    # under which the eager op counter failed ("found no compiled frames"); the compiled step is counted from
+    # a profile of one real step
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MOESERVE_ENFORCE_EAGER")}
     r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    (row,) = json.loads(r.stdout.strip().splitlines()[-1])
-    assert row["batch"] == 2 and row["measured_ms"] > 0 and row["gemms_per_step"] > 0
+    compiled, eager = json.loads(r.stdout.strip().splitlines()[-1])
+    for row in compiled, eager:
+        assert row["batch"] == 2 and row["measured_ms"] > 0 and row["gemms_per_step"] > 0
+    c = compiled["counts"]
+    # one graph entry per decoder layer; fused kernels, our ops, the guards of the graphs timed
+    assert c["graph"] == 2 and c["kernel"] > 0 and c["opaque"] >= 2 and compiled["guard_ms"] > 0
+    assert set(eager["counts"]) == {"gemm", "op"} and eager["guard_ms"] == 0
+    # the graphs take most of the eager step's small ops
+    assert c["op"] + c["view"] < eager["counts"]["op"]

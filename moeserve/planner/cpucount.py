@@ -1,0 +1,144 @@
+"""What one compiled decode step of the CPU engine runs, counted by class (planner/cpucheck.py prices them).
+
+A dispatch mode cannot run inside compiled graphs, so the count comes from torch.profiler's event tree of
+one real compiled step, plus the inductor kernels (which the profiler does not see on CPU) counted by
+wrapping the loaded graphs' kernel functions for that step. Classes, each with its own per-call cost:
+- graph: graph entries (dynamo's cache lookup: guard evaluation, then the graph's wrappers);
+- kernel: inductor's fused C++ kernels inside the graphs;
+- opaque: calls of our custom ops from a graph (layers/opaque.py, the packed linear's op);
+- gemm: GEMM calls (extern GEMMs in the graphs, those inside opaque ops and around the forward);
+- view: metadata-only ops (views, allocations): ~1 us, not the cost of an op that computes;
+- op: every other outermost aten op (inside opaque ops, around the forward, extern ops in graphs).
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+
+CLASSES = ("graph", "kernel", "opaque", "gemm", "view", "op")
+
+GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_grouped_mm",
+            "qlinear_pointwise", "_linear_pointwise",  # linear stays whole under inference_mode
+            "zentorch_linear_unary", "zentorch_fused_moe")  # AMD CPUs with zentorch (layers/moe/zen.py)
+
+# No data touched: tensor metadata or an allocation (profile: planner/cpucheck.measure_view_cost)
+VIEW_OPS = frozenset((
+    "view", "reshape", "_reshape_alias", "_unsafe_view", "as_strided", "as_strided_", "slice", "select",
+    "narrow", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "split", "split_with_sizes",
+    "unbind", "chunk", "alias", "detach", "detach_", "lift_fresh", "resolve_conj", "resolve_neg", "empty",
+    "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view_as", "contiguous", "resize_",
+    "result_type"))
+
+_OP = re.compile(r"^(\w+)::(\w+)")
+GRAPH_ENTRY = "TorchDynamo Cache Lookup"
+
+
+def classify(events) -> Counter:
+    """Counts per class over profiler events (objects with .name, .cpu_parent, .cpu_children). An op is
+    counted when no enclosing event is an op, or the nearest enclosing op is ours (moeserve::, an opaque op
+    whose insides run eagerly); ops an op issues internally (aten::linear's mm) belong to it. `to` is a view
+    when it converts nothing; one that copies shows an aten::_to_copy child."""
+    counts = Counter({c: 0 for c in CLASSES})
+    for e in events:
+        if e.name == GRAPH_ENTRY:
+            counts["graph"] += 1
+            continue
+        m = _OP.match(e.name)
+        if not m:
+            continue
+        ns, op = m.groups()
+        if ns == "moeserve":
+            counts["opaque"] += 1
+            continue
+        outer = _enclosing_op(e)
+        if outer is not None and not outer.name.startswith("moeserve::"):
+            continue
+        if op == "to":
+            counts["op" if any(c.name == "aten::_to_copy" for c in e.cpu_children) else "view"] += 1
+        else:
+            counts["gemm" if op in GEMM_OPS else "view" if op in VIEW_OPS else "op"] += 1
+    return counts
+
+
+def _enclosing_op(e):
+    parent = e.cpu_parent
+    while parent is not None and not _OP.match(parent.name):
+        parent = parent.cpu_parent
+    return parent
+
+
+def count_compiled_step(engine) -> Counter:
+    """Counts per class of one engine step (runs the step), which must be a decode step through the graphs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None, "the engine runs its decode eagerly"
+    before = graphs.steps
+    with capturing_kernels() as kernels, profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    assert graphs.steps == before + 1, "the step did not go through the decode graphs"
+    counts = classify(prof.events())
+    counts["kernel"] = len(kernels)
+    return counts
+
+
+class capturing_kernels:
+    """Records (kernel, args) for every call of the fused C++ kernels of every loaded inductor graph while
+    active (a graph's call() looks its kernels up as module globals, so a wrapper there sees each call)."""
+
+    def __enter__(self) -> list:
+        from torch._inductor.codecache import PyCodeCache
+
+        self.calls, self.saved = [], []
+        for mod in PyCodeCache.modules:
+            for name, fn in list(vars(mod).items()):
+                if name.startswith("cpp_fused_") and callable(fn):
+                    self.saved.append((mod, name, fn))
+                    setattr(mod, name, self._wrap(fn))
+        return self.calls
+
+    def _wrap(self, fn):
+        def recorded(*args):
+            self.calls.append((fn, args))
+            return fn(*args)
+        return recorded
+
+    def __exit__(self, *exc) -> None:
+        for mod, name, fn in self.saved:
+            setattr(mod, name, fn)
+
+
+def guard_seconds(engine, rows: int, repeats: int = 20) -> float:
+    """Seconds of dynamo guard evaluation per step at `rows` decode rows, timed on the engine's own graphs'
+    guards: for each layer in step order, its compiled entries are checked in cache order up to the first
+    that passes, as dynamo's lookup does (the guards test every weight a layer's graph reads). Best of
+    `repeats` per check."""
+    import torch
+    import torch._dynamo.eval_frame as ef
+
+    from moeserve.engine import compiled_decode
+
+    graphs = engine.runner.decode_graphs
+    entries = ef._debug_get_cache_entry_list(compiled_decode._run_layer.__code__)
+    body = graphs.model.model  # the decoder stack: embedding, then the layers the graphs run
+    b = graphs.bucket(rows)
+    total = 0.0
+    with torch.inference_mode():  # the engine's mode: its tensors are inference tensors, which guards check
+        pos = torch.zeros(b, dtype=torch.long)
+        x = body.embed_tokens(pos)  # the layers' input: [bucket, hidden] in the model dtype
+        for layer in body.layers:
+            f_locals = {"layer": layer, "x": x, "positions": pos}
+            for entry in entries:
+                best, ok = float("inf"), False
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    ok = entry.guard_manager.check(f_locals)
+                    best = min(best, time.perf_counter() - t)
+                total += best
+                if ok:
+                    break
+            else:
+                raise RuntimeError("no compiled graph's guards pass for a decode layer call")
+    return total
+
