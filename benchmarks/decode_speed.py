@@ -1,7 +1,7 @@
 """Decode and prefill speed against the machine's limit: BF16 and A8W8, optionally vLLM CPU beside them.
 
 Usage: python benchmarks/decode_speed.py [--batches 1 8 32 64] [--prompt-len 128] [--new-tokens 64]
-           [--prefill-prompts 8] [--repeats 3] [--threads 1] [--modes bf16 a8w8 bf16-eager a8w8-eager]
+           [--prefill-prompts 8] [--repeats 3] [--threads 1] [--tp 1] [--modes bf16 a8w8 bf16-eager a8w8-eager]
            [--startup] [--peer vllm --vllm-python /work/vllm-venv/bin/python [--vllm-extra-path DIR]] [--json FILE]
 
 Modes: bf16 / a8w8 run decode through the compiled graphs (engine/compiled_decode.py); the -eager modes are
@@ -157,8 +157,10 @@ def weight_memory(llm) -> dict:
     from moeserve.device_memory import module_bytes
     from moeserve.layers.linear import packed_copy_bytes
 
-    model = llm.engine.runner.model
-    return dict(parameters=module_bytes(model), packed_copies=packed_copy_bytes(model))
+    runner = getattr(llm.engine, "runner", None)
+    if runner is None:  # ranks in other processes (--tp): not measured from here
+        return dict(parameters=float("nan"), packed_copies=float("nan"))
+    return dict(parameters=module_bytes(runner.model), packed_copies=packed_copy_bytes(runner.model))
 
 
 def spread(xs: list[float]) -> dict:
@@ -174,7 +176,8 @@ def engine_kwargs(mode: str, args) -> dict:
     return dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=max(args.batches + [args.prefill_prompts]),
                 max_num_batched_tokens=max(4096, args.prefill_prompts * args.prompt_len),
                 enable_prefix_caching=False,  # the same prompts run again: measure compute, not the cache
-                quantization="a8w8" if mode.startswith("a8w8") else None, enforce_eager=mode.endswith("-eager"))
+                quantization="a8w8" if mode.startswith("a8w8") else None, enforce_eager=mode.endswith("-eager"),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def run_moeserve(path: str, args) -> dict:
@@ -367,6 +370,8 @@ def main() -> None:
     ap.add_argument("--prefill-prompts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                    help="moeserve with TP ranks (processes over gloo, --threads each): timed in wall time")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--startup", action="store_true",
                     help="also time engine start-up in fresh processes: cold (empty compile cache) and cached")
@@ -380,7 +385,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     global CLOCK
-    if args.peer:  # vLLM's engine runs in other processes: both sides in wall time then
+    if args.peer or args.tensor_parallel_size > 1:  # engines in other processes: wall time then
         CLOCK = time.perf_counter
     path = v3_checkpoint()
     res = run_moeserve(path, args)

@@ -102,6 +102,9 @@ class EngineStats(msgspec.Struct, array_like=True, omit_defaults=True):
     elastic_recovery_s: float = 0.0
     elastic_requeued: int = 0
     elastic_tokens_recomputed: int = 0
+    # Decode steps that ran through the compiled graphs (engine/compiled_decode.py), cumulative; per DP rank
+    # summed (a TP group counts once)
+    num_graph_steps: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:

@@ -71,8 +71,9 @@ def timed(phase: str):
     return _PhaseTimer(phase)
 
 
-# torch 2.13 renamed all_gather_into_tensor (the old name warns on every call).
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names warn on every call).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -131,7 +132,7 @@ class GroupCoordinator:
         BEGUN[0] += 1
         out = x.new_empty((x.shape[0] // self.world_size,) + tuple(x.shape[1:]))
         STATS.add_bytes(kind, _nbytes(x) * (self.world_size - 1) // self.world_size)
-        work = dist.reduce_scatter_tensor(out, x, group=self.group, async_op=async_op)
+        work = _reduce_scatter_single(out, x, group=self.group, async_op=async_op)
         return (out, work) if async_op else out
 
     def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int],

@@ -6,11 +6,12 @@ of one shared function (regional compilation: one graph per layer kind and bucke
 that kind, whose weights are graph inputs): inductor fuses the norms, rotary, router, SwiGLU, INT8 activation
 quantization and residual adds between the GEMMs, and the layers' Python runs once at trace time instead of
 every step. Attention (cache write + MLA over the paged cache) and routed experts that cannot be traced
-(INT8, multi-rank dispatch) are opaque ops inside the graph (layers/opaque.py); the attention metadata and
+(INT8, multi-rank dispatch) are opaque ops inside the graph (layers/opaque.py), and so are tensor
+parallelism's collectives (attention's all-reduce; the MoE block whole); the attention metadata and
 the sampling inputs are prepared outside, as for the eager path. Padding rows have no metadata: attention
 returns zeros for them and their outputs are dropped.
 
-Eager instead: prefill and mixed steps, decode steps past the largest bucket, tensor parallelism > 1,
+Eager instead: prefill and mixed steps, decode steps past the largest bucket,
 FlashComm, --enable-dbo, expert-load recording (--expert-load-stats, --enable-eplb), and CUDA (where the
 same buckets are meant as CUDA graphs: not built yet). Every bucket is compiled at start-up (warm_up);
 --compilation-config cudagraph_capture_sizes picks the buckets. Inductor caches its compiled kernels on disk
@@ -57,8 +58,6 @@ def why_eager(config, arch, device: torch.device) -> str | None:
         return "MOESERVE_ENFORCE_EAGER=1"
     if device.type != "cpu":
         return f"no {device.type} graphs yet"
-    if par.tensor_parallel_size > 1:
-        return "tensor parallelism (its collectives are not in the graph)"
     if par.token_sharding != "off":
         return "--flashcomm"
     if par.enable_dbo:

@@ -253,6 +253,7 @@ class DPEngineClient(ElasticFront):  # ElasticFront: the re-formation bookkeepin
             total.eplb_experts_moved += s.eplb_experts_moved
             total.num_steps = max(total.num_steps, s.num_steps)
             total.num_dummy_steps += s.num_dummy_steps
+            total.num_graph_steps += s.num_graph_steps
             total.kv_cache_usage = max(total.kv_cache_usage, s.kv_cache_usage)
             add_spec_stats(total, s)
             add_slo_stats(total, s)

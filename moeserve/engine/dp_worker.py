@@ -169,6 +169,7 @@ class RankWorker:
         st.num_running, st.num_waiting, st.kv_cache_usage = s.num_running, s.num_waiting, s.kv_cache_usage
         st.num_preemptions, st.outstanding_tokens = s.num_preemptions, s.outstanding_tokens
         st.prefix_cache_queries, st.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
+        st.num_graph_steps = s.num_graph_steps
         eplb = self.core.runner.eplb
         if eplb is not None:
             st.eplb_rebalances, st.eplb_experts_moved = eplb.num_rebalances, eplb.experts_moved

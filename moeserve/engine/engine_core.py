@@ -267,6 +267,7 @@ class EngineCore:
                            spec_accepted_per_position=list(spec.accepted_per_position),
                            spec_drafts_per_position=list(spec.drafts_per_position),
                            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+                           num_graph_steps=self.runner.decode_graphs.steps if self.runner.decode_graphs else 0,
                            **self._slo_stats())
 
 

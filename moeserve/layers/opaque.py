@@ -8,7 +8,9 @@ outside:
   and every multi-rank dispatcher (collectives with host-side split sizes);
 - BF16 experts over their oneDNN-packed copies (FusedExperts.packed_forward: the same host sync), for
   buckets with more rows than expert slots;
-- BF16 experts through zentorch's fused MoE (layers/moe/zen.py), one call per layer at every bucket.
+- BF16 experts through zentorch's fused MoE (layers/moe/zen.py), one call per layer at every bucket;
+- with tensor parallelism: attention's all-reduce over the TP group, and the whole MoE block (each TP rank
+  takes its share of the rows, the group gathers the outputs back: host-side sizes).
 Each is registered as a torch custom op taking tensors plus the integer key of the module that runs it;
 eager code calls the module directly (no op dispatch cost), the graph calls the op.
 """
@@ -94,4 +96,26 @@ def zen_rows(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, k
 
 @zen_rows.register_fake
 def _(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moeserve::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x summed over the TP group of the module under `key` (a new tensor: the op owns no input)."""
+    return _module(key).tp.all_reduce(x.clone())
+
+
+@tp_all_reduce.register_fake
+def _(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("moeserve::moe_block", mutates_args=())
+def moe_block(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x [T, H] -> [T, H]: MoE.eager_block (router, dispatch, experts, combine, shared experts, TP gather)."""
+    return _module(key).eager_block(x)
+
+
+@moe_block.register_fake
+def _(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x)

@@ -36,6 +36,7 @@ def assert_graphs_ran(llm: LLM, buckets: list[int]) -> None:
     assert graphs is not None, "the engine chose the eager path"
     assert graphs.buckets == buckets and graphs.compiled == set(buckets)
     assert graphs.steps > 0, "no decode step went through a graph"
+    assert llm.engine.stats().num_graph_steps == graphs.steps
 
 
 @pytest.mark.parametrize("variant,dtype,quant,zentorch", [
@@ -109,8 +110,28 @@ def test_compiled_decode_under_dp2_ep(ckpt_dir):
               distributed_timeout=60, **ENGINE)
     try:
         assert generate(llm) == want
+        assert llm.engine.stats().num_graph_steps > 0, "the ranks decoded eagerly"
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)],
+                         ids=["tp2", "dp2-tp2-ep"])
+def test_compiled_decode_under_tensor_parallelism(ckpt_dir, layout):
+    """TP=2 (rank processes over gloo): attention's all-reduce and the MoE block (row shares, the TP gather)
+    are opaque ops in each rank's graph; the tokens are the same layout's eager ones."""
+    def run(**kw):
+        llm = LLM(ckpt_dir("v3"), dtype="float32", distributed_timeout=60, **layout, **ENGINE, **kw)
+        try:
+            return generate(llm), llm.engine.stats().num_graph_steps
+        finally:
+            llm.shutdown()
+
+    want, eager_steps = run(enforce_eager=True)
+    got, graph_steps = run()
+    assert got == want
+    assert eager_steps == 0 and graph_steps > 0
 
 
 def test_eager_reasons(ckpt_dir):
@@ -127,7 +148,7 @@ def test_eager_reasons(ckpt_dir):
     assert reason() is None
     assert reason(enforce_eager=True) == "--enforce-eager"
     assert reason(compilation_config="0") == "--enforce-eager"
-    assert "tensor parallelism" in reason(tensor_parallel_size=2)
+    assert reason(tensor_parallel_size=2) is None  # its collectives are opaque ops in the graphs
     assert reason(enable_dbo=True, data_parallel_size=2, enable_expert_parallel=True) == "--enable-dbo"
     assert "expert-load" in reason(expert_load_stats="/tmp/x.json")
     assert why_eager(EngineArgs(model=ckpt_dir("v3")).create_config(4096), None, torch.device("meta"))

@@ -77,6 +77,8 @@ class MLAttention(nn.Module):
         sp = current_seq_parallel()
         with timed("attention"):
             if sp is None:
+                if self.tp.world_size > 1 and torch.compiler.is_compiling():  # the collective stays outside
+                    return torch.ops.moeserve.tp_all_reduce(self._attend(x, positions), self.op_key)
                 return self.tp.all_reduce(self._attend(x, positions))
             if self.tp_dp_switch:  # TP<->DP switch: the low-rank projections on the shard, then gather them
                 return sp.reduce_scatter(self._attend_switched(x, positions, sp))

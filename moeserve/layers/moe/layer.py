@@ -63,8 +63,14 @@ class MoE(nn.Module):
         return SharedExpertsAsSlot(self.shared_experts) if self.placement.holds_shared else self.experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() and not self.routed_traceable():
-            return self._forward_opaque(x)
+        if torch.compiler.is_compiling():
+            if self.tp.world_size > 1:  # row shares and the TP gather: the whole block is one opaque op
+                return torch.ops.moeserve.moe_block(x, self.op_key)
+            if not self.routed_traceable():
+                return self._forward_opaque(x)
+        return self.eager_block(x)
+
+    def eager_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.middle(self.start(x)))
 
     def routed_traceable(self) -> bool:
