@@ -178,10 +178,7 @@ class FusedExperts(nn.Module):
     def _packed_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Rows [N, H] of packed_forward: each row times its weight, in x's row order; rows not ours 0."""
         y, mine = self._packed_gemms(x, expert_ids)
-        out = x.new_zeros(expert_ids.shape[0], x.shape[1])
-        if mine.numel():
-            out[mine] = _times_weights(y, weights[mine])
-        return out
+        return _placed(x, y, mine, weights)
 
     def _packed_tokens(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward_topk over the packed copies: x [T, H] tokens, expert_ids / weights [T, k] -> [T, H]. Each token
@@ -192,10 +189,7 @@ class FusedExperts(nn.Module):
         y, mine = self._packed_gemms(x, ids, k)
         if expert_epilogue.enabled_for(mine.numel()):
             return expert_epilogue.combine(y, w[mine], mine, t, k, x.dtype)
-        out = x.new_zeros(ids.shape[0], x.shape[1])
-        if mine.numel():
-            out[mine] = _times_weights(y, w[mine])
-        return out.view(t, k, x.shape[1]).sum(dim=1)
+        return _placed(x, y, mine, w).view(t, k, x.shape[1]).sum(dim=1)
 
     def _packed_gemms(self, x: torch.Tensor, expert_ids: torch.Tensor,
                       k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,6 +239,14 @@ class FusedExperts(nn.Module):
         a = F.silu(gate) * up
         y = (a[:, None, :].float() * self.w2[ids].float()).sum(-1)  # [N, H]
         return torch.where((expert_ids >= 0)[:, None], y * weights[:, None], 0.0).to(x.dtype)
+
+
+def _placed(x: torch.Tensor, y: torch.Tensor, mine: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y [R, H] (rows mine of N, in group order) times their weights, put back in row order [N, H]; others 0."""
+    out = x.new_zeros(weights.shape[0], x.shape[1])
+    if mine.numel():
+        out[mine] = _times_weights(y, weights[mine])
+    return out
 
 
 def _times_weights(y: torch.Tensor, weights: torch.Tensor, block: int = 128) -> torch.Tensor:
