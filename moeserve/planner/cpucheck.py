@@ -237,19 +237,21 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
             ids = [(7 * i + j) % 31000 + 2 for j in range(prompt_len)]
             eng.add_request(EngineCoreRequest(f"b{b}-{i}", ids, params, []))
         eng.step()  # prefill
-        guard_ms = 0.0
+        guard_ms, profiled = 0.0, None
         if eager:
             ops, gemms = count_ops(eng)
             counts = {"gemm": gemms, "op": ops - gemms}
         else:
             eng.step()  # the first decode step through the graphs: lazy state settles outside the count
-            counts = dict(cpucount.count_compiled_step(eng))
+            counts, profiled = cpucount.count_compiled_step(eng)
+            counts, profiled = dict(counts), {c: round(v, 3) for c, v in profiled.items()}
             guard_ms = 1e3 * cpucount.guard_seconds(eng, b)
         times = [_timed(eng.step) for _ in range(steps)]
         while eng.has_unfinished():
             eng.step()
         times.sort()
         rows.append({"batch": b, "context": prompt_len + 3 + steps / 2, "counts": counts, "guard_ms": guard_ms,
+                     "profiled_ms": profiled,
                      "ops_per_step": sum(counts.values()), "gemms_per_step": counts["gemm"],
                      "measured_ms": 1e3 * times[0], "measured_median_ms": round(1e3 * times[len(times) // 2], 3)})
     return rows
@@ -305,6 +307,9 @@ def format_report(res: dict) -> str:
             if r["guard_ms"]:
                 parts.append(f"guards {r['guard_ms']:.2f}")
             lines.append(f"  batch {r['batch']} overhead ms: " + ", ".join(parts))
+        if r.get("profiled_ms"):
+            lines.append(f"  batch {r['batch']} profiled step ms (diagnostic, +~1 us per event): "
+                         + ", ".join(f"{c} {v:.2f}" for c, v in r["profiled_ms"].items()))
     if not res["measured"]:
         lines.append("(run with --measure to time the engine and report the error)")
     return "\n".join(lines)

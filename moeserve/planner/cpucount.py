@@ -41,24 +41,61 @@ def classify(events) -> Counter:
     when it converts nothing; one that copies shows an aten::_to_copy child."""
     counts = Counter({c: 0 for c in CLASSES})
     for e in events:
-        if e.name == GRAPH_ENTRY:
-            counts["graph"] += 1
-            continue
-        m = _OP.match(e.name)
-        if not m:
-            continue
-        ns, op = m.groups()
-        if ns == "moeserve":
-            counts["opaque"] += 1
-            continue
-        outer = _enclosing_op(e)
-        if outer is not None and not outer.name.startswith("moeserve::"):
-            continue
-        if op == "to":
-            counts["op" if any(c.name == "aten::_to_copy" for c in e.cpu_children) else "view"] += 1
-        else:
-            counts["gemm" if op in GEMM_OPS else "view" if op in VIEW_OPS else "op"] += 1
+        c = event_class(e)
+        if c:
+            counts[c] += 1
     return counts
+
+
+def event_class(e) -> str | None:
+    """The class an event is counted in (classify), None when it is not counted on its own."""
+    if e.name == GRAPH_ENTRY:
+        return "graph"
+    m = _OP.match(e.name)
+    if not m:
+        return None
+    ns, op = m.groups()
+    if ns == "moeserve":
+        return "opaque"
+    outer = _enclosing_op(e)
+    if outer is not None and not outer.name.startswith("moeserve::"):
+        return None
+    if op == "to":
+        return "op" if any(c.name == "aten::_to_copy" for c in e.cpu_children) else "view"
+    return "gemm" if op in GEMM_OPS else "view" if op in VIEW_OPS else "op"
+
+
+def profiled_ms(events) -> dict:
+    """Where the profiled step's time went, per class (a diagnostic beside the prediction, never an input to
+    it; the profiler adds ~1 us per event): counted ops their whole time; `graph` the lookups and whatever
+    of the graph entries is not a counted op (wrappers, fused kernels); `opaque` what our ops spend outside
+    the ops they issue (their Python); `python` the step's time outside every event (engine Python)."""
+    out = dict.fromkeys(CLASSES[:1] + CLASSES[2:] + ("python",), 0.0)
+    roots = []
+    for e in events:
+        if e.cpu_parent is None:
+            roots.append(e)
+        c = event_class(e)
+        if c in ("gemm", "view", "op"):
+            out[c] += e.cpu_time_total
+        elif c == "graph":
+            out["graph"] += e.cpu_time_total
+        elif c == "opaque":
+            out["opaque"] += e.cpu_time_total - _counted_inside(e)
+        elif e.name.startswith("Torch-Compiled Region"):
+            out["graph"] += e.cpu_time_total - _counted_inside(e)
+    if roots:
+        span = max(e.time_range.end for e in roots) - min(e.time_range.start for e in roots)
+        out["python"] = span - sum(e.cpu_time_total for e in roots)
+    return {c: v / 1e3 for c, v in out.items()}
+
+
+def _counted_inside(e) -> float:
+    """Time of the counted events (opaque ones whole) directly or indirectly inside e."""
+    total = 0.0
+    for c in e.cpu_children:
+        total += c.cpu_time_total if event_class(c) else _counted_inside(c)
+    return total
 
 
 def _enclosing_op(e):
@@ -68,8 +105,9 @@ def _enclosing_op(e):
     return parent
 
 
-def count_compiled_step(engine) -> Counter:
-    """Counts per class of one engine step (runs the step), which must be a decode step through the graphs."""
+def count_compiled_step(engine) -> tuple[Counter, dict]:
+    """(counts per class, profiled ms per class) of one engine step (runs the step), which must be a decode
+    step through the graphs."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs = engine.runner.decode_graphs
@@ -78,9 +116,10 @@ def count_compiled_step(engine) -> Counter:
     with capturing_kernels() as kernels, profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
     assert graphs.steps == before + 1, "the step did not go through the decode graphs"
-    counts = classify(prof.events())
+    events = prof.events()
+    counts = classify(events)
     counts["kernel"] = len(kernels)
-    return counts
+    return counts, profiled_ms(events)
 
 
 class capturing_kernels:
