@@ -10,8 +10,8 @@ prediction is the planner's own cost model on a one-card "device" built from tho
 since decode reads its bytes through GEMMs) plus, per class of what one decode step runs, calls x the
 measured cost of one call. The compiled step (the engine's default) is counted from a profile of one real
 step (planner/cpucount.py: graph entries, fused kernels, calls of our opaque ops, GEMMs, views, other ops),
-its guard evaluation timed on the graphs' own guards, and the per-call costs come from microbenchmarks here
-(a trivial compiled graph's entry and kernel, a trivial custom op, a mix of views); the eager step (--eager)
+dynamo's cache lookup before each graph timed on the engine's own layers, and the per-call costs come from
+microbenchmarks here (a trivial compiled graph's run and kernel, a trivial custom op, a mix of views); the eager step (--eager)
 is counted by a dispatch mode (GEMM calls, every other op at the small-op cost). The counts are structural,
 not timings: nothing is fitted to the measured step.
 Measured side: engine step times of decode-only steps on the bench model (moeserve/bench_model.py). The
@@ -117,26 +117,31 @@ def measure_view_cost(reps: int = 200) -> float:
         return min(_timed(lambda: [mix() for _ in range(reps)]) for _ in range(3)) / (8 * reps)
 
 
+def _trivial_graph(t):
+    return t * 2 + 1
+
+
 def measure_graph_costs(reps: int = 200) -> tuple[float, float]:
-    """(seconds per entry into a compiled graph, seconds per fused kernel call in it), on a trivial graph
-    compiled as the engine compiles its decode layers (inductor, fullgraph, static shapes, inference mode)
-    that runs one elementwise kernel: the kernel itself is timed by calling it directly with the arguments
-    the graph gave it; the rest of a call is the entry. Guard evaluation of the engine's graphs is timed on
-    their own guards (cpucount.guard_seconds), so this entry's own (trivial) guards stay in it."""
+    """(seconds per run of a compiled graph past its lookup, seconds per fused kernel call in it), on a
+    trivial graph compiled as the engine compiles its decode layers (inductor, fullgraph, static shapes,
+    inference mode) that runs one elementwise kernel: the graph's code is called without dynamo's lookup
+    (cpucount.without_lookup: the lookup of the engine's graphs is timed on them, cpucount.lookup_seconds),
+    and the kernel itself directly with the arguments the graph gave it."""
     import torch._dynamo
 
     x = torch.randn(4, 64).to(torch.bfloat16)
-    graph = torch.compile(lambda t: t * 2 + 1, fullgraph=True, dynamic=False)
+    graph = torch.compile(_trivial_graph, fullgraph=True, dynamic=False)
     torch._dynamo.config.recompile_limit += 1  # room for it beside the engine's graphs
     with torch.inference_mode():
         graph(x)
+        run = cpucount.without_lookup(_trivial_graph, (x,))
         with cpucount.capturing_kernels() as calls:
-            graph(x)
+            run(x)
         assert len(calls) == 1, f"expected one fused kernel, the graph ran {len(calls)}"
         fn, args = calls[0]
-        t_call = min(_timed(lambda: [graph(x) for _ in range(reps)]) for _ in range(3)) / reps
+        t_run = min(_timed(lambda: [run(x) for _ in range(reps)]) for _ in range(3)) / reps
         t_kernel = min(_timed(lambda: [fn(*args) for _ in range(reps)]) for _ in range(3)) / reps
-    return max(0.0, t_call - t_kernel), t_kernel
+    return max(0.0, t_run - t_kernel), t_kernel
 
 
 _PROBE = None
@@ -183,13 +188,13 @@ PRICES = {"graph": "graph_entry_us", "kernel": "kernel_us", "opaque": "opaque_ca
           "view": "view_us", "op": "op_cost_us"}
 
 
-def predict(prof: dict, batch: int, context: float, counts: dict | None = None, guard_ms: float = 0.0) -> dict:
+def predict(prof: dict, batch: int, context: float, counts: dict | None = None, lookup_ms: float = 0.0) -> dict:
     """Step time = the planner's cost model on this CPU (bytes / streaming bandwidth, FLOPs / rate) + each
-    counted class x its measured per-call cost + the step's measured guard evaluation (compiled step)."""
+    counted class x its measured per-call cost + the step's measured dynamo cache lookups (compiled step)."""
     m = load_model("moeserve-bench")
     by_class = {c: n * prof[PRICES[c]] * 1e-3 for c, n in (counts or {}).items()}
-    if guard_ms:
-        by_class["guards"] = guard_ms
+    if lookup_ms:
+        by_class["lookup"] = lookup_ms
     overhead_ms = sum(by_class.values())
     hw = cpu_hardware(prof, overhead_ms)
     st = decode_step(m, hw, Instance(cards=1, quantization="bf16"), batch, context)
@@ -218,7 +223,7 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
                    checkpoint: str | None = None, eager: bool = False) -> list[dict]:
     """Decode-step times of the CPU engine per batch size on checkpoint (default: the bench model), with what
     one step runs counted by class: compiled (the engine's default; cpucount.count_compiled_step, plus the
-    step's guard evaluation timed on the graphs' own guards) or eager (`eager`: count_ops's dispatch mode,
+    step's dynamo cache lookups timed on its own layers: cpucount.lookup_seconds) or eager (`eager`: count_ops's dispatch mode,
     every op at the small-op cost, GEMMs at the GEMM call cost; it cannot run inside compiled graphs)."""
     from moeserve.llm import LLM
     from moeserve.sampling_params import SamplingParams
@@ -237,7 +242,7 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
             ids = [(7 * i + j) % 31000 + 2 for j in range(prompt_len)]
             eng.add_request(EngineCoreRequest(f"b{b}-{i}", ids, params, []))
         eng.step()  # prefill
-        guard_ms, profiled = 0.0, None
+        lookup_ms, profiled = 0.0, None
         if eager:
             ops, gemms = count_ops(eng)
             counts = {"gemm": gemms, "op": ops - gemms}
@@ -245,12 +250,12 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
             eng.step()  # the first decode step through the graphs: lazy state settles outside the count
             counts, profiled = cpucount.count_compiled_step(eng)
             counts, profiled = dict(counts), {c: round(v, 3) for c, v in profiled.items()}
-            guard_ms = 1e3 * cpucount.guard_seconds(eng, b)
+            lookup_ms = 1e3 * cpucount.lookup_seconds(eng, b)
         times = [_timed(eng.step) for _ in range(steps)]
         while eng.has_unfinished():
             eng.step()
         times.sort()
-        rows.append({"batch": b, "context": prompt_len + 3 + steps / 2, "counts": counts, "guard_ms": guard_ms,
+        rows.append({"batch": b, "context": prompt_len + 3 + steps / 2, "counts": counts, "lookup_ms": lookup_ms,
                      "profiled_ms": profiled,
                      "ops_per_step": sum(counts.values()), "gemms_per_step": counts["gemm"],
                      "measured_ms": 1e3 * times[0], "measured_median_ms": round(1e3 * times[len(times) // 2], 3)})
@@ -261,10 +266,10 @@ def run_check(batches: list[int], measure: bool = False, threads: int | None = N
     prof = profile(threads)
     load = _load_average()
     rows = measure_engine(batches, eager=eager) if measure else [
-        {"batch": b, "context": 138.0, "counts": None, "guard_ms": 0.0, "ops_per_step": None,
+        {"batch": b, "context": 138.0, "counts": None, "lookup_ms": 0.0, "ops_per_step": None,
          "gemms_per_step": None, "measured_ms": None} for b in batches]
     for r in rows:
-        p = predict(prof, r["batch"], r["context"], r["counts"], r["guard_ms"])
+        p = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_ms"])
         r.update({"predicted_ms": round(p["step_ms"], 3), "predicted_roofline_ms": round(p["roofline_ms"], 3),
                   "predicted_overhead_ms": round(p["overhead_ms"], 3),
                   "by_class_ms": {c: round(v, 3) for c, v in p["by_class_ms"].items()}})
@@ -304,8 +309,8 @@ def format_report(res: dict) -> str:
         if r["counts"]:
             parts = [f"{c} {r['counts'][c]} x {p[PRICES[c]]:.1f} us = {r['by_class_ms'][c]:.2f}"
                      for c in cpucount.CLASSES if c in r["counts"]]
-            if r["guard_ms"]:
-                parts.append(f"guards {r['guard_ms']:.2f}")
+            if r["lookup_ms"]:
+                parts.append(f"lookup {r['lookup_ms']:.2f}")
             lines.append(f"  batch {r['batch']} overhead ms: " + ", ".join(parts))
         if r.get("profiled_ms"):
             lines.append(f"  batch {r['batch']} profiled step ms (diagnostic, +~1 us per event): "

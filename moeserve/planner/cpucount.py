@@ -3,7 +3,8 @@
 A dispatch mode cannot run inside compiled graphs, so the count comes from torch.profiler's event tree of
 one real compiled step, plus the inductor kernels (which the profiler does not see on CPU) counted by
 wrapping the loaded graphs' kernel functions for that step. Classes, each with its own per-call cost:
-- graph: graph entries (dynamo's cache lookup: guard evaluation, then the graph's wrappers);
+- graph: graph entries (the graph's wrappers past dynamo's cache lookup; the lookup itself, guard evaluation
+  over every weight a graph reads, is timed per step on the engine's own layers: lookup_seconds);
 - kernel: inductor's fused C++ kernels inside the graphs;
 - opaque: calls of our custom ops from a graph (layers/opaque.py, the packed linear's op);
 - gemm: GEMM calls (extern GEMMs in the graphs, those inside opaque ops and around the forward);
@@ -148,36 +149,48 @@ class capturing_kernels:
             setattr(mod, name, fn)
 
 
-def guard_seconds(engine, rows: int, repeats: int = 20) -> float:
-    """Seconds of dynamo guard evaluation per step at `rows` decode rows, timed on the engine's own graphs'
-    guards: for each layer in step order, its compiled entries are checked in cache order up to the first
-    that passes, as dynamo's lookup does (the guards test every weight a layer's graph reads). Best of
-    `repeats` per check."""
-    import torch
+def without_lookup(fn, args: tuple):
+    """The code dynamo runs for fn(*args) once its cache lookup has picked a compiled entry (the entry's
+    transformed bytecode, which calls the graph), as a plain function: timing it against fn itself gives
+    the lookup's cost (guard evaluation, torch.compile's wrapper) on a real call."""
+    import types
+
     import torch._dynamo.eval_frame as ef
 
+    code = fn.__code__
+    names = code.co_varnames[:code.co_argcount]
+    f_locals = dict(zip(names, args))
+    for entry in ef._debug_get_cache_entry_list(code):
+        if entry.guard_manager.check(f_locals):
+            return types.FunctionType(entry.code, fn.__globals__)
+    raise RuntimeError(f"no compiled entry of {fn.__name__} takes these arguments")
+
+
+def lookup_seconds(engine, rows: int, repeats: int = 20) -> float:
+    """Seconds per step that dynamo's cache lookup takes before the decode graphs run (guard evaluation over
+    every weight a layer's graph reads, torch.compile's wrapper), at `rows` decode rows: per layer, the best
+    compiled call minus the best call of the same graph without the lookup (without_lookup), on the engine's
+    own layers over padding rows (as its warm-up runs them: no metadata rows, nothing written)."""
+    import torch
+
     from moeserve.engine import compiled_decode
+    from moeserve.layers.attention.metadata import AttentionMetadata, attention_context
 
     graphs = engine.runner.decode_graphs
-    entries = ef._debug_get_cache_entry_list(compiled_decode._run_layer.__code__)
     body = graphs.model.model  # the decoder stack: embedding, then the layers the graphs run
-    b = graphs.bucket(rows)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [], None, engine.runner.kv_caches)
     total = 0.0
-    with torch.inference_mode():  # the engine's mode: its tensors are inference tensors, which guards check
-        pos = torch.zeros(b, dtype=torch.long)
+    with torch.inference_mode(), attention_context(meta):  # the engine's mode: guards check inference tensors
+        pos = torch.zeros(graphs.bucket(rows), dtype=torch.long)
         x = body.embed_tokens(pos)  # the layers' input: [bucket, hidden] in the model dtype
         for layer in body.layers:
-            f_locals = {"layer": layer, "x": x, "positions": pos}
-            for entry in entries:
-                best, ok = float("inf"), False
-                for _ in range(repeats):
+            args = (layer, x, pos)
+            direct = without_lookup(compiled_decode._run_layer, args)
+            best = [float("inf"), float("inf")]
+            for _ in range(repeats):  # interleaved, so both see the same machine
+                for i, fn in enumerate((graphs._layer, direct)):
                     t = time.perf_counter()
-                    ok = entry.guard_manager.check(f_locals)
-                    best = min(best, time.perf_counter() - t)
-                total += best
-                if ok:
-                    break
-            else:
-                raise RuntimeError("no compiled graph's guards pass for a decode layer call")
+                    fn(*args)
+                    best[i] = min(best[i], time.perf_counter() - t)
+            total += max(0.0, best[0] - best[1])
     return total
-

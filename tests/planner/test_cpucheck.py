@@ -20,12 +20,12 @@ def test_eager_prediction_is_roofline_plus_gemm_calls_and_ops():
     assert faster_read["roofline_ms"] == pytest.approx(p["roofline_ms"])
 
 
-def test_compiled_prediction_prices_each_class_and_the_guards():
+def test_compiled_prediction_prices_each_class_and_the_lookups():
     counts = {"graph": 8, "kernel": 100, "opaque": 24, "gemm": 110, "view": 500, "op": 300}
-    p = cpucheck.predict(PROF, batch=1, context=128, counts=counts, guard_ms=0.6)
-    # 8 x 20 + 100 x 1 + 24 x 3 + 110 x 30 + 500 x 1 + 300 x 10 us, + 0.6 ms of guard evaluation
+    p = cpucheck.predict(PROF, batch=1, context=128, counts=counts, lookup_ms=0.6)
+    # 8 x 20 + 100 x 1 + 24 x 3 + 110 x 30 + 500 x 1 + 300 x 10 us, + 0.6 ms of dynamo cache lookups
     assert p["by_class_ms"] == pytest.approx({"graph": 0.16, "kernel": 0.1, "opaque": 0.072, "gemm": 3.3,
-                                              "view": 0.5, "op": 3.0, "guards": 0.6})
+                                              "view": 0.5, "op": 3.0, "lookup": 0.6})
     assert p["overhead_ms"] == pytest.approx(7.732)
     assert p["step_ms"] == pytest.approx(p["roofline_ms"] + 7.732)
     assert p["roofline_ms"] == pytest.approx(cpucheck.predict(PROF, 1, 128)["roofline_ms"])
@@ -77,7 +77,7 @@ def test_profile_measures_positive_rates():
     prof = cpucheck.profile()
     assert prof["mem_bw_gbs"] > 0.1 and prof["gemm_bf16_gflops"] > 1 and prof["op_cost_us"] > 0
     assert prof["gemm_stream_gbs"] > 0.1 and prof["gemm_call_us"] >= 0
-    assert prof["view_us"] > 0 and prof["graph_entry_us"] > 0 and prof["kernel_us"] > 0
+    assert prof["view_us"] > 0 and prof["graph_entry_us"] >= 0 and prof["kernel_us"] > 0
     assert prof["opaque_call_us"] >= 0
 
 
@@ -115,8 +115,8 @@ print(json.dumps(rows))
     for row in compiled, eager:
         assert row["batch"] == 2 and row["measured_ms"] > 0 and row["gemms_per_step"] > 0
     c = compiled["counts"]
-    # one graph entry per decoder layer; fused kernels, our ops, the guards of the graphs timed
-    assert c["graph"] == 2 and c["kernel"] > 0 and c["opaque"] >= 2 and compiled["guard_ms"] > 0
-    assert set(eager["counts"]) == {"gemm", "op"} and eager["guard_ms"] == 0
+    # one graph entry per decoder layer; fused kernels, our ops; the lookups before the graphs timed
+    assert c["graph"] == 2 and c["kernel"] > 0 and c["opaque"] >= 2 and compiled["lookup_ms"] >= 0
+    assert set(eager["counts"]) == {"gemm", "op"} and eager["lookup_ms"] == 0
     # the graphs take most of the eager step's small ops
     assert c["op"] + c["view"] < eager["counts"]["op"]
