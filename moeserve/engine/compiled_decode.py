@@ -12,7 +12,7 @@ the sampling inputs are prepared outside, as for the eager path. Padding rows ha
 returns zeros for them and their outputs are dropped.
 
 Eager instead: prefill and mixed steps, decode steps past the largest bucket,
-FlashComm, --enable-dbo, expert-load recording (--expert-load-stats, --enable-eplb), and CUDA (where the
+FlashComm, --enable-dbo, and CUDA (where the
 same buckets are meant as CUDA graphs: not built yet). Every bucket is compiled at start-up (warm_up);
 --compilation-config cudagraph_capture_sizes picks the buckets. Inductor caches its compiled kernels on disk
 (TORCHINDUCTOR_CACHE_DIR, default ~/.cache/moeserve/inductor), so a later start only re-traces.
@@ -62,8 +62,6 @@ def why_eager(config, arch, device: torch.device) -> str | None:
         return "--flashcomm"
     if par.enable_dbo:
         return "--enable-dbo"
-    if par.expert_load_stats or par.enable_eplb:
-        return "expert-load recording (--expert-load-stats / --enable-eplb)"
     return None
 
 

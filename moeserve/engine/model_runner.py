@@ -81,7 +81,6 @@ class ModelRunner:
                                             lockstep=get_world_group().world_size > 1,
                                             num_speculative_tokens=config.speculative.num_speculative_tokens)
             self.checkpoint.mtp_weights.clear()  # copied into the MTP layer: free the memory
-        self.decode_graphs = self._build_decode_graphs()
         world = get_world_group()
         self.eplb = None  # --enable-eplb: built below, once the recorder exists
         self.load_recorder = (ExpertLoadRecorder(config.parallel.expert_load_stats, arch.n_routed_experts or 0,
@@ -89,13 +88,21 @@ class ModelRunner:
                               if config.parallel.expert_load_stats else None)
         if config.parallel.enable_eplb and self.moe_plan.layers:
             from moeserve.layers.moe.eplb_online import OnlineEPLB
-            from moeserve.layers.moe.layer import MoE
-            blocks = [m for m in self.model.modules() if isinstance(m, MoE)]
-            if self.proposer is not None:  # the MTP layer's MoE block is one more layer to balance
-                blocks += [m for m in self.proposer.mtp.modules() if isinstance(m, MoE)]
-            self.eplb = OnlineEPLB(blocks, arch.n_routed_experts, config.parallel.eplb_step_interval,
+            self.eplb = OnlineEPLB(self._moe_blocks(), arch.n_routed_experts, config.parallel.eplb_step_interval,
                                    self.load_recorder)
             self.load_recorder = self.eplb.recorder  # one recorder: the stats file's, or the in-memory one
+        if self.load_recorder is not None:  # before the decode graphs are traced: they record through an op
+            for block in self._moe_blocks():
+                block.records_load = True
+        self.decode_graphs = self._build_decode_graphs()
+
+    def _moe_blocks(self) -> list:
+        """The MoE blocks of the model and of the MTP layer (one more layer to balance and record)."""
+        from moeserve.layers.moe.layer import MoE
+        blocks = [m for m in self.model.modules() if isinstance(m, MoE)]
+        if self.proposer is not None:
+            blocks += [m for m in self.proposer.mtp.modules() if isinstance(m, MoE)]
+        return blocks
 
     def _build_decode_graphs(self) -> CompiledDecode | None:
         reason = why_eager(self.config, self.arch, self.kv_caches[0].device)

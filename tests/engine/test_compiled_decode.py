@@ -4,6 +4,8 @@ Every bucket is compiled at start-up with fullgraph=True, where a graph break is
 starts has traced all of them. The prompts' lengths differ so that the running batch shrinks step by step
 and lands on padded buckets; the 41-token prompt is prefilled in chunks (max_num_batched_tokens=32).
 """
+import json
+
 import pytest
 import torch
 
@@ -134,6 +136,42 @@ def test_compiled_decode_under_tensor_parallelism(ckpt_dir, layout):
     assert eager_steps == 0 and graph_steps > 0
 
 
+def test_compiled_decode_records_the_eager_expert_loads(ckpt_dir, tmp_path):
+    """--expert-load-stats: the graphs keep the routed part opaque and its op records the step's real rows
+    (not the bucket's padding): the counts and the tokens are the eager engine's."""
+    files = {}
+    for name, kw in (("eager", dict(enforce_eager=True)), ("compiled", {})):
+        files[name] = tmp_path / f"{name}.json"
+        llm = LLM(ckpt_dir("v3"), dtype="float32", expert_load_stats=str(files[name]), **ENGINE, **kw)
+        files[name + "_tokens"] = generate(llm)
+        llm.engine.runner.load_recorder.write()
+        if name == "compiled":
+            assert_graphs_ran(llm, [1, 2, 4, 8])
+    assert files["compiled_tokens"] == files["eager_tokens"]
+    eager, compiled = (json.loads(files[n].read_text()) for n in ("eager", "compiled"))
+    assert compiled["layers"] == eager["layers"] and sum(map(sum, eager["layers"].values())) > 0
+
+
+def test_compiled_decode_with_online_eplb(ckpt_dir):
+    """--enable-eplb with DP=2 x EP (rank processes over gloo), rebalancing every 2 steps: experts move while
+    the ranks decode through their graphs (the op maps to slots with the current map), the tokens are the
+    eager engine's."""
+    base = dict(dtype="float32", data_parallel_size=2, enable_expert_parallel=True, num_redundant_experts=2,
+                enable_eplb=True, eplb_step_interval=2, distributed_timeout=60, **ENGINE)
+
+    def run(**kw):
+        llm = LLM(ckpt_dir("v3"), **base, **kw)
+        try:
+            return generate(llm), llm.engine.stats()
+        finally:
+            llm.shutdown()
+
+    want, eager = run(enforce_eager=True)
+    got, compiled = run()
+    assert got == want
+    assert compiled.eplb_experts_moved > 0 and compiled.num_graph_steps > 0 and eager.num_graph_steps == 0
+
+
 def test_eager_reasons(ckpt_dir):
     """--enforce-eager, -O 0 and the layouts whose collectives are not in the graph say why they run eagerly."""
     import torch
@@ -150,7 +188,7 @@ def test_eager_reasons(ckpt_dir):
     assert reason(compilation_config="0") == "--enforce-eager"
     assert reason(tensor_parallel_size=2) is None  # its collectives are opaque ops in the graphs
     assert reason(enable_dbo=True, data_parallel_size=2, enable_expert_parallel=True) == "--enable-dbo"
-    assert "expert-load" in reason(expert_load_stats="/tmp/x.json")
+    assert reason(expert_load_stats="/tmp/x.json") is None  # recorded inside the graphs' routed op
     assert why_eager(EngineArgs(model=ckpt_dir("v3")).create_config(4096), None, torch.device("meta"))
     assert LLM(ckpt_dir("v3"), dtype="float32", enforce_eager=True).engine.runner.decode_graphs is None
 

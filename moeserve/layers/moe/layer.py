@@ -12,6 +12,7 @@ from torch import nn
 from moeserve.distributed.comm import timed
 from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_ep_group, get_ep_hierarchy, get_tp_group
+from moeserve.layers.attention.metadata import get_attention_metadata
 from moeserve.layers.mlp import DenseMLP
 from moeserve.layers import opaque
 from moeserve.layers.moe.dispatch import LocalDispatcher, make_codec, make_dispatcher
@@ -62,11 +63,15 @@ class MoE(nn.Module):
         rank the shared MLP (a property: quantization may replace self.experts after construction)."""
         return SharedExpertsAsSlot(self.shared_experts) if self.placement.holds_shared else self.experts
 
+    # Expert-load recording (--expert-load-stats, --enable-eplb) is on: a compiled graph then keeps the routed
+    # part opaque, where the op records the loads and maps them to slots eagerly (the map moves with EPLB)
+    records_load = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             if self.tp.world_size > 1:  # row shares and the TP gather: the whole block is one opaque op
                 return torch.ops.moeserve.moe_block(x, self.op_key)
-            if not self.routed_traceable():
+            if self.records_load or not self.routed_traceable():
                 return self._forward_opaque(x)
         return self.eager_block(x)
 
@@ -82,15 +87,25 @@ class MoE(nn.Module):
         """The compiled graph's MoE block when the routed part is an opaque op (layers/opaque.py): router and
         (single-rank) shared experts in the graph, dispatch -> experts -> combine in the op. One TP rank."""
         weights, expert_ids = self.gate(x)
-        out = torch.ops.moeserve.moe_routed(x, weights, self.expert_map.to_physical(expert_ids), self.op_key)
+        if self.records_load:  # logical ids into the op: it records them and maps them to slots
+            out = torch.ops.moeserve.moe_routed(x, weights, expert_ids, self.op_key, logical=True)
+        else:
+            out = torch.ops.moeserve.moe_routed(x, weights, self.expert_map.to_physical(expert_ids), self.op_key)
         if self.local_shared is not None and isinstance(self.dispatcher, LocalDispatcher):
             out = out + self.local_shared(x)
         return out
 
-    def routed_eager(self, rows: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor) -> torch.Tensor:
+    def routed_eager(self, rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     logical: bool = False) -> torch.Tensor:
         """moe_routed's body: as start/middle/finish without the router. With a transfer in flight the shared
-        experts run under it here, as in middle()."""
-        handle = self._dispatch(self.dispatcher, rows, weights, phys_ids)
+        experts run under it here, as in middle(). logical: ids are the router's, recorded (the step's real
+        rows only: a graph pads its bucket) and mapped to slots here."""
+        if logical:
+            recorder = current_recorder()
+            if recorder is not None:
+                recorder.record(self.layer_idx, ids[: get_attention_metadata().slot_mapping.shape[0]])
+            ids = self.expert_map.to_physical(ids)
+        handle = self._dispatch(self.dispatcher, rows, weights, ids)
         shared = None
         if self.local_shared is not None and not isinstance(self.dispatcher, LocalDispatcher):
             with timed("shared_experts"):
