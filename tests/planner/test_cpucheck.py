@@ -1,5 +1,7 @@
 """The CPU check: the planner's cost model on a device built from a CPU profile, plus what one decode step
 runs (counted by class: planner/cpucount.py) at measured per-call costs."""
+from types import SimpleNamespace
+
 import pytest
 
 from moeserve.planner import cpucheck, cpucount
@@ -32,10 +34,12 @@ def test_compiled_prediction_prices_each_class_and_the_lookups():
 
 
 class Ev:
-    """A profiler event as classify reads it."""
+    """A profiler event as classify and profiled_ms read it (times in us)."""
 
-    def __init__(self, name, *children):
+    def __init__(self, name, *children, total=0.0, start=0.0):
         self.name, self.cpu_parent, self.cpu_children = name, None, list(children)
+        self.cpu_time_total = total
+        self.time_range = SimpleNamespace(start=start, end=start + total)
         for c in children:
             c.cpu_parent = self
 
@@ -64,6 +68,20 @@ def test_classify_counts_outermost_ops_and_the_insides_of_ours():
     events = [e for r in roots for e in r.walk()]
     counts = cpucount.classify(events)
     assert counts == {"graph": 1, "kernel": 0, "opaque": 2, "gemm": 4, "view": 3, "op": 3}
+
+
+def test_profiled_breakdown_splits_the_step_by_class():
+    roots = [
+        Ev("TorchDynamo Cache Lookup", total=100, start=0),
+        Ev("Torch-Compiled Region: 0/1", Ev("## Call CompiledFxGraph f0 ##",
+           Ev("moeserve::mla_attention", Ev("aten::bmm", total=150), Ev("aten::view", total=1), total=400),
+           Ev("aten::mm", total=50), total=950), total=1000, start=100),
+        Ev("aten::argmax", total=80, start=1200),  # 100 us of Python before it, outside every event
+    ]
+    got = cpucount.profiled_ms([e for r in roots for e in r.walk()])
+    # graph: the lookup + the region less the counted ops in it (our op whole, the mm); our op: less its ops
+    assert got == pytest.approx({"graph": (100 + 1000 - 400 - 50) / 1e3, "opaque": (400 - 150 - 1) / 1e3,
+                                 "gemm": 0.2, "view": 0.001, "op": 0.08, "python": 0.1})
 
 
 def test_faster_profile_predicts_faster():
