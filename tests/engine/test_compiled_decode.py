@@ -152,6 +152,26 @@ def test_compiled_decode_records_the_eager_expert_loads(ckpt_dir, tmp_path):
     assert compiled["layers"] == eager["layers"] and sum(map(sum, eager["layers"].values())) > 0
 
 
+def test_compiled_decode_under_tp2_records_the_eager_expert_loads(ckpt_dir, tmp_path):
+    """TP=2: each rank records its share of the rows inside the MoE block's op, the bucket's padding left out
+    of the shares: the rank files add up to the eager engine's."""
+    from moeserve.layers.moe.load_stats import read_loads
+
+    loads, tokens = {}, {}
+    for name, kw in (("eager", dict(enforce_eager=True)), ("compiled", {})):
+        path = tmp_path / f"{name}.json"
+        llm = LLM(ckpt_dir("v3"), dtype="float32", tensor_parallel_size=2, expert_load_stats=str(path),
+                  distributed_timeout=60, **ENGINE, **kw)
+        try:
+            tokens[name] = generate(llm)
+            steps = llm.engine.stats().num_graph_steps
+        finally:
+            llm.shutdown()  # ranks write their final counts on the way out
+        assert (steps > 0) == (name == "compiled")
+        loads[name] = read_loads([f"{path}.rank0", f"{path}.rank1"])
+    assert tokens["compiled"] == tokens["eager"] and loads["compiled"] == loads["eager"]
+
+
 def test_compiled_decode_with_online_eplb(ckpt_dir):
     """--enable-eplb with DP=2 x EP (rank processes over gloo), rebalancing every 2 steps: experts move while
     the ranks decode through their graphs (the op maps to slots with the current map), the tokens are the

@@ -103,7 +103,7 @@ class MoE(nn.Module):
         if logical:
             recorder = current_recorder()
             if recorder is not None:
-                recorder.record(self.layer_idx, ids[: get_attention_metadata().slot_mapping.shape[0]])
+                recorder.record(self.layer_idx, ids[: self._own_rows(rows.shape[0], rows.shape[0], False)])
             ids = self.expert_map.to_physical(ids)
         handle = self._dispatch(self.dispatcher, rows, weights, ids)
         shared = None
@@ -112,6 +112,19 @@ class MoE(nn.Module):
                 shared = self.local_shared(rows)
         out = self.dispatcher.combine_finish(self.dispatcher.combine_start(handle, self.expert_compute))
         return out if shared is None else out + shared
+
+    def _own_rows(self, total: int, share: int, sharded: bool) -> int:
+        """How many of this rank's `share` rows (of the block's `total`) are the step's own tokens: a compiled
+        graph pads its bucket past them (the padding rows are last), which load statistics must not count."""
+        meta = get_attention_metadata()
+        real = total if meta is None else meta.slot_mapping.shape[0]
+        if real >= total:
+            return share
+        start = 0
+        if sharded:  # tensor_split's share of this TP rank
+            w, r = self.tp.world_size, self.tp.rank
+            start = r * (total // w) + min(r, total % w)
+        return max(0, min(real - start, share))
 
     def _dispatch(self, dispatcher, rows: torch.Tensor, weights: torch.Tensor, phys_ids: torch.Tensor):
         """Start sending the (token, expert) pairs; with --shared-expert-ranks each token's shared-expert row
@@ -131,7 +144,7 @@ class MoE(nn.Module):
             weights, expert_ids = self.gate(rows)  # [T_tp, k] float32, logical ids
             recorder = current_recorder()
             if recorder is not None:  # --expert-load-stats: logical loads, before replicas split them
-                recorder.record(self.layer_idx, expert_ids)
+                recorder.record(self.layer_idx, expert_ids[: self._own_rows(x.shape[0], rows.shape[0], sharded)])
             phys_ids = self.expert_map.to_physical(expert_ids)  # [T_tp, k] physical slots
         dispatcher = self.dispatchers[min(micro_batch, len(self.dispatchers) - 1)]
         return rows, sharded, dispatcher, self._dispatch(dispatcher, rows, weights, phys_ids)
