@@ -83,23 +83,35 @@ def warm_up_quantizer(width: int, dtype: torch.dtype) -> None:
     logger.info("prefill INT8 quantizer compiled in %.1f s", time.perf_counter() - start)
 
 
-def warm_up_expert_epilogue(hidden: int, intermediate: int, top_k: int, dtype: torch.dtype, a8w8: bool) -> None:
+def warm_up_expert_epilogue(model: torch.nn.Module, dtype: torch.dtype, top_k: int) -> None:
     """Switch the routed experts' passes around their GEMMs at prefill sizes to their kernels
-    (layers/moe/expert_epilogue.py) and compile them now for this model's shapes and dtypes, instead of in the
-    first request's prefill. Process-wide, like warm_up_quantizer."""
+    (layers/moe/expert_epilogue.py) and compile now the ones this model's experts take, for its shapes and
+    dtypes, instead of in the first request's prefill. Process-wide, like warm_up_quantizer. Experts on
+    zentorch or without packed copies take none: nothing is compiled for them."""
     from moeserve.layers.moe import expert_epilogue
+    from moeserve.layers.moe.experts import FusedExperts
+    from moeserve.layers.quant import Int8FusedExperts
 
+    combine, swiglu = set(), set()  # (expert output dtype, hidden); SwiGLU widths
+    for m in model.modules():
+        if type(m) is FusedExperts and m.packed is not None and not m.zen:
+            combine.add((m.w13.dtype, m.w13.shape[-1]))
+        elif isinstance(m, Int8FusedExperts) and not m.zen:  # INT8 experts hand over float32 sums
+            combine.add((torch.float32, m.w13.shape[-1]))
+            swiglu.add(m.intermediate)
+    if not combine:
+        return
     expert_epilogue.enable()
     start = time.perf_counter()
     tokens = -(-expert_epilogue.MIN_ROWS // top_k)
     rows = tokens * top_k
-    mine = torch.arange(rows)
     with torch.inference_mode():
-        for y_dtype in ((torch.float32,) if a8w8 else (dtype,)):  # INT8 experts hand over float32 sums
-            expert_epilogue.combine(torch.zeros(rows, hidden, dtype=y_dtype), torch.ones(rows), mine,
+        for y_dtype, hidden in combine:
+            expert_epilogue.combine(torch.zeros(rows, hidden, dtype=y_dtype), torch.ones(rows), torch.arange(rows),
                                     tokens, top_k, dtype)
-        if a8w8:
-            expert_epilogue.swiglu_quant(torch.ones(rows, 2 * intermediate), torch.ones(rows, 1), intermediate)
+        for width in swiglu:
+            if expert_epilogue.swiglu_quant_for(rows, width):
+                expert_epilogue.swiglu_quant(torch.ones(rows, 2 * width), torch.ones(rows, 1), width)
     logger.info("prefill expert epilogue compiled in %.1f s", time.perf_counter() - start)
 
 

@@ -120,8 +120,7 @@ class ModelRunner:
         if self.config.quant.method == "a8w8":  # prefill's INT8 activation quantization as one kernel too
             warm_up_quantizer(self.arch.hidden_size, self.dtype)
         if self.arch.n_routed_experts:  # and the routed experts' passes around their GEMMs
-            warm_up_expert_epilogue(self.arch.hidden_size, self.arch.moe_intermediate_size,
-                                    self.arch.num_experts_per_tok, self.dtype, self.config.quant.method == "a8w8")
+            warm_up_expert_epilogue(self.model, self.dtype, self.arch.num_experts_per_tok)
         return graphs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

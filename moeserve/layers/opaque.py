@@ -54,17 +54,15 @@ def _(q_nope: torch.Tensor, q_pe: torch.Tensor, new_kv: torch.Tensor, w_uv_t: to
 
 
 @torch.library.custom_op("moeserve::moe_routed", mutates_args=())
-def moe_routed(rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, key: torch.Tensor,
-               logical: bool = False) -> torch.Tensor:
-    """rows [T, H], routing weights / physical slots [T, k] -> [T, H]: MoE.routed_eager (dispatch, experts,
-    combine; with the shared experts inside when a transfer is in flight to hide them under). logical: ids
-    are the router's logical experts, recorded for the expert-load statistics and mapped to slots inside."""
-    return _module(key).routed_eager(rows, weights, ids, logical)
+def moe_routed(rows: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """rows [T, H], routing weights / the router's logical experts [T, k] -> [T, H]: MoE.routed_eager (load
+    recording, the expert map, dispatch, experts, combine; with the shared experts inside when a transfer is
+    in flight to hide them under)."""
+    return _module(key).routed_eager(rows, weights, expert_ids)
 
 
 @moe_routed.register_fake
-def _(rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, key: torch.Tensor,
-      logical: bool = False) -> torch.Tensor:
+def _(rows: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(rows)
 
 

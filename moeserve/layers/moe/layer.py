@@ -87,24 +87,16 @@ class MoE(nn.Module):
         """The compiled graph's MoE block when the routed part is an opaque op (layers/opaque.py): router and
         (single-rank) shared experts in the graph, dispatch -> experts -> combine in the op. One TP rank."""
         weights, expert_ids = self.gate(x)
-        if self.records_load:  # logical ids into the op: it records them and maps them to slots
-            out = torch.ops.moeserve.moe_routed(x, weights, expert_ids, self.op_key, logical=True)
-        else:
-            out = torch.ops.moeserve.moe_routed(x, weights, self.expert_map.to_physical(expert_ids), self.op_key)
+        out = torch.ops.moeserve.moe_routed(x, weights, expert_ids, self.op_key)
         if self.local_shared is not None and isinstance(self.dispatcher, LocalDispatcher):
             out = out + self.local_shared(x)
         return out
 
-    def routed_eager(self, rows: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                     logical: bool = False) -> torch.Tensor:
+    def routed_eager(self, rows: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """moe_routed's body: as start/middle/finish without the router. With a transfer in flight the shared
-        experts run under it here, as in middle(). logical: ids are the router's, recorded (the step's real
-        rows only: a graph pads its bucket) and mapped to slots here."""
-        if logical:
-            recorder = current_recorder()
-            if recorder is not None:
-                recorder.record(self.layer_idx, ids[: self._own_rows(rows.shape[0], rows.shape[0], False)])
-            ids = self.expert_map.to_physical(ids)
+        experts run under it here, as in middle(). The router's logical ids are recorded and mapped to slots
+        here, with the layer's current map (online EPLB moves experts under a compiled graph)."""
+        ids = self._to_slots(expert_ids, rows.shape[0], rows.shape[0], False)
         handle = self._dispatch(self.dispatcher, rows, weights, ids)
         shared = None
         if self.local_shared is not None and not isinstance(self.dispatcher, LocalDispatcher):
@@ -112,6 +104,14 @@ class MoE(nn.Module):
                 shared = self.local_shared(rows)
         out = self.dispatcher.combine_finish(self.dispatcher.combine_start(handle, self.expert_compute))
         return out if shared is None else out + shared
+
+    def _to_slots(self, expert_ids: torch.Tensor, total: int, share: int, sharded: bool) -> torch.Tensor:
+        """The router's logical ids [share, k] -> physical slots; with --expert-load-stats / --enable-eplb they
+        are recorded first (logical loads, before replicas split them; the step's own rows only)."""
+        recorder = current_recorder()
+        if recorder is not None:
+            recorder.record(self.layer_idx, expert_ids[: self._own_rows(total, share, sharded)])
+        return self.expert_map.to_physical(expert_ids)
 
     def _own_rows(self, total: int, share: int, sharded: bool) -> int:
         """How many of this rank's `share` rows (of the block's `total`) are the step's own tokens: a compiled
@@ -142,10 +142,7 @@ class MoE(nn.Module):
         rows = x.tensor_split(self.tp.world_size)[self.tp.rank] if sharded else x  # [T_tp, H]
         with timed("router"):
             weights, expert_ids = self.gate(rows)  # [T_tp, k] float32, logical ids
-            recorder = current_recorder()
-            if recorder is not None:  # --expert-load-stats: logical loads, before replicas split them
-                recorder.record(self.layer_idx, expert_ids[: self._own_rows(x.shape[0], rows.shape[0], sharded)])
-            phys_ids = self.expert_map.to_physical(expert_ids)  # [T_tp, k] physical slots
+            phys_ids = self._to_slots(expert_ids, x.shape[0], rows.shape[0], sharded)  # [T_tp, k] physical slots
         dispatcher = self.dispatchers[min(micro_batch, len(self.dispatchers) - 1)]
         return rows, sharded, dispatcher, self._dispatch(dispatcher, rows, weights, phys_ids)
 
