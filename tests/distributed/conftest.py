@@ -1,14 +1,23 @@
 """Fixtures shared by the multi-rank engine tests (test_dp_engine.py, test_elastic_ep*.py): the tiny V3
-checkpoint and the single-process engine's greedy tokens for the requesting module's PROMPTS and GREEDY (a
+checkpoint (also in FP8) and the single-process engine's greedy tokens for the requesting module's PROMPTS and GREEDY (a
 module that defines its own `path` or `reference` overrides these)."""
 import pytest
 
 from moeserve import LLM
+from tests.quant.test_loading import _write_fp8
 
 
 @pytest.fixture(scope="module")
 def path(ckpt_dir):
     return ckpt_dir("v3")
+
+
+@pytest.fixture(scope="module")
+def fp8_path(ckpt_dir, tmp_path_factory):
+    """The tiny V3 checkpoint with its weights in FP8 (e4m3 + 128x128 block scales), as DeepSeek ships V3."""
+    path = str(tmp_path_factory.mktemp("fp8") / "v3")
+    _write_fp8(ckpt_dir("v3"), path)
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,6 @@ from moeserve import LLM
 from moeserve.engine.elastic import TEST_HANG_ENV
 from tests.distributed.test_elastic_ep import PROMPTS, generate, kill_mid_decode
 from tests.distributed.test_elastic_ep_peer import JOINED
-from tests.quant.test_loading import _write_fp8
-
-
-@pytest.fixture(scope="module")
-def fp8_path(ckpt_dir, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("fp8") / "v3")
-    _write_fp8(ckpt_dir("v3"), path)
-    return path
 
 
 def _joins(capfd) -> list[tuple[int, ...]]:

@@ -8,18 +8,24 @@ import pytest
 from moeserve import LLM
 from tests.distributed.test_elastic_ep import generate, kill_mid_decode
 from tests.distributed.test_elastic_ep_replace import BUILT, wait_for_full_group
-from tests.quant.test_loading import _write_fp8
 
 
-@pytest.fixture(scope="module")
-def fp8_path(ckpt_dir, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("fp8") / "v3")
-    _write_fp8(ckpt_dir("v3"), path)
-    return path
-
-
-def _built(capfd) -> list[tuple[int, ...]]:
-    return [tuple(map(int, m.groups())) for m in BUILT.finditer(capfd.readouterr().err)]
+def _replace_one(llm, capfd, lost: int, ranks: int, want, slots: list[int] | None = None) -> tuple[int, int, int]:
+    """Kill rank `lost` mid-decode (the tokens are `want`), wait for the spare to bring the group back to
+    `ranks` (in process slots `slots` when given), serve again (`want` again), shut down; the one join line's
+    (slots received from peers, slots from the host copy, checkpoint expert tensors read). The spare is rank
+    ranks - 1 of epoch 1."""
+    try:
+        assert kill_mid_decode(llm.engine, lost) == want
+        wait_for_full_group(llm.engine, ranks)
+        if slots is not None:
+            assert llm.engine.slots == slots
+        assert generate(llm) == want
+    finally:
+        llm.shutdown()
+    built = [tuple(map(int, m.groups())) for m in BUILT.finditer(capfd.readouterr().err)]
+    assert [(epoch, rank) for epoch, rank, *_ in built] == [(1, ranks - 1)], built
+    return built[0][2:]
 
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "a8w8"),
@@ -35,18 +41,9 @@ def test_replacement_receives_the_experts_the_survivors_hold(path, fp8_path, cap
     want = generate(LLM(model, dtype=dtype, enforce_eager=True, **kw))
     llm = LLM(model, dtype=dtype, data_parallel_size=4, enable_expert_parallel=True, enable_elastic_ep=True,
               num_redundant_experts=8, distributed_timeout=60, elastic_ep_replace=True, enforce_eager=True, **kw)
-    try:
-        assert llm.config.quant.method == quant
-        assert kill_mid_decode(llm.engine, 3) == want
-        wait_for_full_group(llm.engine, 4)
-        assert llm.engine.slots == [0, 1, 2, 4]
-        assert generate(llm) == want
-    finally:
-        llm.shutdown()
-    built = _built(capfd)
-    assert [(epoch, rank) for epoch, rank, *_ in built] == [(1, 3)], built
-    (_, _, got, hosted, read), = built
-    assert (got > 0, hosted, read) == (True, 0, 0), built
+    got, hosted, read = _replace_one(llm, capfd, lost=3, ranks=4, want=want, slots=[0, 1, 2, 4])
+    assert llm.config.quant.method == quant
+    assert (got > 0, hosted, read) == (True, 0, 0)
 
 
 @pytest.mark.parametrize("quant", [None, "a8w8"])
@@ -58,13 +55,5 @@ def test_replacement_takes_the_lost_experts_from_the_host_copy(path, capfd, quan
     llm = LLM(path, dtype="float32", data_parallel_size=3, enable_expert_parallel=True, enable_elastic_ep=True,
               num_redundant_experts=1, distributed_timeout=60, elastic_ep_replace=True, elastic_ep_host_copy=True,
               **kw)
-    try:
-        assert kill_mid_decode(llm.engine, 1) == want
-        wait_for_full_group(llm.engine, 3)
-        assert generate(llm) == want
-    finally:
-        llm.shutdown()
-    built = _built(capfd)
-    assert [(epoch, rank) for epoch, rank, *_ in built] == [(1, 2)], built
-    (_, _, got, hosted, read), = built
-    assert (got, hosted > 0, read) == (0, True, 0), built
+    got, hosted, read = _replace_one(llm, capfd, lost=1, ranks=3, want=want)
+    assert (got, hosted > 0, read) == (0, True, 0)

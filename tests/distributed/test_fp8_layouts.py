@@ -3,7 +3,6 @@ an unaligned slice (the tiny model's dims are below 128); greedy tokens match th
 import pytest
 
 from moeserve import LLM, SamplingParams
-from tests.quant.test_loading import _write_fp8
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12, 7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -11,13 +10,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 def tokens(llm):
     return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-
-
-@pytest.fixture(scope="module")
-def fp8_path(ckpt_dir, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("fp8") / "v3")
-    _write_fp8(ckpt_dir("v3"), path)
-    return path
 
 
 @pytest.mark.parametrize("layout", [
