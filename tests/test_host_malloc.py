@@ -14,19 +14,21 @@ import resource, sys, torch
 from moeserve import host_malloc
 torch.set_num_threads(1)  # the buffers in the main thread's heap
 print("raised", host_malloc.keep_freed_memory())
-def once():
+def faults_of_one_buffer():
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = torch.empty(64 << 20, dtype=torch.uint8)  # 64 MiB: above glibc's largest dynamic mmap threshold
     t.fill_(1)  # touch every page
     del t
-for _ in range(5):  # the heap grows to hold the buffer beside what the interpreter allocates meanwhile
-    once()
-f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
-    once()
-print("faults", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-"""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+print("faults", ",".join(str(faults_of_one_buffer()) for _ in range(ROUNDS)))
+""".replace("ROUNDS", "30")
 
 PAGES = (64 << 20) // 4096
+
+
+def _buffers_faulted_in(out: dict[str, str]) -> int:
+    """How many of the 30 buffers page-faulted their memory in (most of their 16384 pages)."""
+    return sum(int(n) > PAGES // 2 for n in out["faults"].split(","))
 
 
 def _run(code: str, **env) -> dict[str, str]:
@@ -39,13 +41,15 @@ def _run(code: str, **env) -> dict[str, str]:
 def test_raised_thresholds_reuse_freed_memory():
     on = _run(FAULTS)
     assert on["raised"] == "True"
-    assert int(on["faults"]) < PAGES  # ten 64 MiB buffers, not one of them faulted in again
+    # The heap grows a few times first: what the interpreter allocates between two buffers can sit in the
+    # freed chunk (seen: 1 to 7 growths, varying run to run). Then every buffer reuses freed memory.
+    assert _buffers_faulted_in(on) <= 10
 
 
 def test_switched_off_each_buffer_faults_again():
     off = _run(FAULTS, MOESERVE_MALLOC_TUNING="0")
     assert off["raised"] == "False"
-    assert int(off["faults"]) > 5 * PAGES  # the control: glibc's defaults map and fault every buffer anew
+    assert _buffers_faulted_in(off) == 30  # the control: glibc's defaults map and fault every buffer anew
 
 
 @pytest.mark.parametrize("env", [{"MALLOC_TRIM_THRESHOLD_": "1048576"}, {"LD_PRELOAD": "/nowhere/libjemalloc.so.2"}])
