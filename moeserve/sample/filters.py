@@ -10,12 +10,14 @@ Two paths, chosen per row by sampler.SamplingBatch:
 - candidates (every other sampled row): top-k and top-p work on the row's best candidates only (one
   batched topk per step instead of a full-vocabulary sort per request), then min-p; the draw picks among
   the candidates (draw.draw_candidates). A top-p row whose nucleus its 256 best tokens do not hold uses the
-  whole vocabulary (a radix select over the row's float bits, or over the 16 bits of bfloat16 logits, finds
-  the nucleus's last value; tokens tied with it are kept), in one group with the temperature-only rows.
+  whole vocabulary (nucleus.py: a sort of its probabilities finds the nucleus's last one; tokens tied with
+  it are kept), in one group with the temperature-only rows.
 """
 from __future__ import annotations
 
 import torch
+
+from moeserve.sample.nucleus import cut_nucleus
 
 NEG_INF = float("-inf")
 # rows with top_p and no top_k first try their best CANDIDATES tokens (one batched topk), unless their best
@@ -63,15 +65,13 @@ class Candidates:
         self.probs, self.ids = probs, ids  # ids None: column j is token j
 
 
-def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
-                     logits: torch.Tensor | None = None,
-                     rows: list[int] | None = None) -> list[tuple[list[int], Candidates]]:
+def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float],
+                     min_p: list[float]) -> list[tuple[list[int], Candidates]]:
     """The filtered distributions of the temperature-scaled rows x [n, V] as Candidates, grouped: [(row
     indices, Candidates)], each group from one batched op. top-k keeps exactly k tokens (the topk's, ties
     beyond it dropped); top-p the shortest prefix of the sorted candidates whose probability (under the
     top-k-filtered row) reaches top_p; min-p drops probabilities below min_p x the best one.
-    logits [R, V] and rows: x is logits[rows] before the temperature, whose bfloat16 values (the same order
-    and ties) find a flat row's nucleus in fewer digits. Rows in the order of kinds() take no copies."""
+    Rows in the order of kinds() take no copies."""
     n, V = x.shape
     kind = kinds(top_k, top_p, V)
     groups: list[tuple[list[int], Candidates]] = []
@@ -115,14 +115,12 @@ def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float], min_
                                                                       [min_p[prows[j]] for j in held])))
                     left = sorted(set(left) - set(held))
         if left:  # flat distributions: the nucleus over the whole vocabulary
-            order = _take(x, [prows[j] for j in left]) if logits is None else \
-                _take(logits, [rows[prows[j]] for j in left])
             if len(left) == np_:
-                _cut_nucleus(order, probs, p[:, None])
+                cut_nucleus(probs, p[:, None])
             else:
                 sel = torch.tensor(left)
                 sub = probs.index_select(0, sel)
-                _cut_nucleus(order, sub, p.index_select(0, sel)[:, None])
+                cut_nucleus(sub, p.index_select(0, sel)[:, None])
                 allp = torch.cat([sub, allp[np_:]])
         else:
             allp = allp[np_:]
@@ -146,86 +144,6 @@ def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
     if _consecutive(idx):
         return x[idx[0]:idx[0] + len(idx)]
     return x.index_select(0, torch.tensor(idx))
-
-
-# _nucleus's digits of a row's keys, most significant first: (shift, bins); the first level counts every token,
-# the later ones only the tokens left in the chosen digit (a few hundred on a flat row). Rows of bfloat16 values
-# (compute_logits's, before the temperature) have 16-bit keys: two levels, the second of 16 bins
-LEVELS = ((20, 4096), (8, 4096), (0, 256))
-LEVELS_BF16 = ((4, 4096), (0, 16))
-
-
-def _nucleus(raw: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """bool [m, V]: the top-p nucleus of each row (the shortest prefix of the sorted probabilities reaching
-    top_p [m, 1], and the tokens tied with its last one). raw [m, V]: the logits (their order is the
-    probabilities' order), probs their filtered softmax."""
-    key, boundary, _ = _nucleus_boundary(raw, probs, top_p)
-    return key >= boundary[:, None]
-
-
-def _cut_nucleus(raw: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> None:
-    """probs outside _nucleus(raw, probs, top_p) set to 0, in place."""
-    key, boundary, bf16 = _nucleus_boundary(raw, probs, top_p)
-    if bf16:
-        # 16-bit keys: (boundary - 1 - key) >> 31 is all ones where key >= boundary, else 0 (no overflow): an
-        # AND of probs' bits keeps or zeroes them (3 integer passes; a bool compare and multiply cost ~2x)
-        probs.view(torch.int32).bitwise_and_(((boundary - 1)[:, None] - key).bitwise_right_shift_(31))
-    else:
-        probs.mul_(key >= boundary[:, None])
-
-
-def _nucleus_boundary(raw: torch.Tensor, probs: torch.Tensor,
-                      top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(key [m, V], boundary [m], 16-bit keys): order-preserving int32 keys of raw's rows and the key of each
-    row's nucleus's last value: the nucleus is key >= boundary.
-
-    No sort: the row's float32 bits as order-preserving int32 keys (rows of bfloat16 values, as compute_logits
-    gives them: their 16-bit keys, the rest being 0), and the nucleus's last key found digit by digit (a radix
-    select): the probability mass per value of the key's top 12 bits (one bincount for the rows), from the top
-    until it reaches top_p x the row's mass, then the same over the next 12 and last 8 bits (16-bit keys: the
-    last 4) among the tokens of the chosen digit only. About 3 passes over the rows plus a few small ops."""
-    m, V = raw.shape
-    raw = raw.contiguous()
-    bits = raw.view(torch.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # sign-magnitude -> two's complement: int32 in the floats' order
-    levels = LEVELS
-    # bfloat16 values: the low 16 bits (the even int16 halves, little-endian) all 0; their keys' top 16 bits
-    # (int32 ops: vectorised, unlike int16 ones on the strided halves)
-    if int(torch.count_nonzero(raw.view(torch.int16)[:, 0::2])) == 0:
-        levels, key = LEVELS_BF16, key >> 16
-    top = len(levels) - 1
-    target = top_p[:, 0].to(torch.float64)
-    above = torch.zeros(m, dtype=torch.float64)  # per row: the mass of the keys above the digits chosen so far
-    boundary = torch.zeros(m, dtype=torch.int64)
-    k, w, r = key, probs.contiguous().view(-1), torch.empty(0, dtype=torch.long)
-    for level, (shift, bins) in enumerate(levels):
-        if level == 0:
-            # the signed top digit, offset to 0..bins-1, and by row: bins per row
-            flat = ((k >> shift) + torch.arange(bins // 2, m * bins, bins, dtype=torch.int32)[:, None]).view(-1)
-        else:
-            d = (k >> shift) & (bins - 1)
-            flat = d + r * bins
-        hist = torch.bincount(flat, weights=w, minlength=m * bins).view(m, bins).to(torch.float64).flip(-1)
-        if level == 0:
-            target = target * hist.sum(-1)
-        c = hist.cumsum(-1).add_(above[:, None])
-        j = (c < target[:, None]).sum(-1)  # the first digit (from the top) where the mass reaches top_p
-        nz = (hist > 0).to(torch.uint8)  # never an empty digit (a top_p that rounds to 0, rounding at the end)
-        j = torch.minimum(torch.maximum(j, nz.argmax(-1)), (bins - 1) - nz.flip(-1).argmax(-1))
-        above = (c.gather(1, j[:, None]) - hist.gather(1, j[:, None]))[:, 0]
-        digit = (bins - 1) - j
-        if level == 0:
-            boundary = (digit - bins // 2) << shift
-            # the chosen digit's tokens (flat: the digit and the row)
-            row_digit = (digit + torch.arange(0, m * bins, bins)).to(torch.int32)
-            sel = (flat.view(m, V) == row_digit[:, None]).view(-1).nonzero()[:, 0]
-            k, w, r = key.view(-1).index_select(0, sel), w.index_select(0, sel), sel // V
-        else:
-            boundary |= digit << shift
-            if level < top:
-                sel = (d == digit.index_select(0, r)).nonzero()[:, 0]
-                k, w, r = k.index_select(0, sel), w.index_select(0, sel), r.index_select(0, sel)
-    return key, boundary.to(torch.int32), levels is LEVELS_BF16
 
 
 def _finish(probs: torch.Tensor, ids: torch.Tensor | None, top_p: list[float],

@@ -102,14 +102,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
                 tokens[i] = t
     if batch.exact_rows:
         rows = batch.exact_rows
-        sel = torch.tensor(rows)
-        raw = logits.index_select(0, sel)
-        for i, t in zip(rows, sample_exact(raw, scale(raw, batch.temperature.index_select(0, sel)),
-                                           *batch.select(rows), [batch.generators[i] for i in rows])):
+        for i, t in zip(rows, sample_exact(batch.scaled(logits, rows), *batch.select(rows),
+                                           [batch.generators[i] for i in rows])):
             tokens[i] = t
     if batch.candidate_rows:
         rows = batch.candidate_ordered(logits.shape[-1])
-        for group, cands in candidate_filter(batch.scaled(logits, rows), *batch.select(rows), logits, rows):
+        for group, cands in candidate_filter(batch.scaled(logits, rows), *batch.select(rows)):
             for j, t in zip(group, draw_candidates(cands, generator)):
                 tokens[rows[j]] = t
     return tokens
@@ -127,7 +125,7 @@ def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs[torch.tensor(rows)] = exact_filter(batch.scaled(logits, rows), *batch.select(rows)).softmax(-1)
     if batch.candidate_rows:
         rows = batch.candidate_ordered(logits.shape[-1])
-        for group, c in candidate_filter(batch.scaled(logits, rows), *batch.select(rows), logits, rows):
+        for group, c in candidate_filter(batch.scaled(logits, rows), *batch.select(rows)):
             probs[torch.tensor([rows[j] for j in group])] = _dense(c, V)
     return probs
 

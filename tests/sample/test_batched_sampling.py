@@ -205,7 +205,7 @@ def test_flat_top_p_rows_bfloat16_radix_path_and_float_sort_path_agree():
     """Flat rows (the nucleus beyond 256 candidates): rows of bfloat16 values take the radix sort of their
     keys, others a float sort; both keep the old filter's tokens plus, at most, the tokens tied with the
     nucleus's last value (the old sort kept an arbitrary share of those)."""
-    from moeserve.sample.filters import _nucleus
+    from moeserve.sample.nucleus import nucleus as _nucleus
 
     V, g = 32000, torch.Generator().manual_seed(12)
     raw = (torch.randn(6, V, generator=g) * torch.tensor([0.3, 0.5, 1.0, 0.3, 0.5, 1.0])[:, None]).bfloat16().float()
@@ -213,7 +213,7 @@ def test_flat_top_p_rows_bfloat16_radix_path_and_float_sort_path_agree():
     T = torch.tensor([0.7, 1.0, 1.3, 0.7, 1.0, 1.3])
     top_p = torch.tensor([0.9, 0.5, 0.95, 0.9, 0.5, 0.95])[:, None]
     probs = (raw / T[:, None]).softmax(-1)
-    keep = _nucleus(raw, probs, top_p)
+    keep = _nucleus(probs, top_p)
     for i in range(6):
         old = old_apply_filters(raw[i], SamplingParams(temperature=float(T[i]), top_p=float(top_p[i]))).isfinite()
         assert bool((keep[i] | ~old).all()), i  # everything the old filter kept
@@ -223,7 +223,7 @@ def test_flat_top_p_rows_bfloat16_radix_path_and_float_sort_path_agree():
     # the float path on the same order and ties (values scaled by 1 + 2^-20: no longer bfloat16) keeps the
     # same tokens as the radix path
     scaled = raw[:3] * (1 + 2**-20)
-    assert torch.equal(_nucleus(scaled, (scaled / T[:3, None]).softmax(-1), top_p[:3]), keep[:3])
+    assert torch.equal(_nucleus((scaled / T[:3, None]).softmax(-1), top_p[:3]), keep[:3])
 
 
 def test_two_level_draw_over_a_whole_vocabulary_follows_the_probabilities():

@@ -32,10 +32,10 @@ def test_seeded_rows_without_the_sort_draw_the_old_tokens_and_streams():
                   for i, r in enumerate(rows)]
         new = [torch.Generator().manual_seed(p.seed) for p in params]
         old = [torch.Generator().manual_seed(p.seed) for p in params]
-        got = sample_exact(logits, scale(logits, T), top_k, top_p, min_p, new)
+        got = sample_exact(scale(logits, T), top_k, top_p, min_p, new)
         assert got == old_sample(logits, params, old, torch.Generator())
         assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(new, old))
-        _, bounds = _boundaries(logits, scale(logits, T), top_k, top_p)
+        _, bounds = _boundaries(scale(logits, T), top_k, top_p)
         tied += sum(1 for b in bounds if b is not None and b[1])
         untied += sum(1 for b in bounds if b is not None and not b[1])
     assert tied > 50 and untied > 5  # both cases ran: ties cut by the nucleus (flat rows) and clean ones
@@ -48,7 +48,7 @@ def test_a_seeded_row_that_cannot_be_sampled_leaves_its_generator():
     logits[0, 3] = float("nan")
     gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
     before = gens[0].get_state()
-    got = sample_exact(logits, scale(logits, torch.tensor([0.7, 0.7])), [-1, -1], [0.9, 0.9], [0.0, 0.0], gens)
+    got = sample_exact(scale(logits, torch.tensor([0.7, 0.7])), [-1, -1], [0.9, 0.9], [0.0, 0.0], gens)
     want = old_sample(logits, [SamplingParams(temperature=0.7, top_p=0.9, seed=s) for s in (1, 2)],
                       [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)], torch.Generator())
     assert got == want and got[0] is None and torch.equal(gens[0].get_state(), before)
