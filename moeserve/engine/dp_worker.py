@@ -29,7 +29,7 @@ from moeserve.distributed import comm
 from moeserve.distributed.parallel_state import (RankInfo, destroy_distributed, get_tp_group, get_world_group,
                                                  init_distributed)
 from moeserve.engine.dp_balance import prefill_balanced_budget
-from moeserve.engine.elastic import EpochOver  # there, not here: this module also runs as __main__
+from moeserve.engine.elastic import EpochOver, compiling  # there, not here: this module also runs as __main__
 from moeserve.engine.engine_core import EngineCore
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import SLO_FIELDS, SPEC_FIELDS, EngineStats, RankCommand, RankReport
@@ -85,26 +85,35 @@ class RankWorker:
         self.start(config, info)
 
     def start(self, config: EngineConfig, info: RankInfo, core: EngineCore | None = None,
-              built: bool = False) -> None:
+              built: bool = False, ready: bool = True) -> None:
         """Build the engine core over the process groups init_distributed() formed (or serve on with `core`,
         one elastic EP re-placed for them: engine/elastic.py; built: one elastic EP built for them,
-        engine/elastic_replace.py), then report ready."""
+        engine/elastic_replace.py), then report ready (not with ready=False: elastic EP reports it after
+        compiling the epoch's decode graphs)."""
         self.config, self.info = config, info
         self.world, self.tp = get_world_group(), get_tp_group()
         self.leader = info.tp_rank == 0
-        self.core = core if core is not None else EngineCore(config, self.arch)
+        if core is None:
+            with compiling(self):  # its decode graphs: elastic EP's hang check leaves it alone meanwhile
+                core = EngineCore(config, self.arch)
+            built = True
+        self.core = core
         self.arch = self.core.arch
-        built = built or core is None
         if built and self.base_config.parallel.elastic_ep_host_copy:  # before ready: whole when it counts
             from moeserve.engine import elastic_host_copy
             from moeserve.engine.elastic_placement import expert_roots, slot_params
 
             elastic_host_copy.write(self, expert_roots(self.core.runner), slot_params)
         self.stats = EngineStats()
+        if ready:
+            self.ready(built)
+
+    def ready(self, built: bool) -> None:
+        """Report ready to the front end; a survivor that kept its core (not built) lists its requests."""
         if self.leader:
             kept = ({rid: r.num_output_tokens for rid, r in self.core.scheduler.requests.items()}
                     if not built else {})  # elastic EP: a survivor serves on with these
-            self.report(RankReport(info.dp_rank, ready=True, num_kv_blocks=self.core.num_kv_blocks, kept=kept))
+            self.report(RankReport(self.info.dp_rank, ready=True, num_kv_blocks=self.core.num_kv_blocks, kept=kept))
 
     def report(self, msg: RankReport) -> None:
         msg.epoch = self.epoch

@@ -36,8 +36,10 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      experts (loader.load_expert_slots, loader.experts_supplied). Its dispatchers and online EPLB are rebuilt
      over the new groups (the MTP layer's MoE block is one more layer). Quantized experts (A8W8, FP8) are
      re-placed the same way, their scales with them; a core that cannot be kept (can_keep(): PD transfer,
-     TP-sharded experts) is rebuilt from the checkpoint as before. Decode runs eagerly in a degraded epoch
-     (no graph compile on the way back). It reports ready in the new epoch.
+     TP-sharded experts) is rebuilt from the checkpoint as before. Last, unless the engine was started eager
+     (--enforce-eager), every rank of the epoch compiles the new layout's decode graphs in lockstep
+     (_warm_graphs: each MoE layer's graph holds its dispatch collectives; seconds, not counted against
+     --elastic-ep-timeout nor named by the hang check: compiling()). It reports ready in the new epoch.
   5. each survivor's ready report lists the requests it kept (RankReport.kept, with their output tokens);
      the front end has read the survivors' outputs of the older epoch before it (one socket per rank, in
      order), so a kept request whose count matches what it saw stays where it runs. Every other unfinished
@@ -50,18 +52,19 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      of the loss's epoch: once it says it is up (a report of JOINING_EPOCH) it gets its RankReform, and the
      survivors wait for it at the store. Without a spare a fresh one starts once the survivors serve, says
      it is up, and the front end starts the next epoch with the survivors and it (the survivors leave their
-     step on the RankReform). The survivors keep their cores and requests (as in 4 and 5, decoding eagerly)
+     step on the RankReform). The survivors keep their cores and requests (as in 4 and 5, graphs recompiled)
      and the slots they hold, up to the full group's count per rank; the replacement builds its engine core
      for that map, with the experts no survivor keeps (those a survivor still holds in a slot it gives up, or
      as a replica, arrive from it; the rest from the host copy, else the checkpoint: elastic_replace.py), and
      the lost rank's requests are re-queued as in 5.
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
-A loss costs the lost rank's requests (recomputed from their tokens) and the survivors' interrupted step. Next
-(docs/parallelism.md): compiled decode graphs back after a loss or a join.
+A loss costs the lost rank's requests (recomputed from their tokens), the survivors' interrupted step and,
+without --enforce-eager, the compile of the new epoch's decode graphs (docs/parallelism.md).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -131,6 +134,9 @@ class ProgressBoard:
             pass
 
 
+COMPILING = 1 << 62  # in a slot's epoch word while the rank builds its core or compiles its graphs (compiling())
+
+
 class ProgressBeacon(threading.Thread):
     """A rank's thread that publishes, every BEAT_S, how many collectives the rank has begun in its epoch. It
     runs while the main thread computes (torch ops release the GIL; a Python busy loop yields it every few ms),
@@ -141,6 +147,7 @@ class ProgressBeacon(threading.Thread):
         super().__init__(daemon=True, name="elastic-ep-beacon")
         self.board, self.slot = board, slot
         self.epoch, self.base = 0, 0
+        self.compiling = False  # compiling(): the front end neither names this rank hung nor times it out
 
     def new_epoch(self, epoch: int) -> None:
         """Count from here (called before the epoch's first collective): the survivors' histories differ."""
@@ -153,16 +160,38 @@ class ProgressBeacon(threading.Thread):
         from moeserve.distributed import comm
 
         while True:
-            self.board.write(self.slot, self.epoch, comm.BEGUN[0] - self.base)
+            self.board.write(self.slot, self.epoch | (COMPILING if self.compiling else 0), comm.BEGUN[0] - self.base)
             time.sleep(BEAT_S)
+
+
+@contextlib.contextmanager
+def compiling(worker):
+    """While the rank builds its engine core or compiles its decode graphs (a stretch of seconds between two
+    collectives, its peers waiting in the next one), its slot on the ProgressBoard says so: the hang check
+    names no rank then (hung_ranks), and a re-formation's --elastic-ep-timeout counts from the compile's end
+    (ElasticFront._poll_recovery). The peers' collectives still time out after --distributed-timeout."""
+    beacon = worker.beacon
+    if beacon is None:
+        yield
+        return
+    beacon.compiling = True
+    try:
+        yield
+    finally:
+        beacon.compiling = False
+
+
+def any_compiling(board, slots) -> bool:
+    """Whether one of the ranks in `slots` says it compiles (compiling())."""
+    return board is not None and any(board.read(r)[0] & COMPILING for r in slots)
 
 
 def hung_ranks(beats: dict[int, tuple[int, int]], epoch: int) -> list[int]:
     """The ranks the others wait for, from beats {rank: (epoch, collectives begun)} that have not changed for
     --elastic-ep-hang-timeout: those whose count lags the highest. Every rank begins the same sequence of
     collectives, so a rank blocked in collective k + 1 has a higher count than the rank that never began it.
-    None when a rank still shows an older epoch, or when all are level (all compute one long stretch, or all
-    wait in one collective: --distributed-timeout ends that)."""
+    None when a rank still shows an older epoch or compiles (its epoch word has COMPILING), or when all are
+    level (all compute one long stretch, or all wait in one collective: --distributed-timeout ends that)."""
     if not beats or any(e != epoch for e, _ in beats.values()):
         return []
     counts = {r: c for r, (_, c) in beats.items()}
@@ -484,10 +513,10 @@ def _join_epoch(worker, reform) -> None:
     store = dist.TCPStore(url.hostname, url.port, None, False,
                           timeout=datetime.timedelta(seconds=parallel.distributed_timeout))
     _gather_survivors(worker, reform, store)
-    # decode runs eagerly from here: compiling the new layout's decode graphs would hold every survivor for
-    # 10-20 s on a CPU (benchmarks/elastic_ep.py), and the loss should cost seconds; so does a replacement's
-    # join (--elastic-ep-replace): re-tracing the start-up layout's graphs held all 4 ranks 22 s, eager 1-3 s
-    config = dataclasses.replace(base, parallel=parallel, model=dataclasses.replace(base.model, enforce_eager=True))
+    # the engine core is re-placed (or built) eagerly: a replacement's build must not trace its graphs before it
+    # received its experts (the survivors' transfers come first); the graphs are compiled last (_warm_graphs)
+    served = dataclasses.replace(base, parallel=parallel)
+    config = dataclasses.replace(served, model=dataclasses.replace(base.model, enforce_eager=True))
     worker.epoch = reform.epoch
     if worker.beacon is not None:
         worker.beacon.new_epoch(reform.epoch)
@@ -497,17 +526,43 @@ def _join_epoch(worker, reform) -> None:
         at_join()
     info = RankInfo.of(reform.rank, parallel)
     maps, peers = vote_maps(worker, parallel)  # a collective of the new epoch: every rank, joiners too
-    if worker.core is not None:
-        kept, got, hosted, read = keep_core(worker, config, info, maps, peers=peers)
+    kept_core = worker.core is not None
+    if kept_core:
+        kept, got, hosted, read = keep_core(worker, config, info, maps, peers=peers, ready=False)
         how = (f"kept its engine core ({kept} expert slots kept, {got} received from peers, {hosted} from the host "
                f"copy, {read} checkpoint tensors read)")
     else:  # a replacement: its experts from the survivors and the host copy where they have them
         from moeserve.engine.elastic_replace import build_core
 
         core, got, hosted, read = build_core(worker, config, info, maps, peers)
-        worker.start(config, info, core, built=True)
+        worker.start(config, info, core, built=True, ready=False)
         whose = " for the others' expert map" if maps is not None else ""
         how = (f"built its engine core{whose} ({got} expert slots received from peers, {hosted} from the host "
                f"copy, {read} checkpoint expert tensors read)")
+    took = _warm_graphs(worker, served)
+    if took is not None:
+        how += f", then compiled its decode graphs in {took:.1f} s"
+    worker.ready(built=not kept_core)
     print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
           f"in {time.monotonic() - started:.1f} s and {how}", file=sys.stderr, flush=True)
+
+
+def _warm_graphs(worker, served) -> float | None:
+    """The re-formation's last step, on every rank of the epoch in lockstep before it reports ready: the decode
+    graphs of the new layout (each MoE layer's graph holds its dispatch collectives, so they cannot be traced
+    while serving, nor over the old groups), unless the engine was started eager (--enforce-eager). Returns
+    the seconds it took, or None when decode stays eager. While it compiles, the front end's hang check and
+    --elastic-ep-timeout leave the rank alone (compiling()); requests wait in the front end meanwhile."""
+    from moeserve.engine.compiled_decode import why_eager
+
+    core = worker.core
+    runner = core.runner
+    runner.config = core.config = worker.config = served
+    if why_eager(served, worker.arch, runner.kv_caches[0].device) is not None:
+        return None
+    start = time.monotonic()
+    with compiling(worker):
+        graphs = runner._build_decode_graphs()
+    graphs.steps = getattr(runner, "graph_steps_carried", 0)  # EngineStats.num_graph_steps counts on
+    runner.decode_graphs = graphs
+    return time.monotonic() - start

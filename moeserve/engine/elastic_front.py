@@ -18,7 +18,7 @@ import time
 
 import msgspec
 
-from moeserve.engine.elastic import BOARD_SLOTS, epoch_store, hung_ranks
+from moeserve.engine.elastic import BOARD_SLOTS, any_compiling, epoch_store, hung_ranks
 from moeserve.engine.request import RequestStatus
 from moeserve.netif import free_port
 from moeserve.protocol import EngineCoreOutput, RankCommand, RankReform, RankReport
@@ -183,6 +183,8 @@ class ElasticFront:
                 rec["early"].append(report)  # with others ready too): its tokens count after _adopt_kept
         if self.recovery is not rec:
             return  # another loss began a newer epoch
+        if rec["waiting"] and any_compiling(self.board, self.slots):  # the epoch's decode graphs (every rank,
+            rec["epoch_at"] = time.monotonic()  # in lockstep): --elastic-ep-timeout counts from their end
         if not rec["waiting"]:
             self._finish_recovery()
             for report in rec["early"]:  # only the requests that stayed on that rank (others were re-queued)

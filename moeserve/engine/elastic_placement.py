@@ -56,7 +56,12 @@ def roll_back(core) -> None:
     core._pending = []  # rejections queued for the lost step's report: their requests are re-queued instead
     if core.runner.eplb is not None:
         core.runner.eplb.pending = []
-    core.runner.decode_graphs = None  # traced over the old groups; a degraded epoch decodes eagerly
+    runner = core.runner
+    if runner.decode_graphs is not None:  # traced over the old groups: the next epoch compiles its own
+        runner.graph_steps_carried = runner.decode_graphs.steps  # (elastic._warm_graphs), counting on from here
+    runner.decode_graphs = None
+    if runner.proposer is not None:
+        runner.proposer.graphs = None
 
 
 def maps_digest(blocks) -> int:
@@ -136,7 +141,7 @@ def keep_map(old: list[int], old_ranks: int, survivors: list[int], num_experts: 
 
 
 def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | None,
-              peers: bool = False) -> tuple[int, int, int]:
+              peers: bool = False, ready: bool = True) -> tuple[int, int, int, int]:
     """Serve on with the survivor's engine core under the new process groups: its non-expert weights, KV cache
     pool, prefix cache and scheduler stay; each MoE layer's slots are re-placed for the new EP group (`maps`,
     or the default layout): a slot whose expert this rank holds is copied from it; with `peers` (every rank
@@ -231,7 +236,7 @@ def keep_core(worker, config: EngineConfig, info, maps: dict[int, list[int]] | N
         runner.eplb = None
         if not p.expert_load_stats:
             runner.load_recorder = None
-    worker.start(config, info, core)
+    worker.start(config, info, core, ready=ready)
     return kept, got, hosted, read
 
 

@@ -1,0 +1,108 @@
+"""--enable-elastic-ep without --enforce-eager (issue 37): the compiled decode graphs come back after a loss and
+after a replacement joins. The re-formation's last step compiles the new epoch's graphs on every rank in
+lockstep (elastic._warm_graphs), before the ranks report ready; the front end counts the compile against
+neither its hang check nor --elastic-ep-timeout. Real rank processes over gloo, float32 (the graphs give the
+eager tokens), the tiny V3 checkpoint."""
+import re
+
+import pytest
+
+from moeserve.engine.elastic import COMPILING, any_compiling, hung_ranks
+from tests.distributed.test_elastic_ep import GREEDY, PROMPTS  # noqa: F401 - what the reference fixture decodes
+from tests.distributed.test_elastic_ep import elastic_llm, generate, kill_mid_decode
+from tests.distributed.test_elastic_ep_replace import wait_for_full_group
+
+# buckets 1, 2: as few graphs as 4 prompts over 2 or 3 ranks need; no prefix cache, so the router spreads the
+# prompts by load alone and every rank decodes some (it would send a prompt back to a rank that cached it)
+GRAPHS = dict(max_num_seqs=2, enable_prefix_caching=False)
+COMPILED = re.compile(r"joined epoch (\d+) as rank (\d+) of \d+ .*then compiled its decode graphs in ([\d.]+) s")
+
+
+@pytest.fixture(autouse=True)
+def compile_allowed(monkeypatch):
+    monkeypatch.delenv("MOESERVE_ENFORCE_EAGER", raising=False)  # tests/conftest.py makes engines eager
+
+
+def graph_steps(engine) -> dict[int, int]:
+    """Decode steps through a graph so far, per rank process (its last report)."""
+    return {engine.slots[dp]: s.num_graph_steps for dp, s in enumerate(engine.rank_stats)}
+
+
+def compiles(capfd) -> dict[tuple[int, int], float]:
+    """(epoch, rank) -> seconds, of the ranks that compiled their decode graphs in a re-formation."""
+    err = capfd.readouterr().err
+    return {(int(e), int(r)): float(s) for e, r, s in COMPILED.findall(err)}
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["loss", "loss-and-join"])
+def test_graphs_come_back_after_a_loss_and_a_join(path, reference, capfd, replace):
+    # D=3, rank 1 SIGKILLed mid-decode: its 2 survivors (and, with --elastic-ep-replace, the spare that joins
+    # the loss's epoch) compile their decode graphs as the re-formation's last step; the kept requests and the
+    # re-queued ones finish through them with the unfailed run's tokens, and so do the requests after
+    llm = elastic_llm(path, 3, elastic_ep_replace=replace, **GRAPHS)
+    try:
+        engine = llm.engine
+        assert generate(llm) == reference
+        before = graph_steps(engine)
+        assert all(n > 0 for n in before.values()), before  # the start-up graphs ran
+        capfd.readouterr()
+        assert kill_mid_decode(engine, 1) == reference
+        if replace:
+            wait_for_full_group(engine, 3)
+        assert engine.slots == ([0, 2, 3] if replace else [0, 2]) and engine.epoch == 1
+        took = compiles(capfd)
+        assert sorted(took) == [(1, r) for r in range(len(engine.slots))], took  # every rank of the epoch
+        assert generate(llm) == reference
+        after = graph_steps(engine)
+        for slot, n in after.items():  # a survivor's count goes on from before the loss; the replacement's starts
+            assert n > before.get(slot, 0), (before, after)
+    finally:
+        llm.shutdown()
+
+
+def test_a_compiling_rank_is_neither_hung_nor_timed_out():
+    # the hang check names no rank while one compiles (its epoch word carries COMPILING), whatever the counts
+    assert hung_ranks({0: (2, 10), 1: (2, 7)}, 2) == [1]
+    assert hung_ranks({0: (2, 10), 1: (2 | COMPILING, 7)}, 2) == []
+    assert hung_ranks({0: (2 | COMPILING, 10), 1: (2, 7)}, 2) == []
+
+    class Board:
+        def __init__(self, words):
+            self.words = words
+
+        def read(self, slot):
+            return self.words[slot]
+
+    board = Board({0: (2, 10), 3: (2 | COMPILING, 7), 5: (1 | COMPILING, 0)})
+    assert any_compiling(board, [0, 3]) and not any_compiling(board, [0]) and not any_compiling(None, [0, 3])
+
+
+def test_a_re_formation_counts_its_timeout_from_the_compile_s_end():
+    # --elastic-ep-timeout 5, the epoch formed 60 s ago: while a rank of it compiles its decode graphs the front
+    # end waits on (the timeout counts from now); once none compiles and ranks are still missing, it gives up
+    import time
+    from types import SimpleNamespace
+
+    from moeserve.engine.elastic_front import ElasticFront
+
+    class Front(ElasticFront):
+        def __init__(self, words):
+            self.board = SimpleNamespace(read=lambda slot: words[slot])
+            self.slots, self.dp_size = [0, 2], 2
+            self.sock = SimpleNamespace(poll=lambda ms: False)
+            self.config = SimpleNamespace(parallel=SimpleNamespace(elastic_ep_timeout=5.0))
+            self.recovery = {"waiting": {1}, "epoch_at": time.monotonic() - 60, "early": []}
+            self.failed = []
+
+        def _kill_laggards(self, timeout):
+            return False
+
+        def _fail(self, msg):
+            self.failed.append(msg)
+
+    front = Front({0: (1, 4), 2: (1 | COMPILING, 3)})
+    front._poll_recovery(0)
+    assert not front.failed and time.monotonic() - front.recovery["epoch_at"] < 5
+    front = Front({0: (1, 4), 2: (1, 3)})
+    front._poll_recovery(0)
+    assert front.failed and "--elastic-ep-timeout" in front.failed[0]
