@@ -6,6 +6,11 @@ from dataclasses import dataclass
 import torch
 
 
+# ATen's CPU topk takes a partial sort when k x 64 <= the row's length (else nth_element, whose order of equal
+# values is not the first-first one max gives)
+TOPK_PARTIAL_SORT = 64
+
+
 @dataclass
 class TokenLogprobs:
     token_id: int
@@ -31,8 +36,16 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | 
         if num_top[i]:
             by_n.setdefault(num_top[i], []).append(j)
     for n, js in by_n.items():
-        top = logp[js[0]:js[-1] + 1].topk(min(n, logp.shape[-1]))
-        for j, ids, vals in zip(js, top.indices.tolist(), top.values.tolist()):
+        rows_n = logp[js[0]:js[-1] + 1]
+        if n == 1 and logp.shape[-1] >= TOPK_PARTIAL_SORT:
+            # the first maximum, as topk(1) picks it (its partial sort keeps the first of equal values), without
+            # topk's copy of every row into (value, index) pairs
+            vals, ids = rows_n.max(-1)
+            top_ids, top_vals = ids[:, None].tolist(), vals[:, None].tolist()
+        else:
+            top = rows_n.topk(min(n, logp.shape[-1]))
+            top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+        for j, ids, vals in zip(js, top_ids, top_vals):
             tops[j] = list(zip(ids, vals))
     for j, i in enumerate(rows):
         out[i] = TokenLogprobs(tokens[i], chosen[j], tops[j])

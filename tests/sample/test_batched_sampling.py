@@ -136,6 +136,17 @@ def test_logprobs_are_the_old_ones():
     assert [None if x is None else (x.token_id, x.logprob, x.top) for x in lps] == want
 
 
+@pytest.mark.parametrize("V", [40, 64, 4096])  # below and above topk's partial-sort length
+def test_one_top_logprob_is_the_first_of_equal_maxima_as_before(V):
+    """logprobs=1 takes the row's first maximum (max), as the old topk(1) did, among many equal maxima."""
+    g = torch.Generator().manual_seed(V)
+    logits = torch.randint(0, 3, (12, V), generator=g).float()  # every row's maximum tied many times
+    params = [SamplingParams(temperature=0, logprobs=1)] * 12
+    tokens, lps = Sampler(0)(logits, params, [None] * 12)
+    want = old_logprobs(logits, params, tokens)
+    assert [(x.token_id, x.logprob, x.top) for x in lps] == want
+
+
 def test_batch_rows_and_paths():
     params = [SamplingParams(temperature=0), SamplingParams(seed=3), SamplingParams(top_p=0.5)]
     gens = [None, torch.Generator().manual_seed(3), None]
