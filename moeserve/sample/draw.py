@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moeserve.sample.filters import Candidates
@@ -19,6 +20,14 @@ MESSAGE = ("its token probabilities are not finite (NaN or inf) after temperatur
 
 class SamplingError(ValueError):
     """One row cannot be sampled (its distribution is not finite): that request fails, the others go on."""
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) as ATen gives it (the first maximum; NaN above everything), by numpy's vectorised argmax for
+    CPU float32 rows: ATen's CPU argmax is a scalar loop, ~12x slower on [32, 32000] logits here (1.5 ms)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() <= 2:
+        return torch.as_tensor(np.argmax(x.detach().contiguous().numpy(), axis=-1))
+    return x.argmax(-1)
 
 
 def bad_rows(probs: torch.Tensor) -> list[bool]:

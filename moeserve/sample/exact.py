@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moeserve.sample.draw import bad_rows, exponential_noise
+from moeserve.sample.draw import argmax, bad_rows, exponential_noise
 from moeserve.sample.filters import NEG_INF, exact_filter
 
 MARGIN = 1e-5  # relative: ~80 float32 ulps, far beyond the roundings a different normaliser moves p / q by
@@ -75,7 +75,7 @@ def sample_exact(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
     bad = bad_rows(probs)  # an unsure row keeps its finite best token: never bad
     q = exponential_noise(probs, generators, bad)
     ratio = probs / q
-    tokens = ratio.argmax(-1).tolist()
+    tokens = argmax(ratio).tolist()
     if unsure:
         rows = sorted(unsure)
         # the winner's ratio and the runner-up's: the best after the winner is zeroed (ratios are >= 0 or NaN,
@@ -94,7 +94,7 @@ def sample_exact(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
         if redo:  # the old filter with its sort, on the same noise
             sel = torch.tensor(redo)
             p = _old(x, top_k, top_p, min_p, redo)
-            for i, t in zip(redo, (p / q.index_select(0, sel)).argmax(-1).tolist()):
+            for i, t in zip(redo, argmax(p / q.index_select(0, sel)).tolist()):
                 tokens[i] = t
     return [None if b else t for t, b in zip(tokens, bad)]
 

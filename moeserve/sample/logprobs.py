@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moeserve.sample.draw import argmax
+
 
 # ATen's CPU topk takes a partial sort when k x 64 <= the row's length (else nth_element, whose order of equal
 # values is not the first-first one max gives)
@@ -40,8 +42,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | 
         if n == 1 and logp.shape[-1] >= TOPK_PARTIAL_SORT:
             # the first maximum, as topk(1) picks it (its partial sort keeps the first of equal values), without
             # topk's copy of every row into (value, index) pairs
-            vals, ids = rows_n.max(-1)
-            top_ids, top_vals = ids[:, None].tolist(), vals[:, None].tolist()
+            ids = argmax(rows_n)[:, None]
+            top_ids, top_vals = ids.tolist(), rows_n.gather(1, ids).tolist()
         else:
             top = rows_n.topk(min(n, logp.shape[-1]))
             top_ids, top_vals = top.indices.tolist(), top.values.tolist()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from moeserve.sample.draw import MESSAGE, SamplingError, bad_rows, draw
+from moeserve.sample.draw import MESSAGE, SamplingError, argmax, bad_rows, draw
 from moeserve.sample.filters import exact_filter
 from moeserve.sample.sampler import SamplingBatch, filtered_probs, scale
 from moeserve.sampling_params import SamplingParams
@@ -75,9 +75,9 @@ class RejectionSampler:
         num_rows = [len(d) + 1 for d in drafts]
         batch = SamplingBatch.build(params, generators, num_rows)
         if batch.all_greedy:
-            target_ids, probs, bad = logits.argmax(dim=-1).tolist(), None, None
+            target_ids, probs, bad = argmax(logits).tolist(), None, None
         else:  # every sampled row's filtered distribution in one batched pass
-            target_ids = logits.argmax(dim=-1).tolist()
+            target_ids = argmax(logits).tolist()
             probs = filtered_probs(logits, batch)
             bad = bad_rows(probs)
         out, row = [], 0

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeserve.sample.draw import MESSAGE, SamplingError, draw_candidates
+from moeserve.sample.draw import MESSAGE, SamplingError, argmax, draw_candidates
 from moeserve.sample.exact import sample_exact
 from moeserve.sample.filters import Candidates, candidate_filter, exact_filter, kinds
 from moeserve.sample.logprobs import TokenLogprobs, token_logprobs
@@ -92,13 +92,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     tokens: list[int | None] = [0] * n
     if batch.greedy_rows:
         if batch.all_greedy:
-            return logits.argmax(dim=-1).tolist()
+            return argmax(logits).tolist()
         if len(batch.greedy_rows) <= 8:  # a few rows: each where it is, not copied out first
             for i in batch.greedy_rows:
-                tokens[i] = int(logits[i].argmax())
+                tokens[i] = int(argmax(logits[i]))
         else:
             sel = torch.tensor(batch.greedy_rows)
-            for i, t in zip(batch.greedy_rows, logits.index_select(0, sel).argmax(dim=-1).tolist()):
+            for i, t in zip(batch.greedy_rows, argmax(logits.index_select(0, sel)).tolist()):
                 tokens[i] = t
     if batch.exact_rows:
         rows = batch.exact_rows

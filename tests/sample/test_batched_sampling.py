@@ -256,3 +256,19 @@ def test_two_level_draw_over_a_whole_vocabulary_follows_the_probabilities():
     assert chi2 < CHI2_CRIT_7DOF, chi2
     shifted = torch.roll(weights, 1) * N  # the test has power: the same counts are far from other weights
     assert float(((counts[tokens] - shifted) ** 2 / shifted).sum()) > 4 * CHI2_CRIT_7DOF
+
+
+def test_argmax_is_atens():
+    """draw.argmax (numpy's for CPU float32) gives ATen's argmax: the first maximum, NaN above everything,
+    -0.0 and 0.0 equal; 1-D and 2-D; other dtypes through ATen."""
+    from moeserve.sample.draw import argmax
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 3, (64, 3000), generator=g).float()  # many equal maxima
+    x[5, 17] = x[5, 40] = float("nan")
+    x[6] = 0.0
+    x[6, 3:9] = -0.0
+    x[7] = float("-inf")
+    for rows in (x, x[:, ::2], x[9]):
+        assert torch.equal(argmax(rows), rows.argmax(-1))
+    assert torch.equal(argmax(x.bfloat16()), x.bfloat16().argmax(-1))
