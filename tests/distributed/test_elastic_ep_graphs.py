@@ -60,6 +60,28 @@ def test_graphs_come_back_after_a_loss_and_a_join(path, reference, capfd, replac
         llm.shutdown()
 
 
+def test_graphs_come_back_with_mtp_and_online_eplb(mtp_ckpt_dir):
+    # the MTP proposer's passes go through the new epoch's graphs too (the old ones are dropped with the
+    # decode graphs at the loss), EPLB rebalancing every 2 steps around them; the unfailed engine's tokens
+    from moeserve import LLM
+
+    model = mtp_ckpt_dir("v3")
+    mtp = {"method": "mtp", "num_speculative_tokens": 1}
+    want = generate(LLM(model, dtype="float32", speculative_config=mtp, **GRAPHS))
+    llm = elastic_llm(model, 3, speculative_config=mtp, enable_eplb=True, eplb_step_interval=2, **GRAPHS)
+    try:
+        engine = llm.engine
+        assert kill_mid_decode(engine, 1) == want
+        before = graph_steps(engine)
+        assert generate(llm) == want
+        after = graph_steps(engine)
+        assert engine.slots == [0, 2] and all(after[r] > before[r] for r in after), (before, after)
+        stats = engine.stats()
+        assert stats.spec_num_drafts > 0 and stats.eplb_rebalances > 0
+    finally:
+        llm.shutdown()
+
+
 def test_a_compiling_rank_is_neither_hung_nor_timed_out():
     # the hang check names no rank while one compiles (its epoch word carries COMPILING), whatever the counts
     assert hung_ranks({0: (2, 10), 1: (2, 7)}, 2) == [1]
