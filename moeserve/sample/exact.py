@@ -80,7 +80,7 @@ def sample_exact(x: torch.Tensor, top_k: list[int], top_p: list[float], min_p: l
         rows = sorted(unsure)
         # the winner's ratio and the runner-up's: the best after the winner is zeroed (ratios are >= 0 or NaN,
         # NaN wins amax: a redo); one amax, not a topk
-        sub = ratio.index_select(0, torch.tensor(rows))
+        sub = ratio if len(rows) == n else ratio.index_select(0, torch.tensor(rows))  # ratio is not read after
         won = torch.tensor([tokens[i] for i in rows])[:, None]
         first = sub.gather(1, won)[:, 0].tolist()
         second = sub.scatter_(1, won, 0.0).amax(-1).tolist()
@@ -121,10 +121,16 @@ def _boundaries(x: torch.Tensor, top_k: list[int],
     # x's values, descending: the old sort's values whatever its order of ties (numpy's vectorised sort)
     srt = torch.from_numpy(np.ascontiguousarray(np.sort(x.numpy(), axis=-1)[:, ::-1]))
     probs = srt.softmax(-1)  # exact_filter's top-p, on the same values in the same order
-    drop = probs.cumsum(-1) - probs >= torch.tensor(top_p, dtype=torch.float32)[:, None]
-    drop[:, 0] = False
-    k = V - torch.count_nonzero(drop, dim=-1)  # (a sum of bools would copy them to int64 first)
-    monotone = ~(drop[:, :-1] & ~drop[:, 1:]).any(-1)
+    p32 = torch.tensor(top_p, dtype=torch.float32)[:, None]
+    before = probs.cumsum(-1).sub_(probs)  # the old filter drops a token once the mass before it reaches top_p,
+    # the first one never: its kept count k where before[1:k] < top_p <= before[k:] (then the mask it built is
+    # that prefix kept, the rest dropped). k from a binary search, the two sides checked by two reductions a row
+    # (else the row takes the old filter; NaN fails the checks)
+    k = torch.searchsorted(before, p32)[:, 0].clamp_(min=1)
+    monotone = []
+    for row, kj, pj in zip(before, k.tolist(), p32[:, 0].tolist()):
+        monotone.append((kj == 1 or float(row[1:kj].amax()) < pj) and (kj == V or float(row[kj:].amin()) >= pj))
+    monotone = torch.tensor(monotone)
     v = srt.gather(1, (k - 1)[:, None])[:, 0]
     after = srt.gather(1, k.clamp(max=V - 1)[:, None])[:, 0]
     tied = (k < V) & (after == v)

@@ -65,8 +65,12 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return len(self.greedy_rows) == len(self.params)
 
-    def scaled(self, logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """These rows of logits [R, V], divided by their temperatures: what the filters take."""
+    def scaled(self, logits: torch.Tensor, rows: list[int], writable: bool = False) -> torch.Tensor:
+        """These rows of logits [R, V], divided by their temperatures: what the filters take. writable: logits
+        may be overwritten, so consecutive rows are divided where they are (no copy of them)."""
+        if writable and rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            a, b = rows[0], rows[0] + len(rows)
+            return scale(logits[a:b], self.temperature[a:b], inplace=True)
         sel = torch.tensor(rows, dtype=torch.long)
         return scale(logits.index_select(0, sel), self.temperature.index_select(0, sel), inplace=True)
 
@@ -85,15 +89,36 @@ class SamplingBatch:
         return [self.top_k[i] for i in rows], [self.top_p[i] for i in rows], [self.min_p[i] for i in rows]
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator) -> list[int | None]:
+def path_order(params: list[SamplingParams]) -> list[int]:
+    """The order of a step's requests (one logits row each) in which each of sample()'s paths takes a slice of
+    the logits, not a copy of its rows: greedy, seeded (the exact path), then the candidate rows as
+    SamplingBatch.candidate_ordered groups them. Stable: the order within a path is kept."""
+    def key(i: int) -> tuple:
+        p = params[i]
+        if p.greedy:
+            return (0,)
+        if p.seed is not None:
+            return (1,)
+        kind = 0 if p.top_k > 0 else 1 if p.top_p < 1.0 else 2  # filters.kinds for any vocabulary above top_k
+        return (2, kind, (p.min_p > 0.0) == (kind == 1))
+    return sorted(range(len(params)), key=key)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generator,
+           writable: bool = False) -> list[int | None]:
     """One token per row of logits [R, V] float32 (None: the row cannot be sampled: SamplingError's case).
-    generator: the shared one, for rows without a seed of their own."""
+    generator: the shared one, for rows without a seed of their own. writable: logits may be overwritten (the
+    rows of a path in path_order are then scaled where they are)."""
     n = logits.shape[0]
     tokens: list[int | None] = [0] * n
     if batch.greedy_rows:
         if batch.all_greedy:
             return argmax(logits).tolist()
-        if len(batch.greedy_rows) <= 8:  # a few rows: each where it is, not copied out first
+        rows = batch.greedy_rows
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            for i, t in zip(rows, argmax(logits[rows[0]:rows[0] + len(rows)]).tolist()):
+                tokens[i] = t
+        elif len(rows) <= 8:  # a few rows: each where it is, not copied out first
             for i in batch.greedy_rows:
                 tokens[i] = int(argmax(logits[i]))
         else:
@@ -102,12 +127,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
                 tokens[i] = t
     if batch.exact_rows:
         rows = batch.exact_rows
-        for i, t in zip(rows, sample_exact(batch.scaled(logits, rows), *batch.select(rows),
+        for i, t in zip(rows, sample_exact(batch.scaled(logits, rows, writable), *batch.select(rows),
                                            [batch.generators[i] for i in rows])):
             tokens[i] = t
     if batch.candidate_rows:
         rows = batch.candidate_ordered(logits.shape[-1])
-        for group, cands in candidate_filter(batch.scaled(logits, rows), *batch.select(rows)):
+        for group, cands in candidate_filter(batch.scaled(logits, rows, writable), *batch.select(rows)):
             for j, t in zip(group, draw_candidates(cands, generator)):
                 tokens[rows[j]] = t
     return tokens
@@ -147,11 +172,16 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                 raw_logits: torch.Tensor | None = None,
-                 errors: dict[int, str] | None = None) -> tuple[list[int], list[TokenLogprobs | None]]:
+                 raw_logits: torch.Tensor | None = None, errors: dict[int, str] | None = None,
+                 writable: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits [B, V] float32 -> one token per row, plus logprobs (of raw_logits, default logits).
-        A row that cannot be sampled gets token 0 and its message in errors[row] (raises without errors)."""
-        drawn = sample(logits, SamplingBatch.build(params, generators), self.generator)
+        A row that cannot be sampled gets token 0 and its message in errors[row] (raises without errors).
+        writable: logits may be overwritten (faster with rows in path_order); the logprobs rows are kept first."""
+        want = [i for i, p in enumerate(params) if p.logprobs is not None and not p.greedy]
+        kept = None
+        if writable and want and (raw_logits is None or raw_logits is logits):
+            kept = logits.index_select(0, torch.tensor(want))  # the rows sample() may scale in place
+        drawn = sample(logits, SamplingBatch.build(params, generators), self.generator, writable)
         tokens = []
         for i, t in enumerate(drawn):
             if t is None:
@@ -159,7 +189,13 @@ class Sampler:
                     raise SamplingError(MESSAGE)
                 errors[i], t = MESSAGE, 0
             tokens.append(t)
-        return tokens, self.logprobs(logits if raw_logits is None else raw_logits, params, tokens)
+        if kept is None:
+            return tokens, self.logprobs(logits if raw_logits is None else raw_logits, params, tokens)
+        scaled = set(want)  # the others' rows are as they came (greedy rows are never scaled)
+        lps = token_logprobs(logits, tokens, [None if i in scaled else p.logprobs for i, p in enumerate(params)])
+        for i, lp in zip(want, token_logprobs(kept, [tokens[i] for i in want], [params[i].logprobs for i in want])):
+            lps[i] = lp
+        return tokens, lps
 
     @staticmethod
     def logprobs(logits: torch.Tensor, params: list[SamplingParams],

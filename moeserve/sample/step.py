@@ -14,7 +14,7 @@ import torch
 
 from moeserve.sample.logprobs import TokenLogprobs, token_logprobs
 from moeserve.sample.processors import LogitsRows, apply_logits_processors
-from moeserve.sample.sampler import Sampler
+from moeserve.sample.sampler import Sampler, path_order
 from moeserve.structured.grammar import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ class StepSampler:
         What one request carries can only fail that request (result.failed): logits that are not finite
         from the model, or after its processors and grammar, a grammar that raises, a row that cannot be
         sampled. Its rows are dropped before sampling; the other requests are sampled as if it was absent."""
+        if self.rejection_sampler is None:  # each sampling path's rows together: slices of the logits, not copies
+            sample_rows = [sample_rows[i] for i in path_order([s.request.sampling_params for _, s in sample_rows])]
         row_ids = torch.tensor([r for rows, _ in sample_rows for r in rows])
         logits = self.compute_logits(hidden[row_ids])
         reqs = [s.request for _, s in sample_rows]
@@ -109,7 +111,7 @@ class StepSampler:
         gens = [self.generator(r, logits.shape[-1]) for r in reqs]
         errors: dict[int, str] = {}
         if self.rejection_sampler is None:
-            tokens, lps = self.sampler(logits, params, gens, raw, errors)
+            tokens, lps = self.sampler(logits, params, gens, raw, errors, writable=True)  # logits: this step's own
             emitted = [[t] for t in tokens]
         else:
             emitted = self.rejection_sampler(logits, [s.draft_token_ids for _, s in sample_rows], params, gens,

@@ -272,3 +272,34 @@ def test_argmax_is_atens():
     for rows in (x, x[:, ::2], x[9]):
         assert torch.equal(argmax(rows), rows.argmax(-1))
     assert torch.equal(argmax(x.bfloat16()), x.bfloat16().argmax(-1))
+
+
+@pytest.mark.parametrize("in_path_order", [True, False])
+def test_writable_logits_give_the_same_tokens_and_logprobs(in_path_order):
+    """Sampler(..., writable=True) scales the rows of each path where they are (path_order puts them
+    together): the same tokens, logprobs (of the raw rows) and generator states as on a copy, the caller's
+    logits left as they were when not writable."""
+    from moeserve.sample.sampler import path_order
+
+    V, rng = 4096, random.Random(31)
+    params = [random_params(rng, V) for _ in range(40)]
+    logits = model_like_logits(len(params), V, 17)
+    logits[logits.isinf()] = -30.0  # raw model logits are finite
+    if in_path_order:
+        order = path_order(params)
+        params, logits = [params[i] for i in order], logits[order]
+        kinds = [0 if p.greedy else 1 if p.seed is not None else 2 for p in params]
+        assert kinds == sorted(kinds)  # greedy, seeded, then the candidate rows
+
+    def run(writable: bool):
+        gens = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params]
+        x = logits.clone()
+        tokens, lps = Sampler(3)(x, params, gens, writable=writable)
+        return tokens, [None if lp is None else (lp.token_id, lp.logprob, lp.top) for lp in lps], \
+            [g.get_state() for g in gens if g is not None], x
+
+    tokens, lps, states, untouched = run(False)
+    assert torch.equal(untouched, logits)
+    w_tokens, w_lps, w_states, _ = run(True)
+    assert w_tokens == tokens and w_lps == lps
+    assert all(torch.equal(a, b) for a, b in zip(states, w_states))
