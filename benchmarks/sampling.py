@@ -12,9 +12,12 @@ the median ms per step, the spread (min..max as % of the median) and the median 
 Part 2 (--decode): LLM on the V3-shaped checkpoint of benchmarks/decode_speed.py (compiled decode unless
 --eager), --decode-batch requests of --prompt-len tokens, --new-tokens each (ignore_eos), greedy, with the
 MIX of parameters plus penalties on 2 rows in 8 ("mixed"), and the same without the seed ("mixed-no-seed":
-every sampled row on the candidate path), alternating, --repeats times; decode tok/s = batch x (new - 1) /
-(generate time - the same prefill alone), thread CPU time; printed per repeat and as the median of the
-per-repeat ratios to greedy. Also per engine step: the median step time and the median time of its
+every sampled row on the candidate path), alternating (each variant first in turn), --repeats times; decode
+tok/s = batch x (new - 1) / (generate time - that generate's own first engine step, the prompts' prefill),
+thread CPU time; printed per repeat and as the median of the per-repeat ratios to greedy. (Until 2026-12-07
+the prefill was a separate generate of the same prompts just before, which read ~50-130 ms slower for the
+variant timed first after the previous repeat than that variant's own prefill step: greedy, always first,
+got its decode time understated and the ratios came out 2-4% low.) Also per engine step: the median step time and the median time of its
 StepSampler.sample (lm_head, processors, filters, draws, logprobs), and greedy's step with each variant's
 sampling in its place (the forward is the same: less noise than whole-run tok/s on a shared machine).
 
@@ -152,7 +155,6 @@ def decode_part(a) -> None:
     variants = {"greedy": decoding([SamplingParams(temperature=0)] * b),
                 "mixed": decoding(mixed_params(b, penalties=True)),  # MIX + penalties, a seed on 1 row in 8
                 "mixed-no-seed": decoding(mixed_params(b, seeds=False, penalties=True))}
-    one = SamplingParams(temperature=0, max_tokens=1)
     # per engine step (model runner execute) of the timed decodes: (step ms, of which StepSampler.sample ms),
     # thread CPU time: the forward is the same for every variant, so the steps' medians show the sampler's
     # share with less of the shared machine's noise than whole-run tok/s
@@ -173,9 +175,12 @@ def decode_part(a) -> None:
             timing[1] += CLOCK() - t0
             timing[2] += faults() - f0
 
+    step_s: list[float] = []  # the engine steps of the generate being timed, seconds
+
     def timed_execute(out):
         timing[1], timing[2], t0 = 0.0, 0, CLOCK()
         result = execute(out)
+        step_s.append(CLOCK() - t0)
         if timing[0] is not None:
             steps[timing[0]].append(((CLOCK() - t0) * 1e3, timing[1] * 1e3, timing[2]))
         return result
@@ -184,20 +189,20 @@ def decode_part(a) -> None:
 
     def tps(params, salt, name=None):
         prompts = prompts_of(b, a.prompt_len, salt)
-        t0 = CLOCK()
-        llm.generate(prompt_token_ids=prompts, sampling_params=one, use_tqdm=False)
-        prefill = CLOCK() - t0
+        step_s.clear()
         timing[0], t0 = name, CLOCK()
         llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         timing[0] = None
-        return b * (a.new_tokens - 1) / max(CLOCK() - t0 - prefill, 1e-9)
+        # decode time: the generate's but its own first step (every prompt's prefill, which samples token 1)
+        return b * (a.new_tokens - 1) / max(CLOCK() - t0 - step_s[0], 1e-9)
 
     for params in variants.values():  # warm-up
         tps(params, 0)
     runs: dict[str, list[float]] = {k: [] for k in variants}
+    names = list(variants)
     for r in range(a.repeats):
-        for k, params in variants.items():
-            runs[k].append(tps(params, r + 1, k))
+        for k in names[r % len(names):] + names[:r % len(names)]:  # each variant first in turn
+            runs[k].append(tps(variants[k], r + 1, k))
         print(f"repeat {r}: " + ", ".join(f"{k} {runs[k][-1]:7.1f} tok/s" for k in variants)
               + "".join(f", {k}/greedy {runs[k][-1] / runs['greedy'][-1]:.3f}" for k in variants if k != "greedy"),
               flush=True)
