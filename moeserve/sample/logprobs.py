@@ -20,17 +20,27 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int | None]) -> list[TokenLogprobs | None]:
-    """logits [R, V] (the raw model distribution, as vLLM and OpenAI report it), the token of each row and
-    how many top entries it wants (None: no logprobs for that row). One log_softmax for the rows that want
-    logprobs and one topk per distinct count."""
+def log_softmax_rows(logits: torch.Tensor, num_top: list[int | None]) -> tuple[list[int], torch.Tensor | None]:
+    """The rows that want logprobs (num_top not None), grouped by count, and their log_softmax [n, V]: what
+    token_logprobs reads of logits, to take before logits are written (sampler.Sampler, writable)."""
     # the rows grouped by count: each count's topk on a slice of logp, not a copy of its rows
     rows = sorted((i for i, n in enumerate(num_top) if n is not None), key=lambda i: num_top[i])
+    if not rows:
+        return rows, None
+    if rows == list(range(rows[0], rows[0] + len(rows))):  # a slice of logits, not a copy of its rows
+        return rows, logits[rows[0]:rows[0] + len(rows)].log_softmax(dim=-1)
+    return rows, logits.index_select(0, torch.tensor(rows)).log_softmax(dim=-1)
+
+
+def token_logprobs(logits: torch.Tensor | None, tokens: list[int], num_top: list[int | None],
+                   prepared: tuple[list[int], torch.Tensor | None] | None = None) -> list[TokenLogprobs | None]:
+    """logits [R, V] (the raw model distribution, as vLLM and OpenAI report it), the token of each row and
+    how many top entries it wants (None: no logprobs for that row). One log_softmax for the rows that want
+    logprobs (prepared: log_softmax_rows(logits, num_top) taken earlier) and one topk per distinct count."""
+    rows, logp = prepared if prepared is not None else log_softmax_rows(logits, num_top)
     out: list[TokenLogprobs | None] = [None] * len(num_top)
     if not rows:
         return out
-    sel = torch.tensor(rows)
-    logp = logits.index_select(0, sel).log_softmax(dim=-1)
     chosen = logp.gather(1, torch.tensor([tokens[i] for i in rows])[:, None])[:, 0].tolist()
     tops: dict[int, list] = {j: [] for j in range(len(rows))}
     by_n: dict[int, list[int]] = {}

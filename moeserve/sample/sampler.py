@@ -11,7 +11,7 @@ import torch
 from moeserve.sample.draw import MESSAGE, SamplingError, argmax, draw_candidates
 from moeserve.sample.exact import sample_exact
 from moeserve.sample.filters import Candidates, candidate_filter, exact_filter, kinds
-from moeserve.sample.logprobs import TokenLogprobs, token_logprobs
+from moeserve.sample.logprobs import TokenLogprobs, log_softmax_rows, token_logprobs
 from moeserve.sampling_params import SamplingParams
 
 
@@ -176,11 +176,11 @@ class Sampler:
                  writable: bool = False) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits [B, V] float32 -> one token per row, plus logprobs (of raw_logits, default logits).
         A row that cannot be sampled gets token 0 and its message in errors[row] (raises without errors).
-        writable: logits may be overwritten (faster with rows in path_order); the logprobs rows are kept first."""
-        want = [i for i, p in enumerate(params) if p.logprobs is not None and not p.greedy]
-        kept = None
-        if writable and want and (raw_logits is None or raw_logits is logits):
-            kept = logits.index_select(0, torch.tensor(want))  # the rows sample() may scale in place
+        writable: logits may be overwritten (faster with rows in path_order); the logprobs are taken first."""
+        num_top = [p.logprobs for p in params]
+        raw = logits if raw_logits is None else raw_logits
+        # the logprobs rows' log_softmax before sample() may scale those rows in place
+        prepared = log_softmax_rows(raw, num_top) if writable and raw is logits else None
         drawn = sample(logits, SamplingBatch.build(params, generators), self.generator, writable)
         tokens = []
         for i, t in enumerate(drawn):
@@ -189,16 +189,5 @@ class Sampler:
                     raise SamplingError(MESSAGE)
                 errors[i], t = MESSAGE, 0
             tokens.append(t)
-        if kept is None:
-            return tokens, self.logprobs(logits if raw_logits is None else raw_logits, params, tokens)
-        scaled = set(want)  # the others' rows are as they came (greedy rows are never scaled)
-        lps = token_logprobs(logits, tokens, [None if i in scaled else p.logprobs for i, p in enumerate(params)])
-        for i, lp in zip(want, token_logprobs(kept, [tokens[i] for i in want], [params[i].logprobs for i in want])):
-            lps[i] = lp
-        return tokens, lps
-
-    @staticmethod
-    def logprobs(logits: torch.Tensor, params: list[SamplingParams],
-                 tokens: list[int]) -> list[TokenLogprobs | None]:
-        """Logprobs of the raw model distribution (as vLLM and OpenAI report them)."""
-        return token_logprobs(logits, tokens, [p.logprobs for p in params])
+        # logprobs of the raw model distribution (as vLLM and OpenAI report them)
+        return tokens, token_logprobs(raw, tokens, num_top, prepared)
