@@ -24,6 +24,7 @@ import torch
 
 from moeserve.config import QuantConfig
 from moeserve.layers.attention.metadata import SeqSpan, attention_context, build_attention_metadata
+from moeserve.sample.draw import argmax
 from moeserve.speculative.mtp_model import build_mtp
 
 if TYPE_CHECKING:  # annotations only: the engine's scheduler calls down into this module, never the reverse
@@ -92,7 +93,7 @@ class MTPProposer:
         drafts = {c.request_id: [] for c in chains}
         passes = 1
         while True:
-            ids = self.mtp.compute_logits(h, self.main.lm_head).argmax(dim=-1)  # [B]
+            ids = argmax(self.mtp.compute_logits(h, self.main.lm_head))  # [B]
             for c, t in zip(chains, ids.tolist()):
                 drafts[c.request_id].append(t)
             keep = [i for i, c in enumerate(chains) if c.remaining > 0]
