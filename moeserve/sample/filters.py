@@ -79,7 +79,7 @@ def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float],
     krows = [i for i in range(n) if kind[i] == 0]
     if krows:  # the candidates are the top-k: the row's mass outside them is filtered out anyway
         ks = torch.tensor([top_k[i] for i in krows])
-        vals, ids = _topk(_take(x, krows), int(ks.max()))
+        vals, ids = _topk(take_rows(x, krows), int(ks.max()))
         vals = vals.masked_fill(torch.arange(vals.shape[1])[None, :] >= ks[:, None], NEG_INF)
         probs = vals.softmax(-1)
         groups.append((krows, _finish(probs, ids, [top_p[i] for i in krows], [min_p[i] for i in krows])))
@@ -90,7 +90,7 @@ def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float],
     # the rows over the whole vocabulary (the top-p rows whose best candidates do not hold the nucleus, and
     # rest): one softmax, and one group (one _finish, one draw)
     np_ = len(prows)
-    allp = _take(x, prows + rest).softmax(-1)
+    allp = take_rows(x, prows + rest).softmax(-1)
     left = list(range(np_))
     if prows:
         probs = allp[:np_]
@@ -101,7 +101,7 @@ def candidate_filter(x: torch.Tensor, top_k: list[int], top_p: list[float],
             # only for the rows the first leaves open), which rules out flat rows without a topk that would fail
             tried = [j for j, h in enumerate((CANDIDATES * probs.amax(-1) < p).tolist()) if not h]
             if tried:
-                sq = (CANDIDATES * _take(probs, tried).square().sum(-1)).sqrt_()
+                sq = (CANDIDATES * take_rows(probs, tried).square().sum(-1)).sqrt_()
                 tried = [j for j, h in zip(tried, (sq < p[tried]).tolist()) if not h]
             if tried:
                 sel = torch.tensor(tried)
@@ -146,18 +146,25 @@ def _topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.from_numpy(np.take_along_axis(ids, order, axis=-1)))
 
 
-def kinds(top_k: list[int], top_p: list[float], V: int) -> list[int]:
+def group_key(top_k: int, top_p: float, min_p: float, V: float) -> tuple[int, bool]:
+    """Where a candidate row goes in kinds() order, with the rows that take a min_p together (the top-p ones
+    last, the others first: one group after candidate_filter merges them), for _finish's min-p on a view."""
+    kind = kinds([top_k], [top_p], V)[0]
+    return kind, (min_p > 0.0) == (kind == 1)
+
+
+def kinds(top_k: list[int], top_p: list[float], V: float) -> list[int]:
     """candidate_filter's group of each row: 0 top-k, 1 top-p (no top-k), 2 neither."""
     return [0 if 0 < k < V else 1 if p < 1.0 else 2 for k, p in zip(top_k, top_p)]
 
 
-def _consecutive(idx: list[int]) -> bool:
+def consecutive(idx: list[int]) -> bool:
     return idx == list(range(idx[0], idx[0] + len(idx)))
 
 
-def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
+def take_rows(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
     """x's rows idx: a view when they are consecutive (no copy), else a copy."""
-    if _consecutive(idx):
+    if consecutive(idx):
         return x[idx[0]:idx[0] + len(idx)]
     return x.index_select(0, torch.tensor(idx))
 
@@ -173,14 +180,14 @@ def _finish(probs: torch.Tensor, ids: torch.Tensor | None, top_p: list[float],
     mrows = [i for i, m in enumerate(min_p) if m > 0.0]
     if mrows:  # only the rows with a min_p (a whole-vocabulary pass costs ~0.1 ms a row), in place (probs is
         # ours): consecutive rows (sampler.SamplingBatch.candidate_ordered) as a view, others copied and back
-        rows = _take(probs, mrows)
+        rows = take_rows(probs, mrows)
         m = torch.tensor([min_p[i] for i in mrows], dtype=torch.float32)
         # keep p >= min_p x max: zero p <= the float32 below that, a vectorised threshold_ per row (a bool mask
         # and masked_fill cost ~10x that here)
         below = torch.nextafter(m * rows.amax(-1), torch.tensor(NEG_INF)).tolist()
         for j, t in enumerate(below):
             torch.nn.functional.threshold_(rows[j], t, 0.0)
-        if not _consecutive(mrows):
+        if not consecutive(mrows):
             probs.index_copy_(0, torch.tensor(mrows), rows)
     return Candidates(probs, ids)
 

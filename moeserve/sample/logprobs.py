@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.sample.draw import argmax
+from moeserve.sample.filters import take_rows
 
 
 # ATen's CPU topk takes a partial sort when k x 64 <= the row's length (else nth_element, whose order of equal
@@ -27,9 +28,7 @@ def log_softmax_rows(logits: torch.Tensor, num_top: list[int | None]) -> tuple[l
     rows = sorted((i for i, n in enumerate(num_top) if n is not None), key=lambda i: num_top[i])
     if not rows:
         return rows, None
-    if rows == list(range(rows[0], rows[0] + len(rows))):  # a slice of logits, not a copy of its rows
-        return rows, logits[rows[0]:rows[0] + len(rows)].log_softmax(dim=-1)
-    return rows, logits.index_select(0, torch.tensor(rows)).log_softmax(dim=-1)
+    return rows, take_rows(logits, rows).log_softmax(dim=-1)  # a slice where the rows are consecutive
 
 
 def token_logprobs(logits: torch.Tensor | None, tokens: list[int], num_top: list[int | None],

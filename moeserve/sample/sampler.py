@@ -4,13 +4,15 @@ filter and inverse-CDF draw. The filters (filters.py, exact.py) take the rows al
 temperatures: temperature is applied here, once, where the batch is built."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from moeserve.sample.draw import MESSAGE, SamplingError, argmax, draw_candidates
 from moeserve.sample.exact import sample_exact
-from moeserve.sample.filters import Candidates, candidate_filter, exact_filter, kinds
+from moeserve.sample.filters import (Candidates, candidate_filter, consecutive, exact_filter, group_key,
+                                      take_rows)
 from moeserve.sample.logprobs import TokenLogprobs, log_softmax_rows, token_logprobs
 from moeserve.sampling_params import SamplingParams
 
@@ -68,21 +70,16 @@ class SamplingBatch:
     def scaled(self, logits: torch.Tensor, rows: list[int], writable: bool = False) -> torch.Tensor:
         """These rows of logits [R, V], divided by their temperatures: what the filters take. writable: logits
         may be overwritten, so consecutive rows are divided where they are (no copy of them)."""
-        if writable and rows and rows == list(range(rows[0], rows[0] + len(rows))):
-            a, b = rows[0], rows[0] + len(rows)
-            return scale(logits[a:b], self.temperature[a:b], inplace=True)
+        if writable and consecutive(rows):
+            return scale(take_rows(logits, rows), self.temperature[rows[0]:rows[0] + len(rows)], inplace=True)
         sel = torch.tensor(rows, dtype=torch.long)
         return scale(logits.index_select(0, sel), self.temperature.index_select(0, sel), inplace=True)
 
     def candidate_ordered(self, vocab: int) -> list[int]:
         """candidate_rows grouped as filters.candidate_filter groups them: each group's scaled rows are then
         a slice of one copy, not a second copy."""
-        rows = self.candidate_rows
-        kind = kinds(*self.select(rows)[:2], vocab)
-        # and the rows with a min_p together (the top-p ones last, the others first: one group after candidate_filter
-        # merges them), for _finish's min-p on a view of them
-        minp = [(self.min_p[i] > 0.0) == (k == 1) for i, k in zip(rows, kind)]
-        return [i for _, _, i in sorted(zip(kind, minp, rows))]
+        return sorted(self.candidate_rows,
+                      key=lambda i: group_key(self.top_k[i], self.top_p[i], self.min_p[i], vocab))
 
     def select(self, rows: list[int]) -> tuple[list[int], list[float], list[float]]:
         """(top_k, top_p, min_p) of these rows."""
@@ -97,10 +94,9 @@ def path_order(params: list[SamplingParams]) -> list[int]:
         p = params[i]
         if p.greedy:
             return (0,)
-        if p.seed is not None:
+        if p.seed is not None:  # StepSampler gives exactly these a generator: SamplingBatch's exact rows
             return (1,)
-        kind = 0 if p.top_k > 0 else 1 if p.top_p < 1.0 else 2  # filters.kinds for any vocabulary above top_k
-        return (2, kind, (p.min_p > 0.0) == (kind == 1))
+        return (2, *group_key(p.top_k, p.top_p, p.min_p, math.inf))  # any vocabulary above top_k
     return sorted(range(len(params)), key=key)
 
 
@@ -114,17 +110,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, generator: torch.Generato
     if batch.greedy_rows:
         if batch.all_greedy:
             return argmax(logits).tolist()
-        rows = batch.greedy_rows
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            for i, t in zip(rows, argmax(logits[rows[0]:rows[0] + len(rows)]).tolist()):
-                tokens[i] = t
-        elif len(rows) <= 8:  # a few rows: each where it is, not copied out first
-            for i in batch.greedy_rows:
-                tokens[i] = int(argmax(logits[i]))
-        else:
-            sel = torch.tensor(batch.greedy_rows)
-            for i, t in zip(batch.greedy_rows, argmax(logits.index_select(0, sel)).tolist()):
-                tokens[i] = t
+        for i, t in zip(batch.greedy_rows, argmax(take_rows(logits, batch.greedy_rows)).tolist()):
+            tokens[i] = t
     if batch.exact_rows:
         rows = batch.exact_rows
         for i, t in zip(rows, sample_exact(batch.scaled(logits, rows, writable), *batch.select(rows),
