@@ -12,13 +12,52 @@ DEEPEP = {8: (77, 114), 16: (118, 195), 32: (155, 273), 64: (173, 314), 128: (19
 
 @pytest.mark.parametrize("ep", sorted(DEEPEP))
 def test_alltoall_reproduces_deepep(ep):
+    """Each collective with its own kind's floor (moe.py passes "dispatch" / "combine"): the combine used to be
+    checked against the dispatch floor, which passed at 15% only by chance (EP128 332 us against 369).
+    Dispatch is exact at EP 8/16/128 and within 3% at 32/64 (the running maximum of the floors keeps EP16's
+    38.3 us floor where EP32's and EP64's own are lower); combine is exact."""
     hw = load_hardware("h800")
     copies = 128 * 8
-    dispatch = comm.alltoall(hw, ep, copies, 7168 + 7168 / 128 * 4) * 1e6
-    combine = comm.alltoall(hw, ep, copies, 7168 * 2) * 1e6
+    dispatch = comm.alltoall(hw, ep, copies, 7168 + 7168 / 128 * 4, "dispatch") * 1e6
+    combine = comm.alltoall(hw, ep, copies, 7168 * 2, "combine") * 1e6
     d, c = DEEPEP[ep]
-    assert dispatch == pytest.approx(d, rel=0.15)
-    assert combine == pytest.approx(c, rel=0.15)
+    assert dispatch == pytest.approx(d, rel=0.03)
+    assert combine == pytest.approx(c, rel=0.005)
+
+
+# kernels.md / CloudMatrix384 paper v2 Table 7: CANN dispatch / combine on one 910C die over the UB, 128 tokens
+# per rank, top-8, INT8 + per-token fp32 scale dispatch, BF16 combine (us).
+CANN = {8: (116, 118), 16: (131, 132), 32: (133, 146), 64: (141, 150), 128: (152, 150), 256: (152, 149)}
+
+
+@pytest.mark.parametrize("ep", sorted(CANN))
+def test_alltoall_reproduces_cann_table7_per_die(ep):
+    """The CloudMatrix dispatch / combine term at the measured shape returns the measured times (issue 41: is
+    the CloudMatrix decode row too slow from this term? At 128 tokens per die it is the measurement itself).
+    Combine's floor is a running maximum (EP64's 61.9 us held at EP128 / 256), so those read 0.5% / 1.4% high."""
+    hw = load_hardware("cloudmatrix-384-die")
+    copies = 128 * 8
+    dispatch = comm.alltoall(hw, ep, copies, 7168 + 4, "dispatch") * 1e6
+    combine = comm.alltoall(hw, ep, copies, 7168 * 2, "combine") * 1e6
+    d, c = CANN[ep]
+    assert dispatch == pytest.approx(d, rel=0.002)
+    assert combine == pytest.approx(c, rel=0.015)
+
+
+def test_cann_alltoall_at_the_cloudmatrix_operating_point_hand_case():
+    """The CloudMatrix decode row's operating point (batch 76 per die with one MTP draft = 152 tokens per die,
+    144 ranks): by hand, dispatch = floor 107.57 us (EP128's 152 - its payload 128 x 8 x 7172 B x 127/128
+    at 164 GB/s) + 152 x 8 x 7172 B x 143/144 / (196 x 0.837 GB/s); combine = floor 61.89 us (EP64's
+    150 - 128 x 8 x 14336 x 63/64 / 164 GB/s) + 152 x 8 x 14336 B x 143/144 / (196 x 0.837)."""
+    hw = load_hardware("cloudmatrix-384-die")
+    bw = 196e9 * 0.837
+    d_floor = 152 - 128 * 8 * 7172 * (127 / 128) / 164e9 * 1e6
+    c_floor = 150 - 128 * 8 * 14336 * (63 / 64) / 164e9 * 1e6
+    d = d_floor + 152 * 8 * 7172 * (143 / 144) / bw * 1e6
+    c = c_floor + 152 * 8 * 14336 * (143 / 144) / bw * 1e6
+    assert comm.alltoall(hw, 144, 152 * 8, 7172, "dispatch") * 1e6 == pytest.approx(d, rel=1e-3)
+    assert comm.alltoall(hw, 144, 152 * 8, 14336, "combine") * 1e6 == pytest.approx(c, rel=1e-3)
+    assert d == pytest.approx(160.4, abs=0.2) and c == pytest.approx(167.4, abs=0.2)
 
 
 def test_link_time_hand_case():
