@@ -25,30 +25,14 @@ def test_alltoall_reproduces_deepep(ep):
     assert combine == pytest.approx(c, rel=0.005)
 
 
-# kernels.md / CloudMatrix384 paper v2 Table 7: CANN dispatch / combine on one 910C die over the UB, 128 tokens
-# per rank, top-8, INT8 + per-token fp32 scale dispatch, BF16 combine (us).
-CANN = {8: (116, 118), 16: (131, 132), 32: (133, 146), 64: (141, 150), 128: (152, 150), 256: (152, 149)}
-
-
-@pytest.mark.parametrize("ep", sorted(CANN))
-def test_alltoall_reproduces_cann_table7_per_die(ep):
-    """The CloudMatrix dispatch / combine term at the measured shape returns the measured times (issue 41: is
-    the CloudMatrix decode row too slow from this term? At 128 tokens per die it is the measurement itself).
-    Combine's floor is a running maximum (EP64's 61.9 us held at EP128 / 256), so those read 0.5% / 1.4% high."""
-    hw = load_hardware("cloudmatrix-384-die")
-    copies = 128 * 8
-    dispatch = comm.alltoall(hw, ep, copies, 7168 + 4, "dispatch") * 1e6
-    combine = comm.alltoall(hw, ep, copies, 7168 * 2, "combine") * 1e6
-    d, c = CANN[ep]
-    assert dispatch == pytest.approx(d, rel=0.002)
-    assert combine == pytest.approx(c, rel=0.015)
-
-
 def test_cann_alltoall_at_the_cloudmatrix_operating_point_hand_case():
-    """The CloudMatrix decode row's operating point (batch 76 per die with one MTP draft = 152 tokens per die,
-    144 ranks): by hand, dispatch = floor 107.57 us (EP128's 152 - its payload 128 x 8 x 7172 B x 127/128
-    at 164 GB/s) + 152 x 8 x 7172 B x 143/144 / (196 x 0.837 GB/s); combine = floor 61.89 us (EP64's
-    150 - 128 x 8 x 14336 x 63/64 / 164 GB/s) + 152 x 8 x 14336 B x 143/144 / (196 x 0.837)."""
+    """Issue 41: is the CloudMatrix decode row too slow from its dispatch / combine term? At 128 tokens per die
+    the term returns CANN Table 7 (test_terms.py test_dispatch_combine_reproduce_their_tables); at the row's
+    operating point (batch 76 per die with one MTP draft = 152 tokens per die, 144 ranks), by hand:
+    dispatch = floor 107.57 us (EP128's 152 - its payload 128 x 8 x 7172 B x 127/128 at 164 GB/s)
+               + 152 x 8 x 7172 B x 143/144 / (196 x 0.837 GB/s);
+    combine  = floor 61.89 us (EP64's 150 - 128 x 8 x 14336 B x 63/64 at 164 GB/s, held at EP128)
+               + 152 x 8 x 14336 B x 143/144 / (196 x 0.837 GB/s)."""
     hw = load_hardware("cloudmatrix-384-die")
     bw = 196e9 * 0.837
     d_floor = 152 - 128 * 8 * 7172 * (127 / 128) / 164e9 * 1e6
