@@ -57,3 +57,19 @@ def test_a2_prefill_published_figures_are_one_measurement():
     tokens = ttft["requests"] * ttft["input_len"]
     per_card = tokens / (ttft["instance"]["cards"] * ttft["published"]["value"] / 1000)
     assert abs(per_card - tput["published"]["value"]) < 1.0
+
+
+def test_cloudmatrix_row_counts_dies_and_publishes_per_die():
+    """The brief's 144 decode cards are 910C chips (packages of two dies): 288 ranks, of which 256 hold one
+    routed expert each (128 cards) and 32 the shared expert (16 cards); the headline 1920 tok/s per card is
+    per chip (xDeepServe: "tokens/s per Ascend 910C chip"; Huawei Cloud: 1920 -> 2400 TPS per chip), so
+    960 per die, the unit the model predicts in. The paper's per-layer times are at 96 per NPU = 48 per die."""
+    table = cases.builtin()
+    c = {x["id"]: x for x in table["cases"]}["cloudmatrix384-decode"]
+    inst = Instance(**c["instance"])
+    assert c["hardware"] == "cloudmatrix-384-die"
+    dies_per_card = 2
+    assert inst.cards == 144 * dies_per_card and inst.shared_expert_ranks == 16 * dies_per_card
+    assert inst.cards - inst.shared_expert_ranks == 256          # one routed expert per die
+    assert c["published"]["value"] * dies_per_card == 1920
+    assert {p["batch"] for p in table["per_layer"]} == {96 // dies_per_card}

@@ -221,7 +221,8 @@ def test_per_layer_checks_use_the_case_layout():
     assert rows["cloudmatrix-layer-mtp"]["published_us"] == 1260
     case = next(c for c in load_cases()["cases"] if c["id"] == "cloudmatrix384-decode")
     inst = Instance(**case["instance"], redundant_experts=0)
-    direct = layer_breakdown(V3, load_hardware(case["hardware"]), replace(inst, mtp_drafts=0), 96, 4096)
+    # the paper's batch 96 per NPU (910C chip) = 48 per die, the case's rank (docs/planner.md "The CloudMatrix unit")
+    direct = layer_breakdown(V3, load_hardware(case["hardware"]), replace(inst, mtp_drafts=0), 48, 4096)
     assert rows["cloudmatrix-layer-no-mtp"]["per_layer_us"] == direct["per_layer_us"]
     assert direct["moe_layer_total_us"] == pytest.approx(sum(direct["moe_layer_us"].values()), abs=0.5)
     assert direct["per_layer_us"] == pytest.approx(direct["step_ms"] * 1e3 / 61, abs=0.1)
