@@ -35,7 +35,9 @@ def compile_quantizer() -> None:
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] float -> (q int8 [T, K], scale float32 [T, 1]), one dynamic scale per row (token)."""
-    if _compiled is not None and x.shape[0] >= COMPILED_MIN_ROWS and not torch.compiler.is_compiling():
+    # is_compiling() first: a decode graph traced before compile_quantizer() must not read (and be guarded on)
+    # _compiled, or setting it would send every such graph back to dynamo to be compiled again
+    if not torch.compiler.is_compiling() and _compiled is not None and x.shape[0] >= COMPILED_MIN_ROWS:
         return _compiled(x.contiguous())  # one graph: strided rows would compile one of their own
     return _quantize_per_token(x)
 

@@ -120,6 +120,70 @@ def _configure_cache() -> None:
         os.environ.get("MOESERVE_CACHE", os.path.expanduser("~/.cache/moeserve")), "inductor"))
 
 
+class DirectGraphs:
+    """A torch.compile'd layer function whose graphs, once dynamo has picked one for a (module, row count),
+    are called directly on later calls with the same key, without dynamo's frame evaluation.
+
+    Dynamo picks a graph on every call by walking the function's cache entries and evaluating their guards,
+    which check every weight the layer's graph reads: ~70-110 us a layer on this CPU, ~0.9 ms of a ~25 ms
+    batch-1 step of the bench model's 8 layers (a 61-layer V3 pays it 61 times a step). The decode graphs'
+    inputs are fixed per (layer, bucket), so the entry dynamo picked the first time is the one it would pick
+    again, until the layer's modules change in place (forget(): online EPLB's expert moves) or the engine's
+    graphs are rebuilt (a new CompiledDecode, as after an elastic re-formation). The key holds the grad /
+    inference mode too, the global state the entries are guarded on. MOESERVE_CHECK_GRAPH_GUARDS=1 evaluates
+    the chosen entry's guards on every direct call and raises where they fail (the compiled path's tests run
+    with it). vLLM's compile wrapper dispatches to its compiled code past dynamo the same way."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
+        self.direct: dict[tuple, tuple] = {}  # key -> (entry's code as a function, its guard manager)
+        self.check_guards = os.environ.get("MOESERVE_CHECK_GRAPH_GUARDS") == "1"
+        self.direct_calls = 0
+
+    def __call__(self, module: torch.nn.Module, *args: torch.Tensor) -> torch.Tensor:
+        key = (id(module), args[0].shape[0], torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        hit = self.direct.get(key)
+        if hit is None:
+            out = self.compiled(module, *args)  # dynamo's lookup (compiling on a miss)
+            entry = self._entry(module, args)
+            if entry is not None:
+                self.direct[key] = entry
+            return out
+        call, guards = hit
+        if self.check_guards and not guards.check(self._locals(module, args)):
+            why = guards.check_verbose(self._locals(module, args)).verbose_code_parts
+            raise RuntimeError(f"the decode graph chosen for {type(module).__name__} at {args[0].shape[0]} rows "
+                               f"no longer passes its guards ({'; '.join(why)[:400]}): a layer changed in place "
+                               "without forget()")
+        self.direct_calls += 1
+        return call(module, *args)
+
+    def forget(self) -> None:
+        """Back to dynamo's lookup for every key (once each): some layer's modules were changed in place."""
+        self.direct.clear()
+
+    def _locals(self, module, args) -> dict:
+        code = self.fn.__code__
+        return dict(zip(code.co_varnames[:code.co_argcount], (module, *args)))
+
+    def _entry(self, module, args) -> tuple | None:
+        """The compiled cache entry whose guards take these arguments, as (function, guard manager); None where
+        this torch has no such introspection (the calls then stay with dynamo)."""
+        import types
+
+        try:
+            import torch._dynamo.eval_frame as eval_frame
+            entries = eval_frame._debug_get_cache_entry_list(self.fn.__code__)
+            local = self._locals(module, args)
+            for entry in entries:
+                if entry.guard_manager.check(local):
+                    return types.FunctionType(entry.code, self.fn.__globals__), entry.guard_manager
+        except (AttributeError, ImportError, RuntimeError, TypeError):
+            pass
+        return None
+
+
 def _run_layer(layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return layer(x, positions)
 
@@ -148,14 +212,20 @@ class CompiledDecode:
         # bucket, reused by every layer of that kind (their weights and op keys are graph inputs), instead of
         # the whole unrolled model per bucket: about #layers times less to trace and compile.
         torch._dynamo.config.allow_unspec_int_on_nn_module = True
-        self._layer = torch.compile(_run_layer, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
+        self._layer = DirectGraphs(_run_layer)
         # The MTP layer (speculative/mtp_model.py): its passes over decode rows take the same buckets.
-        self._mtp = torch.compile(_run_mtp_layer, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
+        self._mtp = DirectGraphs(_run_mtp_layer)
         self.mtp_layer: torch.nn.Module | None = None
         self.compiled: set[int] = set()  # buckets traced so far
         self.compile_seconds = 0.0
         self.steps = 0  # decode steps run through a graph (warm-up excluded)
         self.mtp_steps = 0  # MTP passes run through a graph (warm-up excluded)
+
+    def layer_inputs_changed(self) -> None:
+        """Some layer's modules were changed in place (online EPLB's expert moves: new expert maps, INT8 packs):
+        the next call of each (layer, bucket) goes through dynamo's guarded lookup again."""
+        self._layer.forget()
+        self._mtp.forget()
 
     def attach_mtp(self, mtp_layer: torch.nn.Module) -> None:
         """Run the MTP proposer's decode passes through graphs too (compiled by warm_up)."""

@@ -156,7 +156,10 @@ class ModelRunner:
     def lockstep_step_done(self) -> None:
         """After every lockstep step (dp_worker), on every rank at once: online EPLB may rebalance here."""
         if self.eplb is not None:
+            applied = bool(self.eplb.pending)  # moves started by the last rebalance, applied now
             self.eplb.step_done()
+            if applied and self.decode_graphs is not None:  # new expert maps and packs in the layers
+                self.decode_graphs.layer_inputs_changed()
 
     def flush_stats(self) -> None:
         """Write the expert-load statistics now (end of a run; the file is also refreshed while running)."""

@@ -21,6 +21,9 @@ COMPILED = re.compile(r"joined epoch (\d+) as rank (\d+) of \d+ .*then compiled 
 @pytest.fixture(autouse=True)
 def compile_allowed(monkeypatch):
     monkeypatch.delenv("MOESERVE_ENFORCE_EAGER", raising=False)  # tests/conftest.py makes engines eager
+    # direct graph calls (compiled_decode.DirectGraphs) check their entry's guards: the re-formed layers
+    # must go through a fresh lookup, never a stale entry
+    monkeypatch.setenv("MOESERVE_CHECK_GRAPH_GUARDS", "1")
 
 
 def graph_steps(engine) -> dict[int, int]:

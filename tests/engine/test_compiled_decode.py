@@ -21,6 +21,8 @@ ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
 @pytest.fixture(autouse=True)
 def compile_allowed(monkeypatch):
     monkeypatch.delenv("MOESERVE_ENFORCE_EAGER", raising=False)  # tests/conftest.py makes engines eager
+    # every call that skips dynamo's lookup (DirectGraphs) evaluates its entry's guards and raises on a miss
+    monkeypatch.setenv("MOESERVE_CHECK_GRAPH_GUARDS", "1")
 
 
 def generate(llm: LLM, prompts=PROMPTS, params=PARAMS) -> list[list[int]]:
@@ -38,6 +40,7 @@ def assert_graphs_ran(llm: LLM, buckets: list[int]) -> None:
     assert graphs is not None, "the engine chose the eager path"
     assert graphs.buckets == buckets and graphs.compiled == set(buckets)
     assert graphs.steps > 0, "no decode step went through a graph"
+    assert graphs._layer.direct_calls > 0, "every layer call went through dynamo's lookup"
     assert llm.engine.stats().num_graph_steps == graphs.steps
 
 
@@ -312,3 +315,31 @@ def test_a_second_process_reuses_the_compile_cache(ckpt_dir, tmp_path):
     second = counters()
     assert second.get("fxgraph_cache_miss", 0) == 0, second
     assert second.get("fxgraph_cache_hit", 0) == first["fxgraph_cache_miss"], (first, second)
+
+
+def _scaled(layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return layer(x) + positions[:, None]
+
+
+def test_direct_graph_calls_follow_dynamo(monkeypatch):
+    """DirectGraphs calls the entry dynamo picked for a (module, rows) key without dynamo's lookup; the guard
+    check mode catches a module changed in place behind its back, and forget() goes back to dynamo, which
+    compiles for the new module and gives its result."""
+    from moeserve.engine.compiled_decode import DirectGraphs
+
+    monkeypatch.setenv("MOESERVE_CHECK_GRAPH_GUARDS", "1")
+    graphs = DirectGraphs(_scaled)
+    lin = torch.nn.Linear(4, 3)
+    x, pos = torch.randn(2, 4), torch.arange(2)
+    with torch.inference_mode():
+        want = lin(x) + pos[:, None]
+        assert torch.allclose(graphs(lin, x, pos), want) and graphs.direct_calls == 0
+        assert torch.allclose(graphs(lin, x, pos), want) and graphs.direct_calls == 1
+        assert torch.allclose(graphs(lin, x[:1], pos[:1]), want[:1]) and graphs.direct_calls == 1  # new key
+        lin.weight = torch.nn.Parameter(torch.randn(5, 4))  # the same module, a graph input of another shape
+        lin.bias = torch.nn.Parameter(torch.randn(5))
+        with pytest.raises(RuntimeError, match="no longer passes its guards"):
+            graphs(lin, x, pos)
+        graphs.forget()
+        assert torch.allclose(graphs(lin, x, pos), lin(x) + pos[:, None])
+        assert torch.allclose(graphs(lin, x, pos), lin(x) + pos[:, None]) and graphs.direct_calls == 2

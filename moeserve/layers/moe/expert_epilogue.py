@@ -43,7 +43,8 @@ _GRAPHS_PER_FUNCTION = 64
 
 
 def enabled_for(rows: int) -> bool:
-    return _combine is not None and rows >= MIN_ROWS and not torch.compiler.is_compiling()
+    # is_compiling() first, as in int8.quantize_per_token: no decode graph guards on _combine
+    return not torch.compiler.is_compiling() and _combine is not None and rows >= MIN_ROWS
 
 
 def swiglu_quant_for(rows: int, intermediate: int) -> bool:
