@@ -155,11 +155,15 @@ def test_vnni_packs_large_weights_and_runs_them_packed_from_two_rows(monkeypatch
     x = torch.randn(7, 64, generator=g)
     ids = torch.tensor([0, 1, 1, 2, 2, 2, -1])  # one row (unpacked), two and three rows (packed), expert 3 idle
     w = torch.rand(7, generator=g)
+    # forward_topk's tokens, flipped to uint8 before their gather: expert 0 takes one row (unpacked, from the
+    # flipped rows), experts 1 and 2 several (packed)
+    topk_ids, topk_w = torch.tensor([[0, 1], [1, 2], [2, 2]]), torch.rand(3, 2, generator=g)
     with torch.no_grad():
-        plain = q(x, ids, w)
+        plain, plain_topk = q(x, ids, w), q.forward_topk(x[:3], topk_ids, topk_w)
         q.process_weights_after_loading()
         assert q.packed is not None
         assert torch.equal(q(x, ids, w), plain)
+        assert torch.equal(q.forward_topk(x[:3], topk_ids, topk_w), plain_topk)
 
 
 def _bf16_experts(num: int, hidden: int, inter: int, seed: int) -> FusedExperts:

@@ -134,7 +134,7 @@ class AllToAllDispatcher(_Dispatcher):
         with timed("dispatch"):
             k, flat = phys_ids.shape[1], phys_ids.reshape(-1)  # [T*k]
             order = dest.argsort(stable=True)  # pairs grouped by destination rank
-            rows = x[order // k]  # [T*k, H] in send order
+            rows = x.index_select(0, order // k)  # [T*k, H] in send order
             parts = [self.group.all_to_all(p, send_counts, recv_counts, async_op=True)
                      for p in self.codec.encode(rows)]
             slots = self.group.all_to_all(self.placement.local_slot(flat[order]).to(torch.int32).contiguous(),
