@@ -105,7 +105,6 @@ def amla_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, scale:
 
 def decode(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, d) -> torch.Tensor:
     """MLAttention._decode through AMLA: the same absorbed query and W_UV as the standard path."""
-    b = q_nope.shape[0]
     kv = gather_decode_context(cache, d, q_nope.dtype)  # [B, L, C + dr]
     q_full = torch.cat([attn.absorb_query(q_nope), q_pe], dim=-1)  # [B, H, C + dr]
     if _impl == "amla-triton":
@@ -113,5 +112,4 @@ def decode(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
         o_lat = amla_attention_triton(q_full, kv, d.mask, attn.scale, attn.kv_lora_rank)
     else:
         o_lat = amla_attention(q_full, kv, d.mask, attn.scale, attn.kv_lora_rank)
-    o = torch.bmm(o_lat.transpose(0, 1), attn.w_uv_t)  # [H, B, dv]
-    return o.transpose(0, 1).reshape(b, attn.num_heads * attn.dv)
+    return attn.value_up(o_lat)

@@ -53,7 +53,8 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = softmax_scale(arch.rope, qk)
         self.w_uk_t: torch.Tensor | None = None  # [H, C, dn] set by process_weights_after_loading
-        self.w_uv_t: torch.Tensor | None = None  # [H, C, dv]
+        self.w_uv: torch.Tensor | None = None  # [H, dv, C]
+        self.w_uv_t: torch.Tensor | None = None  # [H, C, dv], a view of w_uv
         self.op_key = opaque.register(self)
 
     def process_weights_after_loading(self) -> None:
@@ -63,7 +64,9 @@ class MLAttention(nn.Module):
         # oneDNN's bmm reads it faster that way round (2 MB per layer in the V3-shaped checkpoint, 1 thread, an
         # Intel Xeon with AMX: 192 / 215 / 241 us against 288 / 260 / 291 at batch 1 / 8 / 32, cold weights).
         self.w_uk_t = w[:, : self.dn].transpose(1, 2).contiguous()
-        self.w_uv_t = w[:, self.dn:].transpose(1, 2).contiguous()
+        # W_UV stored [H, dv, C] (weight-first, one copy); w_uv_t is its [H, C, dv] view (value_up)
+        self.w_uv = w[:, self.dn:].contiguous()
+        self.w_uv_t = self.w_uv.transpose(1, 2)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -165,12 +168,26 @@ class MLAttention(nn.Module):
         """q_nope [B, H, dn] -> the latent query [B, H, C] = q_nope @ W_UK per head (a strided view)."""
         return torch.bmm(self.w_uk_t, q_nope.permute(1, 2, 0)).permute(2, 0, 1)
 
+    # Rows up to which value_up applies W_UV weight-first. oneDNN's bmm reads the weight faster that way at
+    # few rows and slower at many (2 MB per layer in the V3-shaped checkpoint, 1 thread, Intel Xeon with AMX,
+    # cold weights, weight-first / data-first: 133 / 210 us at 1 row, 156 / 216 at 4, 187 / 224 at 8, about
+    # equal at 16-32; at 64 rows 690 us against 508 for data-first on the transposed view)
+    UV_WEIGHT_FIRST_MAX_ROWS = 32
+
+    def value_up(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """o_lat [B, H, C] -> [B, H * dv]: each head's latent output through its W_UV."""
+        b = o_lat.shape[0]
+        if b <= self.UV_WEIGHT_FIRST_MAX_ROWS:
+            o = torch.bmm(self.w_uv, o_lat.permute(1, 2, 0)).permute(2, 0, 1)  # [B, H, dv]
+        else:
+            o = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t).transpose(0, 1)
+        return o.reshape(b, self.num_heads * self.dv)
+
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                 d) -> torch.Tensor:
         """Absorbed attention: one query per sequence, reading only the latent cache."""
         if amla.decode_impl() != "standard":  # --mla-decode amla: exponent-add rescaling (amla.py)
             return amla.decode(self, q_nope, q_pe, cache, d)
-        b = q_nope.shape[0]
         kv = gather_decode_context(cache, d, q_nope.dtype)  # [B, L, C + dr]
         q_full = torch.cat([self.absorb_query(q_nope), q_pe], dim=-1)  # [B, H, C + dr]
         scores = torch.bmm(q_full, kv.transpose(1, 2)).float() * self.scale  # [B, H, L]
@@ -179,5 +196,4 @@ class MLAttention(nn.Module):
         # over all C + dr columns, then sliced: a bmm on the strided value slice kv[..., :C] takes oneDNN's slow
         # path (bit-identical, 1.65x slower per layer at batch 32 x 1024 context, benchmarks/mla_decode.py)
         o_lat = torch.bmm(probs, kv)[..., : self.kv_lora_rank]  # [B, H, C]
-        o = torch.bmm(o_lat.transpose(0, 1), self.w_uv_t)  # [H, B, dv]
-        return o.transpose(0, 1).reshape(b, self.num_heads * self.dv)
+        return self.value_up(o_lat)
