@@ -8,7 +8,11 @@ until the survivors served again (re-formed, every unfinished request re-queued)
 any request, and until every unfinished request had a token again; the requests re-queued and the tokens
 (prompt + output so far) they recompute, and of those the tokens the ranks' prefix caches served (cache hits:
 a survivor that kept its engine core finds its own requests' blocks there; the reference run's prompts count
-too, as the failed run repeats them). Last: requests lost and whether every output equals the reference.
+too, as the failed run repeats them). Without --enforce-eager also the seconds from the kill until a rank's
+count of decode steps through a compiled graph first grew in the new epoch (first graph step: the re-formed
+ranks serve eagerly first and compile their graphs between steps, engine/elastic_graphs.py) and until the last
+rank of the epoch said its graphs are all back (after the run it waits for them, stepping idle). Last:
+requests lost and whether every output equals the reference.
 The model is benchmarks/dp_ep.py's shrunk bench config (32 routed experts) unless --bench-model.
 
 With --replace (--elastic-ep-replace) the front end starts a replacement per lost rank once the survivors
@@ -76,11 +80,16 @@ def run(engine, prompts, params, kills: list[int], before: int,
             records[-1]["full"] = now  # --replace: the replacement joined while requests ran
         for out in outs:
             got[out.request_id] += out.new_token_ids
+        for r in records + ([rec] if rec is not None else []):  # the first decode step through a graph again
+            if "n0" in r and "graph" not in r:
+                _first_graph_step(engine, r, now)
         if rec is not None:
             if "seen" not in rec and engine.epoch > rec["epoch"]:
                 rec["seen"] = now
             if "ready" not in rec and engine.epoch > rec["epoch"] and engine.recovery is None:
                 rec["ready"], rec["ranks"] = now, len(engine.slots)
+                rec["new_epoch"] = engine.epoch
+                rec["n0"], rec["g0"] = {engine.slots[dp]: s.num_steps for dp, s in enumerate(engine.rank_stats)}, {}
             if "ready" in rec and outs and "token" not in rec:
                 rec["token"] = now
             if "token" in rec and all(len(got[r]) > mark[r] or len(got[r]) == params.max_tokens for r in got):
@@ -108,6 +117,20 @@ def run(engine, prompts, params, kills: list[int], before: int,
     return {r.split("-", 1)[1]: t for r, t in got.items()}, records
 
 
+def _first_graph_step(engine, rec: dict, now: float) -> None:
+    """Notes in rec["graph"] when a rank's count of decode steps through a compiled graph grew in the new
+    epoch. A rank's step count starts again in each epoch (its reports before the loss had rec["n0"] steps); its
+    first reports there are eager ones (elastic_graphs.GAP_STEPS), whose graph count (carried over from before
+    the loss) is the base."""
+    for dp, s in enumerate(engine.rank_stats):
+        slot = engine.slots[dp]
+        if slot in rec["n0"] and s.num_steps >= rec["n0"][slot]:
+            continue  # still its report of the old epoch
+        base = rec["g0"].setdefault(slot, s.num_graph_steps)
+        if s.num_graph_steps > base:
+            rec["graph"] = now
+
+
 def _hits_since(engine, before: dict[int, int]) -> dict[int, int]:
     """Prefix-cache hits (tokens) of each rank process since `before` (its counts then): a rank that rebuilt
     its engine core counts from 0 again."""
@@ -120,6 +143,7 @@ class JoinLog:
     join lines ("joined epoch ...": how each filled its expert slots) are kept."""
 
     LINE = re.compile(r"joined epoch (\d+) as rank (\d+) of \d+ in ([\d.]+) s and (.*)$")
+    GRAPHS = re.compile(r"rank (\d+) of epoch (\d+): decode graphs back")
 
     def __init__(self) -> None:
         r, w = os.pipe()
@@ -127,14 +151,18 @@ class JoinLog:
         os.dup2(w, 2)
         os.close(w)
         self.joins: list[tuple[int, int, float, str]] = []
+        self.graphs_back: dict[int, list[float]] = {}  # epoch -> when each of its ranks said its graphs are back
         threading.Thread(target=self._pump, args=(r,), daemon=True).start()
 
     def _pump(self, r: int) -> None:
         with os.fdopen(r, "rb") as f:
             for line in f:
                 os.write(self.out, line)
-                if (m := self.LINE.search(line.decode(errors="replace").rstrip())) is not None:
+                text = line.decode(errors="replace").rstrip()
+                if (m := self.LINE.search(text)) is not None:
                     self.joins.append((int(m[1]), int(m[2]), float(m[3]), m[4]))
+                if (m := self.GRAPHS.search(text)) is not None:
+                    self.graphs_back.setdefault(int(m[2]), []).append(time.monotonic())
 
 
 def _full(engine, size: int) -> bool:
@@ -208,6 +236,10 @@ def main() -> None:
         live = sorted(engine.slots, reverse=True)
         victims = ([a.victim] if a.victim is not None else []) + [r for r in live if r != a.victim]
         got, records = run(engine, prompts, params, victims[:a.kills], a.before, hang_file)
+        wait_graphs = time.monotonic() + 120  # the last epoch's graphs, compiled between (idle) steps
+        while (not a.enforce_eager and records and len(log.graphs_back.get(engine.epoch, [])) < len(engine.slots)
+               and time.monotonic() < wait_graphs):
+            engine.step(poll_s=0.1)
         if a.replace:
             deadline = time.monotonic() + 600
             while not _full(engine, a.dp) and time.monotonic() < deadline:
@@ -225,11 +257,14 @@ def main() -> None:
     if a.hang:
         print(f"kill 1 is a hang ({a.hang}; the hang check killed rank(s) {engine.hung_killed})")
     print("kill  rank  ranks after  loss seen s  serving again s  next token s  all resumed s  requeued  recomputed"
-          "  cache hits")
+          "  cache hits  first graph step s  graphs back s")
     for k, r in enumerate(records, 1):
+        first = f"{r['graph'] - r['kill']:18.2f}" if "graph" in r else f"{'-':>18}"
+        back = log.graphs_back.get(r["new_epoch"], [])
+        back = f"{max(back) - r['kill']:13.2f}" if len(back) >= r["ranks"] else f"{'-':>13}"
         print(f"{k:4d}  {r['victim']:4d}  {r['ranks']:11d}  {r['seen'] - r['kill']:11.2f}  {r['ready'] - r['kill']:15.2f}"
               f"  {r['token'] - r['kill']:12.2f}  {r['all'] - r['kill']:13.2f}  {r['requeued']:8d}  {r['recomputed']:10d}"
-              f"  {r['hits']:10d}")
+              f"  {r['hits']:10d}  {first}  {back}")
     lost = sum(len(got.get(k, [])) != a.new_tokens for k in want)
     same = sum(got.get(k) == t for k, t in want.items())
     print(f"requests: {len(want)}, lost {lost}, outputs identical to the unfailed run: {same}/{len(want)}")

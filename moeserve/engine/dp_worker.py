@@ -58,6 +58,7 @@ class RankWorker:
         self.arch = None
         self.beacon = None  # --enable-elastic-ep: publishes this rank's progress for the front end's hang check
         self.before_step = None
+        self.between_steps = None  # elastic EP: a re-formed epoch compiles its decode graphs (elastic_graphs.py)
         if config.parallel.enable_elastic_ep:  # TP 1: every rank is its DP rank's leader
             from moeserve.engine.elastic import BOARD_SLOTS, ProgressBeacon, ProgressBoard, test_hang_hook
             try:
@@ -140,6 +141,8 @@ class RankWorker:
             flags = self.world.all_gather(mine, kind="step_sync")  # [W, 4]
             if flags[:, 1].any():
                 return
+            if self.between_steps is not None:  # every rank of the epoch at the same round (elastic_graphs.py)
+                self.between_steps(self, flags)
             anyone_busy = bool(flags[:, 0].any())
             if anyone_busy:
                 self._step(flags)

@@ -36,10 +36,13 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      experts (loader.load_expert_slots, loader.experts_supplied). Its dispatchers and online EPLB are rebuilt
      over the new groups (the MTP layer's MoE block is one more layer). Quantized experts (A8W8, FP8) are
      re-placed the same way, their scales with them; a core that cannot be kept (can_keep(): PD transfer,
-     TP-sharded experts) is rebuilt from the checkpoint as before. Last, unless the engine was started eager
-     (--enforce-eager), every rank of the epoch compiles the new layout's decode graphs in lockstep
-     (_warm_graphs: each MoE layer's graph holds its dispatch collectives; seconds, not counted against
-     --elastic-ep-timeout nor named by the hang check: compiling()). It reports ready in the new epoch.
+     TP-sharded experts) is rebuilt from the checkpoint as before. It reports ready in the new epoch and
+     serves at once, its decode steps eagerly: unless the engine was started eager (--enforce-eager), the new
+     layout's decode graphs come back while it serves (_late_graphs, elastic_graphs.py): every rank of the
+     epoch compiles them between steps, one bucket (or the prefill kernels) at a time, at the same lockstep
+     rounds (each MoE layer's graph holds its dispatch collectives), when all are idle or after every few
+     steps; a compile is not named by the hang check (compiling()), and a bucket runs through its graph once
+     compiled.
   5. each survivor's ready report lists the requests it kept (RankReport.kept, with their output tokens);
      the front end has read the survivors' outputs of the older epoch before it (one socket per rank, in
      order), so a kept request whose count matches what it saw stays where it runs. Every other unfinished
@@ -52,15 +55,16 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      of the loss's epoch: once it says it is up (a report of JOINING_EPOCH) it gets its RankReform, and the
      survivors wait for it at the store. Without a spare a fresh one starts once the survivors serve, says
      it is up, and the front end starts the next epoch with the survivors and it (the survivors leave their
-     step on the RankReform). The survivors keep their cores and requests (as in 4 and 5, graphs recompiled)
-     and the slots they hold, up to the full group's count per rank; the replacement builds its engine core
-     for that map, with the experts no survivor keeps (those a survivor still holds in a slot it gives up, or
-     as a replica, arrive from it; the rest from the host copy, else the checkpoint: elastic_replace.py), and
-     the lost rank's requests are re-queued as in 5.
+     step on the RankReform). The survivors keep their cores and requests (as in 4 and 5, the graphs compiled
+     between steps) and the slots they hold, up to the full group's count per rank; the replacement builds its
+     engine core for that map, with the experts no survivor keeps (those a survivor still holds in a slot it
+     gives up, or as a replica, arrive from it; the rest from the host copy, else the checkpoint:
+     elastic_replace.py), and the lost rank's requests are re-queued as in 5.
 A second loss repeats 1-5 with one rank fewer; with no survivor left the engine is dead (EngineDeadError).
 
 A loss costs the lost rank's requests (recomputed from their tokens), the survivors' interrupted step and,
-without --enforce-eager, the compile of the new epoch's decode graphs (docs/parallelism.md).
+without --enforce-eager, eager decode steps and a pause of one item's compile every few steps until the new
+epoch's decode graphs are back (docs/parallelism.md).
 """
 from __future__ import annotations
 
@@ -410,8 +414,12 @@ def _leave_epoch(worker) -> None:
     from moeserve.distributed.parallel_state import destroy_distributed
 
     _shut_connections(worker.front_end_port)
+    worker.between_steps = None  # the epoch's graphs still to compile (elastic_graphs.py) go with it
     if worker.core is not None and can_keep(worker.core):
         roll_back(worker.core)
+        stats = getattr(worker, "stats", None)
+        if stats is not None and stats.num_steps:  # the graph steps the front end saw: not the interrupted one
+            worker.core.runner.graph_steps_carried = stats.num_graph_steps
     else:
         worker.core = None
     worker.world = worker.tp = None
@@ -514,7 +522,7 @@ def _join_epoch(worker, reform) -> None:
                           timeout=datetime.timedelta(seconds=parallel.distributed_timeout))
     _gather_survivors(worker, reform, store)
     # the engine core is re-placed (or built) eagerly: a replacement's build must not trace its graphs before it
-    # received its experts (the survivors' transfers come first); the graphs are compiled last (_warm_graphs)
+    # received its experts (the survivors' transfers come first); the graphs come last (_late_graphs)
     served = dataclasses.replace(base, parallel=parallel)
     config = dataclasses.replace(served, model=dataclasses.replace(base.model, enforce_eager=True))
     worker.epoch = reform.epoch
@@ -539,30 +547,21 @@ def _join_epoch(worker, reform) -> None:
         whose = " for the others' expert map" if maps is not None else ""
         how = (f"built its engine core{whose} ({got} expert slots received from peers, {hosted} from the host "
                f"copy, {read} checkpoint expert tensors read)")
-    took = _warm_graphs(worker, served)
-    if took is not None:
-        how += f", then compiled its decode graphs in {took:.1f} s"
+    if _late_graphs(worker, served, started):
+        how += ", its decode graphs to be compiled between steps"
     worker.ready(built=not kept_core)
     print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
           f"in {time.monotonic() - started:.1f} s and {how}", file=sys.stderr, flush=True)
 
 
-def _warm_graphs(worker, served) -> float | None:
-    """The re-formation's last step, on every rank of the epoch in lockstep before it reports ready: the decode
-    graphs of the new layout (each MoE layer's graph holds its dispatch collectives, so they cannot be traced
-    while serving, nor over the old groups), unless the engine was started eager (--enforce-eager). Returns
-    the seconds it took, or None when decode stays eager. While it compiles, the front end's hang check and
-    --elastic-ep-timeout leave the rank alone (compiling()); requests wait in the front end meanwhile."""
-    from moeserve.engine.compiled_decode import why_eager
+def _late_graphs(worker, served, started: float) -> bool:
+    """The re-formation's last step: the served config (not eager) on the kept or built core, and, unless the
+    engine decodes eagerly (--enforce-eager), the epoch's decode graphs with no bucket compiled yet
+    (elastic_graphs.LateGraphs): the rank reports ready and serves eagerly at once, and every rank of the epoch
+    compiles the graphs between steps, one bucket at a time, at the same rounds (elastic_graphs.between_steps;
+    each MoE layer's graph holds its dispatch collectives). Returns whether graphs will come."""
+    from moeserve.engine.elastic_graphs import install
 
     core = worker.core
-    runner = core.runner
-    runner.config = core.config = worker.config = served
-    if why_eager(served, worker.arch, runner.kv_caches[0].device) is not None:
-        return None
-    start = time.monotonic()
-    with compiling(worker):
-        graphs = runner._build_decode_graphs()
-    graphs.steps = getattr(runner, "graph_steps_carried", 0)  # EngineStats.num_graph_steps counts on
-    runner.decode_graphs = graphs
-    return time.monotonic() - start
+    core.runner.config = core.config = worker.config = served
+    return install(worker, started)

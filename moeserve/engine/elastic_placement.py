@@ -58,7 +58,7 @@ def roll_back(core) -> None:
         core.runner.eplb.pending = []
     runner = core.runner
     if runner.decode_graphs is not None:  # traced over the old groups: the next epoch compiles its own
-        runner.graph_steps_carried = runner.decode_graphs.steps  # (elastic._warm_graphs), counting on from here
+        runner.graph_steps_carried = runner.decode_graphs.steps  # (elastic_graphs.py), counting on from here
     runner.decode_graphs = None
     if runner.proposer is not None:
         runner.proposer.graphs = None

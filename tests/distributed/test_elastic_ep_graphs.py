@@ -1,8 +1,8 @@
 """--enable-elastic-ep without --enforce-eager (issue 37): the compiled decode graphs come back after a loss and
-after a replacement joins. The re-formation's last step compiles the new epoch's graphs on every rank in
-lockstep (elastic._warm_graphs), before the ranks report ready; the front end counts the compile against
-neither its hang check nor --elastic-ep-timeout. Real rank processes over gloo, float32 (the graphs give the
-eager tokens), the tiny V3 checkpoint."""
+after a replacement joins. The re-formed ranks report ready and serve eagerly at once; every rank of the epoch
+then compiles the graphs between steps, one bucket at a time at the same lockstep rounds (elastic_graphs.py); the
+front end counts a compile against neither its hang check nor --elastic-ep-timeout. Real rank processes over gloo,
+float32 (the graphs give the eager tokens), the tiny V3 checkpoint."""
 import re
 
 import pytest
@@ -15,7 +15,7 @@ from tests.distributed.test_elastic_ep_replace import wait_for_full_group
 # buckets 1, 2: as few graphs as 4 prompts over 2 or 3 ranks need; no prefix cache, so the router spreads the
 # prompts by load alone and every rank decodes some (it would send a prompt back to a rank that cached it)
 GRAPHS = dict(max_num_seqs=2, enable_prefix_caching=False)
-COMPILED = re.compile(r"joined epoch (\d+) as rank (\d+) of \d+ .*then compiled its decode graphs in ([\d.]+) s")
+COMPILED = re.compile(r"rank (\d+) of epoch (\d+): decode graphs back \(.* compiled in ([\d.]+) s")
 
 
 @pytest.fixture(autouse=True)
@@ -34,14 +34,14 @@ def graph_steps(engine) -> dict[int, int]:
 def compiles(capfd) -> dict[tuple[int, int], float]:
     """(epoch, rank) -> seconds, of the ranks that compiled their decode graphs in a re-formation."""
     err = capfd.readouterr().err
-    return {(int(e), int(r)): float(s) for e, r, s in COMPILED.findall(err)}
+    return {(int(e), int(r)): float(s) for r, e, s in COMPILED.findall(err)}
 
 
 @pytest.mark.parametrize("replace", [False, True], ids=["loss", "loss-and-join"])
 def test_graphs_come_back_after_a_loss_and_a_join(path, reference, capfd, replace):
     # D=3, rank 1 SIGKILLed mid-decode: its 2 survivors (and, with --elastic-ep-replace, the spare that joins
-    # the loss's epoch) compile their decode graphs as the re-formation's last step; the kept requests and the
-    # re-queued ones finish through them with the unfailed run's tokens, and so do the requests after
+    # the loss's epoch) compile their decode graphs between steps once they serve; the kept requests and the
+    # re-queued ones finish with the unfailed run's tokens, and so do the requests after, through the graphs
     llm = elastic_llm(path, 3, elastic_ep_replace=replace, **GRAPHS)
     try:
         engine = llm.engine
@@ -53,12 +53,48 @@ def test_graphs_come_back_after_a_loss_and_a_join(path, reference, capfd, replac
         if replace:
             wait_for_full_group(engine, 3)
         assert engine.slots == ([0, 2, 3] if replace else [0, 2]) and engine.epoch == 1
+        assert generate(llm) == reference
         took = compiles(capfd)
         assert sorted(took) == [(1, r) for r in range(len(engine.slots))], took  # every rank of the epoch
-        assert generate(llm) == reference
         after = graph_steps(engine)
         for slot, n in after.items():  # a survivor's count goes on from before the loss; the replacement's starts
             assert n > before.get(slot, 0), (before, after)
+    finally:
+        llm.shutdown()
+
+
+def test_serving_resumes_eagerly_before_the_graphs_come_back(path, reference, capfd):
+    # D=3, rank 1 SIGKILLed mid-decode: the survivors' first GAP_STEPS steps of the new epoch make tokens with no
+    # graph (their graph-step counts stand still), then the graphs come back between steps while the requests
+    # still run (the counts grow), every rank says so, and the outputs are the unfailed run's
+    from moeserve.engine.elastic_graphs import GAP_STEPS
+
+    llm = elastic_llm(path, 3, **GRAPHS)
+    try:
+        engine = llm.engine
+        seen = []  # (epoch, rank process, steps in its epoch, graph steps, tokens) of every step report
+        take = engine._take_report
+
+        def record(report, outputs):
+            if report.stats:
+                seen.append((engine.epoch, engine.slots[report.dp_rank], report.stats.num_steps,
+                             report.stats.num_graph_steps, sum(len(o.new_token_ids) for o in report.outputs)))
+            take(report, outputs)
+
+        engine._take_report = record
+        capfd.readouterr()
+        assert kill_mid_decode(engine, 1) == reference
+        assert engine.slots == [0, 2] and engine.epoch == 1
+        for slot in (0, 2):
+            old = [g for e, s, n, g, _ in seen if e == 0 and s == slot]
+            new = [(n, g, t) for e, s, n, g, t in seen if e == 1 and s == slot]
+            first = [g for n, g, _ in new if n <= GAP_STEPS]
+            assert len(first) == GAP_STEPS and len(set(first)) == 1 and first[0] >= max(old), (old, new)
+            assert new[-1][1] > first[0], new  # a decode graph ran before the requests finished
+        assert sum(t for e, _, n, _, t in seen if e == 1 and n <= GAP_STEPS) > 0  # tokens before any graph
+        assert generate(llm) == reference
+        took = compiles(capfd)
+        assert sorted(took) == [(1, 0), (1, 1)], took
     finally:
         llm.shutdown()
 

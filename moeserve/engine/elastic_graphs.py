@@ -1,0 +1,163 @@
+"""Elastic EP (engine/elastic.py has the lifecycle), the end of step 4: a re-formed epoch serves at once, eagerly,
+and its compiled decode graphs come back while it serves, one piece at a time between steps.
+
+The old epoch's graphs are dropped at the loss (elastic_placement.roll_back: traced over the old process groups),
+and so are the prefill kernels (INT8 quantizer, expert epilogue: park_prefill_kernels; torch._dynamo.reset() has
+dropped their compiled code, and their first use would compile them in the middle of a step). Every rank of the
+new epoch (survivors and a replacement) then reports ready with a LateGraphs: a CompiledDecode with no bucket
+compiled yet, whose applies() takes only the buckets compiled so far, so each decode step runs eagerly until its
+bucket is back. Eager and compiled forwards issue the same collectives (a MoE block is an opaque op in a graph
+that calls the eager dispatch: layers/opaque.py), so ranks can mix them within one step, as they do whenever one
+prefills while another decodes.
+
+What does need all ranks at once is compiling: a bucket is compiled by a forward of padding rows (as at start-up,
+CompiledDecode.warm_up), whose MoE layers run the epoch's collectives, and while one rank compiles the others
+wait for it in their next collective. So the ranks compile together, one item at a time (a bucket, or the
+prefill kernels), between two steps (between_steps(), called by dp_worker after the step's all-gather), and
+agree without a message: the decision reads only what every rank of the epoch has alike, the all-gathered
+step flags and the count of lockstep rounds since the epoch began or since its last compile:
+- nobody has work: compile the next item now (the ranks are idle; a request that arrives waits at most one item);
+- else once GAP_STEPS busy steps have run since the epoch began or since the last compile (the first steps go
+  out eagerly at once, and a compile stalls serving for one item, never for all of them).
+The item: the pending bucket that the most ranks' decodes (the flags' decode counts, times 1 + MTP drafts) fall
+in (ties: the larger), else the prefill kernels, else the smallest pending bucket. While a rank compiles, its
+ProgressBoard slot says COMPILING (elastic.compiling(): the hang check names no rank). When the last item is
+compiled each rank prints one line ("decode graphs back ...": benchmarks/elastic_ep.py times it).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import torch
+
+from moeserve.engine.compiled_decode import CompiledDecode
+
+logger = logging.getLogger(__name__)
+
+GAP_STEPS = 4  # busy steps served between two compiles (and before the first)
+PREFILL = "prefill kernels"  # the pending item that compiles the INT8 quantizer and the expert epilogue
+
+
+class LateGraphs(CompiledDecode):
+    """A re-formed epoch's decode graphs, compiled bucket by bucket while it serves (compile_next())."""
+
+    def __init__(self, runner, started: float) -> None:
+        sched = runner.config.scheduler
+        per_seq = 1 + (runner.config.speculative.num_speculative_tokens if runner.config.speculative else 0)
+        super().__init__(runner.model, min(sched.max_num_seqs * per_seq, sched.max_num_batched_tokens),
+                         runner.config.model.decode_graph_sizes)
+        self.runner = runner
+        self.per_seq = per_seq
+        self.ready: set[int] = set()  # buckets compiled: decode steps of these sizes run through their graphs
+        self.pending: list = list(self.buckets) + [PREFILL]
+        self.busy_steps = 0  # busy lockstep rounds since the epoch began or since the last compile
+        self.started = started  # when the rank began joining the epoch (for its "decode graphs back" line)
+        self.rounds = 0  # busy rounds until the last item (the line's)
+        self.compile_total = 0.0  # seconds spent compiling items
+
+    def applies(self, meta, num_tokens: int) -> bool:
+        return super().applies(meta, num_tokens) and self.bucket(num_tokens) in self.ready
+
+    def choose(self, decodes: list[int]) -> int | str:
+        """The next item, from every rank's decode count (the same list on every rank: the same choice)."""
+        votes: dict[int, int] = {}
+        for n in decodes:
+            b = self.bucket(n * self.per_seq) if n else None
+            if b is not None and b in self.pending:
+                votes[b] = votes.get(b, 0) + 1
+        if votes:
+            return max(votes, key=lambda b: (votes[b], b))
+        if PREFILL in self.pending:
+            return PREFILL
+        return min(b for b in self.pending if b != PREFILL)
+
+    def compile_item(self, item) -> None:
+        """Compile one bucket (a forward of padding rows through the layers' and the MTP layer's graphs, as
+        CompiledDecode.warm_up: every rank at once, the MoE collectives pair up) or the prefill kernels."""
+        from moeserve.engine.compiled_decode import warm_up_expert_epilogue, warm_up_quantizer
+        from moeserve.layers.attention.metadata import AttentionMetadata, attention_context
+
+        runner = self.runner
+        if item == PREFILL:  # local kernels, no collective: what _build_decode_graphs warms at start-up
+            if runner.config.quant.method == "a8w8":
+                warm_up_quantizer(runner.arch.hidden_size, runner.dtype)
+            if runner.arch.n_routed_experts:
+                warm_up_expert_epilogue(runner.model, runner.dtype, runner.arch.num_experts_per_tok)
+        else:
+            kv = runner.proposer.kv_caches if runner.proposer is not None else runner.kv_caches
+            meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [], None, kv)
+            steps, mtp_steps = self.steps, self.mtp_steps
+            with torch.inference_mode(), attention_context(meta):
+                ids = torch.zeros(item, dtype=torch.long)
+                hidden = self.run(ids, ids)
+                if self.mtp_layer is not None:
+                    self.run_mtp(torch.zeros_like(hidden), hidden, ids)
+            self.steps, self.mtp_steps = steps, mtp_steps  # warm-up passes are no decode steps
+            self.ready.add(item)
+        self.pending.remove(item)
+
+
+def park_prefill_kernels() -> None:
+    """Back to the eager INT8 quantizer and expert epilogue until LateGraphs compiles them again (PREFILL):
+    torch._dynamo.reset() at the loss dropped their compiled code, and their next prefill-sized call would
+    compile it on one rank in the middle of a step. Process-wide, as their switches are (one engine per rank
+    process)."""
+    from moeserve import int8
+    from moeserve.layers.moe import expert_epilogue
+
+    int8._compiled = None
+    expert_epilogue._combine = expert_epilogue._swiglu_quant = None
+
+
+def install(worker, started: float) -> bool:
+    """The epoch's decode graphs, none compiled yet (the rank reports ready next and serves eagerly); False
+    when the engine decodes eagerly (--enforce-eager, MOESERVE_ENFORCE_EAGER=1, ...)."""
+    from moeserve.engine.compiled_decode import why_eager
+
+    runner = worker.core.runner
+    park_prefill_kernels()
+    if why_eager(runner.config, worker.arch, runner.kv_caches[0].device) is not None:
+        return False
+    graphs = LateGraphs(runner, started)
+    graphs.steps = getattr(runner, "graph_steps_carried", 0)  # EngineStats.num_graph_steps counts on
+    if runner.proposer is not None:
+        graphs.attach_mtp(runner.proposer.mtp.layer)
+        runner.proposer.graphs = graphs
+    runner.decode_graphs = graphs
+    worker.between_steps = between_steps
+    return True
+
+
+def between_steps(worker, flags: torch.Tensor) -> None:
+    """dp_worker's hook after each round's all-gather (flags [W, 4]: has work, shutdown, prefill demand,
+    decodes; the same on every rank): compile the next item where the rule in the module docstring says so."""
+    from moeserve.engine.elastic import compiling
+
+    graphs = worker.core.runner.decode_graphs
+    if not isinstance(graphs, LateGraphs) or not graphs.pending:
+        worker.between_steps = None
+        return
+    busy = bool(flags[:, 0].any())
+    if busy:
+        graphs.rounds += 1
+        if graphs.busy_steps < GAP_STEPS:
+            graphs.busy_steps += 1
+            return
+    item = graphs.choose(flags[:, 3].tolist())
+    start = time.monotonic()
+    with compiling(worker):
+        graphs.compile_item(item)
+    took = time.monotonic() - start
+    graphs.compile_total += took
+    graphs.busy_steps = int(busy)
+    logger.info("epoch %d: %s compiled in %.1f s between steps (%d item(s) left)", worker.epoch,
+                f"decode graph for {item} tokens" if item != PREFILL else item, took, len(graphs.pending))
+    if not graphs.pending:
+        worker.between_steps = None
+        print(f"moeserve: pid {os.getpid()} rank {worker.info.rank} of epoch {worker.epoch}: decode graphs back "
+              f"({len(graphs.buckets)} buckets and the prefill kernels compiled in {graphs.compile_total:.1f} s "
+              f"between steps, {graphs.rounds} busy steps served meanwhile), "
+              f"{time.monotonic() - graphs.started:.1f} s after it began joining", file=sys.stderr, flush=True)
