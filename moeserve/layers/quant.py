@@ -27,7 +27,7 @@ from torch import nn
 
 from moeserve.int8 import QMAX, dequantize, quantize_per_channel, quantize_per_token  # noqa: F401 (A8W8's API)
 from moeserve.layers.moe import expert_epilogue, zen
-from moeserve.layers.moe.experts import FusedExperts, group_rows
+from moeserve.layers.moe.experts import FusedExperts, grouped_on_host
 
 _FALLBACK_K_CHUNK = 1024  # 1024 * 128 * 128 = 2^24: float32 sums stay exact integers per chunk
 
@@ -408,11 +408,9 @@ class Int8FusedExperts(FusedExperts):
         scale [R, 1], rows [R] the pair each row of y belongs to). With k, x holds the tokens and pair i is
         token i // k: each token is quantized once, not once per expert it routes to, and no repeated copy of
         the tokens is made."""
-        order, offs, _ = group_rows(expert_ids, self.num_local_experts)
         # The one host sync of the INT8 path: no maintained grouped INT8 GEMM runs on CPU (torch._grouped_mm
         # takes float types only), so each busy expert is one oneDNN call on its slice of rows.
-        bounds = [0] + offs.tolist()
-        rows = order[:bounds[-1]]  # [R] our rows, grouped by expert
+        rows, bounds = grouped_on_host(expert_ids, self.num_local_experts)  # [R] our rows, grouped by expert
         if rows.numel() == 0:
             return x.new_empty(0, x.shape[1], dtype=torch.float32), x.new_empty(0, 1, dtype=torch.float32), rows
         ids = expert_ids[rows]  # [R]

@@ -246,3 +246,20 @@ def test_packed_bf16_experts_in_a_compiled_graph_and_switched_off(monkeypatch):
     one_copy = _bf16_experts(4, 64, 32, 7)
     one_copy.process_weights_after_loading(zentorch=False)
     assert one_copy.packed is None and packed_copy_bytes(one_copy) == 0
+
+
+@pytest.mark.parametrize("rows", [0, 1, 6, 48, 300])
+def test_grouped_on_host_matches_group_rows(rows, monkeypatch):
+    """The host-side grouping of few rows (decode) gives group_rows' order and bounds, rows of other ranks
+    (-1) left out; past HOST_GROUP_MAX_ROWS it is group_rows itself."""
+    from moeserve.layers.moe import experts
+
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(-1, 8, (rows,), generator=g)
+    order, offs, _ = group_rows(ids, 8)
+    want_bounds = [0] + offs.tolist()
+    for limit in (0, 1024):  # tensors, then lists
+        monkeypatch.setattr(experts, "HOST_GROUP_MAX_ROWS", limit)
+        mine, bounds = experts.grouped_on_host(ids, 8)
+        assert bounds == want_bounds and mine.dtype == torch.long
+        assert torch.equal(mine, order[: want_bounds[-1]])

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.layers import opaque
-from moeserve.layers.linear import pack_weight, packed_linear
+from moeserve.layers.linear import pack_weight
 from moeserve.layers.moe import expert_epilogue, zen
 
 logger = logging.getLogger(__name__)
@@ -197,17 +197,17 @@ class FusedExperts(nn.Module):
         of expert_ids each belongs to); with k, x holds the tokens and row i is token i // k. Only the rows that
         are ours are gathered and computed: each [N, H] pass is a full read and write of the step's
         activations (a prefill's dominant cost besides the GEMMs)."""
-        order, offs, _ = group_rows(expert_ids, self.num_local_experts)
-        bounds = [0] + offs.tolist()
-        mine = order[: bounds[-1]]  # rows of other ranks (-1) sort last
+        mine, bounds = grouped_on_host(expert_ids, self.num_local_experts)
         busy = [e for e in range(self.num_local_experts) if bounds[e + 1] > bounds[e]]
         if not busy:
             return x.new_empty(0, x.shape[1]), mine
         xs = x.index_select(0, mine if k is None else mine // k)  # 3x faster than x[...] for BF16 rows here
-        h = torch.cat([packed_linear(xs[bounds[e]:bounds[e + 1]], self.packed[e][0]) for e in busy])
+        lin = torch.ops.mkldnn._linear_pointwise  # packed_linear's eager call, without its reshapes
+        h = torch.cat([lin(xs[bounds[e]:bounds[e + 1]], self.packed[e][0], None, "none", [], "") for e in busy])
         gate, up = h.split(self.intermediate, dim=-1)
         a = F.silu(gate) * up
-        return torch.cat([packed_linear(a[bounds[e]:bounds[e + 1]], self.packed[e][1]) for e in busy]), mine
+        return torch.cat([lin(a[bounds[e]:bounds[e + 1]], self.packed[e][1], None, "none", [], "")
+                          for e in busy]), mine
 
     @staticmethod
     def _weighted(x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, valid: torch.Tensor,
@@ -269,6 +269,30 @@ def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torc
 @_grouped_mm_op.register_fake
 def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[-1])
+
+
+# Rows up to which grouped_on_host sorts on the host: a decode step's few rows cost ~80 us through
+# group_rows' tensor ops plus the bounds' host sync, ~10 us as Python lists; prefill's thousands of rows sort
+# faster as tensors.
+HOST_GROUP_MAX_ROWS = 256
+
+
+def grouped_on_host(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Rows grouped by expert for the paths that loop over experts on the host: (mine [R] the rows that are
+    ours (expert id >= 0) in group order, stable within a group; bounds [E + 1], expert e's rows being
+    mine[bounds[e]:bounds[e + 1]]). The same order as group_rows."""
+    if expert_ids.numel() > HOST_GROUP_MAX_ROWS:
+        order, offs, _ = group_rows(expert_ids, num_experts)
+        bounds = [0] + offs.tolist()
+        return order[: bounds[-1]], bounds  # rows of other ranks (-1) sort last
+    ids = expert_ids.tolist()
+    mine = sorted((i for i, e in enumerate(ids) if e >= 0), key=ids.__getitem__)  # Python's sort is stable
+    bounds = [0] * (num_experts + 1)
+    for i in mine:
+        bounds[ids[i] + 1] += 1
+    for e in range(num_experts):
+        bounds[e + 1] += bounds[e]
+    return torch.tensor(mine, dtype=torch.long, device=expert_ids.device), bounds
 
 
 def group_rows(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
