@@ -11,7 +11,9 @@ a survivor that kept its engine core finds its own requests' blocks there; the r
 too, as the failed run repeats them). Without --enforce-eager also the seconds from the kill until a rank's
 count of decode steps through a compiled graph first grew in the new epoch (first graph step: the re-formed
 ranks serve eagerly first and compile their graphs between steps, engine/elastic_graphs.py) and until the last
-rank of the epoch said its graphs are all back (after the run it waits for them, stepping idle). Last:
+rank of the epoch said its graphs are all back (after the run it waits for them, stepping idle); --graphs
+(--elastic-ep-graphs): in-use-first (the default) compiles a bucket before the step whose decodes need it,
+eager-first decodes eagerly until the bucket's turn. Last:
 requests lost and whether every output equals the reference.
 The model is benchmarks/dp_ep.py's shrunk bench config (32 routed experts) unless --bench-model.
 
@@ -81,7 +83,7 @@ def run(engine, prompts, params, kills: list[int], before: int,
         for out in outs:
             got[out.request_id] += out.new_token_ids
         for r in records + ([rec] if rec is not None else []):  # the first decode step through a graph again
-            if "n0" in r and "graph" not in r:
+            if "graph" not in r:
                 _first_graph_step(engine, r, now)
         if rec is not None:
             if "seen" not in rec and engine.epoch > rec["epoch"]:
@@ -89,7 +91,6 @@ def run(engine, prompts, params, kills: list[int], before: int,
             if "ready" not in rec and engine.epoch > rec["epoch"] and engine.recovery is None:
                 rec["ready"], rec["ranks"] = now, len(engine.slots)
                 rec["new_epoch"] = engine.epoch
-                rec["n0"], rec["g0"] = {engine.slots[dp]: s.num_steps for dp, s in enumerate(engine.rank_stats)}, {}
             if "ready" in rec and outs and "token" not in rec:
                 rec["token"] = now
             if "token" in rec and all(len(got[r]) > mark[r] or len(got[r]) == params.max_tokens for r in got):
@@ -107,7 +108,8 @@ def run(engine, prompts, params, kills: list[int], before: int,
             ran = {r.split("-", 1)[1] for r, dp in engine.router.owner.items() if engine.slots[dp] == victim}
             rec = {"victim": victim, "ran": ran, "epoch": engine.epoch, "requeued0": stats.elastic_requeued,
                    "recomputed0": stats.elastic_tokens_recomputed, "kill": time.monotonic(),
-                   "hits0": _hits_since(engine, {})}
+                   "hits0": _hits_since(engine, {}), "g0": {},
+                   "prev": {engine.slots[dp]: s.num_steps for dp, s in enumerate(engine.rank_stats)}}
             mark = {r: len(t) for r, t in got.items()}
             if hang_file:
                 open(hang_file, "w").close()  # its next step hangs
@@ -119,15 +121,21 @@ def run(engine, prompts, params, kills: list[int], before: int,
 
 def _first_graph_step(engine, rec: dict, now: float) -> None:
     """Notes in rec["graph"] when a rank's count of decode steps through a compiled graph grew in the new
-    epoch. A rank's step count starts again in each epoch (its reports before the loss had rec["n0"] steps); its
-    first reports there are eager ones (elastic_graphs.GAP_STEPS), whose graph count (carried over from before
-    the loss) is the base."""
+    epoch. A rank's step count starts again in each epoch, so its first report there is the first whose count
+    is below the one before (rec["prev"]: from the kill on; a replacement's reports are all new). That first
+    report's graph count (carried over from before the loss) is the base: with --graphs eager-first its steps
+    are eager ones (elastic_graphs.GAP_STEPS); with in-use-first (the default) it may be a graph step
+    already, noted one step late."""
     for dp, s in enumerate(engine.rank_stats):
         slot = engine.slots[dp]
-        if slot in rec["n0"] and s.num_steps >= rec["n0"][slot]:
-            continue  # still its report of the old epoch
-        base = rec["g0"].setdefault(slot, s.num_graph_steps)
-        if s.num_graph_steps > base:
+        if slot not in rec["g0"]:
+            if not s.num_steps:
+                continue  # no report yet (the front end's placeholder of a new epoch)
+            if slot in rec["prev"] and s.num_steps >= rec["prev"][slot]:
+                rec["prev"][slot] = s.num_steps
+                continue  # still its reports of the old epoch
+            rec["g0"][slot] = s.num_graph_steps
+        if s.num_graph_steps > rec["g0"][slot]:
             rec["graph"] = now
 
 
@@ -161,7 +169,7 @@ class JoinLog:
                 text = line.decode(errors="replace").rstrip()
                 if (m := self.LINE.search(text)) is not None:
                     self.joins.append((int(m[1]), int(m[2]), float(m[3]), m[4]))
-                if (m := self.GRAPHS.search(text)) is not None:
+                for m in self.GRAPHS.finditer(text):  # ranks' lines may come run together
                     self.graphs_back.setdefault(int(m[2]), []).append(time.monotonic())
 
 
@@ -190,6 +198,8 @@ def main() -> None:
     ap.add_argument("--host-copy", action="store_true", help="--elastic-ep-host-copy: lost experts come from "
                     "the ranks' host shared-memory files, not the checkpoint")
     ap.add_argument("--quantization", default=None, help="e.g. a8w8: quantized experts (survivors keep them)")
+    ap.add_argument("--graphs", default="in-use-first", choices=("in-use-first", "eager-first"),
+                    help="--elastic-ep-graphs: how the re-formed ranks' decode graphs come back")
     ap.add_argument("--default-layout", action="store_true", help="the survivors re-place onto the default "
                     "layout (rank 0 votes other maps: a testing hook), filling slots from peers")
     a = ap.parse_args()
@@ -218,7 +228,8 @@ def main() -> None:
               num_redundant_experts=-experts % a.dp if a.redundant is None else a.redundant,
               enforce_eager=a.enforce_eager, distributed_timeout=300,
               max_model_len=a.prompt_len + a.new_tokens + 8, elastic_ep_replace=a.replace,
-              elastic_ep_hang_timeout=a.hang_timeout, quantization=a.quantization, elastic_ep_host_copy=a.host_copy)
+              elastic_ep_hang_timeout=a.hang_timeout, quantization=a.quantization, elastic_ep_host_copy=a.host_copy,
+              elastic_ep_graphs=a.graphs)
     print(f"DP={a.dp} EP, {experts} routed experts, float32{', ' + a.quantization if a.quantization else ''}, "
           f"gloo; started in {time.monotonic() - started:.1f} s",
           flush=True)

@@ -106,6 +106,9 @@ MOE_COMM_HIERARCHIES = ("flat", "two-stage")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
+ELASTIC_EP_GRAPHS = ("in-use-first", "eager-first")  # --elastic-ep-graphs (engine/elastic_graphs.py)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """The rank grid (D data-parallel ranks x T tensor-parallel ranks) and how MoE layers talk.
@@ -144,6 +147,9 @@ class ParallelConfig:
     elastic_ep_hang_timeout: float = 20.0  # seconds a rank may hold its peers up in a step before it counts as lost
     elastic_ep_replace: bool = False  # the front end starts a replacement for each lost rank (engine/elastic.py)
     elastic_ep_host_copy: bool = False  # each rank keeps its experts in host shared memory (elastic_host_copy.py)
+    # a re-formed epoch's decode graphs (elastic_graphs.py), compiled between steps while it serves: "in-use-first"
+    # compiles a bucket the ranks' decodes are about to need before that step; "eager-first" decodes eagerly till then
+    elastic_ep_graphs: str = "in-use-first"
 
     def __post_init__(self) -> None:
         _require(self.data_parallel_size >= 1, "--data-parallel-size must be >= 1")
@@ -221,6 +227,8 @@ class ParallelConfig:
                  f"--elastic-ep-hang-timeout must be > 0 seconds, got {self.elastic_ep_hang_timeout}")
         _require(self.enable_elastic_ep or not self.elastic_ep_replace,
                  "--elastic-ep-replace starts a replacement for a lost rank: it needs --enable-elastic-ep")
+        _require(self.elastic_ep_graphs in ELASTIC_EP_GRAPHS, f"--elastic-ep-graphs must be one of "
+                 f"{', '.join(ELASTIC_EP_GRAPHS)}, got {self.elastic_ep_graphs!r}")
         _require(self.enable_elastic_ep or not self.elastic_ep_host_copy,
                  "--elastic-ep-host-copy keeps the experts for survivors of a lost rank: it needs --enable-elastic-ep")
         if self.enable_elastic_ep:  # survivors re-form one EP group of whole DP ranks (engine/elastic.py)

@@ -90,6 +90,7 @@ class EngineArgs:
     elastic_ep_hang_timeout: float = 20.0
     elastic_ep_replace: bool = False
     elastic_ep_host_copy: bool = False
+    elastic_ep_graphs: str = "in-use-first"
     generation_config: str = "auto"  # request defaults: "auto" (the model's generation_config.json), "vllm", a folder
     # vLLM's spellings (docs/from-vllm.md); the translations happen in create_config
     kv_cache_dtype: str = "auto"

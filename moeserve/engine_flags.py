@@ -116,6 +116,10 @@ ENGINE_HELP = {
     "elastic_ep_host_copy": "--enable-elastic-ep: each rank also keeps its routed experts in host shared memory "
                             "(/dev/shm; as much memory again), so the survivors of a loss take a lost expert "
                             "no survivor holds from there instead of the checkpoint",
+    "elastic_ep_graphs": "--enable-elastic-ep without --enforce-eager: the re-formed ranks serve at once and compile "
+                         "their decode graphs between steps; in-use-first (default) compiles a bucket the ranks' "
+                         "decodes are about to need before that step (no eager decode-only step: kept A8W8 "
+                         "requests change tokens less often), eager-first decodes eagerly until its bucket's turn",
     "kv_cache_dtype": "auto|bfloat16|float16|float32|fp8: KV-cache storage, the model dtype or FP8 e4m3 "
                       "(half the bytes of BF16; attention upcasts what it reads)",
     "kv_cache_memory_bytes": "vLLM's name for --kv-cache-memory (bytes, e.g. 2G)",

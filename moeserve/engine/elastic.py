@@ -41,8 +41,8 @@ Lifecycle (issue 37; one node, TP 1, gloo):
      layout's decode graphs come back while it serves (_late_graphs, elastic_graphs.py): every rank of the
      epoch compiles them between steps, one bucket (or the prefill kernels) at a time, at the same lockstep
      rounds (each MoE layer's graph holds its dispatch collectives), when all are idle or after every few
-     steps; a compile is not named by the hang check (compiling()), and a bucket runs through its graph once
-     compiled.
+     steps (--elastic-ep-graphs in-use-first: also a bucket the round's decodes need, before the step); a
+     compile is not named by the hang check (compiling()), and a bucket runs through its graph once compiled.
   5. each survivor's ready report lists the requests it kept (RankReport.kept, with their output tokens);
      the front end has read the survivors' outputs of the older epoch before it (one socket per rank, in
      order), so a kept request whose count matches what it saw stays where it runs. Every other unfinished

@@ -1,14 +1,14 @@
-"""Elastic EP (engine/elastic.py has the lifecycle), the end of step 4: a re-formed epoch serves at once, eagerly,
-and its compiled decode graphs come back while it serves, one piece at a time between steps.
+"""Elastic EP (engine/elastic.py has the lifecycle), the end of step 4: a re-formed epoch serves at once, and its
+compiled decode graphs come back while it serves, one piece at a time between steps.
 
 The old epoch's graphs are dropped at the loss (elastic_placement.roll_back: traced over the old process groups),
 and so are the prefill kernels (INT8 quantizer, expert epilogue: park_prefill_kernels; torch._dynamo.reset() has
 dropped their compiled code, and their first use would compile them in the middle of a step). Every rank of the
 new epoch (survivors and a replacement) then reports ready with a LateGraphs: a CompiledDecode with no bucket
-compiled yet, whose applies() takes only the buckets compiled so far, so each decode step runs eagerly until its
-bucket is back. Eager and compiled forwards issue the same collectives (a MoE block is an opaque op in a graph
-that calls the eager dispatch: layers/opaque.py), so ranks can mix them within one step, as they do whenever one
-prefills while another decodes.
+compiled yet, whose applies() takes only the buckets compiled so far: a step of another size runs eagerly.
+Eager and compiled forwards issue the same collectives (a MoE block is an opaque op in a graph that calls the
+eager dispatch: layers/opaque.py), so ranks can mix them within one step, as they do whenever one prefills while
+another decodes.
 
 What does need all ranks at once is compiling: a bucket is compiled by a forward of padding rows (as at start-up,
 CompiledDecode.warm_up), whose MoE layers run the epoch's collectives, and while one rank compiles the others
@@ -16,13 +16,19 @@ wait for it in their next collective. So the ranks compile together, one item at
 prefill kernels), between two steps (between_steps(), called by dp_worker after the step's all-gather), and
 agree without a message: the decision reads only what every rank of the epoch has alike, the all-gathered
 step flags and the count of lockstep rounds since the epoch began or since its last compile:
-- nobody has work: compile the next item now (the ranks are idle; a request that arrives waits at most one item);
-- else once GAP_STEPS busy steps have run since the epoch began or since the last compile (the first steps go
-  out eagerly at once, and a compile stalls serving for one item, never for all of them).
-The item: the pending bucket that the most ranks' decodes (the flags' decode counts, times 1 + MTP drafts) fall
-in (ties: the larger), else the prefill kernels, else the smallest pending bucket. While a rank compiles, its
-ProgressBoard slot says COMPILING (elastic.compiling(): the hang check names no rank). When the last item is
-compiled each rank prints one line ("decode graphs back ...": benchmarks/elastic_ep.py times it).
+- --elastic-ep-graphs in-use-first (the default): every pending bucket that a rank's decodes (the flags' decode
+  counts, times 1 + MTP drafts) fall in, before this round's step, so no decode step of a bucket's size runs
+  eagerly: serving pauses for the buckets in use at the epoch's first step and whenever a new one comes in use
+  (A8W8's eager and compiled decode round differently: so kept A8W8 requests change tokens less often);
+- nobody has work: the next item now (the ranks are idle; a request that arrives waits at most one item);
+- else once GAP_STEPS busy steps have run since the epoch began or since the last compile: the next item (a
+  compile stalls serving for one item, never for all of them).
+The next item: the pending bucket that the most ranks' decodes fall in (ties: the larger), else the prefill
+kernels, else the smallest pending bucket. With --elastic-ep-graphs eager-first only the last two rules apply:
+the first steps go out at once, decoding eagerly until their bucket's turn.
+While a rank compiles, its ProgressBoard slot says COMPILING (elastic.compiling(): the hang check names no
+rank). When the last item is compiled each rank prints one line ("decode graphs back ...":
+benchmarks/elastic_ep.py times it).
 """
 from __future__ import annotations
 
@@ -61,13 +67,19 @@ class LateGraphs(CompiledDecode):
     def applies(self, meta, num_tokens: int) -> bool:
         return super().applies(meta, num_tokens) and self.bucket(num_tokens) in self.ready
 
-    def choose(self, decodes: list[int]) -> int | str:
-        """The next item, from every rank's decode count (the same list on every rank: the same choice)."""
+    def in_use(self, decodes: list[int]) -> dict[int, int]:
+        """Pending buckets that ranks' decodes fall in -> how many ranks (decodes: every rank's decode count, the
+        same list on every rank)."""
         votes: dict[int, int] = {}
         for n in decodes:
             b = self.bucket(n * self.per_seq) if n else None
             if b is not None and b in self.pending:
                 votes[b] = votes.get(b, 0) + 1
+        return votes
+
+    def choose(self, decodes: list[int]) -> int | str:
+        """The next item, from every rank's decode count (the same on every rank: the same choice)."""
+        votes = self.in_use(decodes)
         if votes:
             return max(votes, key=lambda b: (votes[b], b))
         if PREFILL in self.pending:
@@ -141,20 +153,24 @@ def between_steps(worker, flags: torch.Tensor) -> None:
         worker.between_steps = None
         return
     busy = bool(flags[:, 0].any())
+    decodes = flags[:, 3].tolist()
+    items = []
+    if busy and worker.base_config.parallel.elastic_ep_graphs == "in-use-first":
+        items = sorted(graphs.in_use(decodes))  # before this step: none of its decodes runs eagerly
     if busy:
         graphs.rounds += 1
-        if graphs.busy_steps < GAP_STEPS:
+        if not items and graphs.busy_steps < GAP_STEPS:
             graphs.busy_steps += 1
             return
-    item = graphs.choose(flags[:, 3].tolist())
-    start = time.monotonic()
-    with compiling(worker):
-        graphs.compile_item(item)
-    took = time.monotonic() - start
-    graphs.compile_total += took
+    for item in items or [graphs.choose(decodes)]:
+        start = time.monotonic()
+        with compiling(worker):
+            graphs.compile_item(item)
+        took = time.monotonic() - start
+        graphs.compile_total += took
+        logger.info("epoch %d: %s compiled in %.1f s between steps (%d item(s) left)", worker.epoch,
+                    f"decode graph for {item} tokens" if item != PREFILL else item, took, len(graphs.pending))
     graphs.busy_steps = int(busy)
-    logger.info("epoch %d: %s compiled in %.1f s between steps (%d item(s) left)", worker.epoch,
-                f"decode graph for {item} tokens" if item != PREFILL else item, took, len(graphs.pending))
     if not graphs.pending:
         worker.between_steps = None
         print(f"moeserve: pid {os.getpid()} rank {worker.info.rank} of epoch {worker.epoch}: decode graphs back "

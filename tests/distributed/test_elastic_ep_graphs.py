@@ -15,6 +15,7 @@ from tests.distributed.test_elastic_ep_replace import wait_for_full_group
 # buckets 1, 2: as few graphs as 4 prompts over 2 or 3 ranks need; no prefix cache, so the router spreads the
 # prompts by load alone and every rank decodes some (it would send a prompt back to a rank that cached it)
 GRAPHS = dict(max_num_seqs=2, enable_prefix_caching=False)
+SERVED = re.compile(r"rank (\d+) of epoch 1: decode graphs back \(.*, (\d+) busy steps served meanwhile")
 COMPILED = re.compile(r"rank (\d+) of epoch (\d+): decode graphs back \(.* compiled in ([\d.]+) s")
 
 
@@ -64,12 +65,12 @@ def test_graphs_come_back_after_a_loss_and_a_join(path, reference, capfd, replac
 
 
 def test_serving_resumes_eagerly_before_the_graphs_come_back(path, reference, capfd):
-    # D=3, rank 1 SIGKILLed mid-decode: the survivors' first GAP_STEPS steps of the new epoch make tokens with no
+    # --elastic-ep-graphs eager-first, D=3, rank 1 SIGKILLed mid-decode: the survivors' first GAP_STEPS steps of the new epoch make tokens with no
     # graph (their graph-step counts stand still), then the graphs come back between steps while the requests
     # still run (the counts grow), every rank says so, and the outputs are the unfailed run's
     from moeserve.engine.elastic_graphs import GAP_STEPS
 
-    llm = elastic_llm(path, 3, **GRAPHS)
+    llm = elastic_llm(path, 3, elastic_ep_graphs="eager-first", **GRAPHS)
     try:
         engine = llm.engine
         seen = []  # (epoch, rank process, steps in its epoch, graph steps, tokens) of every step report
@@ -97,6 +98,45 @@ def test_serving_resumes_eagerly_before_the_graphs_come_back(path, reference, ca
         assert sorted(took) == [(1, 0), (1, 1)], took
     finally:
         llm.shutdown()
+
+
+def test_in_use_first_compiles_the_buckets_in_use_before_the_step(path, reference, capfd):
+    # --elastic-ep-graphs in-use-first (the default): the buckets the survivors' decodes need are compiled before
+    # the step that needs them, so graph steps count on from the first steps of epoch 1 (eager-first: after 4),
+    # and the rest comes between steps while the requests run
+    from moeserve.engine.elastic_graphs import GAP_STEPS
+
+    llm = elastic_llm(path, 3, **GRAPHS)
+    try:
+        engine = llm.engine
+        seen = []
+        take = engine._take_report
+
+        def record(report, outputs):
+            if report.stats:
+                seen.append((engine.epoch, engine.slots[report.dp_rank], report.stats.num_steps,
+                             report.stats.num_graph_steps))
+            take(report, outputs)
+
+        engine._take_report = record
+        assert kill_mid_decode(engine, 1) == reference
+        grew = []
+        for slot in (0, 2):
+            first = [g for e, s, n, g in seen if e == 1 and s == slot and n <= GAP_STEPS]
+            grew.append(len(first) == GAP_STEPS and first[-1] > first[0])
+        assert any(grew), seen
+        assert generate(llm) == reference
+        served = {int(r): int(n) for r, n in SERVED.findall(capfd.readouterr().err)}
+        assert sorted(served) == [0, 1] and all(n > 0 for n in served.values()), served  # steps before the last
+    finally:
+        llm.shutdown()
+
+
+def test_an_unknown_graphs_mode_is_refused():
+    from moeserve.config import ConfigError, ParallelConfig
+
+    with pytest.raises(ConfigError, match="--elastic-ep-graphs must be one of in-use-first, eager-first"):
+        ParallelConfig(elastic_ep_graphs="later")
 
 
 def test_graphs_come_back_with_mtp_and_online_eplb(mtp_ckpt_dir):
