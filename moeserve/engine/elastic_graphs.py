@@ -19,7 +19,8 @@ step flags and the count of lockstep rounds since the epoch began or since its l
 - --elastic-ep-graphs in-use-first (the default): every pending bucket that a rank's decodes (the flags' decode
   counts, times 1 + MTP drafts) fall in, before this round's step, so no decode step of a bucket's size runs
   eagerly: serving pauses for the buckets in use at the epoch's first step and whenever a new one comes in use
-  (A8W8's eager and compiled decode round differently: so kept A8W8 requests change tokens less often);
+  (A8W8's eager and compiled decode round differently: so kept A8W8 requests change tokens less often); not in
+  an epoch where a rank built its core afresh (a replacement: in_use_first());
 - nobody has work: the next item now (the ranks are idle; a request that arrives waits at most one item);
 - else once GAP_STEPS busy steps have run since the epoch began or since the last compile: the next item (a
   compile stalls serving for one item, never for all of them).
@@ -143,6 +144,16 @@ def install(worker, started: float) -> bool:
     return True
 
 
+def in_use_first(worker) -> bool:
+    """--elastic-ep-graphs in-use-first, unless a rank of the epoch built its engine core afresh (a replacement:
+    elastic_placement.vote_maps, the same answer on every rank): its process never compiled, its first compile
+    takes seconds more (6.7 s before the first decode step in benchmarks/elastic_ep.py --replace, where
+    eager-first served the next token 1.2 s after the loss), so that epoch serves eagerly first."""
+    if worker.base_config.parallel.elastic_ep_graphs != "in-use-first":
+        return False
+    return not getattr(worker, "epoch_builds", False)
+
+
 def between_steps(worker, flags: torch.Tensor) -> None:
     """dp_worker's hook after each round's all-gather (flags [W, 4]: has work, shutdown, prefill demand,
     decodes; the same on every rank): compile the next item where the rule in the module docstring says so."""
@@ -155,7 +166,7 @@ def between_steps(worker, flags: torch.Tensor) -> None:
     busy = bool(flags[:, 0].any())
     decodes = flags[:, 3].tolist()
     items = []
-    if busy and worker.base_config.parallel.elastic_ep_graphs == "in-use-first":
+    if busy and in_use_first(worker):
         items = sorted(graphs.in_use(decodes))  # before this step: none of its decodes runs eagerly
     if busy:
         graphs.rounds += 1

@@ -93,6 +93,7 @@ def vote_maps(worker, parallel: ParallelConfig) -> tuple[dict[int, list[int]] | 
         digest += 1
     row = torch.tensor([[worker.info.rank if core is not None else -1, digest]], dtype=torch.long)
     votes = world.all_gather(row).tolist()  # [W, 2], the same on every rank: every decision below is too
+    worker.epoch_builds = any(v[0] < 0 for v in votes)  # a rank builds afresh (elastic_graphs.between_steps)
     olds = [v[0] for v in votes]
     keepers = [v for v in votes if v[0] >= 0]
     peers = bool(keepers)
