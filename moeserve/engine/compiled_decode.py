@@ -68,6 +68,22 @@ def why_eager(config, arch, device: torch.device) -> str | None:
 _LAYER_KINDS = 3
 
 
+def decode_graph_tokens(config) -> tuple[int, int]:
+    """(rows per sequence in a decode step: 1 + MTP drafts, the most rows a decode graph takes)."""
+    sched = config.scheduler
+    per_seq = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
+    return per_seq, min(sched.max_num_seqs * per_seq, sched.max_num_batched_tokens)
+
+
+def warm_up_prefill_kernels(runner) -> None:
+    """The prefill-sized kernels an engine that compiles uses: A8W8's activation quantizer, the routed experts'
+    passes around their GEMMs."""
+    if runner.config.quant.method == "a8w8":
+        warm_up_quantizer(runner.arch.hidden_size, runner.dtype)
+    if runner.arch.n_routed_experts:
+        warm_up_expert_epilogue(runner.model, runner.dtype, runner.arch.num_experts_per_tok)
+
+
 def warm_up_quantizer(width: int, dtype: torch.dtype) -> None:
     """Switch A8W8's per-token activation quantization of prefill-sized inputs to its compiled kernel
     (moeserve/int8.py) and compile it now, for the model dtype and float32 (the SwiGLU output the experts'
@@ -164,24 +180,33 @@ class DirectGraphs:
         self.direct.clear()
 
     def _locals(self, module, args) -> dict:
-        code = self.fn.__code__
-        return dict(zip(code.co_varnames[:code.co_argcount], (module, *args)))
+        return call_locals(self.fn, (module, *args))
 
     def _entry(self, module, args) -> tuple | None:
-        """The compiled cache entry whose guards take these arguments, as (function, guard manager); None where
-        this torch has no such introspection (the calls then stay with dynamo)."""
-        import types
+        return compiled_entry(self.fn, (module, *args))
 
-        try:
-            import torch._dynamo.eval_frame as eval_frame
-            entries = eval_frame._debug_get_cache_entry_list(self.fn.__code__)
-            local = self._locals(module, args)
-            for entry in entries:
-                if entry.guard_manager.check(local):
-                    return types.FunctionType(entry.code, self.fn.__globals__), entry.guard_manager
-        except (AttributeError, ImportError, RuntimeError, TypeError):
-            pass
-        return None
+
+def call_locals(fn, args: tuple) -> dict:
+    """fn's parameters bound to positional args, as dynamo's guards read them."""
+    code = fn.__code__
+    return dict(zip(code.co_varnames[:code.co_argcount], args))
+
+
+def compiled_entry(fn, args: tuple) -> tuple | None:
+    """The compiled cache entry of torch.compile'd fn whose guards take these arguments, as (its transformed
+    code as a plain function, its guard manager); None when no entry does or this torch has no such
+    introspection."""
+    import types
+
+    try:
+        import torch._dynamo.eval_frame as eval_frame
+        local = call_locals(fn, args)
+        for entry in eval_frame._debug_get_cache_entry_list(fn.__code__):
+            if entry.guard_manager.check(local):
+                return types.FunctionType(entry.code, fn.__globals__), entry.guard_manager
+    except (AttributeError, ImportError, RuntimeError, TypeError):
+        pass
+    return None
 
 
 def _run_layer(layer: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -245,23 +270,29 @@ class CompiledDecode:
         """Compile every bucket now, at start-up, instead of stalling the first step of each size: a forward
         of padding rows only (no metadata rows, so nothing is written to the cache). Every rank of a DP/EP
         engine runs the same buckets in the same order, so their MoE collectives pair up."""
-        from moeserve.layers.attention.metadata import AttentionMetadata, attention_context
-
         from tqdm import tqdm
 
-        meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [], None, kv_caches)
         start = time.perf_counter()
         # A progress bar on a terminal (vLLM shows one while it captures graphs); none in logs and pipes.
         bar = tqdm(self.buckets, desc="Compiling decode graphs", unit="bucket", disable=None, leave=False)
-        with torch.inference_mode(), attention_context(meta):
-            for b in bar:
-                bar.set_postfix(tokens=b)
-                ids = torch.zeros(b, dtype=torch.long)
-                hidden = self.run(ids, ids)
-                if self.mtp_layer is not None:
-                    self.run_mtp(torch.zeros_like(hidden), hidden, ids)
-        self.steps = self.mtp_steps = 0
+        for b in bar:
+            bar.set_postfix(tokens=b)
+            self.warm_bucket(b, kv_caches)
         logger.info("decode graphs for %s tokens ready in %.1f s", self.buckets, time.perf_counter() - start)
+
+    def warm_bucket(self, b: int, kv_caches: list[torch.Tensor]) -> None:
+        """Compile bucket b: a forward of padding rows through the layers' and the MTP layer's graphs (no
+        metadata rows, nothing written to the cache; not counted as decode steps)."""
+        from moeserve.layers.attention.metadata import AttentionMetadata, attention_context
+
+        meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [], None, kv_caches)
+        steps, mtp_steps = self.steps, self.mtp_steps
+        with torch.inference_mode(), attention_context(meta):
+            ids = torch.zeros(b, dtype=torch.long)
+            hidden = self.run(ids, ids)
+            if self.mtp_layer is not None:
+                self.run_mtp(torch.zeros_like(hidden), hidden, ids)
+        self.steps, self.mtp_steps = steps, mtp_steps
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = input_ids.shape[0]

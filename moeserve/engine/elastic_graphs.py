@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from moeserve.engine.compiled_decode import CompiledDecode
+from moeserve.engine.compiled_decode import CompiledDecode, decode_graph_tokens, warm_up_prefill_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,9 @@ class LateGraphs(CompiledDecode):
     """A re-formed epoch's decode graphs, compiled bucket by bucket while it serves (compile_next())."""
 
     def __init__(self, runner, started: float) -> None:
-        sched = runner.config.scheduler
-        per_seq = 1 + (runner.config.speculative.num_speculative_tokens if runner.config.speculative else 0)
-        super().__init__(runner.model, min(sched.max_num_seqs * per_seq, sched.max_num_batched_tokens),
-                         runner.config.model.decode_graph_sizes)
+        self.per_seq, max_tokens = decode_graph_tokens(runner.config)
+        super().__init__(runner.model, max_tokens, runner.config.model.decode_graph_sizes)
         self.runner = runner
-        self.per_seq = per_seq
         self.ready: set[int] = set()  # buckets compiled: decode steps of these sizes run through their graphs
         self.pending: list = list(self.buckets) + [PREFILL]
         self.busy_steps = 0  # busy lockstep rounds since the epoch began or since the last compile
@@ -90,25 +87,11 @@ class LateGraphs(CompiledDecode):
     def compile_item(self, item) -> None:
         """Compile one bucket (a forward of padding rows through the layers' and the MTP layer's graphs, as
         CompiledDecode.warm_up: every rank at once, the MoE collectives pair up) or the prefill kernels."""
-        from moeserve.engine.compiled_decode import warm_up_expert_epilogue, warm_up_quantizer
-        from moeserve.layers.attention.metadata import AttentionMetadata, attention_context
-
         runner = self.runner
         if item == PREFILL:  # local kernels, no collective: what _build_decode_graphs warms at start-up
-            if runner.config.quant.method == "a8w8":
-                warm_up_quantizer(runner.arch.hidden_size, runner.dtype)
-            if runner.arch.n_routed_experts:
-                warm_up_expert_epilogue(runner.model, runner.dtype, runner.arch.num_experts_per_tok)
+            warm_up_prefill_kernels(runner)
         else:
-            kv = runner.proposer.kv_caches if runner.proposer is not None else runner.kv_caches
-            meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [], None, kv)
-            steps, mtp_steps = self.steps, self.mtp_steps
-            with torch.inference_mode(), attention_context(meta):
-                ids = torch.zeros(item, dtype=torch.long)
-                hidden = self.run(ids, ids)
-                if self.mtp_layer is not None:
-                    self.run_mtp(torch.zeros_like(hidden), hidden, ids)
-            self.steps, self.mtp_steps = steps, mtp_steps  # warm-up passes are no decode steps
+            self.warm_bucket(item, runner.proposer.kv_caches if runner.proposer is not None else runner.kv_caches)
             self.ready.add(item)
         self.pending.remove(item)
 

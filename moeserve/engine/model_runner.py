@@ -14,7 +14,7 @@ import torch
 
 from moeserve.config import EngineConfig
 from moeserve.device_memory import module_bytes
-from moeserve.engine.compiled_decode import CompiledDecode, warm_up_expert_epilogue, warm_up_quantizer, why_eager
+from moeserve.engine.compiled_decode import CompiledDecode, decode_graph_tokens, warm_up_prefill_kernels, why_eager
 from moeserve.engine.kv_memory import check_kv_pool, num_kv_blocks
 from moeserve.engine.scheduler import SchedulerOutput
 from moeserve.distributed.parallel_state import get_world_group
@@ -109,18 +109,12 @@ class ModelRunner:
         if reason is not None:
             logger.info("decode runs eagerly: %s", reason)
             return None
-        sched = self.config.scheduler
-        per_seq = 1 + (self.config.speculative.num_speculative_tokens if self.config.speculative else 0)
-        graphs = CompiledDecode(self.model, min(sched.max_num_seqs * per_seq, sched.max_num_batched_tokens),
-                                self.config.model.decode_graph_sizes)
+        graphs = CompiledDecode(self.model, decode_graph_tokens(self.config)[1], self.config.model.decode_graph_sizes)
         if self.proposer is not None:
             graphs.attach_mtp(self.proposer.mtp.layer)
             self.proposer.graphs = graphs
         graphs.warm_up(self.proposer.kv_caches if self.proposer is not None else self.kv_caches)
-        if self.config.quant.method == "a8w8":  # prefill's INT8 activation quantization as one kernel too
-            warm_up_quantizer(self.arch.hidden_size, self.dtype)
-        if self.arch.n_routed_experts:  # and the routed experts' passes around their GEMMs
-            warm_up_expert_epilogue(self.model, self.dtype, self.arch.num_experts_per_tok)
+        warm_up_prefill_kernels(self)  # prefill's INT8 quantizer and expert passes as kernels too
         return graphs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -156,17 +156,12 @@ def without_lookup(fn, args: tuple):
     """The code dynamo runs for fn(*args) once its cache lookup has picked a compiled entry (the entry's
     transformed bytecode, which calls the graph), as a plain function: timing it against fn itself gives
     the lookup's cost (guard evaluation, torch.compile's wrapper) on a real call."""
-    import types
+    from moeserve.engine.compiled_decode import compiled_entry
 
-    import torch._dynamo.eval_frame as ef
-
-    code = fn.__code__
-    names = code.co_varnames[:code.co_argcount]
-    f_locals = dict(zip(names, args))
-    for entry in ef._debug_get_cache_entry_list(code):
-        if entry.guard_manager.check(f_locals):
-            return types.FunctionType(entry.code, fn.__globals__)
-    raise RuntimeError(f"no compiled entry of {fn.__name__} takes these arguments")
+    entry = compiled_entry(fn, args)
+    if entry is None:
+        raise RuntimeError(f"no compiled entry of {fn.__name__} takes these arguments")
+    return entry[0]
 
 
 def lookup_seconds(engine, rows: int, repeats: int = 20) -> float:
