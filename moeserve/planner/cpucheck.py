@@ -10,8 +10,10 @@ prediction is the planner's own cost model on a one-card "device" built from tho
 since decode reads its bytes through GEMMs) plus, per class of what one decode step runs, calls x the
 measured cost of one call. The compiled step (the engine's default) is counted from a profile of one real
 step (planner/cpucount.py: graph entries, fused kernels, calls of our opaque ops, GEMMs, views, other ops),
-dynamo's cache lookup before each graph timed on the engine's own layers, and the per-call costs come from
-microbenchmarks here (a trivial compiled graph's run and kernel, a trivial custom op, a mix of views); the eager step (--eager)
+dynamo's cache lookups the step counts (none once the engine's DirectGraphs call its graphs directly) priced
+at one lookup timed on the engine's own layers, and the other per-call costs come from microbenchmarks here
+(a trivial graph's run past its lookup, called through DirectGraphs as the engine calls its layers, and its
+kernel; a trivial custom op; a mix of views); the eager step (--eager)
 is counted by a dispatch mode (GEMM calls, every other op at the small-op cost). The counts are structural,
 not timings: nothing is fitted to the measured step.
 Measured side: engine step times of decode-only steps on the bench model (moeserve/bench_model.py). The
@@ -117,29 +119,34 @@ def measure_view_cost(reps: int = 200) -> float:
         return min(_timed(lambda: [mix() for _ in range(reps)]) for _ in range(3)) / (8 * reps)
 
 
-def _trivial_graph(t):
-    return t * 2 + 1
+def _trivial_layer(module, t):
+    return module(t) * 2 + 1
 
 
 def measure_graph_costs(reps: int = 200) -> tuple[float, float]:
     """(seconds per run of a compiled graph past its lookup, seconds per fused kernel call in it), on a
-    trivial graph compiled as the engine compiles its decode layers (inductor, fullgraph, static shapes,
-    inference mode) that runs one elementwise kernel: the graph's code is called without dynamo's lookup
-    (cpucount.without_lookup: the lookup of the engine's graphs is timed on them, cpucount.lookup_seconds),
-    and the kernel itself directly with the arguments the graph gave it."""
+    trivial graph compiled and called as the engine compiles and calls its decode layers
+    (engine/compiled_decode.DirectGraphs: inductor, fullgraph, static shapes, inference mode; after the first
+    call the entry dynamo picked is called directly, without the lookup) that runs one elementwise kernel,
+    and the kernel itself directly with the arguments the graph gave it. Dynamo's lookup, where a step still
+    pays one, is priced on the engine's own layers (cpucount.lookup_seconds)."""
     import torch._dynamo
 
+    from moeserve.engine.compiled_decode import DirectGraphs
+
     x = torch.randn(4, 64).to(torch.bfloat16)
-    graph = torch.compile(_trivial_graph, fullgraph=True, dynamic=False)
+    module = torch.nn.Identity()
+    graph = DirectGraphs(_trivial_layer)
     torch._dynamo.config.recompile_limit += 1  # room for it beside the engine's graphs
     with torch.inference_mode():
-        graph(x)
-        run = cpucount.without_lookup(_trivial_graph, (x,))
+        graph(module, x)  # through dynamo: compiles, and keeps the entry for direct calls
         with cpucount.capturing_kernels() as calls:
-            run(x)
+            graph(module, x)
+        if graph.direct_calls != 1:
+            raise RuntimeError("the trivial graph was not called directly (DirectGraphs found no entry)")
         assert len(calls) == 1, f"expected one fused kernel, the graph ran {len(calls)}"
         fn, args = calls[0]
-        t_run = min(_timed(lambda: [run(x) for _ in range(reps)]) for _ in range(3)) / reps
+        t_run = min(_timed(lambda: [graph(module, x) for _ in range(reps)]) for _ in range(3)) / reps
         t_kernel = min(_timed(lambda: [fn(*args) for _ in range(reps)]) for _ in range(3)) / reps
     return max(0.0, t_run - t_kernel), t_kernel
 
@@ -183,18 +190,18 @@ def profile(threads: int | None = None) -> dict:
             "graph_entry_us": entry * 1e6, "kernel_us": kernel * 1e6, "opaque_call_us": measure_opaque_cost() * 1e6}
 
 
-# Per-call price of each counted class (cpucount.CLASSES): the profile's measured cost of one such call.
+# Per-call price of each counted class (cpucount.CLASSES): the profile's measured cost of one such call; a
+# lookup's is measured per engine on its own layers (cpucount.lookup_seconds), passed to predict.
 PRICES = {"graph": "graph_entry_us", "kernel": "kernel_us", "opaque": "opaque_call_us", "gemm": "gemm_call_us",
           "view": "view_us", "op": "op_cost_us"}
 
 
-def predict(prof: dict, batch: int, context: float, counts: dict | None = None, lookup_ms: float = 0.0) -> dict:
+def predict(prof: dict, batch: int, context: float, counts: dict | None = None, lookup_us: float = 0.0) -> dict:
     """Step time = the planner's cost model on this CPU (bytes / streaming bandwidth, FLOPs / rate) + each
-    counted class x its measured per-call cost + the step's measured dynamo cache lookups (compiled step)."""
+    counted class x its measured per-call cost (dynamo cache lookups, compiled step: `lookup_us` each)."""
     m = load_model("moeserve-bench")
-    by_class = {c: n * prof[PRICES[c]] * 1e-3 for c, n in (counts or {}).items()}
-    if lookup_ms:
-        by_class["lookup"] = lookup_ms
+    price = {**{c: prof[k] for c, k in PRICES.items()}, "lookup": lookup_us}
+    by_class = {c: n * price[c] * 1e-3 for c, n in (counts or {}).items()}
     overhead_ms = sum(by_class.values())
     hw = cpu_hardware(prof, overhead_ms)
     st = decode_step(m, hw, Instance(cards=1, quantization="bf16"), batch, context)
@@ -222,9 +229,10 @@ def count_ops(engine) -> tuple[int, int]:
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
                    checkpoint: str | None = None, eager: bool = False) -> list[dict]:
     """Decode-step times of the CPU engine per batch size on checkpoint (default: the bench model), with what
-    one step runs counted by class: compiled (the engine's default; cpucount.count_compiled_step, plus the
-    step's dynamo cache lookups timed on its own layers: cpucount.lookup_seconds) or eager (`eager`: count_ops's dispatch mode,
-    every op at the small-op cost, GEMMs at the GEMM call cost; it cannot run inside compiled graphs)."""
+    one step runs counted by class: compiled (the engine's default; cpucount.count_compiled_step, and the
+    price of one dynamo cache lookup timed on its own layers: cpucount.lookup_seconds, reported as lookup_us
+    whether or not the step counted any) or eager (`eager`: count_ops's dispatch mode, every op at the
+    small-op cost, GEMMs at the GEMM call cost; it cannot run inside compiled graphs)."""
     from moeserve.llm import LLM
     from moeserve.sampling_params import SamplingParams
     from moeserve.bench_model import bench_checkpoint
@@ -242,7 +250,7 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
             ids = [(7 * i + j) % 31000 + 2 for j in range(prompt_len)]
             eng.add_request(EngineCoreRequest(f"b{b}-{i}", ids, params, []))
         eng.step()  # prefill
-        lookup_ms, profiled = 0.0, None
+        lookup_us, profiled = 0.0, None
         if eager:
             ops, gemms = count_ops(eng)
             counts = {"gemm": gemms, "op": ops - gemms}
@@ -250,12 +258,12 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
             eng.step()  # the first decode step through the graphs: lazy state settles outside the count
             counts, profiled = cpucount.count_compiled_step(eng)
             counts, profiled = dict(counts), {c: round(v, 3) for c, v in profiled.items()}
-            lookup_ms = 1e3 * cpucount.lookup_seconds(eng, b)
+            lookup_us = 1e6 * cpucount.lookup_seconds(eng, b)
         times = [_timed(eng.step) for _ in range(steps)]
         while eng.has_unfinished():
             eng.step()
         times.sort()
-        rows.append({"batch": b, "context": prompt_len + 3 + steps / 2, "counts": counts, "lookup_ms": lookup_ms,
+        rows.append({"batch": b, "context": prompt_len + 3 + steps / 2, "counts": counts, "lookup_us": lookup_us,
                      "profiled_ms": profiled,
                      "ops_per_step": sum(counts.values()), "gemms_per_step": counts["gemm"],
                      "measured_ms": 1e3 * times[0], "measured_median_ms": round(1e3 * times[len(times) // 2], 3)})
@@ -266,10 +274,10 @@ def run_check(batches: list[int], measure: bool = False, threads: int | None = N
     prof = profile(threads)
     load = _load_average()
     rows = measure_engine(batches, eager=eager) if measure else [
-        {"batch": b, "context": 138.0, "counts": None, "lookup_ms": 0.0, "ops_per_step": None,
+        {"batch": b, "context": 138.0, "counts": None, "lookup_us": 0.0, "ops_per_step": None,
          "gemms_per_step": None, "measured_ms": None} for b in batches]
     for r in rows:
-        p = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_ms"])
+        p = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_us"])
         r.update({"predicted_ms": round(p["step_ms"], 3), "predicted_roofline_ms": round(p["roofline_ms"], 3),
                   "predicted_overhead_ms": round(p["overhead_ms"], 3),
                   "by_class_ms": {c: round(v, 3) for c, v in p["by_class_ms"].items()}})
@@ -307,10 +315,9 @@ def format_report(res: dict) -> str:
                      f"{r['predicted_overhead_ms']:>12.2f} {r['predicted_ms']:>13.2f} {meas} {err}")
     for r in res["rows"]:
         if r["counts"]:
-            parts = [f"{c} {r['counts'][c]} x {p[PRICES[c]]:.1f} us = {r['by_class_ms'][c]:.2f}"
+            price = {**{c: p[k] for c, k in PRICES.items()}, "lookup": r["lookup_us"]}
+            parts = [f"{c} {r['counts'][c]} x {price[c]:.1f} us = {r['by_class_ms'][c]:.2f}"
                      for c in cpucount.CLASSES if c in r["counts"]]
-            if r["lookup_ms"]:
-                parts.append(f"lookup {r['lookup_ms']:.2f}")
             lines.append(f"  batch {r['batch']} overhead ms: " + ", ".join(parts))
         if r.get("profiled_ms"):
             lines.append(f"  batch {r['batch']} profiled step ms (diagnostic, +~1 us per event): "

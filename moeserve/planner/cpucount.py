@@ -3,8 +3,11 @@
 A dispatch mode cannot run inside compiled graphs, so the count comes from torch.profiler's event tree of
 one real compiled step, plus the inductor kernels (which the profiler does not see on CPU) counted by
 wrapping the loaded graphs' kernel functions for that step. Classes, each with its own per-call cost:
-- graph: graph entries (the graph's wrappers past dynamo's cache lookup; the lookup itself, guard evaluation
-  over every weight a graph reads, is timed per step on the engine's own layers: lookup_seconds);
+- lookup: dynamo's cache lookups in the step (guard evaluation over every weight a graph reads, timed per
+  lookup on the engine's own layers: lookup_seconds). The engine's decode graphs skip it once warm
+  (engine/compiled_decode.DirectGraphs calls the entry dynamo picked directly), so a steady step has none;
+- graph: graph runs (the entry's code past the lookup: DirectGraphs' dispatch, dynamo's transformed
+  bytecode, AOT's wrappers, the graph's call());
 - kernel: inductor's fused C++ kernels inside the graphs;
 - opaque: calls of our custom ops from a graph (layers/opaque.py, the packed linear's op);
 - gemm: GEMM calls (extern GEMMs in the graphs, those inside opaque ops and around the forward);
@@ -17,7 +20,7 @@ import re
 import time
 from collections import Counter
 
-CLASSES = ("graph", "kernel", "opaque", "gemm", "view", "op")
+CLASSES = ("lookup", "graph", "kernel", "opaque", "gemm", "view", "op")
 
 GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_grouped_mm",
             "qlinear_pointwise", "_linear_pointwise",  # linear stays whole under inference_mode
@@ -32,7 +35,7 @@ VIEW_OPS = frozenset((
     "result_type"))
 
 _OP = re.compile(r"^(\w+)::(\w+)")
-GRAPH_LOOKUP = "TorchDynamo Cache Lookup"  # dynamo's lookup; the engine's decode graphs skip it once warm
+GRAPH_LOOKUP = "TorchDynamo Cache Lookup"  # one per call through dynamo; DirectGraphs' direct calls have none
 GRAPH_RUN = "## Call CompiledFxGraph"  # one per graph run, through dynamo or called directly
 
 
@@ -53,6 +56,8 @@ def event_class(e) -> str | None:
     """The class an event is counted in (classify), None when it is not counted on its own."""
     if e.name.startswith(GRAPH_RUN):
         return "graph"
+    if e.name == GRAPH_LOOKUP:
+        return "lookup"
     m = _OP.match(e.name)
     if not m:
         return None
@@ -69,29 +74,41 @@ def event_class(e) -> str | None:
 
 def profiled_ms(events) -> dict:
     """Where the profiled step's time went, per class (a diagnostic beside the prediction, never an input to
-    it; the profiler adds ~1 us per event): counted ops their whole time; `graph` the lookups and whatever
-    of the graph entries is not a counted op (wrappers, fused kernels); `opaque` what our ops spend outside
-    the ops they issue (their Python); `python` the step's time outside every event (engine Python)."""
-    out = dict.fromkeys(CLASSES[:1] + CLASSES[2:] + ("python",), 0.0)
+    it; the profiler adds ~1 us per event): counted ops their whole time; `lookup` dynamo's cache lookups;
+    `graph` whatever of the graph runs and their wrappers (dynamo's region, or a direct call's pre-graph
+    bytecode and AOT prologue) is not a counted op (wrappers, fused kernels); `opaque` what our ops spend
+    outside the ops they issue (their Python); `python` the step's time outside every event (engine Python)."""
+    out = dict.fromkeys([c for c in CLASSES if c != "kernel"] + ["python"], 0.0)
     roots = []
     for e in events:
         if e.cpu_parent is None:
             roots.append(e)
         c = event_class(e)
-        if c in ("gemm", "view", "op"):
+        if c in ("lookup", "gemm", "view", "op"):
             out[c] += e.cpu_time_total
-        elif c == "graph":
-            out["graph"] += e.cpu_time_total - _counted_inside(e)
-        elif e.name == GRAPH_LOOKUP:
-            out["graph"] += e.cpu_time_total
-        elif c == "opaque":
-            out["opaque"] += e.cpu_time_total - _counted_inside(e)
-        elif e.name.startswith("Torch-Compiled Region"):
+        elif c in ("graph", "opaque"):
+            out[c] += e.cpu_time_total - _counted_inside(e)
+        elif e.name.startswith(GRAPH_WRAPPERS) and not _inside_graph(e):
             out["graph"] += e.cpu_time_total - _counted_inside(e)
     if roots:
         span = max(e.time_range.end for e in roots) - min(e.time_range.start for e in roots)
         out["python"] = span - sum(e.cpu_time_total for e in roots)
     return {c: v / 1e3 for c, v in out.items()}
+
+
+# A graph run's wrapper events: dynamo's region around its run, or, on a direct call, the entry's pre-graph
+# bytecode and AOT's prologue beside the graph's call
+GRAPH_WRAPPERS = ("Torch-Compiled Region", "Pregraph bytecode", "AOTDispatcher")
+
+
+def _inside_graph(e) -> bool:
+    """Whether a graph run or a wrapper of one encloses e (its time is then in that one's)."""
+    p = e.cpu_parent
+    while p is not None:
+        if p.name.startswith(GRAPH_RUN) or p.name.startswith(GRAPH_WRAPPERS):
+            return True
+        p = p.cpu_parent
+    return False
 
 
 def _counted_inside(e) -> float:
@@ -165,16 +182,20 @@ def without_lookup(fn, args: tuple):
 
 
 def lookup_seconds(engine, rows: int, repeats: int = 20) -> float:
-    """Seconds per step that dynamo's cache lookup takes before the decode graphs run (guard evaluation over
-    every weight a layer's graph reads, torch.compile's wrapper), at `rows` decode rows: per layer, the best
-    compiled call minus the best call of the same graph without the lookup (without_lookup), on the engine's
-    own layers over padding rows (as its warm-up runs them: no metadata rows, nothing written)."""
+    """Seconds one dynamo cache lookup takes before a decode layer's graph runs (guard evaluation over every
+    weight the layer's graph reads, torch.compile's wrapper), at `rows` decode rows: the mean over the
+    engine's layers of the best call through dynamo (the layer function torch.compile'd, as DirectGraphs
+    calls it on a key's first call) minus the best call of the same graph without the lookup
+    (without_lookup), on the engine's own layers over padding rows (as its warm-up runs them: no metadata
+    rows, nothing written). The price of each lookup a step counts (a warm step through DirectGraphs has
+    none: what they save)."""
     import torch
 
     from moeserve.engine import compiled_decode
     from moeserve.layers.attention.metadata import AttentionMetadata, attention_context
 
     graphs = engine.runner.decode_graphs
+    through_dynamo = getattr(graphs._layer, "compiled", graphs._layer)  # DirectGraphs' torch.compile'd function
     body = graphs.model.model  # the decoder stack: embedding, then the layers the graphs run
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), [], None, engine.runner.kv_caches)
     total = 0.0
@@ -186,9 +207,9 @@ def lookup_seconds(engine, rows: int, repeats: int = 20) -> float:
             direct = without_lookup(compiled_decode._run_layer, args)
             best = [float("inf"), float("inf")]
             for _ in range(repeats):  # interleaved, so both see the same machine
-                for i, fn in enumerate((graphs._layer, direct)):
+                for i, fn in enumerate((through_dynamo, direct)):
                     t = time.perf_counter()
                     fn(*args)
                     best[i] = min(best[i], time.perf_counter() - t)
             total += max(0.0, best[0] - best[1])
-    return total
+    return total / len(body.layers)
