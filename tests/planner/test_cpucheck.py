@@ -167,3 +167,24 @@ print(json.dumps(rows))
     assert set(eager["counts"]) == {"gemm", "op"} and eager["lookup_us"] == 0
     # the graphs take most of the eager step's small ops
     assert c["op"] + c["view"] < eager["counts"]["op"]
+
+
+def test_gemm_price_times_the_linears_own_kernel_op():
+    """The profile prices a GEMM call by the op a step's profile counts as one (oneDNN's packed linear here),
+    not the Linear module around it (its Python is counted and priced as views / opaque calls): the op
+    gemm_kernel calls computes what the engine's Linear computes, and is the GEMM class's op."""
+    import torch
+
+    from moeserve.layers.linear import Linear
+
+    layer = Linear(64, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.normal_()
+    layer.process_weights_after_loading()
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(cpucheck.gemm_kernel(layer)(x), layer(x))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            cpucheck.gemm_kernel(layer)(x)
+    counts = cpucount.classify(prof.events())
+    assert counts["gemm"] == 1 and counts["view"] + counts["op"] == 0
