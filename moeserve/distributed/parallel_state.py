@@ -106,25 +106,36 @@ def resolve_backend(parallel: ParallelConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-_STORE_SOCKETS: list[socket.socket] = []  # rank 0's rendezvous listener, open for the store's lifetime
+def host_rendezvous(host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A rendezvous store served by this process, listening on HOST only (torch's own binds every interface
+    whatever HOST says). port 0: a port the OS picks, listening before anyone is told it (store.port): a port
+    picked, released and bound later by another process can be taken meanwhile, and the ranks would meet
+    whatever listens there."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    # the store owns the listener from here and closes it when it goes
+    return dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())
 
 
-def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta):
-    """The TCPStore of a tcp://HOST:PORT init method; rank 0's listens on HOST only (torch's own binds every
-    interface whatever HOST says). None for other init methods."""
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta,
+                     hosted: bool = False):
+    """The TCPStore of a tcp://HOST:PORT init method: rank 0 hosts it unless `hosted` (the engine's front end
+    serves it: host_rendezvous), the others connect. None for other init methods."""
     url = urlsplit(init_method)
     if url.scheme != "tcp":
         return None
     host, port = url.hostname, url.port
-    if rank != 0:
+    if rank != 0 or hosted:
         return dist.TCPStore(host, port, world_size, False, timeout=timeout)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(max(128, world_size))
-    _STORE_SOCKETS.append(sock)
-    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=sock.fileno())
+    return host_rendezvous(host, port, timeout)
 
 
 def _interface_toward(host: str | None) -> str | None:
@@ -142,15 +153,16 @@ def _interface_toward(host: str | None) -> str | None:
 
 
 def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
-                     device: torch.device | None = None, store=None) -> RankInfo:
+                     device: torch.device | None = None, store=None, store_hosted: bool = False) -> RankInfo:
     """Join the process group of all D x T ranks and build the named sub-groups. store: a rendezvous store
-    someone else hosts (elastic EP's epochs: the front end), instead of rank 0's for a tcp:// init method."""
+    to use (elastic EP's epochs), instead of one for a tcp:// init method: rank 0's, or with store_hosted a
+    client of the one the engine's front end serves there."""
     device = device or torch.device("cpu")
     info = RankInfo.of(rank, parallel)
     timeout = datetime.timedelta(seconds=parallel.distributed_timeout)
     backend = resolve_backend(parallel, device)
     if store is None:
-        store = rendezvous_store(init_method, rank, parallel.world_size, timeout)
+        store = rendezvous_store(init_method, rank, parallel.world_size, timeout, hosted=store_hosted)
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and store is not None:
         # gloo listens on the address the host name resolves to (often the external one): use the interface
         # that reaches the master address instead (lo on one node)

@@ -14,6 +14,7 @@ lifecycle).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import shutil
 import time
@@ -45,6 +46,14 @@ class EngineDeadError(RuntimeError):
 class DPEngineClient(ElasticFront):  # ElasticFront: the re-formation bookkeeping (elastic_front.py)
     def __init__(self, config: EngineConfig, torchrun: TorchrunEnv | None = None, prespawned=None) -> None:
         parallel, init_method, zmq_addr = resolve_endpoints(config.parallel, torchrun)
+        self.rendezvous = None
+        if torchrun is None:  # the ranks' first rendezvous is served here, listening before any rank starts
+            from moeserve.distributed.parallel_state import host_rendezvous
+
+            self.rendezvous = host_rendezvous(parallel.master_addr, parallel.master_port or 0,
+                                              datetime.timedelta(seconds=parallel.distributed_timeout))
+            parallel = dataclasses.replace(parallel, master_port=self.rendezvous.port)
+            init_method = f"tcp://{parallel.master_addr}:{self.rendezvous.port}"
         self.config = dataclasses.replace(config, parallel=parallel)  # keeps quant, speculative, ...
         self.dp_size, self.tp_size = parallel.data_parallel_size, parallel.tensor_parallel_size
         self.timeout = parallel.distributed_timeout
@@ -52,8 +61,12 @@ class DPEngineClient(ElasticFront):  # ElasticFront: the re-formation bookkeepin
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         host, port = zmq_addr.removeprefix("tcp://").rsplit(":", 1)
-        # the address the ranks were told (--master-addr; 127.0.0.1 by default), not every interface
-        self.sock.bind(f"tcp://{'*' if netif.is_wildcard(host) else netif.resolve(host)}:{port}")
+        # the address the ranks are told (--master-addr; 127.0.0.1 by default), not every interface; port 0:
+        # one the OS picks now
+        bind_host = "*" if netif.is_wildcard(host) else netif.resolve(host)
+        self.sock.bind(f"tcp://{bind_host}:{'*' if port == '0' else port}")
+        port = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        zmq_addr = f"tcp://{host}:{port}"
         # --enable-elastic-ep: each rank publishes the collectives it has begun there (the hang check)
         self.board = None
         if parallel.enable_elastic_ep and torchrun is None:

@@ -33,6 +33,7 @@ from moeserve.engine.elastic import EpochOver, compiling  # there, not here: thi
 from moeserve.engine.engine_core import EngineCore
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import SLO_FIELDS, SPEC_FIELDS, EngineStats, RankCommand, RankReport
+from moeserve.stderr_line import stderr_line
 
 IDLE_POLL_MS = 10  # how long an idle leader waits for commands before the next agreement round
 
@@ -64,8 +65,7 @@ class RankWorker:
             try:
                 board = ProgressBoard(ProgressBoard.path_for(self.front_end_port), BOARD_SLOTS)
             except (OSError, ValueError) as e:  # no hang check then; the rest of elastic EP works
-                print(f"moeserve: {info.describe()}: no progress board ({e}): a hung rank is not detected",
-                      file=sys.stderr, flush=True)
+                stderr_line(f"moeserve: {info.describe()}: no progress board ({e}): a hung rank is not detected")
             else:
                 self.beacon = ProgressBeacon(board, info.rank)
                 self.beacon.start()
@@ -230,7 +230,7 @@ def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, p
     worker = None
     try:
         if not join:  # a replacement (--elastic-ep-replace) joins the front end's next epoch instead
-            init_distributed(config.parallel, rank, init_method)
+            init_distributed(config.parallel, rank, init_method, store_hosted=True)  # tcp://: the front end's
         worker = RankWorker(config, info, zmq_addr, parent_pid, join=join)
         if config.parallel.enable_elastic_ep:  # a peer's loss: re-form with the survivors, go on serving
             from moeserve.engine.elastic import ride_through
@@ -239,7 +239,7 @@ def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, p
             worker.run()
     except BaseException as e:  # noqa: BLE001 - report any failure, then exit non-zero
         msg = f"{info.describe()} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        print(f"moeserve: {msg}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        stderr_line(f"moeserve: {msg}\n{traceback.format_exc()}")
         if worker is not None and worker.sock is not None:
             worker.report(RankReport(info.dp_rank, error=msg))
             time.sleep(0.2)  # let ZMQ flush the report

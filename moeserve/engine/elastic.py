@@ -76,13 +76,13 @@ import mmap
 import os
 import socket
 import stat
-import sys
 import tempfile
 import threading
 import time
 
 from moeserve.config import ConfigError, EngineConfig, ParallelConfig
 from moeserve.engine.elastic_placement import can_keep, keep_core, roll_back, vote_maps
+from moeserve.stderr_line import stderr_line
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ def test_hang_hook(rank: int):
 
     if mode in ("spin-at-join", "spin-before-hello"):
         def spin() -> None:
-            print(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} {mode}", file=sys.stderr, flush=True)
+            stderr_line(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} {mode}")
             while True:
                 pass
 
@@ -264,8 +264,7 @@ def test_hang_hook(rank: int):
                 _die_in_next_move(worker.core.runner.eplb, rank)
             return
         if count[0] == at:
-            print(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} {mode} at step {at}", file=sys.stderr,
-                  flush=True)
+            stderr_line(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} {mode} at step {at}")
             if mode == "spin":
                 while True:
                     pass
@@ -289,8 +288,8 @@ def _die_in_next_move(eplb, rank: int) -> None:
 
     def start_and_die(*a, **kw):
         move = start(*a, **kw)
-        print(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} dies inside EPLB rebalance "
-              f"{eplb.num_rebalances + 1}'s weight move", file=sys.stderr, flush=True)
+        stderr_line(f"moeserve: testing hook {TEST_HANG_ENV}: rank {rank} dies inside EPLB rebalance "
+                    f"{eplb.num_rebalances + 1}'s weight move")
         os.kill(os.getpid(), signal.SIGKILL)
         return move
 
@@ -399,7 +398,7 @@ def _left(worker, e: Exception, report_cls) -> None:
         raise e
     first = str(e).splitlines()[0] if str(e) else ""
     msg = f"{worker.info.describe()} left epoch {worker.epoch}: {type(e).__name__}: {first}"
-    print(f"moeserve: {msg}", file=sys.stderr, flush=True)
+    stderr_line(f"moeserve: {msg}")
     worker.report(report_cls(worker.info.dp_rank, error=msg))
 
 
@@ -472,16 +471,14 @@ def _wait_for_reform(worker):
             return cmd.reform
 
 
-def epoch_store(init_method: str, timeout_s: float):
-    """The front end's rendezvous store of one epoch (it lives as long as the front end keeps it)."""
+def epoch_store(host: str, timeout_s: float):
+    """The front end's rendezvous store of one epoch, on a port the OS picks (store.port); it lives as long as
+    the front end keeps it."""
     import datetime
-    from urllib.parse import urlsplit
 
-    import torch.distributed as dist
+    from moeserve.distributed.parallel_state import host_rendezvous
 
-    url = urlsplit(init_method)
-    return dist.TCPStore(url.hostname, url.port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    return host_rendezvous(host, 0, datetime.timedelta(seconds=timeout_s))
 
 
 def _gather_survivors(worker, reform, store) -> None:
@@ -550,8 +547,8 @@ def _join_epoch(worker, reform) -> None:
     if _late_graphs(worker, served, started):
         how += ", its decode graphs to be compiled between steps"
     worker.ready(built=not kept_core)
-    print(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of {reform.world_size} "
-          f"in {time.monotonic() - started:.1f} s and {how}", file=sys.stderr, flush=True)
+    stderr_line(f"moeserve: pid {os.getpid()} joined epoch {reform.epoch} as rank {reform.rank} of "
+                f"{reform.world_size} in {time.monotonic() - started:.1f} s and {how}")
 
 
 def _late_graphs(worker, served, started: float) -> bool:

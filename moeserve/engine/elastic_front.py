@@ -20,7 +20,6 @@ import msgspec
 
 from moeserve.engine.elastic import BOARD_SLOTS, any_compiling, epoch_store, hung_ranks
 from moeserve.engine.request import RequestStatus
-from moeserve.netif import free_port
 from moeserve.protocol import EngineCoreOutput, RankCommand, RankReform, RankReport
 
 logger = logging.getLogger("moeserve.engine.dp_client")  # the front end's log, as before the split
@@ -154,10 +153,11 @@ class ElasticFront:
                 self.elastic_stats.elastic_ranks_replaced += 1
         self.epoch += 1
         self.dp_size = len(self.slots)
-        init = f"tcp://{self.config.parallel.master_addr}:{free_port()}"
         # the epoch's rendezvous lives here, not on a survivor that may die too; older ones stay (a survivor
         # still checking in at one would wait out its timeout on a closed store)
-        self._epoch_stores.append(epoch_store(init, self.config.parallel.distributed_timeout))
+        host = self.config.parallel.master_addr
+        self._epoch_stores.append(epoch_store(host, self.config.parallel.distributed_timeout))
+        init = f"tcp://{host}:{self._epoch_stores[-1].port}"
         self._epoch_init = init
         for dp in range(self.dp_size):
             if self.slots[dp] not in self._awaiting:  # the spare gets it when it says it is up (_joiner_report)

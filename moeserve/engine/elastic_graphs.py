@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 
 import torch
 
 from moeserve.engine.compiled_decode import CompiledDecode, decode_graph_tokens, warm_up_prefill_kernels
+from moeserve.stderr_line import stderr_line
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def between_steps(worker, flags: torch.Tensor) -> None:
     graphs.busy_steps = int(busy)
     if not graphs.pending:
         worker.between_steps = None
-        print(f"moeserve: pid {os.getpid()} rank {worker.info.rank} of epoch {worker.epoch}: decode graphs back "
-              f"({len(graphs.buckets)} buckets and the prefill kernels compiled in {graphs.compile_total:.1f} s "
-              f"between steps, {graphs.rounds} busy steps served meanwhile), "
-              f"{time.monotonic() - graphs.started:.1f} s after it began joining", file=sys.stderr, flush=True)
+        stderr_line(f"moeserve: pid {os.getpid()} rank {worker.info.rank} of epoch {worker.epoch}: decode graphs "
+                    f"back ({len(graphs.buckets)} buckets and the prefill kernels compiled in "
+                    f"{graphs.compile_total:.1f} s between steps, {graphs.rounds} busy steps served meanwhile), "
+                    f"{time.monotonic() - graphs.started:.1f} s after it began joining")

@@ -21,7 +21,6 @@ from pathlib import Path
 import msgspec
 
 from moeserve.config import ConfigError, EngineConfig, ParallelConfig
-from moeserve.netif import free_port
 
 # the folder holding the moeserve package: rank interpreters get it on PYTHONPATH (a checkout need not be installed)
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -44,17 +43,17 @@ class TorchrunEnv:
 
 
 def resolve_endpoints(parallel: ParallelConfig, torchrun: TorchrunEnv | None) -> tuple[ParallelConfig, str, str]:
-    """(parallel with a fixed master port, torch.distributed init method, ZMQ address of the front end)."""
+    """(parallel, torch.distributed init method, ZMQ address of the front end). Without torchrun on one node
+    with no --master-port both ports are 0: the front end listens on ports the OS picks and tells the ranks
+    those (DPEngineClient; a port picked, released and bound later could be taken meanwhile)."""
     if torchrun is not None:
         if torchrun.world_size != parallel.world_size:
             raise ConfigError(f"torchrun started {torchrun.world_size} processes but --data-parallel-size x "
                               f"--tensor-parallel-size is {parallel.world_size}; make them agree")
         parallel = dataclasses.replace(parallel, master_addr=torchrun.master_addr, master_port=torchrun.master_port)
         return parallel, "env://", f"tcp://{torchrun.master_addr}:{torchrun.master_port + 1}"
-    if parallel.master_port is None:
-        parallel = dataclasses.replace(parallel, master_port=free_port())
-    addr, port = parallel.master_addr, parallel.master_port
-    zmq_port = port + 1 if parallel.nnodes > 1 else free_port()
+    addr, port = parallel.master_addr, parallel.master_port or 0
+    zmq_port = port + 1 if parallel.nnodes > 1 else 0
     return parallel, f"tcp://{addr}:{port}", f"tcp://{addr}:{zmq_port}"
 
 

@@ -2,17 +2,21 @@
 each rank reports. Also the greedy generation the multi-rank engine tests compare against one process."""
 from __future__ import annotations
 
+import datetime
+
 import torch.multiprocessing as mp
 
-from moeserve.engine.launch import free_port
+from moeserve.distributed.parallel_state import host_rendezvous
 
 
 def spawn_ranks(rank_main, nprocs: int) -> dict:
-    """Run rank_main(rank, port, results) in nprocs processes (the port for tcp://127.0.0.1 rendezvous) and
-    return the results dict the ranks filled in."""
+    """Run rank_main(rank, port, results) in nprocs processes and return the results dict the ranks filled in.
+    port: a tcp://127.0.0.1 rendezvous store this process serves (init_distributed(..., store_hosted=True)),
+    listening before the ranks start, as the engine's front end serves its ranks'."""
+    store = host_rendezvous("127.0.0.1", 0, datetime.timedelta(seconds=120))
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(rank_main, args=(free_port(), shared), nprocs=nprocs)
+        mp.spawn(rank_main, args=(store.port, shared), nprocs=nprocs)
         return dict(shared)
 
 

@@ -175,7 +175,7 @@ def test_two_nodes_by_flags_generate_like_one_process(path):
     import subprocess
     import sys
 
-    from moeserve.engine.launch import free_port
+    from moeserve.netif import free_port
 
     port = free_port()
     gen = [sys.executable, "-m", "moeserve.cli", "generate", "--model", path, "--dtype", "float32",

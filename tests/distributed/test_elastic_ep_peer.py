@@ -11,7 +11,7 @@ from moeserve.engine.elastic_transfer import DISK, LOCAL, peer_routes
 from tests.distributed.test_elastic_ep import GREEDY, PROMPTS, kill_mid_decode  # noqa: F401
 
 # (epoch, rank, slots kept, received from peers, from the host copy, checkpoint tensors read)
-JOINED = re.compile(r"joined epoch (\d+) as rank (\d+) of \d+ .* kept its engine core \((\d+) expert slots kept, "
+JOINED = re.compile(r"joined epoch (\d+) as rank (\d+) of \d+ .*? kept its engine core \((\d+) expert slots kept, "
                     r"(\d+) received from peers, (\d+) from the host copy, (\d+) checkpoint tensors read\)")
 
 
