@@ -9,11 +9,12 @@ prediction is the planner's own cost model on a one-card "device" built from tho
 1.0: the profile already measures achieved rates; HBM bandwidth = the GEMM weight-streaming bandwidth,
 since decode reads its bytes through GEMMs) plus, per class of what one decode step runs, calls x the
 measured cost of one call. The compiled step (the engine's default) is counted from a profile of one real
-step (planner/cpucount.py: graph entries, fused kernels, calls of our opaque ops, GEMMs, views, other ops),
+step (planner/cpucount.py: graph runs, fused kernels and the graphs' C++ helpers, calls of our opaque ops,
+GEMMs, views, other ops),
 dynamo's cache lookups the step counts (none once the engine's DirectGraphs call its graphs directly) priced
 at one lookup timed on the engine's own layers, and the other per-call costs come from microbenchmarks here
 (a trivial graph's run past its lookup, called through DirectGraphs as the engine calls its layers, and its
-kernel; a trivial custom op; a mix of views); the eager step (--eager)
+kernel; a mix of the graphs' helpers; a trivial custom op; a mix of views); the eager step (--eager)
 is counted by a dispatch mode (GEMM calls, every other op at the small-op cost). The counts are structural,
 not timings: nothing is fitted to the measured step.
 Measured side: engine step times of decode-only steps on the bench model (moeserve/bench_model.py). The
@@ -150,8 +151,9 @@ def measure_graph_costs(reps: int = 200) -> tuple[float, float]:
     trivial graph compiled and called as the engine compiles and calls its decode layers
     (engine/compiled_decode.DirectGraphs: inductor, fullgraph, static shapes, inference mode; after the first
     call the entry dynamo picked is called directly, without the lookup) that runs one elementwise kernel,
-    and the kernel itself directly with the arguments the graph gave it. Dynamo's lookup, where a step still
-    pays one, is priced on the engine's own layers (cpucount.lookup_seconds)."""
+    and the kernel itself directly with the arguments the graph gave it. The run's price leaves out its
+    kernel and its C++ helper calls (counted and priced on their own: measure_helper_cost). Dynamo's lookup,
+    where a step still pays one, is priced on the engine's own layers (cpucount.lookup_seconds)."""
     import torch._dynamo
 
     from moeserve.engine.compiled_decode import DirectGraphs
@@ -162,7 +164,7 @@ def measure_graph_costs(reps: int = 200) -> tuple[float, float]:
     torch._dynamo.config.recompile_limit += 1  # room for it beside the engine's graphs
     with torch.inference_mode():
         graph(module, x)  # through dynamo: compiles, and keeps the entry for direct calls
-        with cpucount.capturing_kernels() as calls:
+        with cpucount.capturing_kernels() as calls, cpucount.capturing_helpers() as helpers:
             graph(module, x)
         if graph.direct_calls != 1:
             raise RuntimeError("the trivial graph was not called directly (DirectGraphs found no entry)")
@@ -170,7 +172,28 @@ def measure_graph_costs(reps: int = 200) -> tuple[float, float]:
         fn, args = calls[0]
         t_run = min(_timed(lambda: [graph(module, x) for _ in range(reps)]) for _ in range(3)) / reps
         t_kernel = min(_timed(lambda: [fn(*args) for _ in range(reps)]) for _ in range(3)) / reps
-    return max(0.0, t_run - t_kernel), t_kernel
+    return max(0.0, t_run - t_kernel - len(helpers) * measure_helper_cost()), t_kernel
+
+
+def measure_helper_cost(reps: int = 200) -> float:
+    """Seconds per call of the C++ helpers a generated graph's call() runs (cpucount.GRAPH_HELPERS), over a
+    mix in a MoE layer graph's proportions (35 size / stride asserts, 10 allocations, 14 reinterpreted views
+    there): 7 asserts, 2 allocations, 3 reinterprets."""
+    g = torch._C._dynamo.guards
+    x = torch.randn(16, 1024).to(torch.bfloat16)
+    assert_size_stride, empty, reinterpret = g.assert_size_stride, g._empty_strided_cpu, g._reinterpret_tensor
+
+    def mix():  # 12 calls
+        for _ in range(7):
+            assert_size_stride(x, (16, 1024), (1024, 1), "input")
+        for _ in range(2):
+            empty((16, 1024), (1024, 1), torch.bfloat16)
+        for _ in range(3):
+            reinterpret(x, (16, 64, 16), (1024, 16, 1), 0)
+
+    with torch.inference_mode():
+        mix()
+        return min(_timed(lambda: [mix() for _ in range(reps)]) for _ in range(3)) / (12 * reps)
 
 
 _PROBE = None
@@ -209,13 +232,14 @@ def profile(threads: int | None = None) -> dict:
             "gemm_stream_gbs": stream_bw / 1e9, "gemm_call_us": gemm_call * 1e6,
             "gemm_bf16_gflops": measure_gemm() / 1e9, "gemm_decode_gflops": measure_decode_gemm() / 1e9,
             "op_cost_us": measure_op_cost() * 1e6, "view_us": measure_view_cost() * 1e6,
-            "graph_entry_us": entry * 1e6, "kernel_us": kernel * 1e6, "opaque_call_us": measure_opaque_cost() * 1e6}
+            "graph_entry_us": entry * 1e6, "kernel_us": kernel * 1e6,
+            "graph_helper_us": measure_helper_cost() * 1e6, "opaque_call_us": measure_opaque_cost() * 1e6}
 
 
 # Per-call price of each counted class (cpucount.CLASSES): the profile's measured cost of one such call; a
 # lookup's is measured per engine on its own layers (cpucount.lookup_seconds), passed to predict.
-PRICES = {"graph": "graph_entry_us", "kernel": "kernel_us", "opaque": "opaque_call_us", "gemm": "gemm_call_us",
-          "view": "view_us", "op": "op_cost_us"}
+PRICES = {"graph": "graph_entry_us", "kernel": "kernel_us", "helper": "graph_helper_us", "opaque": "opaque_call_us",
+          "gemm": "gemm_call_us", "view": "view_us", "op": "op_cost_us"}
 
 
 def predict(prof: dict, batch: int, context: float, counts: dict | None = None, lookup_us: float = 0.0) -> dict:
@@ -324,8 +348,9 @@ def format_report(res: dict) -> str:
     lines = [f"CPU profile: {p['mem_bw_gbs']:.1f} GB/s read, weights through GEMMs {p['gemm_stream_gbs']:.1f} GB/s "
              f"+ {p['gemm_call_us']:.1f} us per call, {p['gemm_bf16_gflops']:.0f} GFLOP/s BF16 GEMM "
              f"({p['gemm_decode_gflops']:.0f} at 64x1024x1024), {p['op_cost_us']:.1f} us per small op, "
-             f"{p['view_us']:.1f} per view, graph entry {p['graph_entry_us']:.1f} us + {p['kernel_us']:.1f} per "
-             f"fused kernel, custom op call {p['opaque_call_us']:.1f} us, {p['threads']:.0f} threads",
+             f"{p['view_us']:.1f} per view, graph run {p['graph_entry_us']:.1f} us + {p['kernel_us']:.1f} per "
+             f"fused kernel + {p['graph_helper_us']:.2f} per helper call, custom op call {p['opaque_call_us']:.1f} us, "
+             f"{p['threads']:.0f} threads",
              f"{res['step']} decode step; load average {res['load_before']} before, {res['load_after']} after",
              f"{'batch':>5} {'ops':>6} {'roofline ms':>12} {'overhead ms':>12} {'predicted ms':>13} "
              f"{'best ms':>9} {'median ms':>10} {'error':>7}"]

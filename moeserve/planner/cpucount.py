@@ -1,14 +1,17 @@
 """What one compiled decode step of the CPU engine runs, counted by class (planner/cpucheck.py prices them).
 
 A dispatch mode cannot run inside compiled graphs, so the count comes from torch.profiler's event tree of
-one real compiled step, plus the inductor kernels (which the profiler does not see on CPU) counted by
-wrapping the loaded graphs' kernel functions for that step. Classes, each with its own per-call cost:
+one real compiled step, plus the inductor kernels and the graphs' C++ helpers (neither of which the profiler
+sees on CPU) counted by wrapping the loaded graphs' module globals for that step. Classes, each with its own
+per-call cost:
 - lookup: dynamo's cache lookups in the step (guard evaluation over every weight a graph reads, timed per
   lookup on the engine's own layers: lookup_seconds). The engine's decode graphs skip it once warm
   (engine/compiled_decode.DirectGraphs calls the entry dynamo picked directly), so a steady step has none;
 - graph: graph runs (the entry's code past the lookup: DirectGraphs' dispatch, dynamo's transformed
   bytecode, AOT's wrappers, the graph's call());
 - kernel: inductor's fused C++ kernels inside the graphs;
+- helper: the graphs' calls of dynamo's C++ helpers (GRAPH_HELPERS: size / stride asserts, allocations,
+  reinterpreted views; a MoE layer's graph runs ~60, the profiler shows none);
 - opaque: calls of our custom ops from a graph (layers/opaque.py, the packed linear's op);
 - gemm: GEMM calls (extern GEMMs in the graphs, those inside opaque ops and around the forward);
 - view: metadata-only ops (views, allocations): ~1 us, not the cost of an op that computes;
@@ -20,7 +23,7 @@ import re
 import time
 from collections import Counter
 
-CLASSES = ("lookup", "graph", "kernel", "opaque", "gemm", "view", "op")
+CLASSES = ("lookup", "graph", "kernel", "helper", "opaque", "gemm", "view", "op")
 
 GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_grouped_mm",
             "qlinear_pointwise", "_linear_pointwise",  # linear stays whole under inference_mode
@@ -78,7 +81,7 @@ def profiled_ms(events) -> dict:
     `graph` whatever of the graph runs and their wrappers (dynamo's region, or a direct call's pre-graph
     bytecode and AOT prologue) is not a counted op (wrappers, fused kernels); `opaque` what our ops spend
     outside the ops they issue (their Python); `python` the step's time outside every event (engine Python)."""
-    out = dict.fromkeys([c for c in CLASSES if c != "kernel"] + ["python"], 0.0)
+    out = dict.fromkeys([c for c in CLASSES if c not in ("kernel", "helper")] + ["python"], 0.0)
     roots = []
     for e in events:
         if e.cpu_parent is None:
@@ -134,12 +137,14 @@ def count_compiled_step(engine) -> tuple[Counter, dict]:
     graphs = engine.runner.decode_graphs
     assert graphs is not None, "the engine runs its decode eagerly"
     before = graphs.steps
-    with capturing_kernels() as kernels, profile(activities=[ProfilerActivity.CPU]) as prof:
+    with capturing_kernels() as kernels, capturing_helpers() as helpers, \
+            profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
     assert graphs.steps == before + 1, "the step did not go through the decode graphs"
     events = prof.events()
     counts = classify(events)
     counts["kernel"] = len(kernels)
+    counts["helper"] = len(helpers)
     return counts, profiled_ms(events)
 
 
@@ -147,13 +152,16 @@ class capturing_kernels:
     """Records (kernel, args) for every call of the fused C++ kernels of every loaded inductor graph while
     active (a graph's call() looks its kernels up as module globals, so a wrapper there sees each call)."""
 
+    def _wanted(self, name: str) -> bool:
+        return name.startswith("cpp_fused_")
+
     def __enter__(self) -> list:
         from torch._inductor.codecache import PyCodeCache
 
         self.calls, self.saved = [], []
         for mod in PyCodeCache.modules:
             for name, fn in list(vars(mod).items()):
-                if name.startswith("cpp_fused_") and callable(fn):
+                if self._wanted(name) and callable(fn):
                     self.saved.append((mod, name, fn))
                     setattr(mod, name, self._wrap(fn))
         return self.calls
@@ -165,8 +173,20 @@ class capturing_kernels:
         return recorded
 
     def __exit__(self, *exc) -> None:
-        for mod, name, fn in self.saved:
+        for mod, name, fn in reversed(self.saved):
             setattr(mod, name, fn)
+
+
+# Dynamo's C++ helpers a generated graph's call() runs beside its kernels and ops, bound as module globals
+# (torch._C._dynamo.guards): no dispatcher, no profiler event. ~0.4-0.5 us a call on this CPU.
+GRAPH_HELPERS = ("assert_size_stride", "assert_alignment", "empty_strided_cpu", "reinterpret_tensor")
+
+
+class capturing_helpers(capturing_kernels):
+    """Records (helper, args) for every call of GRAPH_HELPERS by every loaded inductor graph while active."""
+
+    def _wanted(self, name: str) -> bool:
+        return name in GRAPH_HELPERS
 
 
 def without_lookup(fn, args: tuple):
