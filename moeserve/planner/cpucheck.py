@@ -4,7 +4,9 @@ Profile (this machine, torch): read bandwidth (float32 sum over 256 MB, best of 
 bandwidth and fixed cost of weight streaming through BF16 GEMMs (one row through the kernel op of the engine's
 own Linear, packed for the kernel the engine runs, over a pool of distinct weight matrices larger than the
 caches, at 0.5 MB and 8 MB per matrix: t = fixed + bytes / bw, best of 5), the BF16 GEMM rate (1024^3, reported) and at a decode shape (64 x 1024 x 1024, used), and the cost of
-one small eager op (Python + dispatcher, over a mix of tiny linear/softmax/topk/index/cat ops). The
+one small eager op (Python + dispatcher, over a mix of tiny linear/softmax/topk/index/cat ops), and decode
+MLA attention as the engine runs it (SDPA's flash kernel at 1 and 16 rows over the check's context: its
+FLOP rate, the cost model's mla_tflops, and its fixed cost a call). The
 prediction is the planner's own cost model on a one-card "device" built from those numbers (efficiency
 1.0: the profile already measures achieved rates; HBM bandwidth = the GEMM weight-streaming bandwidth,
 since decode reads its bytes through GEMMs) plus, per class of what one decode step runs, calls x the
@@ -23,6 +25,7 @@ profile takes the best of several runs, so the error is reported against the fas
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -108,6 +111,40 @@ def measure_decode_gemm(m: int = 64, k: int = 1024, n: int = 1024, repeats: int 
     torch.nn.functional.linear(x, w)
     best = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(repeats))
     return 2 * m * k * n / best
+
+
+# The decode context the check runs at (measure_engine: a 128-token prompt, then ~11 tokens in over 16 steps)
+CHECK_CONTEXT = 139
+
+
+def measure_mla_decode(context: int = CHECK_CONTEXT, rows: tuple[int, int] = (1, 16),
+                       repeats: int = 5, reps: int = 20) -> tuple[float, float]:
+    """(FLOP/s, seconds per call) of decode MLA attention as the engine runs it (layers/attention/mla.py
+    _decode: SDPA's flash kernel, each row's heads the queries of one KV head over its latent context under
+    a boolean mask), on the bench model's dims at `context` tokens: two row counts, timed interleaved, give
+    the rate (FLOPs counted as the cost model counts them: perf/cost.mla_decode) and the fixed cost a call
+    (t = fixed + flops / rate)."""
+    import torch.nn.functional as F
+
+    m = load_model("moeserve-bench")
+    heads, width = m.num_attention_heads, m.kv_lora_rank + m.qk_rope_head_dim
+    calls, flops = [], []
+    for b in rows:
+        q = torch.randn(b, 1, heads, width).to(torch.bfloat16)
+        kv = torch.randn(b, 1, context, width).to(torch.bfloat16)
+        mask = torch.ones(b, 1, 1, context, dtype=torch.bool)
+        calls.append(lambda q=q, kv=kv, mask=mask: F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask,
+                                                                                   scale=0.1))
+        flops.append(2.0 * b * heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim) * context)
+    best = [float("inf")] * len(rows)
+    with torch.inference_mode():
+        for f in calls:
+            f()
+        for _ in range(repeats):  # interleaved, so both see the same machine
+            for i, f in enumerate(calls):
+                best[i] = min(best[i], _timed(lambda: [f() for _ in range(reps)]) / reps)
+    rate = (flops[1] - flops[0]) / max(best[1] - best[0], 1e-9)
+    return rate, max(0.0, best[0] - flops[0] / rate)
 
 
 def measure_op_cost(reps: int = 200) -> float:
@@ -228,48 +265,54 @@ def profile(threads: int | None = None) -> dict:
         torch.set_num_threads(threads)
     stream_bw, gemm_call = measure_weight_streaming()
     entry, kernel = measure_graph_costs()
+    mla_rate, mla_call = measure_mla_decode()
     return {"threads": torch.get_num_threads(), "mem_bw_gbs": measure_bandwidth() / 1e9,
             "gemm_stream_gbs": stream_bw / 1e9, "gemm_call_us": gemm_call * 1e6,
             "gemm_bf16_gflops": measure_gemm() / 1e9, "gemm_decode_gflops": measure_decode_gemm() / 1e9,
             "op_cost_us": measure_op_cost() * 1e6, "view_us": measure_view_cost() * 1e6,
             "graph_entry_us": entry * 1e6, "kernel_us": kernel * 1e6,
-            "graph_helper_us": measure_helper_cost() * 1e6, "opaque_call_us": measure_opaque_cost() * 1e6}
+            "graph_helper_us": measure_helper_cost() * 1e6, "opaque_call_us": measure_opaque_cost() * 1e6,
+            "mla_decode_gflops": mla_rate / 1e9, "mla_call_us": mla_call * 1e6}
 
 
 # Per-call price of each counted class (cpucount.CLASSES): the profile's measured cost of one such call; a
 # lookup's is measured per engine on its own layers (cpucount.lookup_seconds), passed to predict.
 PRICES = {"graph": "graph_entry_us", "kernel": "kernel_us", "helper": "graph_helper_us", "opaque": "opaque_call_us",
-          "gemm": "gemm_call_us", "view": "view_us", "op": "op_cost_us"}
+          "gemm": "gemm_call_us", "attention": "mla_call_us", "view": "view_us", "op": "op_cost_us"}
 
 
 def predict(prof: dict, batch: int, context: float, counts: dict | None = None, lookup_us: float = 0.0) -> dict:
     """Step time = the planner's cost model on this CPU (bytes / streaming bandwidth, FLOPs / rate) + each
     counted class x its measured per-call cost (dynamo cache lookups, compiled step: `lookup_us` each)."""
     m = load_model("moeserve-bench")
-    price = {**{c: prof[k] for c, k in PRICES.items()}, "lookup": lookup_us}
-    by_class = {c: n * price[c] * 1e-3 for c, n in (counts or {}).items()}
+    by_class = {c: n * (lookup_us if c == "lookup" else prof[PRICES[c]]) * 1e-3 for c, n in (counts or {}).items()}
     overhead_ms = sum(by_class.values())
     hw = cpu_hardware(prof, overhead_ms)
+    if prof.get("mla_decode_gflops"):  # decode MLA at the attention kernel's measured rate (the cost model's
+        # mla_tflops, as for a device whose MLA kernel is measured), not at the GEMM rate
+        hw = dataclasses.replace(hw, eff=dataclasses.replace(hw.eff, mla_tflops=prof["mla_decode_gflops"] / 1e3))
     st = decode_step(m, hw, Instance(cards=1, quantization="bf16"), batch, context)
     return {"step_ms": st.total * 1e3, "roofline_ms": (st.total - st.overhead) * 1e3,
             "overhead_ms": st.overhead * 1e3, "by_class_ms": by_class}
 
 
-def count_ops(engine) -> tuple[int, int]:
-    """(aten ops, of which GEMM calls) in one engine step (runs the step)."""
+def count_ops(engine) -> dict:
+    """Aten ops in one engine step by class (runs the step): GEMM calls, attention kernel calls, every other
+    op (views included: in the eager step each is a dispatched op at the small-op cost)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    class Counter(TorchDispatchMode):
-        n = gemms = 0
+    counts = {"gemm": 0, "attention": 0, "op": 0}
 
+    class Counter(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Counter.n += 1
-            Counter.gemms += func.overloadpacket.__name__ in cpucount.GEMM_OPS
+            name = func.overloadpacket.__name__
+            counts["gemm" if name in cpucount.GEMM_OPS else "attention" if name in cpucount.ATTENTION_OPS
+                   else "op"] += 1
             return func(*args, **(kwargs or {}))
 
     with Counter():
         engine.step()
-    return Counter.n, Counter.gemms
+    return counts
 
 
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
@@ -278,7 +321,7 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
     one step runs counted by class: compiled (the engine's default; cpucount.count_compiled_step, and the
     price of one dynamo cache lookup timed on its own layers: cpucount.lookup_seconds, reported as lookup_us
     whether or not the step counted any) or eager (`eager`: count_ops's dispatch mode, every op at the
-    small-op cost, GEMMs at the GEMM call cost; it cannot run inside compiled graphs)."""
+    small-op cost, GEMMs and attention kernels at their call costs; it cannot run inside compiled graphs)."""
     from moeserve.llm import LLM
     from moeserve.sampling_params import SamplingParams
     from moeserve.bench_model import bench_checkpoint
@@ -298,8 +341,7 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
         eng.step()  # prefill
         lookup_us, profiled = 0.0, None
         if eager:
-            ops, gemms = count_ops(eng)
-            counts = {"gemm": gemms, "op": ops - gemms}
+            counts = count_ops(eng)
         else:
             eng.step()  # the first decode step through the graphs: lazy state settles outside the count
             counts, profiled = cpucount.count_compiled_step(eng)
@@ -350,6 +392,7 @@ def format_report(res: dict) -> str:
              f"({p['gemm_decode_gflops']:.0f} at 64x1024x1024), {p['op_cost_us']:.1f} us per small op, "
              f"{p['view_us']:.1f} per view, graph run {p['graph_entry_us']:.1f} us + {p['kernel_us']:.1f} per "
              f"fused kernel + {p['graph_helper_us']:.2f} per helper call, custom op call {p['opaque_call_us']:.1f} us, "
+             f"decode MLA {p.get('mla_decode_gflops', 0):.0f} GFLOP/s + {p.get('mla_call_us', 0):.1f} us per call, "
              f"{p['threads']:.0f} threads",
              f"{res['step']} decode step; load average {res['load_before']} before, {res['load_after']} after",
              f"{'batch':>5} {'ops':>6} {'roofline ms':>12} {'overhead ms':>12} {'predicted ms':>13} "
@@ -362,7 +405,7 @@ def format_report(res: dict) -> str:
                      f"{r['predicted_overhead_ms']:>12.2f} {r['predicted_ms']:>13.2f} {meas} {err}")
     for r in res["rows"]:
         if r["counts"]:
-            price = {**{c: p[k] for c, k in PRICES.items()}, "lookup": r["lookup_us"]}
+            price = {**{c: p.get(k, 0.0) for c, k in PRICES.items()}, "lookup": r["lookup_us"]}
             parts = [f"{c} {r['counts'][c]} x {price[c]:.1f} us = {r['by_class_ms'][c]:.2f}"
                      for c in cpucount.CLASSES if c in r["counts"]]
             lines.append(f"  batch {r['batch']} overhead ms: " + ", ".join(parts))

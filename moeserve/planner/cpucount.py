@@ -14,6 +14,8 @@ per-call cost:
   reinterpreted views; a MoE layer's graph runs ~60, the profiler shows none);
 - opaque: calls of our custom ops from a graph (layers/opaque.py, the packed linear's op);
 - gemm: GEMM calls (extern GEMMs in the graphs, those inside opaque ops and around the forward);
+- attention: decode attention kernel calls (MLA's SDPA flash call: its FLOPs are in the cost model's
+  roofline at the measured kernel rate, each call's fixed cost here);
 - view: metadata-only ops (views, allocations): ~1 us, not the cost of an op that computes;
 - op: every other outermost aten op (inside opaque ops, around the forward, extern ops in graphs).
 """
@@ -23,11 +25,14 @@ import re
 import time
 from collections import Counter
 
-CLASSES = ("lookup", "graph", "kernel", "helper", "opaque", "gemm", "view", "op")
+CLASSES = ("lookup", "graph", "kernel", "helper", "opaque", "gemm", "attention", "view", "op")
 
 GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_grouped_mm",
             "qlinear_pointwise", "_linear_pointwise",  # linear stays whole under inference_mode
             "zentorch_linear_unary", "zentorch_fused_moe")  # AMD CPUs with zentorch (layers/moe/zen.py)
+
+# The decode attention kernel (layers/attention/mla.py _decode); eager dispatch sees the flash op SDPA picks
+ATTENTION_OPS = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu")
 
 # No data touched: tensor metadata or an allocation (profile: planner/cpucheck.measure_view_cost)
 VIEW_OPS = frozenset((
@@ -72,7 +77,8 @@ def event_class(e) -> str | None:
         return None
     if op == "to":
         return "op" if any(c.name == "aten::_to_copy" for c in e.cpu_children) else "view"
-    return "gemm" if op in GEMM_OPS else "view" if op in VIEW_OPS else "op"
+    return ("gemm" if op in GEMM_OPS else "attention" if op in ATTENTION_OPS else "view" if op in VIEW_OPS
+            else "op")
 
 
 def profiled_ms(events) -> dict:
@@ -87,7 +93,7 @@ def profiled_ms(events) -> dict:
         if e.cpu_parent is None:
             roots.append(e)
         c = event_class(e)
-        if c in ("lookup", "gemm", "view", "op"):
+        if c in ("lookup", "gemm", "attention", "view", "op"):
             out[c] += e.cpu_time_total
         elif c in ("graph", "opaque"):
             out[c] += e.cpu_time_total - _counted_inside(e)

@@ -8,7 +8,8 @@ from moeserve.planner import cpucheck, cpucount
 
 PROF = {"threads": 1, "mem_bw_gbs": 12.0, "gemm_stream_gbs": 10.0, "gemm_call_us": 30.0,
         "gemm_bf16_gflops": 1000.0, "gemm_decode_gflops": 500.0, "op_cost_us": 10.0, "view_us": 1.0,
-        "graph_entry_us": 20.0, "kernel_us": 1.0, "graph_helper_us": 0.5, "opaque_call_us": 3.0}
+        "graph_entry_us": 20.0, "kernel_us": 1.0, "graph_helper_us": 0.5, "opaque_call_us": 3.0,
+        "mla_call_us": 8.0}
 
 
 def test_eager_prediction_is_roofline_plus_gemm_calls_and_ops():
@@ -68,7 +69,8 @@ def test_classify_counts_outermost_ops_and_the_insides_of_ours():  # a step thro
               Ev("aten::view"),
               Ev("aten::bmm", Ev("aten::empty")),  # the bmm's own allocation belongs to it
               Ev("aten::to", Ev("aten::_to_copy", Ev("aten::copy_"))),  # a conversion: one op
-              Ev("aten::to")),  # converts nothing: a view
+              Ev("aten::to"),  # converts nothing: a view
+              Ev("aten::scaled_dot_product_attention", Ev("aten::_scaled_dot_product_flash_attention_for_cpu"))),
            Ev("aten::mm"),  # an extern GEMM in the graph
            Ev("aten::topk"))),
         Ev("aten::index", Ev("aten::reshape", Ev("aten::view"))),  # around the forward
@@ -77,7 +79,8 @@ def test_classify_counts_outermost_ops_and_the_insides_of_ours():  # a step thro
     ]
     events = [e for r in roots for e in r.walk()]
     counts = cpucount.classify(events)
-    assert counts == {"lookup": 1, "graph": 1, "kernel": 0, "helper": 0, "opaque": 2, "gemm": 4, "view": 3, "op": 3}
+    assert counts == {"lookup": 1, "graph": 1, "kernel": 0, "helper": 0, "opaque": 2, "gemm": 4, "attention": 1,
+                      "view": 3, "op": 3}
 
 
 def direct_layer_call(graph="f0"):
@@ -91,7 +94,8 @@ def direct_layer_call(graph="f0"):
 def test_direct_graph_calls_count_runs_and_no_lookups():
     roots = direct_layer_call("f0") + direct_layer_call("f1") + [Ev("aten::argmax", total=10)]
     counts = cpucount.classify([e for r in roots for e in r.walk()])
-    assert counts == {"lookup": 0, "graph": 2, "kernel": 0, "helper": 0, "opaque": 2, "gemm": 2, "view": 2, "op": 1}
+    assert counts == {"lookup": 0, "graph": 2, "kernel": 0, "helper": 0, "opaque": 2, "gemm": 2, "attention": 0,
+                      "view": 2, "op": 1}
     got = cpucount.profiled_ms([e for r in roots for e in r.walk()])
     # graph: the wrappers beside each call (5 + 3 us) + the call less its counted events (60 - 45 - 1)
     assert got["graph"] == pytest.approx(2 * (8 + 14) / 1e3) and got["lookup"] == 0
@@ -107,9 +111,26 @@ def test_profiled_breakdown_splits_the_step_by_class():
         Ev("aten::argmax", total=80, start=1200),  # 100 us of Python before it, outside every event
     ]
     got = cpucount.profiled_ms([e for r in roots for e in r.walk()])
+    assert got.pop("attention") == 0
     # graph: the region less the counted ops in it (our op whole, the mm); our op: less its ops
     assert got == pytest.approx({"lookup": 0.1, "graph": (1000 - 400 - 50) / 1e3, "opaque": (400 - 150 - 1) / 1e3,
                                  "gemm": 0.2, "view": 0.001, "op": 0.08, "python": 0.1})
+
+
+def test_decode_attention_at_its_measured_rate_and_call_cost():
+    """Decode MLA runs at the attention kernel's measured rate (the cost model's mla_tflops), not the GEMM
+    rate, and each kernel call at its measured fixed cost: a slow kernel predicts a slower step, by about its
+    FLOPs at that rate at batch 16 (16 rows x 16 heads of scores), by little at batch 1."""
+    counts = {"gemm": 100, "attention": 8, "op": 300}
+    slow = {**PROF, "mla_decode_gflops": 50.0}
+    p16, base16 = (cpucheck.predict(p, 16, 139, counts) for p in (slow, PROF))
+    p1, base1 = (cpucheck.predict(p, 1, 139, counts) for p in (slow, PROF))
+    assert p16["by_class_ms"]["attention"] == pytest.approx(8 * PROF["mla_call_us"] * 1e-3)
+    # bench model: 8 layers x 2 x 16 rows x 16 heads x (2 x 256 + 64) x 139 FLOPs = 5.2 ms at 50 GFLOP/s;
+    # at the GEMM rate (500) the same attention took at most its KV read (~0.26 ms a layer at 10 GB/s)
+    mla_ms = 1e3 * 8 * 2 * 16 * 16 * 576 * 139 / 50e9
+    assert mla_ms - 8 * 0.3 < p16["roofline_ms"] - base16["roofline_ms"] <= mla_ms
+    assert 0 < p1["roofline_ms"] - base1["roofline_ms"] < 0.35
 
 
 def test_faster_profile_predicts_faster():
@@ -125,6 +146,7 @@ def test_profile_measures_positive_rates():
     assert prof["gemm_stream_gbs"] > 0.1 and prof["gemm_call_us"] >= 0
     assert prof["view_us"] > 0 and prof["graph_entry_us"] >= 0 and prof["kernel_us"] > 0
     assert prof["opaque_call_us"] >= 0 and prof["graph_helper_us"] > 0
+    assert prof["mla_decode_gflops"] > 0.1 and prof["mla_call_us"] >= 0
 
 
 def test_graph_helpers_are_counted_where_the_profiler_sees_none():
@@ -187,7 +209,9 @@ print(json.dumps(rows))
     # one is priced (timed on the layers); fused kernels, our ops
     assert c["graph"] == 2 and c["lookup"] == 0 and compiled["lookup_us"] > 0
     assert c["kernel"] > 0 and c["helper"] > c["graph"] and c["opaque"] >= 2
-    assert set(eager["counts"]) == {"gemm", "op"} and eager["lookup_us"] == 0
+    assert set(eager["counts"]) == {"gemm", "attention", "op"} and eager["lookup_us"] == 0
+    # one MLA decode kernel (SDPA) per layer, either way
+    assert c["attention"] == 2 and eager["counts"]["attention"] == 2
     # the graphs take most of the eager step's small ops
     assert c["op"] + c["view"] < eager["counts"]["op"]
 
