@@ -4,7 +4,6 @@ new route is checked without anyone listing it here; each check runs against a r
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -104,12 +103,6 @@ def test_every_api_server_route_needs_the_key_and_every_post_the_body_limit(ckpt
         server.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_every_proxy_route_needs_the_key_and_every_post_the_body_limit():
     """The PD proxy's app, served on loopback; its instances are not needed (nothing gets that far)."""
     import uvicorn
@@ -118,8 +111,8 @@ def test_every_proxy_route_needs_the_key_and_every_post_the_body_limit():
 
     app = build_app(Proxy(["http://127.0.0.1:9"], ["http://127.0.0.1:9"], secret="guard-test-secret", api_key=KEY),
                     max_request_body_size=LIMIT)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    # port 0: the OS picks one as uvicorn binds (a port picked here and bound later could be taken meanwhile)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -127,6 +120,7 @@ def test_every_proxy_route_needs_the_key_and_every_post_the_body_limit():
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.started
+        port = server.servers[0].sockets[0].getsockname()[1]
         table = routes(app)
         assert ("POST", "/v1/completions") in table
         check_every_route(f"http://127.0.0.1:{port}", table, {"/health"})
