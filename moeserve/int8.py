@@ -33,6 +33,12 @@ def compile_quantizer() -> None:
         _compiled = torch.compile(_quantize_per_token, dynamic=True, fullgraph=True)
 
 
+def uncompile_quantizer() -> None:
+    """Back to the eager quantizer until compile_quantizer() again (a dynamo reset dropped the compiled code)."""
+    global _compiled
+    _compiled = None
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] float -> (q int8 [T, K], scale float32 [T, 1]), one dynamic scale per row (token)."""
     # is_compiling() first: a decode graph traced before compile_quantizer() must not read (and be guarded on)

@@ -104,8 +104,8 @@ def park_prefill_kernels() -> None:
     from moeserve import int8
     from moeserve.layers.moe import expert_epilogue
 
-    int8._compiled = None
-    expert_epilogue._combine = expert_epilogue._swiglu_quant = None
+    int8.uncompile_quantizer()
+    expert_epilogue.disable()
 
 
 def install(worker, started: float) -> bool:

@@ -28,6 +28,12 @@ def enable() -> None:
         _swiglu_quant = _compiled(_swiglu_quant_eager)
 
 
+def disable() -> None:
+    """Back to the eager passes until enable() again (a dynamo reset dropped the compiled kernels)."""
+    global _combine, _swiglu_quant
+    _combine = _swiglu_quant = None
+
+
 def _compiled(fn, **kwargs):
     compiled = torch.compile(fn, dynamic=True, fullgraph=True, **kwargs)
 
