@@ -13,6 +13,7 @@ class ChoiceStarted:
     index: int
     role: str
     prompt_logprobs: dict = field(default_factory=dict)
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on every choice's first event, as vLLM sends it
 
 
 @dataclass
@@ -27,6 +28,7 @@ class ChoiceDelta:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the ids this step added
 
 
 @dataclass

@@ -151,7 +151,9 @@ class _SamplingFields(_Strict):
     # vLLM's extras (docs/from-vllm.md); entrypoints/vllm_fields.py refuses the ones not served
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    return_token_ids: bool = False  # the answer carries prompt_token_ids and each choice's token_ids
+    # the answer carries prompt_token_ids and each choice's token_ids; streamed: each chunk the ids of its delta,
+    # the prompt's on the first chunk (completions: each choice's first; chat: each choice's role chunk)
+    return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # logprob tokens as "token_id:N" (None: the server's flag)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # keep this many prompt tokens (-1: the context)
     truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
@@ -164,11 +166,6 @@ class _SamplingFields(_Strict):
         from moeserve.entrypoints.vllm_fields import refuse_unserved
         refuse_unserved(data, cls.__name__, cls.model_fields)
         return data
-
-    def check_vllm_extras(self) -> None:
-        if self.return_token_ids and self.stream:
-            raise APIError("'return_token_ids' is served without streaming; set 'stream' to false",
-                           param="return_token_ids")
 
     def _unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -315,7 +312,6 @@ class CompletionRequest(_SamplingFields):
         if self.max_tokens == 0 and not (self.echo and not self.stream):
             raise APIError("'max_tokens' 0 scores the prompt: it needs 'echo': true (and no streaming)",
                            param="max_tokens")
-        self.check_vllm_extras()
 
 
 class TextPart(_Strict):
@@ -491,7 +487,6 @@ class ChatCompletionRequest(_SamplingFields):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise APIError("'continue_final_message' needs the last message to be the assistant's",
                            param="continue_final_message")
-        self.check_vllm_extras()
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

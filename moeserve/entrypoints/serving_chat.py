@@ -158,7 +158,8 @@ class ChatServing(Serving):
             if child.index not in started:  # the response's first choice carries the prompt_logprobs
                 prompt = self._prompt_field(req, child) if not started else {}
                 started.add(child.index)
-                yield ChoiceStarted(child.index, self.role(req), prompt)
+                yield ChoiceStarted(child.index, self.role(req), prompt,
+                                    child.prompt_ids if req.return_token_ids else None)
             text, calls, reasoning = delta.text, None, ""
             if think:
                 split = thinking.setdefault(child.index, StreamedReasoning())
@@ -174,7 +175,8 @@ class ChatServing(Serving):
             if delta.finished and mode is not None:
                 text, calls, finish = self._final_delta(req, mode, child.index, held, auto, text, finish)
             yield ChoiceDelta(child.index, text, reasoning, calls, delta.logprobs if req.logprobs else None,
-                              delta.finished, finish, delta.stop_reason if delta.finished else None)
+                              delta.finished, finish, delta.stop_reason if delta.finished else None,
+                              delta.token_ids if req.return_token_ids else None)
         yield Usage(self.usage(num_prompt, children))
 
     async def _chat_sse(self, req, rid: str, created: int, events):
@@ -188,7 +190,8 @@ class ChatServing(Serving):
             if isinstance(e, ChoiceStarted):  # the first chunk of each choice carries the role
                 role = {"index": e.index, "delta": {"role": e.role, "content": ""}, "logprobs": None,
                         "finish_reason": None}
-                yield sse({**head, "choices": [role], **e.prompt_logprobs, **usage_null})
+                ids = {"prompt_token_ids": e.prompt_token_ids} if e.prompt_token_ids is not None else {}
+                yield sse({**head, "choices": [role], **e.prompt_logprobs, **ids, **usage_null})
             elif isinstance(e, ChoiceDelta):
                 out = {}
                 if e.reasoning:
@@ -202,6 +205,8 @@ class ChatServing(Serving):
                           "finish_reason": e.finish_reason}
                 if e.finished:
                     choice["stop_reason"] = e.stop_reason
+                if e.token_ids is not None:
+                    choice["token_ids"] = e.token_ids
                 yield sse({**head, "choices": [choice], **usage_null})
             elif isinstance(e, Usage) and self.include_usage(req):
                 yield sse({**head, "choices": [], "usage": e.usage})

@@ -141,6 +141,7 @@ class CompletionServing(Serving):
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         usage_null = {"usage": None} if self.include_usage(req) else {}
         echoed: set[int] = set()
+        ids_sent: set[int] = set()  # return_token_ids: the choices whose prompt_token_ids went out
         async for child, delta in self.merged(first, events, n):
             if isinstance(delta, Exception):
                 yield self.error_event(delta)
@@ -160,6 +161,10 @@ class CompletionServing(Serving):
                       "stop_reason": delta.stop_reason if delta.finished else None}
             if req.prompt_logprobs is not None and delta.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.prompt_logprobs_field(child, req.prompt_logprobs)
+            if req.return_token_ids:  # vLLM's: the prompt's ids with each choice's first chunk, then null
+                choice["prompt_token_ids"] = child.prompt_ids if child.index not in ids_sent else None
+                choice["token_ids"] = delta.token_ids
+                ids_sent.add(child.index)
             yield sse({**head, "choices": [choice], **usage_null})
         else:
             if self.include_usage(req):

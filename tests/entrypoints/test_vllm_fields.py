@@ -87,6 +87,30 @@ def test_return_token_ids(client, model):
     assert len(chat.prompt_token_ids) == chat.usage.prompt_tokens and len(chat.choices[0].token_ids) == 3
 
 
+def test_return_token_ids_streamed(client, model):
+    """Streamed, each chunk carries its delta's token ids; together they are the non-streamed answer's, and the
+    prompt's ids come once per choice (completions: the choice's first chunk; chat: its role chunk)."""
+    body = {"return_token_ids": True, "ignore_eos": True}
+    whole = client.completions.create(model=model, prompt="one two", max_tokens=4, temperature=0, n=2,
+                                      extra_body=body)
+    chunks = list(client.completions.create(model=model, prompt="one two", max_tokens=4, temperature=0, n=2,
+                                            stream=True, extra_body=body))
+    for c in whole.choices:
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == c.index]
+        assert [t for ch in mine for t in ch.token_ids] == c.token_ids
+        assert [ch.prompt_token_ids for ch in mine if ch.prompt_token_ids is not None] == [c.prompt_token_ids]
+        assert mine[0].prompt_token_ids == c.prompt_token_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0, extra_body=body)
+    stream = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=4, temperature=0,
+                                                 stream=True, extra_body=body))
+    assert stream[0].choices[0].delta.role == "assistant" and stream[0].prompt_token_ids == chat.prompt_token_ids
+    assert all(getattr(ch, "prompt_token_ids", None) is None for ch in stream[1:])
+    assert [t for ch in stream[1:] for t in ch.choices[0].token_ids] == chat.choices[0].token_ids
+    plain = list(client.completions.create(model=model, prompt="one two", max_tokens=2, stream=True))
+    assert all(getattr(ch.choices[0], "token_ids", None) is None for ch in plain)  # not asked, not sent
+
+
 def test_truncate_prompt_tokens(client, model):
     long = "alpha beta gamma delta " * 10
     r = client.completions.create(model=model, prompt=long, max_tokens=1, extra_body={"truncate_prompt_tokens": 5,
