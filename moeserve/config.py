@@ -16,7 +16,9 @@ MLA_DECODE_IMPLS = ("standard", "amla", "amla-triton")  # --mla-decode: absorbed
 # the KV cache is held in the model dtype, or in FP8 e4m3 (vLLM's "fp8" / "fp8_e4m3"; layers/attention/mla.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-LOGPROBS_MODES = ("raw_logprobs",)  # log-softmax of the model's logits before any processor (vLLM's default)
+# vLLM's --logprobs-mode: raw_* the model's logits before any processor, processed_* the logits sampling draws from
+# (sample/logprobs.py); *_logprobs their log-softmax, *_logits the values themselves
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's --all2all-backend -> moeserve's --moe-comm
 ALL2ALL_BACKENDS = {"allgather_reducescatter": "allgather", "naive": "allgather", "pplx": "alltoall",
@@ -317,8 +319,7 @@ class ModelConfig:
         _require(0 <= self.max_logprobs <= 20, f"--max-logprobs must be in 0..20 (moeserve returns at most 20 "
                  f"alternatives per token), got {self.max_logprobs}")
         _require(self.logprobs_mode in LOGPROBS_MODES,
-                 f"--logprobs-mode {self.logprobs_mode!r} is not supported: moeserve returns raw_logprobs "
-                 "(log-softmax of the model's logits before penalties, temperature and top-k/p)")
+                 f"--logprobs-mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
 
 SPEC_METHODS = {"mtp": "mtp", "deepseek_mtp": "mtp"}  # vLLM's names -> ours

@@ -131,7 +131,9 @@ ENGINE_HELP = {
                           "picks the decode graph sizes, mode/level 0 (or `-O 0`) runs eagerly",
     "skip_tokenizer_init": "load no tokenizer: prompts are token ids and outputs carry token ids, no text",
     "max_logprobs": "the most logprobs / prompt_logprobs one request may ask for (0..20)",
-    "logprobs_mode": "raw_logprobs: log-softmax of the model's logits before any processor",
+    "logprobs_mode": "what logprobs and prompt_logprobs report: raw_logprobs (log-softmax of the model's logits), "
+                     "raw_logits (those logits), processed_logprobs / processed_logits (the same of the logits "
+                     "sampling draws from: after logit_bias, penalties, token masks, temperature, top-k/p, min-p)",
     "scheduling_policy": "fcfs|priority (priority: lower request `priority` first, ties by arrival)",
     "eplb_config": 'EPLB as JSON (vLLM\'s), e.g. \'{"step_interval": 3000, "num_redundant_experts": 0}\'',
     "all2all_backend": "vLLM's MoE all2all backend: allgather_reducescatter/naive -> --moe-comm allgather, "

@@ -127,6 +127,7 @@ class LLM:
             results.append(ro)
             for i in range(p.n):
                 child = p.for_sample(i).with_tokenizer(self.tokenizer)
+                child.logprobs_mode = self.config.model.logprobs_mode  # the sampler reads it per request
                 cid = f"{rid}-{i}" if p.n > 1 else rid
                 children[cid] = (ro, i)
                 processor.add(cid, child, len(ids))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moeserve.config import LOGPROBS_MODES
 from moeserve.markers import THINK_END
 from moeserve.structured.params import GuidedDecodingParams, StructuredOutputsParams
 
@@ -71,6 +72,9 @@ class SamplingParams:
     detokenize: bool = True  # False: outputs carry token ids, no text (stop strings need text)
     output_kind: int = 0  # vLLM's RequestOutputKind: 0 CUMULATIVE (offline generate returns final outputs)
     extra_args: dict | None = None  # free-form data for custom processors; moeserve has none, so it must be empty
+    # the engine's --logprobs-mode, which the front end (LLM, the API server) sets on each request it sends: the
+    # sampler reads it per row (None: raw_logprobs, vLLM's default)
+    logprobs_mode: str | None = None
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None:
@@ -170,6 +174,9 @@ class SamplingParams:
             raise SamplingParamsError("output_kind: LLM.generate returns finished outputs, so only CUMULATIVE (0) "
                                       "and FINAL_ONLY (2) are meaningful here; DELTA (1) is not supported",
                                       "output_kind")
+        if self.logprobs_mode is not None and self.logprobs_mode not in LOGPROBS_MODES:
+            raise SamplingParamsError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                                      f"{self.logprobs_mode!r}", "logprobs_mode")
         if self.extra_args:
             raise SamplingParamsError(f"extra_args {sorted(self.extra_args)}: moeserve has no custom logits "
                                       "processors to read them", "extra_args")
@@ -232,6 +239,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def logprobs_processed(self) -> bool:
+        """logprobs of the logits sampling draws from (--logprobs-mode processed_*), not the model's own."""
+        return self.logprobs_mode in ("processed_logprobs", "processed_logits")
+
+    @property
+    def logprobs_as_logits(self) -> bool:
+        """logprobs report the logits themselves (--logprobs-mode *_logits), not their log-softmax."""
+        return self.logprobs_mode in ("raw_logits", "processed_logits")
 
     @property
     def has_penalties(self) -> bool:

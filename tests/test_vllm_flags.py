@@ -32,6 +32,7 @@ VLLM_FLAGS = [
     (["--skip-tokenizer-init"], {"config.model.skip_tokenizer_init": True}),
     (["--max-logprobs", "5"], {"config.model.max_logprobs": 5}),
     (["--logprobs-mode", "raw_logprobs"], {"config.model.logprobs_mode": "raw_logprobs"}),
+    (["--logprobs-mode", "processed_logits"], {"config.model.logprobs_mode": "processed_logits"}),
     (["--scheduling-policy", "priority"], {"config.scheduler.policy": "priority"}),
     (["--eplb-config", '{"step_interval": 500, "num_redundant_experts": 2}', "-ep", "-dp", "2"],
      {"config.parallel.eplb_step_interval": 500, "config.parallel.num_redundant_experts": 2}),
@@ -88,7 +89,7 @@ VLLM_FLAGS = [
 REFUSED = [
     (["--kv-cache-dtype", "fp8_e5m2"], "FP8 KV-cache storage is e4m3 only"),
     (["--kv-cache-dtype", "bfloat16", "--dtype", "float32"], "differs from --dtype float32"),
-    (["--logprobs-mode", "processed_logits"], "moeserve returns raw_logprobs"),
+    (["--logprobs-mode", "processed_logit"], "--logprobs-mode must be one of"),
     (["--max-logprobs", "50"], "--max-logprobs must be in 0..20"),
     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
     (["--all2all-backend", "magic"], "--all2all-backend must be one of"),

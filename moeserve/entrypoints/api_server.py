@@ -56,6 +56,7 @@ class ApiServerSpec:
     default_sampling: dict | None = None  # --generation-config: defaults for fields a request leaves unset
     sock: socket.socket | None = None  # the launcher's listening socket (passed as a file descriptor)
     cache_info: dict | None = None  # the cache configuration under vLLM's names (vllm:cache_config_info)
+    logprobs_mode: str = "raw_logprobs"  # --logprobs-mode: set on every request this server sends
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -271,6 +272,7 @@ def run_api_server(spec: ApiServerSpec, ready_event=None) -> None:
     sock.setblocking(False)
     client.log_requests = cfg.enable_log_requests
     client.max_log_len = cfg.max_log_len
+    client.logprobs_mode = spec.logprobs_mode
     app = build_app(spec, tokenizer, client, metrics, on_ready=ready_event.set if ready_event else None)
     # SIGTERM: uvicorn stops accepting and waits for the requests in flight (streams too); after
     # --shutdown-timeout those still running end with an error naming the shutdown (_draining_server); uvicorn

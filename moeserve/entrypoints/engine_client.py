@@ -125,6 +125,7 @@ class EngineClient:
         self._reconnecting: asyncio.Task | None = None
         self.log_requests = False  # --enable-log-requests
         self.max_log_len: int | None = None  # --max-log-len: the log also shows the first N prompt chars / ids
+        self.logprobs_mode = "raw_logprobs"  # --logprobs-mode: the engine's sampler reads it from each request
         self._core_stopping = False  # the core said goodbye: its disconnect is a shutdown, not a crash
         self._core_fatal: str | None = None  # what the core said before it died (MSG_FATAL)
         self._calls: dict[int, asyncio.Future] = {}  # utility calls waiting for the core's answer
@@ -388,6 +389,7 @@ class EngineClient:
                 text = self.tokenizer.decode(shown)[:n] if self.tokenizer is not None else None
                 logger.info("Received request %s: prompt: %r, prompt tokens: %d, params: %s, prompt_token_ids: %s",
                             request_id, text, len(prompt_token_ids), _params_text(params), shown)
+        params.logprobs_mode = self.logprobs_mode  # after the log line: it is the server's, not the request's
         outcome = "abort"
         try:
             req = EngineCoreRequest(request_id, prompt_token_ids, params, self.eos_token_ids, time.time(),

@@ -116,7 +116,7 @@ class Deployment:
                          kv_secret=self.config.kv_transfer.kv_secret if self.config.kv_transfer else None,
                          default_sampling=default_sampling(engine_args.generation_config, path,
                                                           engine_args.override_generation_config),
-                         cache_info=cache_config_info(self.config))
+                         cache_info=cache_config_info(self.config), logprobs_mode=self.config.model.logprobs_mode)
         self.ctx = multiprocessing.get_context("spawn")
         self.engine = None
         self.standby = None  # (process, pipe) of the next engine core, waiting (see _spawn_standby)

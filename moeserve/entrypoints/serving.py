@@ -140,6 +140,12 @@ def engine_error(e: Exception) -> APIError:
     return APIError(f"internal server error: {type(e).__name__}: {e}", 500, code="internal_error")
 
 
+def json_logprob(v: float) -> float:
+    """A logprob for JSON, which has no infinity: a token the processed logits mask (--logprobs-mode
+    processed_*: -inf) as -9999.0, as vLLM answers it."""
+    return max(v, -9999.0)
+
+
 def sse(obj) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
 

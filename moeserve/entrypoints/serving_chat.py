@@ -9,7 +9,7 @@ from moeserve.entrypoints.chat_events import ChoiceDelta, ChoiceStarted, Failed,
 from moeserve.entrypoints.errors import APIError
 from moeserve.entrypoints.openai_protocol import ChatCompletionRequest
 from moeserve.entrypoints.reasoning import THINK_END, StreamedReasoning, split_reasoning, thinks
-from moeserve.entrypoints.serving import Serving, sse
+from moeserve.entrypoints.serving import Serving, json_logprob, sse
 from moeserve.entrypoints.tool_calls import StreamedContent, ToolCall, parse_deepseek_v3, parse_required
 
 
@@ -133,7 +133,7 @@ class ChatServing(Serving):
 
     def _entry(self, token_id: int, logprob: float, as_ids: bool) -> dict:
         tok = self.logprob_token(token_id, as_ids)
-        return {"token": tok, "logprob": logprob, "bytes": list(tok.encode("utf-8"))}
+        return {"token": tok, "logprob": json_logprob(logprob), "bytes": list(tok.encode("utf-8"))}
 
     def _logprobs(self, lps, as_ids: bool = False) -> dict:
         return {"content": [{**self._entry(lp.token_id, lp.logprob, as_ids),

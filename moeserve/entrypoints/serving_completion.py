@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from moeserve.engine.output_processor import complete_part
 from moeserve.entrypoints.errors import APIError
 from moeserve.entrypoints.openai_protocol import CompletionRequest
-from moeserve.entrypoints.serving import Child, Serving, sse
+from moeserve.entrypoints.serving import Child, Serving, json_logprob, sse
 
 
 def token_offsets(decode, ids: list[int]) -> tuple[list[int], int]:
@@ -131,9 +131,9 @@ class CompletionServing(Serving):
         for lp in lps:
             tok = self.logprob_token(lp.token_id, as_ids)
             tokens.append(tok)
-            token_lps.append(lp.logprob)
-            top = {self.logprob_token(t, as_ids): v for t, v in lp.top}
-            top.setdefault(tok, lp.logprob)
+            token_lps.append(json_logprob(lp.logprob))
+            top = {self.logprob_token(t, as_ids): json_logprob(v) for t, v in lp.top}
+            top.setdefault(tok, json_logprob(lp.logprob))
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": list(offsets)}
 

@@ -70,7 +70,7 @@ _add(IMPLEMENTED, "the role of chat answers to a generation prompt", "--response
 _add(IMPLEMENTED, "one key (vLLM takes several)", "--api-key")
 _add(IMPLEMENTED, "auto, bfloat16, float16 / half, float32 / float", "--dtype")
 _add(IMPLEMENTED, "a8w8 (INT8) and fp8 (block FP8); the checkpoint's own when not given", "--quantization -q")
-_add(IMPLEMENTED, "raw_logprobs only; others are refused", "--logprobs-mode")
+_add(IMPLEMENTED, "raw_logprobs, raw_logits, processed_logprobs, processed_logits", "--logprobs-mode")
 _add(IMPLEMENTED, "DeepSeek MTP drafts (method mtp / deepseek_mtp); vLLM's keys draft_tensor_parallel_size, model "
      "(the target), quantization, enforce_eager ... accepted; dotted keys (`--speculative-config.method mtp`) too",
      "--speculative-config -sc")

@@ -21,22 +21,34 @@ class TokenLogprobs:
     top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
-def log_softmax_rows(logits: torch.Tensor, num_top: list[int | None]) -> tuple[list[int], torch.Tensor | None]:
-    """The rows that want logprobs (num_top not None), grouped by count, and their log_softmax [n, V]: what
-    token_logprobs reads of logits, to take before logits are written (sampler.Sampler, writable)."""
+def log_softmax_rows(logits: torch.Tensor, num_top: list[int | None],
+                     as_logits: list[bool] | None = None) -> tuple[list[int], torch.Tensor | None]:
+    """The rows that want logprobs (num_top not None), grouped by count, and their log_softmax [n, V] (rows
+    with as_logits[i], --logprobs-mode *_logits: a copy of the values themselves): what token_logprobs reads
+    of logits, to take before logits are written (sampler.Sampler, writable)."""
     # the rows grouped by count: each count's topk on a slice of logp, not a copy of its rows
     rows = sorted((i for i, n in enumerate(num_top) if n is not None), key=lambda i: num_top[i])
     if not rows:
         return rows, None
-    return rows, take_rows(logits, rows).log_softmax(dim=-1)  # a slice where the rows are consecutive
+    sel = take_rows(logits, rows)  # a slice where the rows are consecutive
+    keep = [j for j, i in enumerate(rows) if as_logits is not None and as_logits[i]]
+    if len(keep) == len(rows):
+        return rows, sel.clone()
+    logp = sel.log_softmax(dim=-1)
+    if keep:
+        idx = torch.tensor(keep)
+        logp[idx] = sel.index_select(0, idx)
+    return rows, logp
 
 
 def token_logprobs(logits: torch.Tensor | None, tokens: list[int], num_top: list[int | None],
-                   prepared: tuple[list[int], torch.Tensor | None] | None = None) -> list[TokenLogprobs | None]:
-    """logits [R, V] (the raw model distribution, as vLLM and OpenAI report it), the token of each row and
-    how many top entries it wants (None: no logprobs for that row). One log_softmax for the rows that want
-    logprobs (prepared: log_softmax_rows(logits, num_top) taken earlier) and one topk per distinct count."""
-    rows, logp = prepared if prepared is not None else log_softmax_rows(logits, num_top)
+                   prepared: tuple[list[int], torch.Tensor | None] | None = None,
+                   as_logits: list[bool] | None = None) -> list[TokenLogprobs | None]:
+    """logits [R, V] (by default the raw model distribution, as vLLM and OpenAI report it; processed_logits
+    gives the processed ones), the token of each row and how many top entries it wants (None: no logprobs for
+    that row). One log_softmax for the rows that want logprobs (prepared: log_softmax_rows(logits, num_top)
+    taken earlier; as_logits[i]: row i reports the values, not their log_softmax) and one topk per count."""
+    rows, logp = prepared if prepared is not None else log_softmax_rows(logits, num_top, as_logits)
     out: list[TokenLogprobs | None] = [None] * len(num_top)
     if not rows:
         return out

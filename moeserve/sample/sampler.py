@@ -148,6 +148,22 @@ def apply_filters(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return exact_filter(x, [p.top_k], [p.top_p], [p.min_p])[0]
 
 
+def processed_logits(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """--logprobs-mode processed_*: the logits each row [R, V] draws from, as a copy (logits are the rows after
+    logit_bias, penalties, token masks and grammar; params one SamplingParams per row). Greedy rows as they are
+    (the argmax is taken of them, as vLLM's all-greedy batch reports them); the others divided by their
+    temperature, then top-k, top-p and min-p, masked entries -inf, as exact_filter gives them to the draw."""
+    out = logits.clone()
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        sel = torch.tensor(rows)
+        ps = [params[i] for i in rows]
+        x = scale(out.index_select(0, sel), torch.tensor([p.temperature for p in ps], dtype=torch.float32),
+                  inplace=True)
+        out[sel] = exact_filter(x, [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps])
+    return out
+
+
 def _dense(c: Candidates, V: int) -> torch.Tensor:
     """Candidates as normalised [n, V] probabilities."""
     p = c.probs / c.probs.sum(-1, keepdim=True)
@@ -165,9 +181,10 @@ class Sampler:
         A row that cannot be sampled gets token 0 and its message in errors[row] (raises without errors).
         writable: logits may be overwritten (faster with rows in path_order); the logprobs are taken first."""
         num_top = [p.logprobs for p in params]
+        as_logits = [p.logprobs_as_logits for p in params]
         raw = logits if raw_logits is None else raw_logits
         # the logprobs rows' log_softmax before sample() may scale those rows in place
-        prepared = log_softmax_rows(raw, num_top) if writable and raw is logits else None
+        prepared = log_softmax_rows(raw, num_top, as_logits) if writable and raw is logits else None
         drawn = sample(logits, SamplingBatch.build(params, generators), self.generator, writable)
         tokens = []
         for i, t in enumerate(drawn):
@@ -176,5 +193,6 @@ class Sampler:
                     raise SamplingError(MESSAGE)
                 errors[i], t = MESSAGE, 0
             tokens.append(t)
-        # logprobs of the raw model distribution (as vLLM and OpenAI report them)
-        return tokens, token_logprobs(raw, tokens, num_top, prepared)
+        # logprobs of raw_logits: the raw model distribution (as vLLM and OpenAI report them) unless the caller
+        # gave the processed rows (StepSampler, --logprobs-mode processed_*)
+        return tokens, token_logprobs(raw, tokens, num_top, prepared, as_logits)

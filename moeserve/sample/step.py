@@ -14,7 +14,7 @@ import torch
 
 from moeserve.sample.logprobs import TokenLogprobs, token_logprobs
 from moeserve.sample.processors import LogitsRows, apply_logits_processors
-from moeserve.sample.sampler import Sampler, path_order
+from moeserve.sample.sampler import Sampler, path_order, processed_logits
 from moeserve.structured.grammar import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
@@ -73,16 +73,16 @@ class StepSampler:
         for i in _requests_with(non_finite_rows(logits), spans):
             failed[i] = ("internal", "the model's logits for this request are not finite (NaN or inf)")
         raw, processed = logits, False
-        # logprobs report the model's own distribution: the logits are copied first only when a request that
-        # wants logprobs has processors or a grammar (the others' rows are never written)
+        # raw logprobs report the model's own distribution: the logits are copied first only when a request that
+        # wants them has processors or a grammar (the others' rows are never written)
         touched = [bool(p.logit_bias or p.min_tokens or p.has_penalties or p.has_token_masks) for p in params]
         if any(touched):
-            if any(t and p.logprobs is not None for t, p in zip(touched, params)):
+            if any(t and _wants_raw(p) for t, p in zip(touched, params)):
                 raw = logits.clone()
             logits = self._logits_processors(logits, hidden[row_ids], sample_rows, spans, failed)
             processed = True
         if any(r.grammar is not None for r in reqs):
-            if raw is logits and any(r.grammar is not None and p.logprobs is not None for r, p in zip(reqs, params)):
+            if raw is logits and any(r.grammar is not None and _wants_raw(p) for r, p in zip(reqs, params)):
                 raw = logits.clone()
             errors: dict[int, str] = {}
             apply_grammar_masks(logits, [(s.request.grammar, s.request.output_token_ids, s.draft_token_ids,
@@ -104,6 +104,8 @@ class StepSampler:
             logits, raw = logits[rows], (raw[rows] if raw is not logits else None)
             sample_rows, reqs, params = ([x[i] for i in keep] for x in (sample_rows, reqs, params))
             raw = logits if raw is None else raw
+        if any(p.logprobs is not None and p.logprobs_processed for p in params):
+            raw = _with_processed(logits, raw, [len(rows) for rows, _ in sample_rows], params)
         self._draw(logits, raw, sample_rows, reqs, params, result)
 
     def _draw(self, logits: torch.Tensor, raw: torch.Tensor, sample_rows: list, reqs: list, params: list,
@@ -163,17 +165,19 @@ class StepSampler:
                 segments.append((req, first_row - s.start, lo, hi))
         if not segments:
             return
-        rows, targets, num_top, owner = [], [], [], []
+        rows, targets, num_top, owner, as_logits = [], [], [], [], []
         for k, (req, offset, lo, hi) in enumerate(segments):
             rows.extend(range(offset + lo, offset + hi))
             targets.extend(req.prompt_token_ids[lo + 1: hi + 1])
             num_top.extend([req.sampling_params.prompt_logprobs] * (hi - lo))
+            # processed_* as raw_*: no processor applies to the prompt (vLLM's rule)
+            as_logits.extend([req.sampling_params.logprobs_as_logits] * (hi - lo))
             owner.extend([k] * (hi - lo))
         entries: list[TokenLogprobs] = []
         for a in range(0, len(rows), self.PROMPT_LOGITS_ROWS):
             b = min(len(rows), a + self.PROMPT_LOGITS_ROWS)
             logits = self.compute_logits(hidden[torch.tensor(rows[a:b])])
-            entries += token_logprobs(logits, targets[a:b], num_top[a:b])
+            entries += token_logprobs(logits, targets[a:b], num_top[a:b], as_logits=as_logits[a:b])
         for k, (req, *_rest) in enumerate(segments):
             result.prompt_logprobs[req.request_id] = [e for e, o in zip(entries, owner) if o == k]
 
@@ -185,7 +189,26 @@ def _spec_logprobs(logits: torch.Tensor, num_rows: list[int], emitted: list[list
     first = _spans(num_rows)
     sel = [f + j for (f, _), toks in zip(first, emitted) for j in range(len(toks))]
     return token_logprobs(logits[sel], [t for toks in emitted for t in toks],
-                          [p.logprobs for p, toks in zip(params, emitted) for _ in toks])
+                          [p.logprobs for p, toks in zip(params, emitted) for _ in toks],
+                          as_logits=[p.logprobs_as_logits for p, toks in zip(params, emitted) for _ in toks])
+
+
+def _wants_raw(p) -> bool:
+    """The request reports logprobs of the model's own logits (--logprobs-mode raw_*)."""
+    return p.logprobs is not None and not p.logprobs_processed
+
+
+def _with_processed(logits: torch.Tensor, raw: torch.Tensor, num_rows: list[int], params: list) -> torch.Tensor:
+    """What logprobs read: raw, with the rows of the requests that report processed logprobs replaced by the
+    logits their tokens are drawn from (sampler.processed_logits). A copy when raw is logits: the draw writes
+    logits."""
+    out = raw.clone() if raw is logits else raw
+    rows = [r for (a, b), p in zip(_spans(num_rows), params) if p.logprobs is not None and p.logprobs_processed
+            for r in range(a, b)]
+    sel = torch.tensor(rows)
+    row_params = [p for p, n in zip(params, num_rows) for _ in range(n)]
+    out[sel] = processed_logits(logits.index_select(0, sel), [row_params[r] for r in rows])
+    return out
 
 
 def non_finite_rows(logits: torch.Tensor) -> torch.Tensor:
