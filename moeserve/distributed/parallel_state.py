@@ -125,17 +125,13 @@ def host_rendezvous(host: str, port: int, timeout: datetime.timedelta) -> dist.T
                          master_listen_fd=sock.detach())
 
 
-def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: datetime.timedelta,
-                     hosted: bool = False):
-    """The TCPStore of a tcp://HOST:PORT init method: rank 0 hosts it unless `hosted` (the engine's front end
-    serves it: host_rendezvous), the others connect. None for other init methods."""
+def rendezvous_store(init_method: str, world_size: int, timeout: datetime.timedelta):
+    """A client of the TCPStore a tcp://HOST:PORT init method names (the engine's front end serves it:
+    host_rendezvous; every rank connects, rank 0 too). None for other init methods."""
     url = urlsplit(init_method)
     if url.scheme != "tcp":
         return None
-    host, port = url.hostname, url.port
-    if rank != 0 or hosted:
-        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
-    return host_rendezvous(host, port, timeout)
+    return dist.TCPStore(url.hostname, url.port, world_size, False, timeout=timeout)
 
 
 def _interface_toward(host: str | None) -> str | None:
@@ -153,16 +149,15 @@ def _interface_toward(host: str | None) -> str | None:
 
 
 def init_distributed(parallel: ParallelConfig, rank: int, init_method: str,
-                     device: torch.device | None = None, store=None, store_hosted: bool = False) -> RankInfo:
+                     device: torch.device | None = None, store=None) -> RankInfo:
     """Join the process group of all D x T ranks and build the named sub-groups. store: a rendezvous store
-    to use (elastic EP's epochs), instead of one for a tcp:// init method: rank 0's, or with store_hosted a
-    client of the one the engine's front end serves there."""
+    to use (elastic EP's epochs), instead of a client of the one a tcp:// init method names."""
     device = device or torch.device("cpu")
     info = RankInfo.of(rank, parallel)
     timeout = datetime.timedelta(seconds=parallel.distributed_timeout)
     backend = resolve_backend(parallel, device)
     if store is None:
-        store = rendezvous_store(init_method, rank, parallel.world_size, timeout, hosted=store_hosted)
+        store = rendezvous_store(init_method, parallel.world_size, timeout)
     if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and store is not None:
         # gloo listens on the address the host name resolves to (often the external one): use the interface
         # that reaches the master address instead (lo on one node)

@@ -46,14 +46,16 @@ class EngineDeadError(RuntimeError):
 class DPEngineClient(ElasticFront):  # ElasticFront: the re-formation bookkeeping (elastic_front.py)
     def __init__(self, config: EngineConfig, torchrun: TorchrunEnv | None = None, prespawned=None) -> None:
         parallel, init_method, zmq_addr = resolve_endpoints(config.parallel, torchrun)
-        self.rendezvous = None
-        if torchrun is None:  # the ranks' first rendezvous is served here, listening before any rank starts
+        # every epoch's rendezvous store, served here (the first listening before any rank starts); older ones
+        # stay (a survivor still checking in at one would wait out its timeout on a closed store)
+        self._epoch_stores: list = []
+        if torchrun is None:
             from moeserve.distributed.parallel_state import host_rendezvous
 
-            self.rendezvous = host_rendezvous(parallel.master_addr, parallel.master_port or 0,
-                                              datetime.timedelta(seconds=parallel.distributed_timeout))
-            parallel = dataclasses.replace(parallel, master_port=self.rendezvous.port)
-            init_method = f"tcp://{parallel.master_addr}:{self.rendezvous.port}"
+            self._epoch_stores.append(host_rendezvous(parallel.master_addr, parallel.master_port or 0,
+                                                      datetime.timedelta(seconds=parallel.distributed_timeout)))
+            parallel = dataclasses.replace(parallel, master_port=self._epoch_stores[0].port)
+            init_method = f"tcp://{parallel.master_addr}:{parallel.master_port}"
         self.config = dataclasses.replace(config, parallel=parallel)  # keeps quant, speculative, ...
         self.dp_size, self.tp_size = parallel.data_parallel_size, parallel.tensor_parallel_size
         self.timeout = parallel.distributed_timeout
@@ -116,7 +118,6 @@ class DPEngineClient(ElasticFront):  # ElasticFront: the re-formation bookkeepin
         self._first_cached: dict[str, int] = {}  # request id -> prompt tokens cached at its first admission
         self._late: list[EngineCoreOutput] = []  # outputs of older epochs read after a loss (_late_outputs)
         self.recovery: dict | None = None  # the re-formation in progress: epoch, waiting DP ranks, start
-        self._epoch_stores: list = []
         self.elastic_stats = EngineStats()  # the elastic_* counters
         self.elastic = False  # a rank lost while starting fails the start: nothing runs yet
         self._wait_ready()

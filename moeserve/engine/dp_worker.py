@@ -230,7 +230,7 @@ def rank_main(config_bytes: bytes, rank: int, init_method: str, zmq_addr: str, p
     worker = None
     try:
         if not join:  # a replacement (--elastic-ep-replace) joins the front end's next epoch instead
-            init_distributed(config.parallel, rank, init_method, store_hosted=True)  # tcp://: the front end's
+            init_distributed(config.parallel, rank, init_method)
         worker = RankWorker(config, info, zmq_addr, parent_pid, join=join)
         if config.parallel.enable_elastic_ep:  # a peer's loss: re-form with the survivors, go on serving
             from moeserve.engine.elastic import ride_through

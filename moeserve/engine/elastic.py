@@ -471,16 +471,6 @@ def _wait_for_reform(worker):
             return cmd.reform
 
 
-def epoch_store(host: str, timeout_s: float):
-    """The front end's rendezvous store of one epoch, on a port the OS picks (store.port); it lives as long as
-    the front end keeps it."""
-    import datetime
-
-    from moeserve.distributed.parallel_state import host_rendezvous
-
-    return host_rendezvous(host, 0, datetime.timedelta(seconds=timeout_s))
-
-
 def _gather_survivors(worker, reform, store) -> None:
     """Wait until every survivor of the epoch has checked in at the front end's store, reading the front
     end meanwhile: a newer re-formation (another rank died while re-forming) or a shutdown ends the wait at

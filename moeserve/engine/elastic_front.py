@@ -12,13 +12,15 @@ module only reads and changes them). engine/elastic.py has the lifecycle; the nu
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import signal
 import time
 
 import msgspec
 
-from moeserve.engine.elastic import BOARD_SLOTS, any_compiling, epoch_store, hung_ranks
+from moeserve.distributed.parallel_state import host_rendezvous
+from moeserve.engine.elastic import BOARD_SLOTS, any_compiling, hung_ranks
 from moeserve.engine.request import RequestStatus
 from moeserve.protocol import EngineCoreOutput, RankCommand, RankReform, RankReport
 
@@ -153,10 +155,10 @@ class ElasticFront:
                 self.elastic_stats.elastic_ranks_replaced += 1
         self.epoch += 1
         self.dp_size = len(self.slots)
-        # the epoch's rendezvous lives here, not on a survivor that may die too; older ones stay (a survivor
-        # still checking in at one would wait out its timeout on a closed store)
+        # the epoch's rendezvous lives here (DPEngineClient._epoch_stores), not on a survivor that may die too
         host = self.config.parallel.master_addr
-        self._epoch_stores.append(epoch_store(host, self.config.parallel.distributed_timeout))
+        self._epoch_stores.append(host_rendezvous(host, 0, datetime.timedelta(
+            seconds=self.config.parallel.distributed_timeout)))
         init = f"tcp://{host}:{self._epoch_stores[-1].port}"
         self._epoch_init = init
         for dp in range(self.dp_size):

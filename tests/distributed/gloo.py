@@ -11,7 +11,7 @@ from moeserve.distributed.parallel_state import host_rendezvous
 
 def spawn_ranks(rank_main, nprocs: int) -> dict:
     """Run rank_main(rank, port, results) in nprocs processes and return the results dict the ranks filled in.
-    port: a tcp://127.0.0.1 rendezvous store this process serves (init_distributed(..., store_hosted=True)),
+    port: a tcp://127.0.0.1 rendezvous store this process serves (init_distributed connects to it),
     listening before the ranks start, as the engine's front end serves its ranks'."""
     store = host_rendezvous("127.0.0.1", 0, datetime.timedelta(seconds=120))
     with mp.Manager() as manager:

@@ -27,8 +27,7 @@ def tokens(rank: int, n: int):
 def rank_main(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     init_distributed(ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), rank,
-                     f"tcp://127.0.0.1:{port}",
-                     store_hosted=True)
+                     f"tcp://127.0.0.1:{port}")
     try:
         full = full_experts()
         placement = LayerPlacement(tuple(default_map(E, 0, 2)), 2, rank)

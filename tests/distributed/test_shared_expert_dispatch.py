@@ -68,8 +68,7 @@ def run_case(rank: int, case: str):
 def rank_main(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     init_distributed(ParallelConfig(data_parallel_size=WORLD, enable_expert_parallel=True,
-                                    shared_expert_ranks=SHARED), rank, f"tcp://127.0.0.1:{port}",
-                     store_hosted=True)
+                                    shared_expert_ranks=SHARED), rank, f"tcp://127.0.0.1:{port}")
     try:
         for case in CASES:
             results[(case, rank)] = run_case(rank, case)

@@ -50,8 +50,7 @@ def run_case(rank: int):
 
 def rank_main(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
-    init_distributed(ParallelConfig(**LAYOUT), rank, f"tcp://127.0.0.1:{port}",
-                     store_hosted=True)
+    init_distributed(ParallelConfig(**LAYOUT), rank, f"tcp://127.0.0.1:{port}")
     try:
         results[rank] = run_case(rank)
     finally:

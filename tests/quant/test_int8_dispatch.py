@@ -54,8 +54,7 @@ def run_case(rank: int, mode: str, dtype, codec):
 def rank_main(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     init_distributed(ParallelConfig(data_parallel_size=2, enable_expert_parallel=True), rank,
-                     f"tcp://127.0.0.1:{port}",
-                     store_hosted=True)
+                     f"tcp://127.0.0.1:{port}")
     try:
         for mode in ("alltoall", "allgather"):
             for dtype in (torch.float32, torch.bfloat16):
