@@ -4,8 +4,9 @@ The compiled decode graph (engine/compiled_decode.py) fuses everything between t
 outside:
 - MLA's cache write + attention: it reads the per-step attention metadata (a Scoped value, block tables as
   Python lists for prefills) and loops over prefill sequences;
-- routed experts that are not traceable: INT8 experts (one oneDNN GEMM per busy expert, so one host sync)
-  and every multi-rank dispatcher (collectives with host-side split sizes);
+- routed experts that are not traceable: INT8 experts past a few pairs per slot (one oneDNN GEMM per busy
+  expert, so one host sync; fewer pairs are traced, Int8FusedExperts.gathered_topk) and every multi-rank
+  dispatcher (collectives with host-side split sizes);
 - BF16 experts over their oneDNN-packed copies (FusedExperts.packed_forward: the same host sync), for
   buckets with more rows than expert slots;
 - BF16 experts through zentorch's fused MoE (layers/moe/zen.py), one call per layer at every bucket;

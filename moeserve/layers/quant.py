@@ -66,6 +66,26 @@ def _int8_mm_fallback(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def int8_rows_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """a [P, K] int8, w [P, N, K] int8 (row p's own weight) -> [P, N] float32 = float(sum_k a[p, k] w[p, n, k]),
+    exact, so the bits of float(int8_mm(...)): float32 sums of <= _FALLBACK_K_CHUNK products are exact
+    integers, longer rows add their chunks' sums in int32. Written for inductor, which fuses it into one
+    reduction loop (a gathered w included); eagerly it would materialize float copies."""
+    p, k = a.shape
+    if k <= _FALLBACK_K_CHUNK:
+        return torch.einsum("pnk,pk->pn", w.float(), a.float())
+    c = max(d for d in range(1, _FALLBACK_K_CHUNK + 1) if k % d == 0)  # chunks of equal length
+    parts = torch.einsum("pnjc,pjc->pnj", w.reshape(p, -1, k // c, c).float(), a.reshape(p, k // c, c).float())
+    return parts.to(torch.int32).sum(-1).float()
+
+
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """t itself, as a buffer of its own in an inductor graph (as_strided's lowering stores its input).
+    Inductor otherwise inlines a pointwise producer into every consumer's loop: a quantization feeding a
+    matrix-vector product was recomputed once per output element (x1.7 slower in the engine)."""
+    return t.as_strided(t.shape, t.stride())
+
+
 def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, packed: "Int8Packed | None" = None) -> torch.Tensor:
     """x [..., K] float; wq [N, K] int8; w_scale [N, 1] float32 -> [..., N] in x.dtype.
@@ -282,7 +302,8 @@ class Int8FusedExperts(FusedExperts):
     decode batch 1-64, one thread (benchmarks/int8_experts.py; docs/quantization.md). Its weight cache is flushed on every load / move / free, as
     for BF16 experts (zen.flush_cache). Otherwise (float32 models, other CPUs, MOESERVE_ZENTORCH=0) rows
     are sorted by expert once; each expert then costs one INT8 GEMM per projection on a contiguous slice,
-    while quantization, dequantization and SwiGLU run batched over all rows.
+    while quantization, dequantization and SwiGLU run batched over all rows. A compiled decode graph of few
+    (token, expert) pairs traces them instead (gathered_topk), with the same bits.
     """
 
     # The model's activation dtype (like() sets it; None: decided per call by the input's dtype). A BF16
@@ -290,6 +311,12 @@ class Int8FusedExperts(FusedExperts):
     act_dtype: torch.dtype | None = None
 
     CHECKPOINT_LEAVES = ("weight", "weight_scale")
+    # A compiled graph computes up to this many (token, expert) pairs per slot itself (gathered_topk); above
+    # it the per-expert GEMMs, one opaque op a layer. Each pair reads its expert's weights on its own, so the
+    # reads grow with the pairs where the grouped GEMMs read each busy expert once: on the V3-shaped bench
+    # model (64 slots, top-6), Intel Xeon with AMX, decode tok/s gathered / opaque x1.18-1.29 at 6 and 12
+    # pairs, x1.07-1.12 at 24, x0.97 at 48 (docs/quantization.md "INT8 experts in the decode graph").
+    GATHER_PAIRS_PER_SLOT = 0.5
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int,
                  slot_experts: list[int] | None = None) -> None:
@@ -365,6 +392,8 @@ class Int8FusedExperts(FusedExperts):
                 return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)  # -> zen_forward
             return self.zen_forward(x, expert_ids, weights)
         if torch.compiler.is_compiling():
+            if self.gathers(expert_ids.numel()):
+                return self.gathered_topk(x, expert_ids, weights)
             return self.topk_as_rows(x, expert_ids, weights)
         t, k = expert_ids.shape
         ids, w = expert_ids.reshape(-1), weights.reshape(-1)
@@ -372,6 +401,33 @@ class Int8FusedExperts(FusedExperts):
         if expert_epilogue.enabled_for(rows.numel()):  # weighting, token order and the sum over k in one kernel
             return expert_epilogue.combine(y, (y_scale * w[rows, None]).view(-1), rows, t, k, x.dtype)
         return self._placed(x, y, y_scale, rows, w).view(t, k, x.shape[1]).sum(dim=1)
+
+    def gathers(self, pairs: int) -> bool:
+        """Whether a compiled graph computes these (token, expert) pairs itself (gathered_topk) rather than
+        through the per-expert GEMMs in an opaque op: not where zentorch runs the layer, up to
+        GATHER_PAIRS_PER_SLOT pairs per slot, and only where the graph's SwiGLU has the eager bits."""
+        return (not self.zen and pairs <= self.GATHER_PAIRS_PER_SLOT * self.num_local_experts
+                and expert_epilogue.swiglu_bits_match(self.intermediate))
+
+    def gathered_topk(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward_topk traced into a compiled decode graph, with the eager path's bits: each (token, expert) pair
+        is a matrix-vector product against its expert's INT8 weights, gathered inside the reduction (inductor
+        fuses w[ids] into the loop: no weight copy), exact as the INT32 GEMMs are (int8_rows_dot), then the
+        eager epilogue's float32 steps in its order. No host sync and no call per expert: the opaque op's
+        grouping, slicing and ~12 oneDNN calls a layer at batch 1 cost more than the weights they read."""
+        t, k = expert_ids.shape
+        ids, w = expert_ids.reshape(-1), weights.reshape(-1)
+        tq, ts = quantize_per_token(x)  # per token, as the eager path quantizes each token once
+        xq = _stored(tq)[:, None, :].expand(t, k, -1).reshape(t * k, -1)  # pair i is token i // k
+        xs = ts.repeat_interleave(k, dim=0)
+        h = int8_rows_dot(xq, self.w13[ids]) * self.w13_scale[ids]  # [P, 2I] as oneDNN's float32 epilogue gives it
+        aq, a_s = expert_epilogue.swiglu_quant_traceable(h, xs, self.intermediate)
+        y = int8_rows_dot(_stored(aq), self.w2[ids]) * self.w2_scale[ids]  # [P, H]
+        pairs = (y * (a_s * w[:, None])).to(x.dtype).view(t, k, -1)  # weighted, rounded per pair as _placed
+        total = pairs[:, 0].float()  # summed in pair order, as the eager sum over k
+        for j in range(1, k):
+            total = total + pairs[:, j].float()
+        return total.to(x.dtype)
 
     def zen_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward_topk through zentorch's INT8 fused MoE (BF16 in and out; x.dtype returned)."""

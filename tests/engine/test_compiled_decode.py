@@ -44,6 +44,14 @@ def assert_graphs_ran(llm: LLM, buckets: list[int]) -> None:
     assert llm.engine.stats().num_graph_steps == graphs.steps
 
 
+def routed_op_calls(llm: LLM, batch: int) -> int:
+    """How many times the routed experts' opaque op ran while `batch` prompts decoded 4 tokens."""
+    from torch.profiler import profile
+    with profile() as prof:
+        generate(llm, [[5, 6, 7]] * batch, [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)] * batch)
+    return sum(e.count for e in prof.key_averages() if e.key == "moeserve::moe_routed")
+
+
 @pytest.mark.parametrize("variant,dtype,quant,zentorch", [
     ("v3", "float32", None, False), ("v2_lite", "float32", None, False), ("v3", "bfloat16", None, False),
     ("v3", "bfloat16", None, True), ("v3", "float32", "a8w8", False),
@@ -57,9 +65,16 @@ def test_compiled_decode_gives_eager_tokens(ckpt_dir, variant, dtype, quant, zen
         monkeypatch.setattr(zen, "available", lambda: False)
     # BF16: buckets 4 and 8 (8 and 16 rows over 8 experts) go through the oneDNN-packed experts' opaque op
     monkeypatch.setattr(FusedExperts, "GATHER_ROWS_PER_SLOT", 0.5)
+    # A8W8: buckets 1 and 2 (2 and 4 pairs over 8 experts) trace the INT8 experts into the graph, 4 and 8 keep
+    # the per-expert GEMMs in an opaque op
+    from moeserve.layers.quant import Int8FusedExperts
+    monkeypatch.setattr(Int8FusedExperts, "GATHER_PAIRS_PER_SLOT", 0.5)
     want, got, llm = eager_and_compiled(ckpt_dir(variant), dtype=dtype, quantization=quant)
     assert got == want
     assert_graphs_ran(llm, [1, 2, 4, 8])
+    if quant == "a8w8":
+        assert routed_op_calls(llm, 2) == 0, "a batch of 2 ran the INT8 experts outside the graph"
+        assert routed_op_calls(llm, 3) > 0  # bucket 4
     experts = [m for m in llm.engine.runner.model.modules() if type(m) is FusedExperts]
     if dtype == "bfloat16":  # every bucket through one opaque op per layer: zentorch's, or the packed experts'
         assert all(m.zen for m in experts) if zentorch else all(m.packed and not m.zen for m in experts)

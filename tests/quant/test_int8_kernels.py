@@ -132,3 +132,47 @@ def test_compiled_quantizer_is_bit_identical_to_the_eager_one(monkeypatch):
         assert torch.equal(q, q_ref) and torch.equal(s, s_ref), (rows, k, dtype)
     small = torch.randn(int8.COMPILED_MIN_ROWS - 1, 32, generator=g)
     assert all(torch.equal(a, b) for a, b in zip(int8.quantize_per_token(small), int8._quantize_per_token(small)))
+
+
+def _int8_experts(e: int, h: int, i: int, dtype: torch.dtype, seed: int = 0) -> Int8FusedExperts:
+    g = torch.Generator().manual_seed(seed)
+    ex = Int8FusedExperts(e, h, i)
+    for w, s, shape in ((ex.w13, ex.w13_scale, (e, 2 * i, h)), (ex.w2, ex.w2_scale, (e, h, i))):
+        q, scale = quantize_per_channel(torch.randn(*shape, generator=g))
+        w.data.copy_(q)
+        s.data.copy_(scale[..., 0])
+    ex.act_dtype = dtype
+    ex.process_weights_after_loading(zentorch=False)
+    return ex
+
+
+@pytest.mark.parametrize("e,h,i,t,k,dtype", [
+    (16, 256, 64, 1, 6, torch.bfloat16), (16, 256, 64, 3, 2, torch.float32),
+    (8, 2100, 32, 2, 4, torch.bfloat16),  # K > 1024 on the first GEMM: chunks summed in int32
+], ids=["bf16", "float32", "long-rows"])
+def test_gathered_int8_experts_in_a_graph_have_the_eager_bits(e, h, i, t, k, dtype):
+    """The decode graph's INT8 experts (gathered_topk, traced by inductor) against the eager per-expert GEMMs
+    (oneDNN's packed INT8 GEMMs where they run, torch._int_mm otherwise): the same bits, including experts
+    shared by several tokens."""
+    from moeserve.layers.quant import int8_rows_dot
+
+    ex = _int8_experts(e, h, i, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    ids[-1, 0] = ids[0, 0]  # one expert busy with two tokens
+    w = torch.rand(t, k, generator=g)
+    compiled = torch.compile(ex.gathered_topk, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x, ids, w), ex.forward_topk(x, ids, w))
+    # the dot product itself against an int64 reference, eagerly too
+    a = torch.randint(-128, 128, (3, h), dtype=torch.int8, generator=g)
+    wq = torch.randint(-128, 128, (3, 5, h), dtype=torch.int8, generator=g)
+    ref = torch.einsum("pnk,pk->pn", wq.long(), a.long()).float()
+    assert torch.equal(int8_rows_dot(a, wq), ref)
+
+
+def test_int8_experts_gather_only_few_pairs_and_where_swiglu_matches():
+    ex = _int8_experts(16, 64, 64, torch.bfloat16)
+    limit = int(Int8FusedExperts.GATHER_PAIRS_PER_SLOT * 16)
+    assert ex.gathers(limit) and not ex.gathers(limit + 1)
+    assert not _int8_experts(16, 64, 48, torch.bfloat16).gathers(1)  # SwiGLU rows of 48: not the eager bits

@@ -25,7 +25,7 @@ def enable() -> None:
     if _combine is None:
         # emulate_precision_casts: round to dtype where the code says so (inductor keeps float32 otherwise)
         _combine = _compiled(_combine_eager, options={"emulate_precision_casts": True})
-        _swiglu_quant = _compiled(_swiglu_quant_eager)
+        _swiglu_quant = _compiled(swiglu_quant_traceable)
 
 
 def disable() -> None:
@@ -54,10 +54,15 @@ def enabled_for(rows: int) -> bool:
 
 
 def swiglu_quant_for(rows: int, intermediate: int) -> bool:
-    """Whether swiglu_quant takes these rows. ATen's SwiGLU on CPU runs the vector exp over whole steps of 32
-    floats a row and the scalar exp over the rest, and the two round differently now and then; the kernel
-    uses the vector exp throughout, so it has the eager bits only where every row is whole steps."""
-    return enabled_for(rows) and intermediate % 32 == 0
+    """Whether swiglu_quant takes these rows."""
+    return enabled_for(rows) and swiglu_bits_match(intermediate)
+
+
+def swiglu_bits_match(intermediate: int) -> bool:
+    """Whether inductor's SwiGLU has the eager bits at this width. ATen's SwiGLU on CPU runs the vector exp over
+    whole steps of 32 floats a row and the scalar exp over the rest, and the two round differently now and
+    then; inductor uses the vector exp throughout, so it matches only where every row is whole steps."""
+    return intermediate % 32 == 0
 
 
 def combine(y: torch.Tensor, scale: torch.Tensor, mine: torch.Tensor, tokens: int, k: int,
@@ -91,7 +96,9 @@ def swiglu_quant(h: torch.Tensor, x_scale: torch.Tensor, intermediate: int) -> t
     return _swiglu_quant(h, x_scale, intermediate)
 
 
-def _swiglu_quant_eager(h: torch.Tensor, x_scale: torch.Tensor, intermediate: int):
+def swiglu_quant_traceable(h: torch.Tensor, x_scale: torch.Tensor, intermediate: int):
+    """swiglu_quant's arithmetic as plain torch ops, for a graph that traces it (a decode graph's INT8 experts,
+    layers/quant.py) or compiles it here; the eager bits where swiglu_quant_for's row rule holds."""
     h = h * x_scale
     gate = h[:, :intermediate]
     # silu as ATen's CPU kernel computes it, x / (1 + exp(-x)): inductor's own x * sigmoid(x) rounds differently

@@ -71,17 +71,21 @@ class MoE(nn.Module):
         if torch.compiler.is_compiling():
             if self.tp.world_size > 1:  # row shares and the TP gather: the whole block is one opaque op
                 return torch.ops.moeserve.moe_block(x, self.op_key)
-            if self.records_load or not self.routed_traceable():
+            if self.records_load or not self.routed_traceable(x.shape[0]):
                 return self._forward_opaque(x)
         return self.eager_block(x)
 
     def eager_block(self, x: torch.Tensor) -> torch.Tensor:
         return self.finish(self.middle(self.start(x)))
 
-    def routed_traceable(self) -> bool:
-        """Whether a compiled graph can trace the routed experts: one rank holds them all (no collectives) and
-        they are float (torch._grouped_mm, no host sync)."""
-        return isinstance(self.dispatcher, LocalDispatcher) and type(self.experts) is FusedExperts
+    def routed_traceable(self, tokens: int) -> bool:
+        """Whether a compiled graph can trace the routed experts of `tokens` rows: one rank holds them all (no
+        collectives) and they are float (torch._grouped_mm, no host sync) or INT8 experts that gather few
+        pairs in the graph (Int8FusedExperts.gathers)."""
+        if not isinstance(self.dispatcher, LocalDispatcher):
+            return False
+        gathers = getattr(self.experts, "gathers", None)
+        return type(self.experts) is FusedExperts or (gathers is not None and gathers(tokens * self.gate.top_k))
 
     def _forward_opaque(self, x: torch.Tensor) -> torch.Tensor:
         """The compiled graph's MoE block when the routed part is an opaque op (layers/opaque.py): router and
