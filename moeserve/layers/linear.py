@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers.opaque import define_op
+
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A BF16 weight [out, in] in oneDNN's blocked layout, made once at load, or None where that does not apply
@@ -62,24 +64,18 @@ def _copy_bytes(copy) -> int:
     return copy.nbytes
 
 
-@torch.library.custom_op("moeserve::packed_linear", mutates_args=())
+def _linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@define_op("packed_linear", "(Tensor x, Tensor packed, Tensor? bias) -> Tensor", _linear_shape)
 def _packed_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@_packed_linear_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
-@torch.library.custom_op("moeserve::zen_linear", mutates_args=())
+@define_op("zen_linear", "(Tensor x, Tensor packed, Tensor? bias) -> Tensor", _linear_shape)
 def _zen_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.zentorch.zentorch_linear_unary(x, packed, bias, is_weight_prepacked=True)
-
-
-@_zen_linear_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
 
 
 def zen_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

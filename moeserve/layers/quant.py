@@ -27,6 +27,7 @@ from torch import nn
 
 from moeserve.int8 import QMAX, dequantize, quantize_per_channel, quantize_per_token  # noqa: F401 (A8W8's API)
 from moeserve.layers.moe import expert_epilogue, zen
+from moeserve.layers.opaque import define_op
 from moeserve.layers.moe.experts import FusedExperts, grouped_on_host
 
 _FALLBACK_K_CHUNK = 1024  # 1024 * 128 * 128 = 2^24: float32 sums stay exact integers per chunk
@@ -167,7 +168,8 @@ class Int8Packed:
 
     def mm_scaled(self, xq: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # inductor lowers oneDNN's qlinear only for frozen (constant) weights
-            return torch.ops.moeserve.int8_packed_mm(xq, self.packed, self.scale, self.zero_points)
+            xu = xq.view(torch.uint8) ^ _U8_ZERO_POINT
+            return torch.ops.moeserve.u8_packed_mm(xu, self.packed, self.scale, self.zero_points)
         return _int8_packed_mm(xq, self.packed, self.scale, self.zero_points)
 
 
@@ -189,26 +191,26 @@ def _u8_packed_mm(xu: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     return y[:1] if one_row else y
 
 
-@torch.library.custom_op("moeserve::int8_packed_mm", mutates_args=())
-def _int8_packed_mm_op(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                       zero_points: torch.Tensor) -> torch.Tensor:
-    return _int8_packed_mm(xq, packed, scale, zero_points)
+def _int8_out_shape(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *rest) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scale.numel(), dtype=torch.float32)
 
 
-@_int8_packed_mm_op.register_fake
-def _(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor) -> torch.Tensor:
-    return xq.new_empty(xq.shape[0], scale.numel(), dtype=torch.float32)
+# The activations come flipped to uint8 already: the graph fuses the flip into its quantization kernel
+@define_op("u8_packed_mm", "(Tensor xu, Tensor packed, Tensor scale, Tensor zero_points) -> Tensor", _int8_out_shape)
+def _u8_packed_mm_op(xu: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                     zero_points: torch.Tensor) -> torch.Tensor:
+    return _u8_packed_mm(xu, packed, scale, zero_points)
 
 
-@torch.library.custom_op("moeserve::zen_int8_linear", mutates_args=())
+def _zen_int8_shape(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scale.numel())
+
+
+@define_op("zen_int8_linear", "(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor", _zen_int8_shape)
 def _zen_int8_linear_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:
     return zen.int8_linear(x, packed, scale, bias)
-
-
-@_zen_int8_linear_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], scale.numel())
 
 
 def zen_int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,

@@ -237,16 +237,18 @@ _PROBE = None
 
 
 def measure_opaque_cost(reps: int = 200) -> float:
-    """Seconds a graph's call of one of our custom ops (layers/opaque.py, the packed linear's op) adds to the
-    work inside it: a custom op around torch.empty_like against torch.empty_like itself."""
+    """Seconds a graph's call of one of our ops (layers/opaque.py define_op, as the packed linear's) adds to the
+    work inside it: such an op around torch.empty_like against torch.empty_like itself."""
     global _PROBE
     if _PROBE is None:
-        @torch.library.custom_op("moeserve_cpucheck::probe", mutates_args=())
+        from moeserve.layers.opaque import define_op
+
+        @define_op("cpucheck_probe", "(Tensor t) -> Tensor", lambda t: torch.empty_like(t))
         def _probe(t: torch.Tensor) -> torch.Tensor:
             return torch.empty_like(t)
         _PROBE = _probe
     x = torch.randn(4, 64).to(torch.bfloat16)
-    op = torch.ops.moeserve_cpucheck.probe
+    op = torch.ops.moeserve.cpucheck_probe
     with torch.inference_mode():
         op(x)
         t_op = min(_timed(lambda: [op(x) for _ in range(reps)]) for _ in range(3)) / reps

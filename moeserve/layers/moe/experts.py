@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.layers import opaque
+from moeserve.layers.opaque import define_op
 from moeserve.layers.linear import pack_weight
 from moeserve.layers.moe import expert_epilogue, zen
 
@@ -259,16 +260,15 @@ def _times_weights(y: torch.Tensor, weights: torch.Tensor, block: int = 128) -> 
     return y
 
 
-@torch.library.custom_op("moeserve::grouped_mm", mutates_args=())
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+@define_op("grouped_mm", "(Tensor a, Tensor b, Tensor offs) -> Tensor", _grouped_mm_shape)
 def _grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """torch._grouped_mm for a compiled graph in float32: the CPU kernel takes it, but the op's shape function
     (written for CUDA) rejects everything but BF16 at trace time."""
     return torch._grouped_mm(a, b, offs=offs)
-
-
-@_grouped_mm_op.register_fake
-def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    return a.new_empty(a.shape[0], b.shape[-1])
 
 
 # Rows up to which grouped_on_host sorts on the host: a decode step's few rows cost ~80 us through
