@@ -28,7 +28,7 @@ from torch import nn
 from moeserve.int8 import QMAX, dequantize, quantize_per_channel, quantize_per_token  # noqa: F401 (A8W8's API)
 from moeserve.layers.moe import expert_epilogue, zen
 from moeserve.layers.opaque import define_op
-from moeserve.layers.moe.experts import FusedExperts, grouped_on_host
+from moeserve.layers.moe.experts import FusedExperts, grouped_on_host, stored
 
 _FALLBACK_K_CHUNK = 1024  # 1024 * 128 * 128 = 2^24: float32 sums stay exact integers per chunk
 
@@ -78,13 +78,6 @@ def int8_rows_dot(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     c = max(d for d in range(1, _FALLBACK_K_CHUNK + 1) if k % d == 0)  # chunks of equal length
     parts = torch.einsum("pnjc,pjc->pnj", w.reshape(p, -1, k // c, c).float(), a.reshape(p, k // c, c).float())
     return parts.to(torch.int32).sum(-1).float()
-
-
-def _stored(t: torch.Tensor) -> torch.Tensor:
-    """t itself, as a buffer of its own in an inductor graph (as_strided's lowering stores its input).
-    Inductor otherwise inlines a pointwise producer into every consumer's loop: a quantization feeding a
-    matrix-vector product was recomputed once per output element (x1.7 slower in the engine)."""
-    return t.as_strided(t.shape, t.stride())
 
 
 def int8_linear(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -420,11 +413,11 @@ class Int8FusedExperts(FusedExperts):
         t, k = expert_ids.shape
         ids, w = expert_ids.reshape(-1), weights.reshape(-1)
         tq, ts = quantize_per_token(x)  # per token, as the eager path quantizes each token once
-        xq = _stored(tq)[:, None, :].expand(t, k, -1).reshape(t * k, -1)  # pair i is token i // k
+        xq = stored(tq)[:, None, :].expand(t, k, -1).reshape(t * k, -1)  # pair i is token i // k
         xs = ts.repeat_interleave(k, dim=0)
         h = int8_rows_dot(xq, self.w13[ids]) * self.w13_scale[ids]  # [P, 2I] as oneDNN's float32 epilogue gives it
         aq, a_s = expert_epilogue.swiglu_quant_traceable(h, xs, self.intermediate)
-        y = int8_rows_dot(_stored(aq), self.w2[ids]) * self.w2_scale[ids]  # [P, H]
+        y = int8_rows_dot(stored(aq), self.w2[ids]) * self.w2_scale[ids]  # [P, H]
         pairs = (y * (a_s * w[:, None])).to(x.dtype).view(t, k, -1)  # weighted, rounded per pair as _placed
         total = pairs[:, 0].float()  # summed in pair order, as the eager sum over k
         for j in range(1, k):

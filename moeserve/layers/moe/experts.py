@@ -34,7 +34,9 @@ class FusedExperts(nn.Module):
     # (benchmarks/packed_experts.py --gathered, 64 slots, 1 thread). On an Intel Xeon with AMX the packed
     # GEMMs won in the engine at every batch (V3-shaped checkpoint, batch 1 / 2 / 4 decode tok/s, two runs
     # each: gathered up to 0.5 rows per slot 30.0, 29.1 / 48.9, 47.8 / 66.1, 68.9; never 29.5, 31.1 / 50.1,
-    # 50.3 / 82.5, 77.4), though the kernel alone on a cold pool favours gathering up to ~24 rows.
+    # 50.3 / 82.5, 77.4), though the kernel alone on a cold pool favours gathering up to ~24 rows. Again with
+    # the activations stored once (stored(); 2026-12-07, benchmarks/expert_gather.py --mode bf16): x1.02 at
+    # batch 1, x0.92 at 2, x0.74-0.81 at 4.
     GATHER_ROWS_PER_SLOT = 0 if torch.cpu._is_amx_tile_supported() else 2
     # zentorch's fused MoE runs these experts (layers/moe/zen.py): set by process_weights_after_loading
     zen = False
@@ -235,11 +237,19 @@ class FusedExperts(nn.Module):
         weights once, with no per-expert GEMM call: measured 19 GB/s against torch._grouped_mm's 8 GB/s for 6
         rows over 64 experts (cold weights, 1 thread). Compiled graphs only (eager, w[ids] would copy)."""
         ids = expert_ids.clamp(min=0)
-        h = (x[:, None, :].float() * self.w13[ids].float()).sum(-1).to(x.dtype)  # [N, 2I]
+        h = (stored(x)[:, None, :].float() * self.w13[ids].float()).sum(-1).to(x.dtype)  # [N, 2I]
         gate, up = h.split(self.intermediate, dim=-1)
-        a = F.silu(gate) * up
+        a = stored(F.silu(gate) * up)
         y = (a[:, None, :].float() * self.w2[ids].float()).sum(-1)  # [N, H]
         return torch.where((expert_ids >= 0)[:, None], y * weights[:, None], 0.0).to(x.dtype)
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """t itself, as a buffer of its own in an inductor graph (as_strided's lowering stores its input).
+    Inductor otherwise inlines a pointwise producer into every consumer's loop: an activation (a norm, a
+    quantization, SwiGLU) feeding a matrix-vector product over gathered weights was recomputed once per
+    output element (the INT8 experts' first traced version: x0.90 in the engine)."""
+    return t.as_strided(t.shape, t.stride())
 
 
 def _placed(x: torch.Tensor, y: torch.Tensor, mine: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""A8W8 decode with the routed INT8 experts traced into the decode graphs (gathered) against the per-expert
-GEMMs in an opaque op, on benchmarks/decode_speed.py's V3-shaped checkpoint.
+"""Decode with the routed experts traced into the decode graphs (gathered: one matrix-vector product per
+(token, expert) pair) against the per-expert GEMMs in an opaque op, on benchmarks/decode_speed.py's
+V3-shaped checkpoint.
 
-Usage: python benchmarks/int8_expert_gather.py [--batches 1 2 4 8] [--limits 0 0.5] [--repeats 3]
-           [--new-tokens 33]
+Usage: python benchmarks/expert_gather.py [--mode a8w8|bf16] [--batches 1 2 4 8] [--limits 0 0.5]
+           [--repeats 3] [--new-tokens 33]
 
-One A8W8 engine per `Int8FusedExperts.GATHER_PAIRS_PER_SLOT` value (0: never gather), all in this process,
+One engine per limit, in pairs per expert slot (0: never gather): `Int8FusedExperts.GATHER_PAIRS_PER_SLOT`
+for A8W8, `FusedExperts.GATHER_ROWS_PER_SLOT` for BF16 (its rows are the pairs), all in this process,
 alternated per repeat; decode tok/s as decode_speed.py times it (this thread's CPU time, one thread), the
 median per engine with every repeat, and each engine's ratio to the first. The engines are built in the
 order given: swap it (and give the same value twice) to see how much the build order alone moves a ratio.
@@ -24,6 +26,7 @@ from benchmarks.decode_speed import decode_tps, engine_kwargs, v3_checkpoint  # 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["a8w8", "bf16"], default="a8w8")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--limits", type=float, nargs="+", default=[0.0, 0.5])
     ap.add_argument("--repeats", type=int, default=3)
@@ -32,13 +35,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from moeserve import LLM
+    from moeserve.layers.moe.experts import FusedExperts
     from moeserve.layers.quant import Int8FusedExperts
 
-    kw = engine_kwargs("a8w8", argparse.Namespace(batches=args.batches, prefill_prompts=1,
+    owner, attr = ((Int8FusedExperts, "GATHER_PAIRS_PER_SLOT") if args.mode == "a8w8"
+                   else (FusedExperts, "GATHER_ROWS_PER_SLOT"))
+    kw = engine_kwargs(args.mode, argparse.Namespace(batches=args.batches, prefill_prompts=1,
                                                   prompt_len=args.prompt_len, tensor_parallel_size=1))
     engines = []
     for limit in args.limits:  # read when the graphs are traced, at engine start
-        Int8FusedExperts.GATHER_PAIRS_PER_SLOT = limit
+        setattr(owner, attr, limit)
         engines.append((limit, LLM(v3_checkpoint(), **kw)))
     for _, llm in engines:  # warm-up: every batch size once
         for b in args.batches:
