@@ -236,6 +236,9 @@ class Fp8FusedExperts(FusedExperts):
 
     CHECKPOINT_LEAVES = ("weight", "weight_scale_inv")
 
+    def traceable(self, pairs: int) -> bool:
+        return False  # a compiled graph keeps them in the routed experts' opaque op
+
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int,
                  slot_experts: list[int] | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__(num_local_experts, hidden, intermediate, slot_experts)

@@ -397,6 +397,9 @@ class Int8FusedExperts(FusedExperts):
             return expert_epilogue.combine(y, (y_scale * w[rows, None]).view(-1), rows, t, k, x.dtype)
         return self._placed(x, y, y_scale, rows, w).view(t, k, x.shape[1]).sum(dim=1)
 
+    def traceable(self, pairs: int) -> bool:
+        return self.gathers(pairs)
+
     def gathers(self, pairs: int) -> bool:
         """Whether a compiled graph computes these (token, expert) pairs itself (gathered_topk) rather than
         through the per-expert GEMMs in an opaque op: not where zentorch runs the layer, up to

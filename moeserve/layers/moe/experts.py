@@ -57,6 +57,12 @@ class FusedExperts(nn.Module):
         self.packed: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.op_key = opaque.register(self)
 
+    def traceable(self, pairs: int) -> bool:
+        """Whether a compiled decode graph can trace these experts over `pairs` (token, expert) rows: float
+        experts can (torch._grouped_mm or the gathered rows, no host sync; packed and zentorch calls are ops
+        of their own inside the graph); subclasses say where they cannot."""
+        return True
+
     def slots_of(self, expert: int) -> list[int]:
         """Local slots holding logical `expert` (empty when another rank holds it)."""
         return [s for s, e in enumerate(self.slot_experts) if e == expert]

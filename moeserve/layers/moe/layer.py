@@ -80,12 +80,8 @@ class MoE(nn.Module):
 
     def routed_traceable(self, tokens: int) -> bool:
         """Whether a compiled graph can trace the routed experts of `tokens` rows: one rank holds them all (no
-        collectives) and they are float (torch._grouped_mm, no host sync) or INT8 experts that gather few
-        pairs in the graph (Int8FusedExperts.gathers)."""
-        if not isinstance(self.dispatcher, LocalDispatcher):
-            return False
-        gathers = getattr(self.experts, "gathers", None)
-        return type(self.experts) is FusedExperts or (gathers is not None and gathers(tokens * self.gate.top_k))
+        collectives) and the experts can be traced over that many pairs (FusedExperts.traceable)."""
+        return isinstance(self.dispatcher, LocalDispatcher) and self.experts.traceable(tokens * self.gate.top_k)
 
     def _forward_opaque(self, x: torch.Tensor) -> torch.Tensor:
         """The compiled graph's MoE block when the routed part is an opaque op (layers/opaque.py): router and
