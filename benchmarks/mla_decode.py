@@ -2,15 +2,26 @@
 context lengths, on DeepSeek-V3's latent dims (kv_lora 512 + rope 64, 16 heads as in benchmarks/decode_speed.py).
 
 Usage: python benchmarks/mla_decode.py [--batches 1 8 32] [--contexts 128 1024] [--repeats 5] [--threads 1]
+                                       [--variants bmm sdpa bmm_t flex inductor]
 
-Compared in one run, on the same inputs: two bmm's (scores, then the value product over all C + dr columns,
-the output sliced) around an eager float32 softmax (what mla.py did from 2026-12-06 to 2026-12-07), and
-SDPA's flash kernel with each row's heads as the queries of one KV head (what it does now). Each (batch,
-context) gets 8 layers' worth of contexts, cycled so that every call reads its KV from memory, as a decode
-step does. Per variant: milliseconds per layer (median of --repeats, CPU time of this thread), the ratio,
-the FLOP rate and KV read rate the new time implies (the scores and the value product are 2 x B x H x L x
-(C + dr) multiply-adds each; the gather of the context from the paged cache is left out, it is the same for
-both), and each variant's largest error against a float32 reference on the first layer's inputs.
+Variants, compared in one run on the same inputs:
+- bmm: two bmm's (scores, then the value product over all C + dr columns, the output sliced) around an eager
+  float32 softmax (what mla.py did from 2026-12-06 to 2026-12-07);
+- sdpa: SDPA's flash kernel with each row's heads as the queries of one KV head (what mla.py does now; the
+  baseline of the ratios);
+- bmm_t: the scores as context @ query^T, so the context is the GEMM's row operand (read as stored, no
+  reorder for AMX's tiles), transposed to [B, H, L] in float32 for the softmax, the value product as in bmm;
+- flex: torch.compile'd flex_attention (inductor's C++ template on CPU) in sdpa's layout, the lengths as a
+  block mask built outside the timing (an engine would build it once per step); compiles once per shape;
+- inductor: bmm_t's scores compiled with max-autotune, whose C++ GEMM template (AMX micro-kernel) takes the
+  float conversion, mask and scale as an epilogue on its float32 accumulators (scores in float32, where
+  oneDNN's bmm rounds them to BF16), a compiled softmax, oneDNN's value product; compiles once per shape.
+Each (batch, context) gets 8 layers' worth of contexts, cycled so that every call reads its KV from memory,
+as a decode step does; the variants' order alternates between repeats. Per variant: milliseconds per layer
+(median of --repeats, CPU time of this thread, [min-max]), its largest error against a float32 reference on
+the first layer's inputs, and its ratio to sdpa; for sdpa also the FLOP rate and KV read rate its time implies
+(the scores and the value product are 2 x B x H x L x (C + dr) multiply-adds each; the gather of the context
+from the paged cache is left out, it is the same for all).
 """
 from __future__ import annotations
 
@@ -27,31 +38,77 @@ HEADS, C, R = 16, 512, 64
 SCALE = 0.1
 
 
-def attend_bmm(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend_bmm(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, prep=None) -> torch.Tensor:
     scores = torch.bmm(q_full, kv.transpose(1, 2)).float() * SCALE
     scores.masked_fill_(mask[:, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(kv.dtype)
     return torch.bmm(probs, kv)[..., :C]
 
 
-def attend_sdpa(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend_sdpa(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, prep=None) -> torch.Tensor:
     kv = kv[:, None]
     o = F.scaled_dot_product_attention(q_full[:, None], kv, kv, attn_mask=~mask[:, None, None, :], scale=SCALE)
     return o[:, 0, :, :C]
 
 
+def attend_bmm_t(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, prep=None) -> torch.Tensor:
+    scores = torch.bmm(kv, q_full.transpose(1, 2)).transpose(1, 2).float()  # [B, H, L], contiguous float32
+    scores.masked_fill_(mask[:, None, :], float("-inf"))
+    probs = (scores * SCALE).softmax(dim=-1).to(kv.dtype)
+    return torch.bmm(probs, kv)[..., :C]
+
+
+_flex = None
+
+
+def flex_mask(mask: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    b, length = mask.shape
+    return create_block_mask(lambda bi, h, qi, ki: ~mask[bi, ki], b, 1, HEADS, length, device="cpu")
+
+
+def attend_flex(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, prep=None) -> torch.Tensor:
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        torch._dynamo.config.recompile_limit = 64  # one graph per (batch, context)
+        _flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    kv = kv[:, None]
+    return _flex(q_full[:, None], kv, kv, block_mask=prep, scale=SCALE)[:, 0, :, :C]
+
+
+_inductor = None
+
+
+def attend_inductor(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, prep=None) -> torch.Tensor:
+    global _inductor
+    if _inductor is None:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.max_autotune_gemm_backends = "CPP,ATEN"  # its AMX GEMM template against oneDNN's bmm
+        torch._dynamo.config.recompile_limit = 64
+
+        def scores(q_full, kv, mask):  # the template's epilogue sees the float32 accumulators
+            s = torch.bmm(kv, q_full.transpose(1, 2)).float()  # [B, L, H]
+            return s.masked_fill(mask[:, :, None], float("-inf")) * SCALE
+
+        def probs(s):
+            return s.softmax(dim=1).to(torch.bfloat16).transpose(1, 2).contiguous()
+
+        _inductor = [torch.compile(f, dynamic=False, fullgraph=True, mode="max-autotune-no-cudagraphs")
+                     for f in (scores, probs)]
+    return torch.bmm(_inductor[1](_inductor[0](q_full, kv, mask)), kv)[..., :C]
+
+
+VARIANTS = {"bmm": attend_bmm, "sdpa": attend_sdpa, "bmm_t": attend_bmm_t, "flex": attend_flex,
+            "inductor": attend_inductor}
+PREPARE = {"flex": flex_mask}  # per-layer inputs built outside the timing
+
+
 def reference(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return attend_bmm(q_full.float(), kv.float(), mask)
-
-
-def per_layer_ms(fn, layers, repeats: int) -> float:
-    runs = []
-    for _ in range(repeats):
-        t0 = time.thread_time()
-        for args in layers:
-            fn(*args)
-        runs.append((time.thread_time() - t0) / len(layers) * 1e3)
-    return statistics.median(runs)
 
 
 def main() -> None:
@@ -60,11 +117,11 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--variants", nargs="+", default=["bmm", "sdpa", "bmm_t"], choices=list(VARIANTS))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    names = list(dict.fromkeys(["sdpa"] + args.variants))  # sdpa always: the ratios' baseline
     g = torch.Generator().manual_seed(0)
-    print(f"{'batch':>5s} {'context':>7s} {'bmm ms':>8s} {'sdpa ms':>8s} {'ratio':>6s} {'GFLOP/s':>8s} "
-          f"{'KV GB/s':>8s} {'bmm err':>8s} {'sdpa err':>8s}")
     for b in args.batches:
         for length in args.contexts:
             layers = []
@@ -73,14 +130,25 @@ def main() -> None:
                 lens = torch.randint(max(1, length - 16), length + 1, (b,), generator=g)
                 q = torch.randn(b, HEADS, C + R, generator=g).to(torch.bfloat16)
                 layers.append((q, kv, torch.arange(length)[None, :] >= lens[:, None]))
+            preps = {n: [PREPARE[n](mask) if n in PREPARE else None for _, _, mask in layers] for n in names}
             exact = reference(*layers[0])
-            errs = [(fn(*layers[0]).float() - exact).abs().max().item() for fn in (attend_bmm, attend_sdpa)]
-            old = per_layer_ms(attend_bmm, layers, args.repeats)
-            new = per_layer_ms(attend_sdpa, layers, args.repeats)
+            errs = {n: (VARIANTS[n](*layers[0], preps[n][0]).float() - exact).abs().max().item() for n in names}
+            runs: dict[str, list[float]] = {n: [] for n in names}
+            for r in range(args.repeats):
+                for n in names if r % 2 == 0 else names[::-1]:
+                    t0 = time.thread_time()
+                    for args_, prep in zip(layers, preps[n]):
+                        VARIANTS[n](*args_, prep)
+                    runs[n].append((time.thread_time() - t0) / len(layers) * 1e3)
+            ms = {n: statistics.median(v) for n, v in runs.items()}
             flops = 2 * 2 * b * HEADS * length * (C + R)
             kv_bytes = b * length * (C + R) * 2
-            print(f"{b:5d} {length:7d} {old:8.2f} {new:8.2f} {old / new:6.2f} {flops / new / 1e6:8.1f} "
-                  f"{kv_bytes / new / 1e6:8.1f} {errs[0]:8.1e} {errs[1]:8.1e}", flush=True)
+            print(f"batch {b} x context {length}: sdpa {flops / ms['sdpa'] / 1e6:.1f} GFLOP/s, "
+                  f"{kv_bytes / ms['sdpa'] / 1e6:.1f} GB/s of KV", flush=True)
+            for n in names:
+                print(f"  {n:8s} {ms[n]:8.2f} ms [{min(runs[n]):.2f}-{max(runs[n]):.2f}]  x{ms['sdpa'] / ms[n]:5.2f} "
+                      f"of sdpa  err {errs[n]:.1e}", flush=True)
+
 
 if __name__ == "__main__":
     with torch.inference_mode():
