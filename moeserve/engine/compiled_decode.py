@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 # Keep eager's rounding to the model dtype between fused ops (BF16): the graph then gives the eager path's
 # tokens instead of drifting from them wherever greedy is near a tie.
-_INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 
 # Default graphs for decode steps of up to 64 rows (64 sequences, or 32 with one MTP draft each): compiled at
 # start-up in about a minute here (cold inductor cache). The gain shrinks as the GEMMs grow (1.07-1.35x at
@@ -152,7 +152,7 @@ class DirectGraphs:
 
     def __init__(self, fn) -> None:
         self.fn = fn
-        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=_INDUCTOR_OPTIONS)
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
         self.direct: dict[tuple, tuple] = {}  # key -> (entry's code as a function, its guard manager)
         self.check_guards = os.environ.get("MOESERVE_CHECK_GRAPH_GUARDS") == "1"
         self.direct_calls = 0

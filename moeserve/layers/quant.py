@@ -172,15 +172,16 @@ def _int8_packed_mm(xq: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 
 def _u8_packed_mm(xu: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                  zero_points: torch.Tensor) -> torch.Tensor:
+                  zero_points: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """_int8_packed_mm of activations already flipped to uint8 (xq ^ 128): callers with many GEMMs over
-    slices of one activation tensor (the routed experts) flip it once."""
+    slices of one activation tensor (the routed experts) flip it once. `dtype`: the output's (oneDNN rounds
+    its float32 (xq @ w.T) * scale once, to nearest even, as .to(dtype) does)."""
     # With AMX one row goes in as two: oneDNN's single-row AMX path has a cliff at some shapes (K = 256:
     # 100-200x slower than two rows, measured on torch 2.13); two rows take its GEMM kernel. VNNI has none.
     one_row = xu.shape[0] == 1 and _cpu_int8_unit() == "amx"
     x = xu.expand(2, -1) if one_row else xu  # a stride-0 view: oneDNN reads the row twice, nothing is copied
     y = torch.ops.onednn.qlinear_pointwise(x, 1.0, _U8_ZERO_POINT, packed, scale, zero_points, None, 1.0, 0,
-                                           torch.float32, "none", [], "")
+                                           dtype, "none", [], "")
     return y[:1] if one_row else y
 
 
@@ -285,6 +286,13 @@ class Int8LinearMethod:
     @staticmethod
     def dequantized_weight(layer: nn.Module) -> torch.Tensor:
         return dequantize(layer.weight, layer.weight_scale, layer.orig_dtype)
+
+
+def out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype INT8 experts' GEMMs write for activations x: BF16 for a BF16 model, as its float experts' GEMMs
+    write theirs (half the bytes of float32: an A8W8 prefill of the bench model x1.08 from this alone, the
+    w2 GEMM with its 256-long rows being bound by its output), float32 otherwise."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
 
 
 class Int8FusedExperts(FusedExperts):
@@ -418,9 +426,10 @@ class Int8FusedExperts(FusedExperts):
         tq, ts = quantize_per_token(x)  # per token, as the eager path quantizes each token once
         xq = stored(tq)[:, None, :].expand(t, k, -1).reshape(t * k, -1)  # pair i is token i // k
         xs = ts.repeat_interleave(k, dim=0)
-        h = int8_rows_dot(xq, self.w13[ids]) * self.w13_scale[ids]  # [P, 2I] as oneDNN's float32 epilogue gives it
+        dtype = out_dtype(x)  # each GEMM's output rounded to it, as oneDNN's epilogue gives it
+        h = (int8_rows_dot(xq, self.w13[ids]) * self.w13_scale[ids]).to(dtype)  # [P, 2I]
         aq, a_s = expert_epilogue.swiglu_quant_traceable(h, xs, self.intermediate)
-        y = int8_rows_dot(stored(aq), self.w2[ids]) * self.w2_scale[ids]  # [P, H]
+        y = (int8_rows_dot(stored(aq), self.w2[ids]) * self.w2_scale[ids]).to(dtype)  # [P, H]
         pairs = (y * (a_s * w[:, None])).to(x.dtype).view(t, k, -1)  # weighted, rounded per pair as _placed
         total = pairs[:, 0].float()  # summed in pair order, as the eager sum over k
         for j in range(1, k):
@@ -458,15 +467,17 @@ class Int8FusedExperts(FusedExperts):
 
     def _gemms(self, x: torch.Tensor, expert_ids: torch.Tensor,
                k: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The experts over our rows, grouped by expert: (y [R, H] float32 before its activation scale, that
-        scale [R, 1], rows [R] the pair each row of y belongs to). With k, x holds the tokens and pair i is
+        """The experts over our rows, grouped by expert: (y [R, H] before its activation scale, that scale
+        [R, 1] float32, rows [R] the pair each row of y belongs to). With k, x holds the tokens and pair i is
         token i // k: each token is quantized once, not once per expert it routes to, and no repeated copy of
-        the tokens is made."""
+        the tokens is made. Each GEMM's weight-scaled output comes in out_dtype(x), as a float expert's GEMM
+        gives it in the model's dtype; the activation scales and SwiGLU then work in float32."""
         # The one host sync of the INT8 path: no maintained grouped INT8 GEMM runs on CPU (torch._grouped_mm
         # takes float types only), so each busy expert is one oneDNN call on its slice of rows.
         rows, bounds = grouped_on_host(expert_ids, self.num_local_experts)  # [R] our rows, grouped by expert
+        dtype = out_dtype(x)
         if rows.numel() == 0:
-            return x.new_empty(0, x.shape[1], dtype=torch.float32), x.new_empty(0, 1, dtype=torch.float32), rows
+            return x.new_empty(0, x.shape[1], dtype=dtype), x.new_empty(0, 1, dtype=torch.float32), rows
         ids = expert_ids[rows]  # [R]
         packed = getattr(self, "packed", None)
         # Rows gathered by index_select (a row copy): indexing (x[rows]) gathers int8 rows ~11x slower here
@@ -482,38 +493,39 @@ class Int8FusedExperts(FusedExperts):
                 xq, xu = None, (tq.view(torch.uint8) ^ _U8_ZERO_POINT).index_select(0, tokens)
             else:
                 xq = tq.index_select(0, tokens)
-        h = self._grouped_mm(xq, self.w13, self.w13_scale, bounds, packed, 0, ids, xu)  # [R, 2I] float32
+        h = self._grouped_mm(xq, self.w13, self.w13_scale, bounds, packed, 0, ids, xu, dtype)  # [R, 2I]
         if expert_epilogue.swiglu_quant_for(rows.numel(), self.intermediate):  # scale, SwiGLU, quantization: one kernel
             aq, a_s = expert_epilogue.swiglu_quant(h, xs, self.intermediate)
         else:
-            gate, up = h.mul_(xs).split(self.intermediate, dim=-1)
+            gate, up = (h * xs).split(self.intermediate, dim=-1)  # float32, as swiglu_quant computes it
             aq, a_s = quantize_per_token(F.silu(gate) * up)  # [R, I] int8, [R, 1]
-        return self._grouped_mm(aq, self.w2, self.w2_scale, bounds, packed, 1, ids), a_s, rows
+        return self._grouped_mm(aq, self.w2, self.w2_scale, bounds, packed, 1, ids, None, dtype), a_s, rows
 
     @staticmethod
     def _grouped_mm(aq: torch.Tensor | None, w: torch.Tensor, scale: torch.Tensor, bounds: list[int], packed,
-                    proj: int, ids: torch.Tensor, au: torch.Tensor | None = None) -> torch.Tensor:
+                    proj: int, ids: torch.Tensor, au: torch.Tensor | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """aq [R, K] int8 grouped by expert (rows bounds[e]..bounds[e+1]), w [E, N, K] int8, scale [E, N]
-        -> [R, N] float32 = (aq @ w[e].T) * scale[e] per group. With packed copies the rows may come as au
-        instead, already flipped to uint8 (aq ^ 128), and aq None."""
+        -> [R, N] in dtype = (aq @ w[e].T) * scale[e] per group, in float32 and rounded once. With packed
+        copies the rows may come as au instead, already flipped to uint8 (aq ^ 128), and aq None."""
         if packed is None:
             acc = torch.empty(aq.shape[0], w.shape[1], dtype=torch.int32, device=aq.device)
             for e in range(len(bounds) - 1):
                 if bounds[e + 1] > bounds[e]:
                     int8_mm(aq[bounds[e]:bounds[e + 1]], w[e], out=acc[bounds[e]:bounds[e + 1]])
-            return acc.float().mul_(scale[ids])
+            return acc.float().mul_(scale[ids]).to(dtype)
         # A GEMM per busy expert (~120 a layer at batch 32 over 64 experts): the activations are flipped to
         # uint8 once for all of them
         if au is None:
             au = aq.view(torch.uint8) ^ _U8_ZERO_POINT
-        out = torch.empty(au.shape[0], w.shape[1], dtype=torch.float32, device=au.device)
+        out = torch.empty(au.shape[0], w.shape[1], dtype=dtype, device=au.device)
         for e in range(len(bounds) - 1):
             lo, hi = bounds[e], bounds[e + 1]
             if hi == lo:
                 continue
             p = packed[e][proj]
             if p.pays(hi - lo):
-                out[lo:hi] = _u8_packed_mm(au[lo:hi], p.packed, p.scale, p.zero_points)
+                out[lo:hi] = _u8_packed_mm(au[lo:hi], p.packed, p.scale, p.zero_points, dtype)
             else:
                 rows = aq[lo:hi] if aq is not None else (au[lo:hi] ^ _U8_ZERO_POINT).view(torch.int8)
                 out[lo:hi] = int8_mm(rows, w[e]).float().mul_(scale[e])

@@ -154,6 +154,7 @@ def test_gathered_int8_experts_in_a_graph_have_the_eager_bits(e, h, i, t, k, dty
     """The decode graph's INT8 experts (gathered_topk, traced by inductor) against the eager per-expert GEMMs
     (oneDNN's packed INT8 GEMMs where they run, torch._int_mm otherwise): the same bits, including experts
     shared by several tokens."""
+    from moeserve.engine.compiled_decode import INDUCTOR_OPTIONS
     from moeserve.layers.quant import int8_rows_dot
 
     ex = _int8_experts(e, h, i, dtype)
@@ -162,7 +163,8 @@ def test_gathered_int8_experts_in_a_graph_have_the_eager_bits(e, h, i, t, k, dty
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     ids[-1, 0] = ids[0, 0]  # one expert busy with two tokens
     w = torch.rand(t, k, generator=g)
-    compiled = torch.compile(ex.gathered_topk, fullgraph=True, dynamic=False)
+    # compiled as the engine compiles its decode graphs: rounding to the model dtype where the code says so
+    compiled = torch.compile(ex.gathered_topk, fullgraph=True, dynamic=False, options=INDUCTOR_OPTIONS)
     assert torch.equal(compiled(x, ids, w), ex.forward_topk(x, ids, w))
     # the dot product itself against an int64 reference, eagerly too
     a = torch.randint(-128, 128, (3, h), dtype=torch.int8, generator=g)
@@ -176,3 +178,23 @@ def test_int8_experts_gather_only_few_pairs_and_where_swiglu_matches():
     limit = int(Int8FusedExperts.GATHER_PAIRS_PER_SLOT * 16)
     assert ex.gathers(limit) and not ex.gathers(limit + 1)
     assert not _int8_experts(16, 64, 48, torch.bfloat16).gathers(1)  # SwiGLU rows of 48: not the eager bits
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_expert_gemms_write_the_model_dtype_rounded_once(dtype):
+    """Each expert GEMM's output in the model's dtype (BF16 for a BF16 model): the exact INT32 sums times the
+    weight scale in float32, rounded once, whether oneDNN's packed GEMM (256-long rows: packed on AMX and
+    VNNI) or torch._int_mm computes it."""
+    from moeserve.layers.quant import out_dtype
+
+    e, h, i, rows = 4, 256, 128, 24
+    ex = _int8_experts(e, h, i, dtype)
+    g = torch.Generator().manual_seed(2)
+    aq = torch.randint(-128, 128, (rows, h), dtype=torch.int8, generator=g)
+    bounds = [0, 5, 5, 17, rows]  # expert 1 idle
+    ids = torch.repeat_interleave(torch.arange(e), torch.tensor([5, 0, 12, 7]))
+    ref = (torch.einsum("rk,rnk->rn", aq.long(), ex.w13[ids].long()).float() * ex.w13_scale[ids]).to(dtype)
+    assert out_dtype(torch.empty(0, dtype=dtype)) == dtype
+    for packed in (getattr(ex, "packed", None), None):
+        y = Int8FusedExperts._grouped_mm(aq, ex.w13, ex.w13_scale, bounds, packed, 0, ids, None, dtype)
+        assert y.dtype == dtype and torch.equal(y, ref)

@@ -91,8 +91,9 @@ def _combine_eager(y: torch.Tensor, scale: torch.Tensor, pos: torch.Tensor, k: i
 
 
 def swiglu_quant(h: torch.Tensor, x_scale: torch.Tensor, intermediate: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """INT8 experts between their GEMMs: h [R, 2I] float32 gate/up sums before the activation scale, x_scale
-    [R, 1] -> quantize_per_token(silu(gate) * up) of h * x_scale: (int8 [R, I], float32 [R, 1])."""
+    """INT8 experts between their GEMMs: h [R, 2I] gate/up sums before the activation scale (float32, or the
+    model's dtype as the GEMMs wrote them), x_scale [R, 1] float32 -> quantize_per_token(silu(gate) * up) of
+    h * x_scale in float32: (int8 [R, I], float32 [R, 1])."""
     return _swiglu_quant(h, x_scale, intermediate)
 
 
