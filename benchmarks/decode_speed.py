@@ -14,7 +14,7 @@ groups, 2 shared, moe_intermediate 256, vocab 32000), written once with transfor
 like a real V3 (scoring_func sigmoid, topk_method noaux_tc).
 
 Per mode and batch: decode tok/s = batch x (new - 1) / (time of the full generate - time of the same
-prefill alone), each figure the median of --repeats runs (modes alternate), with the spread (min..max as %
+prefill alone), each figure the median of --repeats runs (modes alternate, their order reversed every other repeat), with the spread (min..max as %
 of the median). Prefill tok/s: --prefill-prompts prompts of --prompt-len tokens, max_tokens 1. Also: the
 machine's read bandwidth (float32 sum of 512 MB), the weight bytes one token reads (active parameters), the
 batch-1 roofline (bandwidth / bytes per token) and the fraction reached, and a batch-1 decode step split by
@@ -195,12 +195,16 @@ def run_moeserve(path: str, args) -> dict:
     for llm in llms.values():  # warm-up: every batch size once (allocator, oneDNN primitives)
         for b in args.batches:
             decode_tps(llm, b, args.prompt_len, 4, salt=0)
-        prefill_tps(llm, args.prefill_prompts, args.prompt_len, salt=0)
+        # Prefill three times: oneDNN makes a primitive per GEMM shape, and each prefill's experts see row
+        # counts the last did not (~1.4 ms a new BF16 shape, ~0.5 ms INT8, one thread): after one warm-up
+        # the first timed BF16 prefill still ran ~20% below the next ones
+        for salt in range(3):
+            prefill_tps(llm, args.prefill_prompts, args.prompt_len, salt=salt)
     res: dict = {m: {"decode": {}, "prefill": None, "start_s": start_s[m], "weight_bytes": weights[m]} for m in llms}
     for b in args.batches:
         runs = {m: [] for m in llms}
         for r in range(args.repeats):
-            for m, llm in llms.items():
+            for m, llm in in_turn(llms, r):
                 runs[m].append(decode_tps(llm, b, args.prompt_len, args.new_tokens, salt=r + 1))
         for m in llms:
             res[m]["decode"][b] = spread(runs[m])
@@ -209,7 +213,7 @@ def run_moeserve(path: str, args) -> dict:
                                            for m in llms), flush=True)
     runs = {m: [] for m in llms}
     for r in range(args.repeats):
-        for m, llm in llms.items():
+        for m, llm in in_turn(llms, r):
             runs[m].append(prefill_tps(llm, args.prefill_prompts, args.prompt_len, salt=100 + r))
     for m in llms:
         res[m]["prefill"] = spread(runs[m])
@@ -218,6 +222,13 @@ def run_moeserve(path: str, args) -> dict:
                                     f"({res[m]['prefill']['lo_pct']:+.0f}/{res[m]['prefill']['hi_pct']:+.0f}%)"
                                     for m in llms), flush=True)
     return res
+
+
+def in_turn(llms: dict, r: int) -> list:
+    """The engines in order for repeat r, reversed every other repeat: an engine timed right after another
+    finds a different cache (a second run of the same engine here was ~18% faster from cache warmth alone)."""
+    order = list(llms.items())
+    return order if r % 2 == 0 else order[::-1]
 
 
 VLLM_SCRIPT = r"""

@@ -288,11 +288,11 @@ class Int8LinearMethod:
         return dequantize(layer.weight, layer.weight_scale, layer.orig_dtype)
 
 
-def out_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype INT8 experts' GEMMs write for activations x: BF16 for a BF16 model, as its float experts' GEMMs
-    write theirs (half the bytes of float32: an A8W8 prefill of the bench model x1.08 from this alone, the
-    w2 GEMM with its 256-long rows being bound by its output), float32 otherwise."""
-    return torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+def expert_out_dtype(act_dtype: torch.dtype) -> torch.dtype:
+    """The dtype INT8 experts' GEMMs write for activations of act_dtype: BF16 for a BF16 model, as its float
+    experts' GEMMs write theirs (half the bytes of float32: an A8W8 prefill of the bench model x1.03-1.17 from
+    this alone, the down projection with its 256-long rows being bound by its output), float32 otherwise."""
+    return torch.bfloat16 if act_dtype == torch.bfloat16 else torch.float32
 
 
 class Int8FusedExperts(FusedExperts):
@@ -383,6 +383,18 @@ class Int8FusedExperts(FusedExperts):
                   Int8Packed.of(self.w2.data[e], self.w2_scale.data[e])) for e in range(self.num_local_experts)]
         self.packed = packs if all(a is not None and b is not None for a, b in packs) else None
 
+    def warm_up_gemms(self, max_rows: int, act_dtype: torch.dtype) -> None:
+        """FusedExperts.warm_up_gemms for the packed INT8 GEMMs, with the output dtype forward gives them."""
+        if self.zen or not self.packed:
+            return
+        dtype = expert_out_dtype(act_dtype)
+        for proj, width in ((0, self.w13.shape[-1]), (1, self.intermediate)):
+            p = self.packed[0][proj]
+            xu = torch.zeros(max_rows, width, dtype=torch.uint8)
+            for rows in range(1, max_rows + 1):
+                if p.pays(rows):
+                    _u8_packed_mm(xu[:rows], p.packed, p.scale, p.zero_points, dtype)
+
     def zen_on(self, x: torch.Tensor) -> bool:
         """Whether these activations go through zentorch: set up for it, and BF16 (or a BF16 model's)."""
         return self.zen and (x.dtype == torch.bfloat16 or self.act_dtype == torch.bfloat16)
@@ -426,7 +438,7 @@ class Int8FusedExperts(FusedExperts):
         tq, ts = quantize_per_token(x)  # per token, as the eager path quantizes each token once
         xq = stored(tq)[:, None, :].expand(t, k, -1).reshape(t * k, -1)  # pair i is token i // k
         xs = ts.repeat_interleave(k, dim=0)
-        dtype = out_dtype(x)  # each GEMM's output rounded to it, as oneDNN's epilogue gives it
+        dtype = expert_out_dtype(x.dtype)  # each GEMM's output rounded to it, as oneDNN's epilogue gives it
         h = (int8_rows_dot(xq, self.w13[ids]) * self.w13_scale[ids]).to(dtype)  # [P, 2I]
         aq, a_s = expert_epilogue.swiglu_quant_traceable(h, xs, self.intermediate)
         y = (int8_rows_dot(stored(aq), self.w2[ids]) * self.w2_scale[ids]).to(dtype)  # [P, H]
@@ -470,12 +482,12 @@ class Int8FusedExperts(FusedExperts):
         """The experts over our rows, grouped by expert: (y [R, H] before its activation scale, that scale
         [R, 1] float32, rows [R] the pair each row of y belongs to). With k, x holds the tokens and pair i is
         token i // k: each token is quantized once, not once per expert it routes to, and no repeated copy of
-        the tokens is made. Each GEMM's weight-scaled output comes in out_dtype(x), as a float expert's GEMM
+        the tokens is made. Each GEMM's weight-scaled output comes in expert_out_dtype, as a float expert's GEMM
         gives it in the model's dtype; the activation scales and SwiGLU then work in float32."""
         # The one host sync of the INT8 path: no maintained grouped INT8 GEMM runs on CPU (torch._grouped_mm
         # takes float types only), so each busy expert is one oneDNN call on its slice of rows.
         rows, bounds = grouped_on_host(expert_ids, self.num_local_experts)  # [R] our rows, grouped by expert
-        dtype = out_dtype(x)
+        dtype = expert_out_dtype(x.dtype)
         if rows.numel() == 0:
             return x.new_empty(0, x.shape[1], dtype=dtype), x.new_empty(0, 1, dtype=torch.float32), rows
         ids = expert_ids[rows]  # [R]

@@ -263,3 +263,43 @@ def test_grouped_on_host_matches_group_rows(rows, monkeypatch):
         mine, bounds = experts.grouped_on_host(ids, 8)
         assert bounds == want_bounds and mine.dtype == torch.long
         assert torch.equal(mine, order[: want_bounds[-1]])
+
+
+def _prefill_rows_missing_primitives(ex, act_dtype, rows_per_expert, capfd) -> int:
+    """oneDNN primitives the experts' GEMMs had to build (cache misses) for one step with these rows per
+    expert, read from oneDNN's verbose creation log."""
+    ids = torch.repeat_interleave(torch.arange(len(rows_per_expert)), torch.tensor(rows_per_expert))
+    x = torch.randn(ids.numel(), ex.w13.shape[-1]).to(act_dtype)
+    capfd.readouterr()
+    with torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON_CREATION):
+        ex.forward_topk(x, ids[:, None], torch.ones(ids.numel(), 1))
+    return sum("create:cache_miss" in line for line in capfd.readouterr().out.splitlines())
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN's packed GEMMs only")
+@pytest.mark.parametrize("int8", [False, True], ids=["bf16", "a8w8"])
+def test_expert_gemm_warm_up_builds_every_primitive_a_step_needs(int8, capfd):
+    """After warm_up_gemms(max_rows), a step whose experts take 1..max_rows rows each builds no oneDNN primitive
+    (each costs ~0.5-1.4 ms on first use); without it the same step builds them. Shapes of their own (hidden 96,
+    intermediate 48 / 80), so no other test has built them in this process."""
+    e, rows = 4, [3, 17, 24, 1]
+    made = []
+    for warm, inter in ((False, 48), (True, 80)):
+        if int8:
+            ex = Int8FusedExperts(e, 96, inter)
+            for w, s in ((ex.w13, ex.w13_scale), (ex.w2, ex.w2_scale)):
+                q, scale = quantize_per_channel(torch.randn(w.shape))
+                w.data.copy_(q)
+                s.data.copy_(scale[..., 0])
+            ex.act_dtype = torch.bfloat16
+        else:
+            ex = FusedExperts(e, 96, inter)
+            ex.w13.data = torch.randn(ex.w13.shape).bfloat16()
+            ex.w2.data = torch.randn(ex.w2.shape).bfloat16()
+        ex.process_weights_after_loading(zentorch=False)
+        if not ex.packed:
+            pytest.skip("no oneDNN-packed expert GEMMs on this CPU")
+        if warm:
+            ex.warm_up_gemms(max(rows), torch.bfloat16)
+        made.append(_prefill_rows_missing_primitives(ex, torch.bfloat16, rows, capfd))
+    assert made[0] > 0 and made[1] == 0, made

@@ -185,7 +185,7 @@ def test_int8_expert_gemms_write_the_model_dtype_rounded_once(dtype):
     """Each expert GEMM's output in the model's dtype (BF16 for a BF16 model): the exact INT32 sums times the
     weight scale in float32, rounded once, whether oneDNN's packed GEMM (256-long rows: packed on AMX and
     VNNI) or torch._int_mm computes it."""
-    from moeserve.layers.quant import out_dtype
+    from moeserve.layers.quant import expert_out_dtype
 
     e, h, i, rows = 4, 256, 128, 24
     ex = _int8_experts(e, h, i, dtype)
@@ -194,7 +194,7 @@ def test_int8_expert_gemms_write_the_model_dtype_rounded_once(dtype):
     bounds = [0, 5, 5, 17, rows]  # expert 1 idle
     ids = torch.repeat_interleave(torch.arange(e), torch.tensor([5, 0, 12, 7]))
     ref = (torch.einsum("rk,rnk->rn", aq.long(), ex.w13[ids].long()).float() * ex.w13_scale[ids]).to(dtype)
-    assert out_dtype(torch.empty(0, dtype=dtype)) == dtype
+    assert expert_out_dtype(dtype) == dtype
     for packed in (getattr(ex, "packed", None), None):
         y = Int8FusedExperts._grouped_mm(aq, ex.w13, ex.w13_scale, bounds, packed, 0, ids, None, dtype)
         assert y.dtype == dtype and torch.equal(y, ref)
