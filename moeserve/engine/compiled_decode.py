@@ -77,35 +77,11 @@ def decode_graph_tokens(config) -> tuple[int, int]:
 
 def warm_up_prefill_kernels(runner) -> None:
     """The prefill-sized kernels an engine that compiles uses: A8W8's activation quantizer, the routed experts'
-    passes around their GEMMs, and the experts' GEMM primitives."""
+    passes around their GEMMs."""
     if runner.config.quant.method == "a8w8":
         warm_up_quantizer(runner.arch.hidden_size, runner.dtype)
     if runner.arch.n_routed_experts:
         warm_up_expert_epilogue(runner.model, runner.dtype, runner.arch.num_experts_per_tok)
-        warm_up_expert_gemms(runner.model, runner.dtype, min(EXPERT_GEMM_WARM_ROWS,
-                                                            runner.config.scheduler.max_num_batched_tokens))
-
-
-# Rows per expert whose GEMM primitives are built at start-up: a 2048-token prefill step over 64 experts with
-# top-6 gives ~190 rows an expert on average. ~0.5 s for a BF16 model here, ~1/3 of it for A8W8; 512
-# primitives, half of oneDNN's default cache of 1024.
-EXPERT_GEMM_WARM_ROWS = 256
-
-
-def warm_up_expert_gemms(model: torch.nn.Module, dtype: torch.dtype, max_rows: int) -> None:
-    """FusedExperts.warm_up_gemms once per distinct expert shape and class (oneDNN's primitives are keyed by
-    shape: one module's calls serve every layer)."""
-    from moeserve.layers.moe.experts import FusedExperts
-
-    start, seen = time.perf_counter(), set()
-    with torch.inference_mode():
-        for m in model.modules():
-            if isinstance(m, FusedExperts):
-                key = (type(m), tuple(m.w13.shape[1:]), tuple(m.w2.shape[1:]))
-                if key not in seen:
-                    seen.add(key)
-                    m.warm_up_gemms(max_rows, dtype)
-    logger.info("expert GEMM primitives for 1-%d rows built in %.1f s", max_rows, time.perf_counter() - start)
 
 
 def warm_up_quantizer(width: int, dtype: torch.dtype) -> None:

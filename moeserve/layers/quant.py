@@ -383,18 +383,6 @@ class Int8FusedExperts(FusedExperts):
                   Int8Packed.of(self.w2.data[e], self.w2_scale.data[e])) for e in range(self.num_local_experts)]
         self.packed = packs if all(a is not None and b is not None for a, b in packs) else None
 
-    def warm_up_gemms(self, max_rows: int, act_dtype: torch.dtype) -> None:
-        """FusedExperts.warm_up_gemms for the packed INT8 GEMMs, with the output dtype forward gives them."""
-        if self.zen or not self.packed:
-            return
-        dtype = expert_out_dtype(act_dtype)
-        for proj, width in ((0, self.w13.shape[-1]), (1, self.intermediate)):
-            p = self.packed[0][proj]
-            xu = torch.zeros(max_rows, width, dtype=torch.uint8)
-            for rows in range(1, max_rows + 1):
-                if p.pays(rows):
-                    _u8_packed_mm(xu[:rows], p.packed, p.scale, p.zero_points, dtype)
-
     def zen_on(self, x: torch.Tensor) -> bool:
         """Whether these activations go through zentorch: set up for it, and BF16 (or a BF16 model's)."""
         return self.zen and (x.dtype == torch.bfloat16 or self.act_dtype == torch.bfloat16)

@@ -121,22 +121,6 @@ class FusedExperts(nn.Module):
         packs = [(pack_weight(self.w13[s]), pack_weight(self.w2[s])) for s in range(self.num_local_experts)]
         self.packed = packs if packs and all(a is not None and b is not None for a, b in packs) else None
 
-    def warm_up_gemms(self, max_rows: int, act_dtype: torch.dtype) -> None:
-        """Have oneDNN build the packed GEMMs' primitives for 1..max_rows rows per expert now, at start-up. It
-        builds one per GEMM shape on first use (~1.4 ms for a BF16 expert projection here, ~0.5 ms INT8), and
-        each prefill's experts see row counts no earlier step had: a fresh engine's first 8 x 128-token
-        prefills ran at 1422, 1713, 1854 tok/s before settling at ~1970 (BF16, V3-shaped bench model, one
-        thread). The primitives are keyed by shape, so one module's calls serve every layer. Nothing to do
-        for experts without packed copies or on zentorch."""
-        if self.zen or self.packed is None:
-            return
-        lin = torch.ops.mkldnn._linear_pointwise
-        x = torch.zeros(max_rows, self.w13.shape[-1], dtype=self.w13.dtype)
-        a = torch.zeros(max_rows, self.intermediate, dtype=self.w13.dtype)
-        for rows in range(1, max_rows + 1):
-            lin(x[:rows], self.packed[0][0], None, "none", [], "")
-            lin(a[:rows], self.packed[0][1], None, "none", [], "")
-
     def forward_topk(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] tokens, expert_ids [T, k] local slots (all here), weights [T, k] float32 -> [T, H] the
         weighted sum of each token's experts: one zentorch call, or a row per (token, expert) pair through
