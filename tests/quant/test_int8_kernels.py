@@ -183,8 +183,8 @@ def test_int8_experts_gather_only_few_pairs_and_where_swiglu_matches():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8_expert_gemms_write_the_model_dtype_rounded_once(dtype):
     """Each expert GEMM's output in the model's dtype (BF16 for a BF16 model): the exact INT32 sums times the
-    weight scale in float32, rounded once, whether oneDNN's packed GEMM (256-long rows: packed on AMX and
-    VNNI) or torch._int_mm computes it."""
+    weight scale in float32, rounded once, whether oneDNN's packed GEMM (where it runs: always with AMX) or
+    torch._int_mm computes it."""
     from moeserve.layers.quant import expert_out_dtype
 
     e, h, i, rows = 4, 256, 128, 24
