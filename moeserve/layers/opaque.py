@@ -27,8 +27,8 @@ _LIB = torch.library.Library("moeserve", "FRAGMENT")
 
 
 def define_op(name: str, schema: str, fake: Callable) -> Callable:
-    """Decorator: `impl` becomes torch.ops.moeserve.<name> (what the decorated name then holds), an op a compiled graph calls as one opaque kernel,
-    with `fake` giving its output's shape at trace time. The op must not return (a view of) an input, and
+    """Decorator: `impl` becomes torch.ops.moeserve.<name> (what the decorated name then holds), an op a
+    compiled graph calls as one opaque kernel, with `fake` giving its output's shape at trace time. The op must not return (a view of) an input, and
     what it writes elsewhere (the KV cache) is not declared: no graph reads it back.
 
     A plain library op (one Python kernel for every backend, oneDNN's packed tensors included) rather than
@@ -41,6 +41,7 @@ def define_op(name: str, schema: str, fake: Callable) -> Callable:
         torch.library.register_fake(f"moeserve::{name}", fake, lib=_LIB)
         return getattr(torch.ops.moeserve, name)  # the op: a graph that calls it keeps it whole
     return register
+
 
 _MODULES: "weakref.WeakValueDictionary[int, torch.nn.Module]" = weakref.WeakValueDictionary()
 _NEXT_KEY = itertools.count()

@@ -395,7 +395,7 @@ class Int8FusedExperts(FusedExperts):
                 return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)  # -> zen_forward
             return self.zen_forward(x, expert_ids, weights)
         if torch.compiler.is_compiling():
-            if self.gathers(expert_ids.numel()):
+            if self.traceable(expert_ids.numel()):
                 return self.gathered_topk(x, expert_ids, weights)
             return self.topk_as_rows(x, expert_ids, weights)
         t, k = expert_ids.shape
@@ -406,9 +406,6 @@ class Int8FusedExperts(FusedExperts):
         return self._placed(x, y, y_scale, rows, w).view(t, k, x.shape[1]).sum(dim=1)
 
     def traceable(self, pairs: int) -> bool:
-        return self.gathers(pairs)
-
-    def gathers(self, pairs: int) -> bool:
         """Whether a compiled graph computes these (token, expert) pairs itself (gathered_topk) rather than
         through the per-expert GEMMs in an opaque op: not where zentorch runs the layer, up to
         GATHER_PAIRS_PER_SLOT pairs per slot, and only where the graph's SwiGLU has the eager bits."""
@@ -418,8 +415,8 @@ class Int8FusedExperts(FusedExperts):
     def gathered_topk(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """forward_topk traced into a compiled decode graph, with the eager path's bits: each (token, expert) pair
         is a matrix-vector product against its expert's INT8 weights, gathered inside the reduction (inductor
-        fuses w[ids] into the loop: no weight copy), exact as the INT32 GEMMs are (int8_rows_dot), then the
-        eager epilogue's float32 steps in its order. No host sync and no call per expert: the opaque op's
+        fuses w[ids] into the loop: no weight copy), exact as the INT32 GEMMs are (int8_rows_dot), each GEMM's
+        output rounded to expert_out_dtype as oneDNN writes it, then the eager epilogue's steps in its order. No host sync and no call per expert: the opaque op's
         grouping, slicing and ~12 oneDNN calls a layer at batch 1 cost more than the weights they read."""
         t, k = expert_ids.shape
         ids, w = expert_ids.reshape(-1), weights.reshape(-1)

@@ -176,8 +176,8 @@ def test_gathered_int8_experts_in_a_graph_have_the_eager_bits(e, h, i, t, k, dty
 def test_int8_experts_gather_only_few_pairs_and_where_swiglu_matches():
     ex = _int8_experts(16, 64, 64, torch.bfloat16)
     limit = int(Int8FusedExperts.GATHER_PAIRS_PER_SLOT * 16)
-    assert ex.gathers(limit) and not ex.gathers(limit + 1)
-    assert not _int8_experts(16, 64, 48, torch.bfloat16).gathers(1)  # SwiGLU rows of 48: not the eager bits
+    assert ex.traceable(limit) and not ex.traceable(limit + 1)
+    assert not _int8_experts(16, 64, 48, torch.bfloat16).traceable(1)  # SwiGLU rows of 48: not the eager bits
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
