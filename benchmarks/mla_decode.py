@@ -2,7 +2,7 @@
 context lengths, on DeepSeek-V3's latent dims (kv_lora 512 + rope 64, 16 heads as in benchmarks/decode_speed.py).
 
 Usage: python benchmarks/mla_decode.py [--batches 1 8 32] [--contexts 128 1024] [--repeats 5] [--threads 1]
-                                       [--variants bmm sdpa bmm_t flex inductor]
+                                       [--variants bmm sdpa bmm_t flex inductor paged kernel kvcache]
 
 Variants, compared in one run on the same inputs:
 - bmm: two bmm's (scores, then the value product over all C + dr columns, the output sliced) around an eager
@@ -15,11 +15,19 @@ Variants, compared in one run on the same inputs:
   block mask built outside the timing (an engine would build it once per step); compiles once per shape;
 - inductor: bmm_t's scores compiled with max-autotune, whose C++ GEMM template (AMX micro-kernel) takes the
   float conversion, mask and scale as an epilogue on its float32 accumulators (scores in float32, where
-  oneDNN's bmm rounds them to BF16), a compiled softmax, oneDNN's value product; compiles once per shape.
+  oneDNN's bmm rounds them to BF16), a compiled softmax, oneDNN's value product; compiles once per shape;
+- paged: sdpa with its context first gathered from a paged cache (16-token blocks at shuffled block ids, as
+  an engine's pool hands them out) into a reused buffer, stale slots cleared: mla.py's whole standard path
+  (gather_decode_context + SDPA), the baseline of the two kernels below, which read that cache in place;
+- kernel: vLLM's CPU library's `decode_attention_cpu` (sgl-kernel's AMX decode attention) over the paged
+  cache, a per-token slot table (layers/attention/mla_kernel.py, what mla.py runs with MOESERVE_MLA_KERNEL);
+- kvcache: the library's `mla_decode_kvcache` (vLLM's reference CPU MLA decode, 16-token blocks only) over
+  the same cache and a block table.
+The paged variants need vLLM's CPU kernel library for the kernels (layers/cpu_kernels.py).
 Each (batch, context) gets 8 layers' worth of contexts, cycled so that every call reads its KV from memory,
 as a decode step does; the variants' order alternates between repeats. Per variant: milliseconds per layer
 (median of --repeats, CPU time of this thread, [min-max]), its largest error against a float32 reference on
-the first layer's inputs, and its ratio to sdpa; for sdpa also the FLOP rate and KV read rate its time implies
+the first layer's inputs, and its ratio to sdpa (and, for the kernels, to paged); for sdpa also the FLOP rate and KV read rate its time implies
 (the scores and the value product are 2 x B x H x L x (C + dr) multiply-adds each; the gather of the context
 from the paged cache is left out, it is the same for all).
 """
@@ -102,8 +110,52 @@ def attend_inductor(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, 
     return torch.bmm(_inductor[1](_inductor[0](q_full, kv, mask)), kv)[..., :C]
 
 
+BLOCK = 16  # the paged variants' block size (the engine's default --block-size)
+
+
+class Paged:
+    """One layer's contexts as an engine's paged cache: 16-token blocks at shuffled block ids, the block table,
+    the lengths, and the metadata mla.py builds once per step (the stale slots' flat positions, the per-token
+    slot table)."""
+
+    def __init__(self, kv: torch.Tensor, mask: torch.Tensor, g: torch.Generator) -> None:
+        from moeserve.layers.attention.metadata import _decode_batch
+
+        b, length, width = kv.shape
+        per_seq = -(-length // BLOCK)
+        blocks = F.pad(kv, (0, 0, 0, per_seq * BLOCK - length)).view(b * per_seq, BLOCK, width)
+        order = torch.randperm(b * per_seq, generator=g)
+        self.cache = torch.empty_like(blocks)
+        self.cache[order] = blocks  # block j of sequence i lives at order[i * per_seq + j]
+        lens = (~mask).sum(dim=1)
+        table = order.view(b, per_seq)
+        self.batch = _decode_batch(list(range(b)), table.tolist(), lens.tolist(), BLOCK)
+        self.block_table32 = table.to(torch.int32)
+        self.lens32 = lens.to(torch.int32)
+
+
+def attend_paged(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, prep=None) -> torch.Tensor:
+    from moeserve.layers.attention.kv_dtype import gather_decode_context
+
+    d = prep.batch
+    return attend_sdpa(q_full, gather_decode_context(prep.cache, d, q_full.dtype), d.mask)
+
+
+def attend_kernel(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, prep=None) -> torch.Tensor:
+    from moeserve.layers.attention import mla_kernel
+
+    return mla_kernel.decode_latent(q_full, prep.cache, prep.batch, SCALE, C)
+
+
+def attend_kvcache(q_full: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, prep=None) -> torch.Tensor:
+    out = q_full.new_empty(q_full.shape[0], HEADS, C)
+    torch.ops._C.mla_decode_kvcache(out, q_full, prep.cache, SCALE, prep.block_table32, prep.lens32)
+    return out
+
+
 VARIANTS = {"bmm": attend_bmm, "sdpa": attend_sdpa, "bmm_t": attend_bmm_t, "flex": attend_flex,
-            "inductor": attend_inductor}
+            "inductor": attend_inductor, "paged": attend_paged, "kernel": attend_kernel, "kvcache": attend_kvcache}
+PAGED = ("paged", "kernel", "kvcache")  # read the layer's Paged cache (one per layer, shared by them)
 PREPARE = {"flex": flex_mask}  # per-layer inputs built outside the timing
 
 
@@ -121,7 +173,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     names = list(dict.fromkeys(["sdpa"] + args.variants))  # sdpa always: the ratios' baseline
+    if any(n in PAGED for n in names):  # the kernels' baseline: the same paged cache gathered for SDPA
+        if "paged" not in names:
+            names.insert(1, "paged")
+        from moeserve.layers import cpu_kernels
+        missing = [n for n, op in (("kernel", "decode_attention_cpu"), ("kvcache", "mla_decode_kvcache"))
+                   if n in names and not cpu_kernels.has(op)]
+        if missing:
+            raise SystemExit(f"{', '.join(missing)}: vLLM's CPU kernel library is not loaded "
+                             "(moeserve/layers/cpu_kernels.py)")
     g = torch.Generator().manual_seed(0)
+    pg = torch.Generator().manual_seed(1)  # the paged caches' block order (the other inputs as without them)
     for b in args.batches:
         for length in args.contexts:
             layers = []
@@ -130,7 +192,9 @@ def main() -> None:
                 lens = torch.randint(max(1, length - 16), length + 1, (b,), generator=g)
                 q = torch.randn(b, HEADS, C + R, generator=g).to(torch.bfloat16)
                 layers.append((q, kv, torch.arange(length)[None, :] >= lens[:, None]))
-            preps = {n: [PREPARE[n](mask) if n in PREPARE else None for _, _, mask in layers] for n in names}
+            paged = [Paged(kv, mask, pg) for _, kv, mask in layers] if any(n in PAGED for n in names) else None
+            preps = {n: paged if n in PAGED else [PREPARE[n](mask) if n in PREPARE else None
+                                                  for _, _, mask in layers] for n in names}
             exact = reference(*layers[0])
             errs = {n: (VARIANTS[n](*layers[0], preps[n][0]).float() - exact).abs().max().item() for n in names}
             runs: dict[str, list[float]] = {n: [] for n in names}
@@ -146,8 +210,9 @@ def main() -> None:
             print(f"batch {b} x context {length}: sdpa {flops / ms['sdpa'] / 1e6:.1f} GFLOP/s, "
                   f"{kv_bytes / ms['sdpa'] / 1e6:.1f} GB/s of KV", flush=True)
             for n in names:
+                of_paged = f"  x{ms['paged'] / ms[n]:5.2f} of paged" if n in PAGED[1:] else ""
                 print(f"  {n:8s} {ms[n]:8.2f} ms [{min(runs[n]):.2f}-{max(runs[n]):.2f}]  x{ms['sdpa'] / ms[n]:5.2f} "
-                      f"of sdpa  err {errs[n]:.1e}", flush=True)
+                      f"of sdpa  err {errs[n]:.1e}{of_paged}", flush=True)
 
 
 if __name__ == "__main__":

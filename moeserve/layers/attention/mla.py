@@ -18,7 +18,7 @@ from torch import nn
 from moeserve.distributed.comm import timed
 from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_attention_tp_dp_switch, get_tp_group
-from moeserve.layers.attention import amla
+from moeserve.layers.attention import amla, mla_kernel
 from moeserve.layers.attention.kv_dtype import gather_cache, gather_decode_context, write_cache
 from moeserve.layers import opaque
 from moeserve.layers.attention.metadata import get_attention_metadata
@@ -191,8 +191,10 @@ class MLAttention(nn.Module):
         """Absorbed attention: one query per sequence, reading only the latent cache."""
         if amla.decode_impl() != "standard":  # --mla-decode amla: exponent-add rescaling (amla.py)
             return amla.decode(self, q_nope, q_pe, cache, d)
-        kv = gather_decode_context(cache, d, q_nope.dtype)[:, None]  # [B, 1, L, C + dr]: one KV head
         q_full = torch.cat([self.absorb_query(q_nope), q_pe], dim=-1)  # [B, H, C + dr]
+        if mla_kernel.applies(q_full, cache, d):  # BF16: vLLM's CPU kernel reads the paged cache in place
+            return self.value_up(mla_kernel.decode_latent(q_full, cache, d, self.scale, self.kv_lora_rank))
+        kv = gather_decode_context(cache, d, q_nope.dtype)[:, None]  # [B, 1, L, C + dr]: one KV head
         # Each row's H heads as the queries of one head over its latent context (MQA): SDPA's flash kernel
         # fuses scores, softmax (float32) and the value product. The values are the whole C + dr columns,
         # sliced after (the kernel wants V's width equal to K's). Against two bmm's and an eager softmax
