@@ -3,6 +3,8 @@ context lengths, on DeepSeek-V3's latent dims (kv_lora 512 + rope 64, 16 heads a
 
 Usage: python benchmarks/mla_decode.py [--batches 1 8 32] [--contexts 128 1024] [--repeats 5] [--threads 1]
                                        [--variants bmm sdpa bmm_t flex inductor paged kernel kvcache]
+       python benchmarks/mla_decode.py --engine [--prompt-lens 128 960] [--engine-batch 32] [--engine-steps 16]
+                                       [--rounds 3] [--everywhere]
 
 Variants, compared in one run on the same inputs:
 - bmm: two bmm's (scores, then the value product over all C + dr columns, the output sliced) around an eager
@@ -19,17 +21,28 @@ Variants, compared in one run on the same inputs:
 - paged: sdpa with its context first gathered from a paged cache (16-token blocks at shuffled block ids, as
   an engine's pool hands them out) into a reused buffer, stale slots cleared: mla.py's whole standard path
   (gather_decode_context + SDPA), the baseline of the two kernels below, which read that cache in place;
-- kernel: vLLM's CPU library's `decode_attention_cpu` (sgl-kernel's AMX decode attention) over the paged
+- kernel: vLLM's CPU library's `decode_attention_cpu` (sgl-kernel's CPU decode attention) over the paged
   cache, a per-token slot table (layers/attention/mla_kernel.py, what mla.py runs with MOESERVE_MLA_KERNEL);
 - kvcache: the library's `mla_decode_kvcache` (vLLM's reference CPU MLA decode, 16-token blocks only) over
   the same cache and a block table.
 The paged variants need vLLM's CPU kernel library for the kernels (layers/cpu_kernels.py).
-Each (batch, context) gets 8 layers' worth of contexts, cycled so that every call reads its KV from memory,
-as a decode step does; the variants' order alternates between repeats. Per variant: milliseconds per layer
-(median of --repeats, CPU time of this thread, [min-max]), its largest error against a float32 reference on
-the first layer's inputs, and its ratio to sdpa (and, for the kernels, to paged); for sdpa also the FLOP rate and KV read rate its time implies
-(the scores and the value product are 2 x B x H x L x (C + dr) multiply-adds each; the gather of the context
-from the paged cache is left out, it is the same for all).
+
+Each (batch, context) gets 8 layers' worth of contexts (one set of lengths and, for the paged variants, one
+block table and scratch buffer for all, as in a decode step), cycled so that every call reads its KV from
+memory, as a decode step does; the variants' order alternates between repeats. Per variant: milliseconds per
+layer (median of --repeats, CPU time of this thread, [min-max]), its largest error against a float32 reference on
+the first layer's inputs, its ratio to sdpa (for the kernels also to paged); for sdpa also the FLOP rate and
+KV read rate its time implies (the scores and the value product are 2 x B x H x L x (C + dr) multiply-adds
+each; the gather of the context from the paged cache is left out of all but paged).
+
+--engine: the whole decode step instead, with mla.py's kernel path (layers/attention/mla_kernel.py) off and on
+in one engine (MOESERVE_MLA_KERNEL, read per call): benchmarks/decode_speed.py's checkpoint, BF16, decode
+through the compiled graphs, prefix caching on; per prompt length, --engine-batch prompts generate
+max_tokens=1 twice (the second prefix-cached), then 1 + --engine-steps; a step = the difference / steps, CPU
+time of this thread (docs/engine.md's long-context method). Each (length, kernel) once as a warm-up, then
+--rounds rounds with the order reversed every other round. Prints each round, the medians, kernel off / on
+per length, and each length's extra over the shortest. --everywhere: the kernel at every decode batch (its
+MIN_SLOTS threshold lifted), to measure where it should run.
 """
 from __future__ import annotations
 
@@ -114,22 +127,25 @@ BLOCK = 16  # the paged variants' block size (the engine's default --block-size)
 
 
 class Paged:
-    """One layer's contexts as an engine's paged cache: 16-token blocks at shuffled block ids, the block table,
-    the lengths, and the metadata mla.py builds once per step (the stale slots' flat positions, the per-token
-    slot table)."""
+    """One layer's contexts as an engine's paged cache: 16-token blocks at shuffled block ids. As in a decode
+    step, the block table, the lengths and the metadata mla.py builds from them (DecodeBatch: the stale slots'
+    flat positions, the per-token slot table, the one context buffer every layer gathers into) are the same
+    for every layer: `batch` is the first layer's, handed to the others."""
 
-    def __init__(self, kv: torch.Tensor, mask: torch.Tensor, g: torch.Generator) -> None:
+    def __init__(self, kv: torch.Tensor, mask: torch.Tensor, g: torch.Generator, first: "Paged | None") -> None:
         from moeserve.layers.attention.metadata import _decode_batch
 
         b, length, width = kv.shape
         per_seq = -(-length // BLOCK)
         blocks = F.pad(kv, (0, 0, 0, per_seq * BLOCK - length)).view(b * per_seq, BLOCK, width)
-        order = torch.randperm(b * per_seq, generator=g)
+        order = torch.randperm(b * per_seq, generator=g) if first is None else first.order
+        self.order = order
         self.cache = torch.empty_like(blocks)
         self.cache[order] = blocks  # block j of sequence i lives at order[i * per_seq + j]
         lens = (~mask).sum(dim=1)
         table = order.view(b, per_seq)
-        self.batch = _decode_batch(list(range(b)), table.tolist(), lens.tolist(), BLOCK)
+        self.batch = (_decode_batch(list(range(b)), table.tolist(), lens.tolist(), BLOCK) if first is None
+                      else first.batch)
         self.block_table32 = table.to(torch.int32)
         self.lens32 = lens.to(torch.int32)
 
@@ -170,8 +186,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--variants", nargs="+", default=["bmm", "sdpa", "bmm_t"], choices=list(VARIANTS))
+    ap.add_argument("--engine", action="store_true", help="the whole decode step, mla.py's kernel off and on")
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 960])
+    ap.add_argument("--engine-batch", type=int, default=32)
+    ap.add_argument("--engine-steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--everywhere", action="store_true", help="--engine: the kernel at every decode batch")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.engine:
+        with torch.inference_mode(False):  # the engine builds its model outside it, as an LLM user's would
+            return engine_steps(args)
     names = list(dict.fromkeys(["sdpa"] + args.variants))  # sdpa always: the ratios' baseline
     if any(n in PAGED for n in names):  # the kernels' baseline: the same paged cache gathered for SDPA
         if "paged" not in names:
@@ -187,12 +212,17 @@ def main() -> None:
     for b in args.batches:
         for length in args.contexts:
             layers = []
+            lens = torch.randint(max(1, length - 16), length + 1, (b,), generator=g)  # every layer's, as in a step
+            mask = torch.arange(length)[None, :] >= lens[:, None]
             for _ in range(8):
                 kv = torch.randn(b, length, C + R, generator=g).to(torch.bfloat16)
-                lens = torch.randint(max(1, length - 16), length + 1, (b,), generator=g)
                 q = torch.randn(b, HEADS, C + R, generator=g).to(torch.bfloat16)
-                layers.append((q, kv, torch.arange(length)[None, :] >= lens[:, None]))
-            paged = [Paged(kv, mask, pg) for _, kv, mask in layers] if any(n in PAGED for n in names) else None
+                layers.append((q, kv, mask))
+            paged = None
+            if any(n in PAGED for n in names):
+                paged = []
+                for _, kv, mask in layers:
+                    paged.append(Paged(kv, mask, pg, paged[0] if paged else None))
             preps = {n: paged if n in PAGED else [PREPARE[n](mask) if n in PREPARE else None
                                                   for _, _, mask in layers] for n in names}
             exact = reference(*layers[0])
@@ -213,6 +243,64 @@ def main() -> None:
                 of_paged = f"  x{ms['paged'] / ms[n]:5.2f} of paged" if n in PAGED[1:] else ""
                 print(f"  {n:8s} {ms[n]:8.2f} ms [{min(runs[n]):.2f}-{max(runs[n]):.2f}]  x{ms['sdpa'] / ms[n]:5.2f} "
                       f"of sdpa  err {errs[n]:.1e}{of_paged}", flush=True)
+
+
+def engine_steps(args) -> None:
+    """--engine (see the module docstring)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.decode_speed import prompts_of, v3_checkpoint
+    from moeserve import LLM, SamplingParams
+    from moeserve.layers.attention import mla_kernel
+
+    calls = [0]
+    real = mla_kernel.decode_latent
+
+    def counted(*a):
+        calls[0] += 1
+        return real(*a)
+
+    mla_kernel.decode_latent = counted
+    if args.everywhere:
+        mla_kernel.MIN_SLOTS = 0
+    llm = LLM(v3_checkpoint(), dtype="bfloat16", max_model_len=max(args.prompt_lens) + args.engine_steps + 16,
+              max_num_seqs=args.engine_batch, enable_prefix_caching=True)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    full = SamplingParams(temperature=0, max_tokens=args.engine_steps + 1, ignore_eos=True)
+
+    def step_ms(length: int, kernel: str) -> tuple[float, int]:
+        os.environ[mla_kernel.ENV] = kernel
+        prompts = prompts_of(args.engine_batch, length, salt=length)
+        llm.generate(prompt_token_ids=prompts, sampling_params=one, use_tqdm=False)  # cached from here on
+        t0 = time.thread_time()
+        llm.generate(prompt_token_ids=prompts, sampling_params=one, use_tqdm=False)
+        pre = time.thread_time() - t0
+        calls[0] = 0
+        t0 = time.thread_time()
+        llm.generate(prompt_token_ids=prompts, sampling_params=full, use_tqdm=False)
+        return (time.thread_time() - t0 - pre) / args.engine_steps * 1e3, calls[0]
+
+    cases = [(length, k) for length in args.prompt_lens for k in ("0", "1")]
+    for case in cases:
+        step_ms(*case)
+    runs: dict = {c: [] for c in cases}
+    for r in range(args.rounds):
+        line = []
+        for case in cases if r % 2 == 0 else cases[::-1]:
+            ms, n = step_ms(*case)
+            runs[case].append(ms)
+            line.append(f"{case[0]} kernel {'on' if case[1] == '1' else 'off'} {ms:.1f} ms ({n} kernel calls)")
+        print(f"round {r}: " + ", ".join(line), flush=True)
+    med = {c: statistics.median(v) for c, v in runs.items()}
+    base = min(args.prompt_lens)
+    for length in args.prompt_lens:
+        off, on = med[(length, "0")], med[(length, "1")]
+        extra = "" if length == base else (f"; over {base} tokens: off +{off - med[(base, '0')]:.1f} ms, "
+                                           f"on +{on - med[(base, '1')]:.1f} ms")
+        print(f"prompts of {length}, batch {args.engine_batch}: step kernel off {off:.1f} ms, on {on:.1f} ms "
+              f"(x{off / on:.2f}){extra}", flush=True)
 
 
 if __name__ == "__main__":

@@ -60,10 +60,14 @@ def _reference(q, cache, d, scale, c):
     return torch.einsum("bhl,blc->bhc", p, kv[..., :c])
 
 
+LENS = [1, 37, 100, 64, 5, 17, 128, 99]  # ragged; most end inside their last block
+
+
 @pytest.mark.parametrize("block", [1, 4, 16, 32, 64])
 @pytest.mark.parametrize("heads,c,dr", [(4, 32, 8), (16, 512, 64)], ids=["tiny", "v3-dims"])
-def test_kernel_equals_the_gathered_sdpa_path(block, heads, c, dr):
-    lens = [1, 37, 100, 64, 5, 17, 128, 99]  # ragged; most end inside their last block
+@pytest.mark.parametrize("rows", [8, 20], ids=["padded", "unpadded"])  # one thread: 8 rows padded to 17
+def test_kernel_equals_the_gathered_sdpa_path(block, heads, c, dr, rows):
+    lens = (LENS * 3)[:rows]
     q, cache, d = _paged(len(lens), heads, c, dr, block, lens)
     scale = (c + dr) ** -0.5
     got = mla_kernel.decode_latent(q, cache, d, scale, c)
@@ -76,6 +80,16 @@ def test_kernel_equals_the_gathered_sdpa_path(block, heads, c, dr):
     assert err < 2e-2
 
 
+def test_padding_rows_leave_the_real_rows_unchanged(monkeypatch):
+    q, cache, d = _paged(3, 16, 512, 64, 16, [300, 17, 129])
+    assert mla_kernel.kernel_rows(3) == mla_kernel.PAD_ROWS  # tests run one thread (tests/conftest.py)
+    padded = mla_kernel.decode_latent(q, cache, d, 0.1, 512)
+    assert padded.shape == (3, 16, 512)
+    monkeypatch.setattr(mla_kernel, "PAD_ROWS", 0)
+    d._context.clear()  # the step's index tensors were made for 17 rows
+    torch.testing.assert_close(mla_kernel.decode_latent(q, cache, d, 0.1, 512), padded, rtol=0, atol=BF16_ULP)
+
+
 def test_kernel_splits_a_row_over_threads():
     lens = [300]
     q, cache, d = _paged(1, 16, 512, 64, 16, lens)
@@ -84,6 +98,7 @@ def test_kernel_splits_a_row_over_threads():
     try:
         torch.set_num_threads(4)
         assert mla_kernel.num_kv_splits(1) == 4 and mla_kernel.num_kv_splits(8) == 1
+        assert mla_kernel.kernel_rows(1) == 1  # no padding with threads: the real rows would share one
         got = mla_kernel.decode_latent(q, cache, d, 0.1, 512)
     finally:
         torch.set_num_threads(threads)
@@ -117,7 +132,7 @@ def test_attend_cached_with_the_kernel_equals_without_and_keeps_padding_rows_zer
     calls = []
     real = mla_kernel.decode_latent
     monkeypatch.setattr(mla_kernel, "decode_latent", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(mla_kernel, "MIN_TOKENS", 0)
+    monkeypatch.setattr(mla_kernel, "MIN_SLOTS", 0)
     # 9 decode rows (8 sequences, one with a 2-token MTP-style step) after ragged contexts; 3 padding rows
     starts = [3, 40, 17, 64, 1, 22, 9, 30]
     blocks = list(range(64))
@@ -139,18 +154,16 @@ def test_attend_cached_with_the_kernel_equals_without_and_keeps_padding_rows_zer
 
 
 def test_kernel_applies_only_where_it_is_faster_and_can_run(monkeypatch):
-    q, cache, d = _paged(8, 16, 512, 64, 16, [512] * 8, nan_stale=False)
+    q, cache, d = _paged(8, 16, 512, 64, 16, [128] * 8, nan_stale=False)
     monkeypatch.setenv(mla_kernel.ENV, "1")
-    assert mla_kernel.applies(q, cache, d)  # 8 rows x 512 slots
+    assert mla_kernel.applies(q, cache, d)  # 8 rows x 128 slots = MIN_SLOTS
     monkeypatch.setenv(mla_kernel.ENV, "0")
     assert not mla_kernel.applies(q, cache, d)
     monkeypatch.setenv(mla_kernel.ENV, "1")
     assert not mla_kernel.applies(q.float(), cache.float(), d)  # float32 models: gather + SDPA
     assert not mla_kernel.applies(q, cache.to(torch.float8_e4m3fn), d)  # --kv-cache-dtype fp8
-    q7, cache7, d7 = _paged(7, 16, 512, 64, 16, [1024] * 7, nan_stale=False)
-    assert not mla_kernel.applies(q7, cache7, d7)  # fewer than MIN_ROWS rows
-    q8, cache8, d8 = _paged(8, 16, 512, 64, 16, [100] * 8, nan_stale=False)
-    assert not mla_kernel.applies(q8, cache8, d8)  # 8 x 112 slots < MIN_TOKENS
+    q4, cache4, d4 = _paged(4, 16, 512, 64, 16, [128] * 4, nan_stale=False)
+    assert not mla_kernel.applies(q4, cache4, d4)  # 512 slots < MIN_SLOTS
 
 
 PROMPTS = [[5, 17, 99, 200, 3, 45, 67], [300, 12], list(range(20, 90)), [7, 8, 9, 10, 11], [42],
@@ -172,8 +185,7 @@ def test_engine_greedy_tokens_with_the_kernel_match_without(ckpt_dir, monkeypatc
     calls = []
     real = mla_kernel.decode_latent
     monkeypatch.setattr(mla_kernel, "decode_latent", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    monkeypatch.setattr(mla_kernel, "MIN_ROWS", 2)
-    monkeypatch.setattr(mla_kernel, "MIN_TOKENS", 0)
+    monkeypatch.setattr(mla_kernel, "MIN_SLOTS", 0)
     if compiled:
         monkeypatch.delenv("MOESERVE_ENFORCE_EAGER", raising=False)  # tests/conftest.py makes engines eager
     got, llm = _greedy(path, monkeypatch, kernel=True, enforce_eager=not compiled)

@@ -53,21 +53,11 @@ class DecodeBatch:
             self._context[key] = torch.empty(self.block_table.numel(), row_width, dtype=dtype, device=device)
         return self._context[key]
 
-    def token_slots(self, block_size: int) -> torch.Tensor:
-        """[B, max_blocks * block_size] int64: each row's flat cache slot per position (block * block_size +
-        offset; past ctx_len: whatever its table's padding points at), made once per step (mla_kernel.py)."""
-        key = ("token_slots", block_size)
+    def per_step(self, key, make):
+        """make() once per step, the result shared by every layer (mla_kernel.py's index tensors)."""
         if key not in self._context:
-            offsets = torch.arange(block_size, dtype=self.block_table.dtype, device=self.block_table.device)
-            slots = self.block_table[:, :, None] * block_size + offsets
-            self._context[key] = slots.view(self.block_table.shape[0], -1)
+            self._context[key] = make()
         return self._context[key]
-
-    def row_ids(self) -> torch.Tensor:
-        """[B] int64: 0..B-1, the row of token_slots each query row reads (mla_kernel.py)."""
-        if "row_ids" not in self._context:
-            self._context["row_ids"] = torch.arange(self.block_table.shape[0], device=self.block_table.device)
-        return self._context["row_ids"]
 
 
 @dataclass

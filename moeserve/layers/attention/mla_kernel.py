@@ -1,20 +1,29 @@
 """Absorbed MLA decode that reads the paged latent cache in place: vLLM's CPU kernel library's
-`decode_attention_cpu` (sgl-kernel's AMX decode attention, loaded by layers/cpu_kernels.py).
+`decode_attention_cpu` (sgl-kernel's CPU decode attention, loaded by layers/cpu_kernels.py).
 
 mla.py's standard decode gathers each row's whole context from its blocks into a scratch buffer, clears the
 stale slots, and runs SDPA over it (kv_dtype.gather_decode_context), once per layer per step. This kernel
 takes the cache as it is, [num_blocks * block_size, 1, C + dr] rows (the values: a view of their first C
-columns), and a per-token slot table [B, L] (slot = block * block_size + offset, DecodeBatch.token_slots:
-built once per step, shared by the layers). Each row's H heads are the queries of one KV head, the output
-[B, H, C] in BF16, within SDPA's distance of a float32 reference (tests/layers/test_mla_kernel.py). It reads
-only positions below each row's length, so stale slots (a failed request's NaN included) need no clearing.
-Any block size, head count and latent width (tested: blocks of 1-64, 1-128 heads, C + dr of 40 and 576;
-vLLM's AMX MLA backend, its caller, asks for 576 and blocks of 32k). Its index tensors must be int64.
+columns), and a per-token slot table [B, L] (slot = block * block_size + offset), built once per step and
+shared by the layers. Each row's H heads are the queries of one KV head, the output [B, H, C] in BF16,
+within SDPA's distance of a float32 reference (tests/layers/test_mla_kernel.py). It reads only positions
+below each row's length, so stale slots (a failed request's NaN included) need no clearing. Any block size,
+head count and latent width (tested: blocks of 1-64, 4 and 16 heads, C + dr of 40 and 576; its MLA kernel
+proper, which packs each 256-token piece of the context once for both products, is taken where C + dr = C +
+64 as in DeepSeek's models, a generic grouped kernel otherwise). Its index tensors must be int64.
+
+The kernel walks the heads in blocks whose size it picks from the number of sequences: 6 heads for one, 11
+for 2-16, 22 for more, re-reading and re-packing each row's context once per head block. With one thread,
+fewer than PAD_ROWS rows are padded to PAD_ROWS with empty (length 0) rows, so that 16 heads are one block:
+per row and layer at 128 tokens of context, 22 us instead of 35 (benchmarks/mla_decode.py, docs/engine.md).
+With more threads the padding is not applied (the kernel splits its work in contiguous ranges, so the real
+rows would land on one thread).
 
 Where it runs (applies()): mla.py's standard decode (not --mla-decode amla), a BF16 query and cache on the
 CPU (the kernel has BF16 and FP16 instances only; FP8 caches and float32 models keep the gather + SDPA path),
-the library loaded, a decode batch of at least MIN_ROWS rows and MIN_TOKENS context slots (rows x the
-longest row's blocks). MOESERVE_MLA_KERNEL=0 switches it off.
+the library loaded, and at least MIN_SLOTS context slots in the batch (rows x the longest row's blocks x block
+size; below, a row or two of short contexts, gather + SDPA is as fast and the padding costs more than it
+saves). MOESERVE_MLA_KERNEL=0 switches it off.
 
 The library's other paged MLA decode, `mla_decode_kvcache` (vLLM's reference CPU backend: block size 16
 only), measured 2-2.5x slower than the gather + SDPA path here; benchmarks/mla_decode.py runs both
@@ -30,14 +39,8 @@ from moeserve.layers import cpu_kernels
 
 ENV = "MOESERVE_MLA_KERNEL"
 OP = "decode_attention_cpu"
-
-# Where the kernel runs: from MIN_ROWS decode rows and MIN_TOKENS context slots (rows x the longest row's
-# blocks x block_size). Below, the gather + SDPA path is as fast or faster: benchmarks/mla_decode.py (one
-# thread, 16 heads, V3's latent dims), kernel / gather + SDPA per layer: x0.72-0.87 at 1 row x 128-1024
-# context, x0.90-1.02 at 4 rows, x0.93 / 1.02 / 1.10 at 8 x 128 / 512 / 1024, x0.92 / 1.18 / 1.23 at 16,
-# x1.42 / 1.84 / 1.83 at 32 (docs/engine.md, "MLA decode over the paged cache in place").
-MIN_ROWS = 8
-MIN_TOKENS = 4096
+PAD_ROWS = 17  # sequences from which the kernel takes 22 heads per block (one thread: fewer are padded)
+MIN_SLOTS = 1024
 
 
 def available() -> bool:
@@ -46,11 +49,10 @@ def available() -> bool:
 
 
 def applies(q_full: torch.Tensor, cache: torch.Tensor, d) -> bool:
-    """Whether decode_latent takes this step's decode (d: its DecodeBatch; see the module docstring)."""
-    rows = q_full.shape[0]
-    return (rows >= MIN_ROWS and d.block_table.numel() * cache.shape[1] >= MIN_TOKENS
-            and q_full.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and cache.device.type == "cpu"
-            and cache.is_contiguous() and available())
+    """Whether decode_latent takes this step's decode, d its DecodeBatch (see the module docstring)."""
+    return (d.block_table.numel() * cache.shape[1] >= MIN_SLOTS and q_full.dtype == torch.bfloat16
+            and cache.dtype == torch.bfloat16 and cache.device.type == "cpu" and cache.is_contiguous()
+            and available())
 
 
 def num_kv_splits(rows: int) -> int:
@@ -60,16 +62,39 @@ def num_kv_splits(rows: int) -> int:
     return max(1, torch.get_num_threads() // rows)
 
 
+def kernel_rows(rows: int) -> int:
+    """The sequences the kernel is given for `rows` decode rows: PAD_ROWS at least with one thread."""
+    return max(rows, PAD_ROWS) if torch.get_num_threads() == 1 else rows
+
+
+def _indices(d, block_size: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's slot table [n, L], row ids [n] and lengths [n] (int64; rows past d's are empty)."""
+    b = d.block_table.shape[0]
+    offsets = torch.arange(block_size, dtype=d.block_table.dtype)
+    slots = (d.block_table[:, :, None] * block_size + offsets).view(b, -1)
+    lens = d.ctx_lens.to(torch.int64)
+    if n > b:  # padding rows: length 0, they read nothing
+        lens = torch.cat([lens, lens.new_zeros(n - b)])
+    return slots, torch.arange(n).clamp_(max=b - 1), lens
+
+
 def decode_latent(q_full: torch.Tensor, cache: torch.Tensor, d, scale: float, value_dim: int) -> torch.Tensor:
     """q_full [B, H, C + dr] (absorbed query and rope part), cache [num_blocks, block_size, C + dr], d the
     step's DecodeBatch -> the latent output [B, H, value_dim] (value_dim = C: the values are the cache rows'
     first C columns)."""
     b, h, width = q_full.shape
+    n = kernel_rows(b)
+    slots, row_ids, lens = d.per_step(("mla_kernel", cache.shape[1], n),
+                                      lambda: _indices(d, cache.shape[1], n))
+    if n > b:
+        q = q_full.new_zeros(n, h, width)
+        q[:b] = q_full
+    else:
+        q = q_full.contiguous()
     rows = cache.view(-1, 1, width)  # one KV head per slot
-    out = q_full.new_empty(b, h, value_dim)
-    splits = num_kv_splits(b)
-    partial = torch.empty(b, h, splits, value_dim + 1, dtype=torch.float32)  # per split: output and its lse
-    torch.ops._C.decode_attention_cpu(
-        q_full.contiguous(), rows, rows[..., :value_dim], out, None, None, None, partial,
-        d.token_slots(cache.shape[1]), d.row_ids(), d.ctx_lens, scale, 0.0, False, 0, None, None)
-    return out
+    out = q.new_empty(n, h, value_dim)
+    splits = num_kv_splits(n)
+    partial = torch.empty(n, h, splits, value_dim + 1, dtype=torch.float32)  # per split: output and its lse
+    torch.ops._C.decode_attention_cpu(q, rows, rows[..., :value_dim], out, None, None, None, partial, slots,
+                                      row_ids, lens, scale, 0.0, False, 0, None, None)
+    return out[:b]
