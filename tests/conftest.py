@@ -54,3 +54,17 @@ def mtp_ckpt_dir(tmp_path_factory):
         return write_mtp_checkpoint(str(root / name), variant, **kw)
 
     return get
+
+
+@pytest.fixture
+def without_fused_experts(monkeypatch):
+    """BF16 routed experts on the per-expert paths, in this process and the rank processes it starts. A fused
+    MoE kernel (zentorch, amx) sums a token's k experts inside one call, where expert parallelism's combine adds
+    up k rows rounded on their ranks: BF16 greedy tokens of one rank and of several then differ in rounding, and
+    on the tiny random models a later token can flip. Tests that compare the two layouts token for token, about
+    something else than the kernels, ask for this (tests/distributed/test_zen_ep.py compares fused layouts)."""
+    from moeserve.layers.moe import amx, zen
+    monkeypatch.setenv("MOESERVE_AMX_MOE", "0")
+    monkeypatch.setenv("MOESERVE_ZENTORCH", "0")
+    monkeypatch.setattr(amx, "available", lambda: False)
+    monkeypatch.setattr(zen, "available", lambda: False)

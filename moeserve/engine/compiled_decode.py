@@ -102,8 +102,8 @@ def warm_up_quantizer(width: int, dtype: torch.dtype) -> None:
 def warm_up_expert_epilogue(model: torch.nn.Module, dtype: torch.dtype, top_k: int) -> None:
     """Switch the routed experts' passes around their GEMMs at prefill sizes to their kernels
     (layers/moe/expert_epilogue.py) and compile now the ones this model's experts take, for its shapes and
-    dtypes, instead of in the first request's prefill. Process-wide, like warm_up_quantizer. Experts on
-    zentorch or without packed copies take none: nothing is compiled for them."""
+    dtypes, instead of in the first request's prefill. Process-wide, like warm_up_quantizer. Experts on a
+    fused kernel (zentorch, amx) or without packed copies take none: nothing is compiled for them."""
     from moeserve.layers.moe import expert_epilogue
     from moeserve.layers.moe.experts import FusedExperts
     from moeserve.layers.quant import Int8FusedExperts, expert_out_dtype
@@ -111,9 +111,9 @@ def warm_up_expert_epilogue(model: torch.nn.Module, dtype: torch.dtype, top_k: i
     combine, swiglu = set(), set()  # (expert output dtype, hidden); SwiGLU widths
     out_dtype = expert_out_dtype(dtype)  # what INT8 experts' GEMMs write
     for m in model.modules():
-        if type(m) is FusedExperts and m.packed is not None and not m.zen:
+        if type(m) is FusedExperts and m.packed is not None and not m.fused:
             combine.add((m.w13.dtype, m.w13.shape[-1]))
-        elif isinstance(m, Int8FusedExperts) and not m.zen:
+        elif isinstance(m, Int8FusedExperts) and not m.fused:
             combine.add((out_dtype, m.w13.shape[-1]))
             swiglu.add(m.intermediate)
     if not combine:

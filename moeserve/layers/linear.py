@@ -37,15 +37,17 @@ def zen_pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 def packed_copy_bytes(model: nn.Module) -> int:
     """Bytes of the packed weight copies made for `model` (beside its parameters, which module_bytes counts):
-    oneDNN / zentorch packs of Linears and experts, and the copies zentorch reorders experts into: the
-    memory-based KV sizing must leave room for them."""
+    oneDNN / zentorch packs of Linears and experts, the amx kernels' expert copies, and the copies zentorch
+    reorders experts into: the memory-based KV sizing must leave room for them."""
     total = 0
     for module in model.modules():
         total += _copy_bytes(getattr(module, "weight_packed", None))
         total += _copy_bytes(getattr(module, "weight_zen", None))
         for pair in getattr(module, "packed", None) or ():  # FusedExperts: (w13, w2) per slot
             total += sum(_copy_bytes(t) for t in pair)
-        if getattr(module, "zen", False):  # experts on zentorch: the copies its cache makes on first use
+        for copy in getattr(module, "fused_weights", None) or ():  # FusedExperts on amx: its layout's copies
+            total += _copy_bytes(copy)
+        if getattr(module, "fused", "") == "zentorch":  # the copies zentorch's cache makes on first use
             from moeserve.layers.moe import zen
             total += zen.cache_bytes(module.w13, module.w2)
     return total

@@ -9,7 +9,8 @@ outside:
   dispatcher (collectives with host-side split sizes);
 - BF16 experts over their oneDNN-packed copies (FusedExperts.packed_forward: the same host sync), for
   buckets with more rows than expert slots;
-- BF16 experts through zentorch's fused MoE (layers/moe/zen.py), one call per layer at every bucket;
+- experts through a fused MoE kernel, zentorch's (layers/moe/zen.py) or vLLM's AMX one (layers/moe/amx.py),
+  one call per layer at every bucket;
 - with tensor parallelism: attention's all-reduce over the TP group, and the whole MoE block (each TP rank
   takes its share of the rows, the group gathers the outputs back: host-side sizes).
 Each is registered as an op of the `moeserve` library (define_op) taking tensors plus the integer key of the
@@ -93,17 +94,18 @@ def packed_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Ten
     return _module(key).packed_forward(x, expert_ids, weights)
 
 
-@define_op("zen_experts", "(Tensor x, Tensor expert_ids, Tensor weights, Tensor key) -> Tensor", _rows_like_first)
-def zen_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """x [T, H], expert_ids / weights [T, k] -> [T, H]: the module's zen_forward (zentorch's fused MoE, BF16 or INT8)."""
-    return _module(key).zen_forward(x, expert_ids, weights)
+@define_op("fused_experts", "(Tensor x, Tensor expert_ids, Tensor weights, Tensor key) -> Tensor", _rows_like_first)
+def fused_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x [T, H], expert_ids / weights [T, k] -> [T, H]: the module's fused_forward (zentorch's or amx's fused
+    MoE, BF16 or INT8)."""
+    return _module(key).fused_forward(x, expert_ids, weights)
 
 
-@define_op("zen_rows", "(Tensor x, Tensor expert_ids, Tensor weights, Tensor key) -> Tensor", _rows_like_first)
-def zen_rows(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """x [N, H], expert_ids / weights [N] -> [N, H]: FusedExperts.zen_rows (a host sync to leave out rows of
+@define_op("fused_rows", "(Tensor x, Tensor expert_ids, Tensor weights, Tensor key) -> Tensor", _rows_like_first)
+def fused_rows(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """x [N, H], expert_ids / weights [N] -> [N, H]: FusedExperts.fused_rows (a host sync to leave out rows of
     other ranks)."""
-    return _module(key).zen_rows(x, expert_ids, weights)
+    return _module(key).fused_rows(x, expert_ids, weights)
 
 
 @define_op("tp_all_reduce", "(Tensor x, Tensor key) -> Tensor", _rows_like_first)

@@ -14,7 +14,8 @@ Plugged in at the layer level, never in the model file:
   float32, the compressed-tensors names, so such checkpoints load straight into the parameters; a float
   weight arriving from the checkpoint is quantized at load.
 - Int8FusedExperts replaces FusedExperts: int8 w13/w2 with per-row scales. On AMD CPUs with zentorch, BF16
-  activations go through zentorch's fused MoE in its INT8 mode (one call per layer, layers/moe/zen.py);
+  activations go through zentorch's fused MoE in its INT8 mode (one call per layer, layers/moe/zen.py), on
+  Intel CPUs with AMX through vLLM's INT8 fused MoE (layers/moe/amx.py);
   otherwise rows are grouped per expert once and each busy expert is one INT8 GEMM per projection.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.int8 import QMAX, dequantize, quantize_per_channel, quantize_per_token  # noqa: F401 (A8W8's API)
-from moeserve.layers.moe import expert_epilogue, zen
+from moeserve.layers.moe import amx, expert_epilogue, zen
 from moeserve.layers.opaque import define_op
 from moeserve.layers.moe.experts import FusedExperts, grouped_on_host, stored
 
@@ -302,15 +303,18 @@ class Int8FusedExperts(FusedExperts):
     are BF16 (a BF16 model: `act_dtype`, or BF16 inputs), a layer is one zentorch_fused_moe call in its INT8
     mode: it quantizes each token per row itself (symmetric, as quantize_per_token), grouped INT8 GEMMs with
     the per-channel scales, SwiGLU, the weighted sum; 3.2-4.5x faster per layer than the per-expert path at
-    decode batch 1-64, one thread (benchmarks/int8_experts.py; docs/quantization.md). Its weight cache is flushed on every load / move / free, as
-    for BF16 experts (zen.flush_cache). Otherwise (float32 models, other CPUs, MOESERVE_ZENTORCH=0) rows
+    decode batch 1-64, one thread (benchmarks/int8_experts.py; docs/quantization.md). Its weight cache is
+    flushed on every load / move / free, as for BF16 experts (zen.flush_cache). On Intel CPUs with AMX and
+    vLLM's CPU kernels the same one call per layer runs through vLLM's INT8 fused MoE (layers/moe/amx.py),
+    which also quantizes per token inside. Otherwise (float32 models, other CPUs, MOESERVE_ZENTORCH=0 /
+    MOESERVE_AMX_MOE=0) rows
     are sorted by expert once; each expert then costs one INT8 GEMM per projection on a contiguous slice,
     while quantization, dequantization and SwiGLU run batched over all rows. A compiled decode graph of few
     (token, expert) pairs traces them instead (gathered_topk), with the same bits.
     """
 
     # The model's activation dtype (like() sets it; None: decided per call by the input's dtype). A BF16
-    # model's rows that arrive in float32 (an INT8 dispatch payload, decoded) take zentorch too, as BF16.
+    # model's rows that arrive in float32 (an INT8 dispatch payload, decoded) take the fused kernel too, as BF16.
     act_dtype: torch.dtype | None = None
 
     CHECKPOINT_LEAVES = ("weight", "weight_scale")
@@ -366,34 +370,39 @@ class Int8FusedExperts(FusedExperts):
         """(w13, w2) in float32, for references and checks."""
         return dequantize(self.w13, self.w13_scale[..., None]), dequantize(self.w2, self.w2_scale[..., None])
 
-    def process_weights_after_loading(self, zentorch: bool = True) -> None:
-        """After loading and after every EPLB move: zentorch's fused MoE where it runs (unless zentorch=False;
-        a float32 model keeps the per-expert path, zentorch's kernel takes BF16 activations only), else every
-        expert's two projections packed for oneDNN once."""
-        self.packed, self.zen = None, False
-        if zentorch and self.act_dtype in (None, torch.bfloat16) and zen.usable_int8(self.w13):
+    def process_weights_after_loading(self, fused_kernels: bool = True) -> None:
+        """After loading and after every EPLB move: a fused INT8 MoE kernel where one runs (unless
+        fused_kernels=False; a float32 model keeps the per-expert path, the kernels take BF16 activations only):
+        zentorch's, or vLLM's AMX one over a copy of the weights in its layout; else every expert's two
+        projections packed for oneDNN once."""
+        self.packed, self.fused, self.fused_weights = None, "", None
+        bf16 = fused_kernels and self.act_dtype in (None, torch.bfloat16)
+        if bf16 and zen.usable_int8(self.w13):
             # New or moved weights: zentorch's reordered copies are keyed by address, so none made from what
             # these addresses held before may stay; freed experts flush too (layers/moe/zen.py)
             zen.flush_cache()
             if not hasattr(self, "_zen_finalizer"):
                 self._zen_finalizer = weakref.finalize(self, zen.flush_cache)
-            self.zen = True
+            self.fused = "zentorch"
+            return
+        if bf16 and amx.usable_int8(self.w13):
+            self.fused_weights, self.fused = (amx.pack_int8(self.w13), amx.pack_int8(self.w2)), "amx"
             return
         packs = [(Int8Packed.of(self.w13.data[e], self.w13_scale.data[e]),
                   Int8Packed.of(self.w2.data[e], self.w2_scale.data[e])) for e in range(self.num_local_experts)]
         self.packed = packs if all(a is not None and b is not None for a, b in packs) else None
 
-    def zen_on(self, x: torch.Tensor) -> bool:
-        """Whether these activations go through zentorch: set up for it, and BF16 (or a BF16 model's)."""
-        return self.zen and (x.dtype == torch.bfloat16 or self.act_dtype == torch.bfloat16)
+    def fused_on(self, x: torch.Tensor) -> bool:
+        """Whether these activations go through the fused kernel: set up for it, and BF16 (or a BF16 model's)."""
+        return bool(self.fused) and (x.dtype == torch.bfloat16 or self.act_dtype == torch.bfloat16)
 
     def forward_topk(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], expert_ids [T, k] local slots (all here), weights [T, k] float32 -> [T, H] in x.dtype: one
-        zentorch call (an opaque op in a compiled graph), or a row per (token, expert) pair through forward()."""
-        if self.zen_on(x) and x.shape[0]:
+        fused call (an opaque op in a compiled graph), or a row per (token, expert) pair through forward()."""
+        if self.fused_on(x) and x.shape[0]:
             if torch.compiler.is_compiling():
-                return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)  # -> zen_forward
-            return self.zen_forward(x, expert_ids, weights)
+                return torch.ops.moeserve.fused_experts(x, expert_ids, weights, self.op_key)  # -> fused_forward
+            return self.fused_forward(x, expert_ids, weights)
         if torch.compiler.is_compiling():
             if self.traceable(expert_ids.numel()):
                 return self.gathered_topk(x, expert_ids, weights)
@@ -407,9 +416,9 @@ class Int8FusedExperts(FusedExperts):
 
     def traceable(self, pairs: int) -> bool:
         """Whether a compiled graph computes these (token, expert) pairs itself (gathered_topk) rather than
-        through the per-expert GEMMs in an opaque op: not where zentorch runs the layer, up to
+        through the per-expert GEMMs in an opaque op: not where a fused kernel runs the layer, up to
         GATHER_PAIRS_PER_SLOT pairs per slot, and only where the graph's SwiGLU has the eager bits."""
-        return (not self.zen and pairs <= self.GATHER_PAIRS_PER_SLOT * self.num_local_experts
+        return (not self.fused and pairs <= self.GATHER_PAIRS_PER_SLOT * self.num_local_experts
                 and expert_epilogue.swiglu_bits_match(self.intermediate))
 
     def gathered_topk(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -433,8 +442,12 @@ class Int8FusedExperts(FusedExperts):
             total = total + pairs[:, j].float()
         return total.to(x.dtype)
 
-    def zen_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """forward_topk through zentorch's INT8 fused MoE (BF16 in and out; x.dtype returned)."""
+    def fused_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward_topk through the INT8 fused MoE, zentorch's or amx's (BF16 in and out; x.dtype returned)."""
+        if self.fused == "amx":
+            y = amx.fused_moe_int8(x.to(torch.bfloat16), *self.fused_weights, self.w13_scale, self.w2_scale,
+                                   expert_ids, weights)
+            return y.to(x.dtype)
         y = zen.fused_moe_int8(x.to(torch.bfloat16), self.w13, self.w2, self.w13_scale, self.w2_scale,
                                expert_ids, weights)
         return y.to(x.dtype)
@@ -442,10 +455,10 @@ class Int8FusedExperts(FusedExperts):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Same contract as FusedExperts.forward: x [N, H], expert_ids [N] (-1 skipped), weights [N]."""
         assert x.dim() == 2 and expert_ids.shape == weights.shape == (x.shape[0],)
-        if self.zen_on(x) and x.shape[0]:  # each row its own token with k = 1; rows of other ranks 0
+        if self.fused_on(x) and x.shape[0]:  # each row its own token with k = 1; rows of other ranks 0
             if torch.compiler.is_compiling():
-                return torch.ops.moeserve.zen_rows(x, expert_ids, weights, self.op_key)
-            return self.zen_rows(x, expert_ids, weights)
+                return torch.ops.moeserve.fused_rows(x, expert_ids, weights, self.op_key)
+            return self.fused_rows(x, expert_ids, weights)
         return self._rows(x, expert_ids, weights)
 
     def _rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

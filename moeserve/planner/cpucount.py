@@ -29,7 +29,8 @@ CLASSES = ("lookup", "graph", "kernel", "helper", "opaque", "gemm", "attention",
 
 GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_grouped_mm",
             "qlinear_pointwise", "_linear_pointwise",  # linear stays whole under inference_mode
-            "zentorch_linear_unary", "zentorch_fused_moe")  # AMD CPUs with zentorch (layers/moe/zen.py)
+            "zentorch_linear_unary", "zentorch_fused_moe",  # AMD CPUs with zentorch (layers/moe/zen.py)
+            "cpu_fused_moe", "fused_experts_cpu")  # vLLM's AMX fused MoE (layers/moe/amx.py)
 
 # The decode attention kernel (layers/attention/mla.py _decode); eager dispatch sees the flash op SDPA picks
 ATTENTION_OPS = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu")

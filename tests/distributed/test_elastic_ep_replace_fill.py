@@ -30,13 +30,15 @@ def _replace_one(llm, capfd, lost: int, ranks: int, want, slots: list[int] | Non
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "a8w8"),
                                          ("float32", "fp8")])
-def test_replacement_receives_the_experts_the_survivors_hold(path, fp8_path, capfd, dtype, quant):
+def test_replacement_receives_the_experts_the_survivors_hold(path, fp8_path, capfd, dtype, quant,
+                                                            without_fused_experts):
     # D=4, 8 experts + 8 replicas: rank r holds 2r, 2r+1 and the next rank's two, so every expert of rank 3
     # has a replica on a survivor. Rank 3 is killed mid-decode; the spare joins that re-formation, builds its
     # core for the survivors' map (experts 0, 1, 6, 7: the fewest copies) and receives all of them from the
     # survivors (A8W8 / FP8: weights and scales as served): no checkpoint expert tensor is read. Its outputs
     # are those of the unfailed engine, during the loss and once the four serve again. Eager: the unfailed and
-    # the degraded epochs decode alike (BF16 would round differently through the compiled graphs)
+    # the degraded epochs decode alike (BF16 would round differently through the compiled graphs, and through
+    # a fused MoE kernel: without_fused_experts)
     model, kw = (fp8_path, {}) if quant == "fp8" else (path, dict(quantization=quant) if quant else {})
     want = generate(LLM(model, dtype=dtype, enforce_eager=True, **kw))
     llm = LLM(model, dtype=dtype, data_parallel_size=4, enable_expert_parallel=True, enable_elastic_ep=True,

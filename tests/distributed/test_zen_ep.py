@@ -1,5 +1,5 @@
 """Multi-rank BF16 engines whose routed experts run through zentorch's fused MoE (layers/moe/zen.py): the
-all-to-all dispatch's k=1-per-row rows (FusedExperts.zen_rows, rows of other ranks -1) give the single-rank
+all-to-all dispatch's k=1-per-row rows (FusedExperts.fused_rows, rows of other ranks -1) give the single-rank
 engine's results, and online EPLB's in-place expert moves never leave zentorch computing with the weights a
 slot held before (its reordered-weight cache is keyed by address; the flush after each move is what keeps it
 right; A8W8 experts, zentorch's INT8 mode, too). The other multi-rank tests run float32, which never reaches

@@ -52,17 +52,19 @@ def routed_op_calls(llm: LLM, batch: int) -> int:
     return sum(e.count for e in prof.key_averages() if e.key == "moeserve::moe_routed")
 
 
-@pytest.mark.parametrize("variant,dtype,quant,zentorch", [
-    ("v3", "float32", None, False), ("v2_lite", "float32", None, False), ("v3", "bfloat16", None, False),
-    ("v3", "bfloat16", None, True), ("v3", "float32", "a8w8", False),
-], ids=["v3", "v2-lite", "v3-bf16", "v3-bf16-zentorch", "v3-a8w8"])
-def test_compiled_decode_gives_eager_tokens(ckpt_dir, variant, dtype, quant, zentorch, monkeypatch):
-    from moeserve.layers.moe import zen
+@pytest.mark.parametrize("variant,dtype,quant,fused", [
+    ("v3", "float32", None, ""), ("v2_lite", "float32", None, ""), ("v3", "bfloat16", None, ""),
+    ("v3", "bfloat16", None, "zentorch"), ("v3", "bfloat16", None, "amx"), ("v3", "float32", "a8w8", ""),
+], ids=["v3", "v2-lite", "v3-bf16", "v3-bf16-zentorch", "v3-bf16-amx", "v3-a8w8"])
+def test_compiled_decode_gives_eager_tokens(ckpt_dir, variant, dtype, quant, fused, monkeypatch):
+    from moeserve.layers.moe import amx, zen
     from moeserve.layers.moe.experts import FusedExperts
-    if zentorch and not zen.available():
-        pytest.skip("zentorch's fused MoE is not available here (layers/moe/zen.py)")
-    if not zentorch:  # BF16: the oneDNN-packed experts, also on a CPU where zentorch would run them
-        monkeypatch.setattr(zen, "available", lambda: False)
+    kernels = {"zentorch": zen, "amx": amx}
+    if fused and not kernels[fused].available():
+        pytest.skip(f"the {fused} fused MoE is not available here ({kernels[fused].__name__})")
+    for name, module in kernels.items():  # BF16: the one kernel asked for, else the oneDNN-packed experts
+        if name != fused:
+            monkeypatch.setattr(module, "available", lambda: False)
     # BF16: buckets 4 and 8 (8 and 16 rows over 8 experts) go through the oneDNN-packed experts' opaque op
     monkeypatch.setattr(FusedExperts, "GATHER_ROWS_PER_SLOT", 0.5)
     # A8W8: buckets 1 and 2 (2 and 4 pairs over 8 experts) trace the INT8 experts into the graph, 4 and 8 keep
@@ -76,8 +78,8 @@ def test_compiled_decode_gives_eager_tokens(ckpt_dir, variant, dtype, quant, zen
         assert routed_op_calls(llm, 2) == 0, "a batch of 2 ran the INT8 experts outside the graph"
         assert routed_op_calls(llm, 3) > 0  # bucket 4
     experts = [m for m in llm.engine.runner.model.modules() if type(m) is FusedExperts]
-    if dtype == "bfloat16":  # every bucket through one opaque op per layer: zentorch's, or the packed experts'
-        assert all(m.zen for m in experts) if zentorch else all(m.packed and not m.zen for m in experts)
+    if dtype == "bfloat16":  # every bucket through one opaque op per layer: the fused kernel's, or the packed experts'
+        assert all(m.fused == fused for m in experts) and all(bool(m.packed) != bool(fused) for m in experts)
 
 
 def test_compiled_decode_with_packed_int8_gives_eager_tokens(ckpt_dir, monkeypatch):

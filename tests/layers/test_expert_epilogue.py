@@ -84,7 +84,7 @@ def _int8_experts(g: torch.Generator) -> Int8FusedExperts:
 def test_forward_topk_same_bits_with_the_kernels(epilogue_on, monkeypatch, kind, tokens):
     g = torch.Generator().manual_seed(7 + tokens)
     ex = _bf16_experts(g) if kind == "bf16" else _int8_experts(g)
-    ex.process_weights_after_loading(zentorch=False)
+    ex.process_weights_after_loading(fused_kernels=False)
     if ex.packed is None:
         pytest.skip("oneDNN packing does not run here")
     x = torch.randn(tokens, 64, generator=g).to(torch.bfloat16)

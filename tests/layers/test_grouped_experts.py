@@ -131,7 +131,7 @@ def test_int8_forward_topk_equals_rows_through_forward(t, pack_anywhere):
     with torch.no_grad():
         for packed in (False, True):
             if packed:
-                q.process_weights_after_loading(zentorch=False)
+                q.process_weights_after_loading(fused_kernels=False)
             got = q.forward_topk(x, ids, w)
             rows = q(x.repeat_interleave(2, dim=0), ids.reshape(-1), w.reshape(-1))
             assert torch.equal(got, rows.view(t, 2, 64).sum(dim=1)), packed
@@ -197,7 +197,7 @@ def test_packed_bf16_experts_equal_per_expert_linear(n):
     weights = torch.rand(n, generator=g)
     with torch.no_grad():
         grouped = ex(x, ids, weights)
-        ex.process_weights_after_loading(zentorch=False)
+        ex.process_weights_after_loading(fused_kernels=False)
         if ex.packed is None:
             pytest.skip("oneDNN BF16 packing does not run here")
         packed = ex(x, ids, weights)
@@ -213,7 +213,7 @@ def test_packed_bf16_forward_topk_equals_rows_through_forward(t):
     copy of every token first) and gives the bits of the row path: each (token, expert) row's
     per-expert result, weighted, summed over the token's experts. Rows of other ranks (-1) count 0."""
     ex = _bf16_experts(8, 64, 32, t)
-    ex.process_weights_after_loading(zentorch=False)
+    ex.process_weights_after_loading(fused_kernels=False)
     if ex.packed is None:
         pytest.skip("oneDNN BF16 packing does not run here")
     g = torch.Generator().manual_seed(200 + t)
@@ -232,7 +232,7 @@ def test_packed_bf16_experts_in_a_compiled_graph_and_switched_off(monkeypatch):
     """Above the few-row gathered path, a fullgraph compile calls the packed experts as one opaque op and gets
     the eager result; MOESERVE_PACK_EXPERTS=0 keeps one copy."""
     ex = _bf16_experts(4, 64, 32, 7)
-    ex.process_weights_after_loading(zentorch=False)
+    ex.process_weights_after_loading(fused_kernels=False)
     if ex.packed is None:
         pytest.skip("oneDNN BF16 packing does not run here")
     g = torch.Generator().manual_seed(8)
@@ -244,7 +244,7 @@ def test_packed_bf16_experts_in_a_compiled_graph_and_switched_off(monkeypatch):
         assert torch.equal(compiled, ex(x, ids, weights))
     monkeypatch.setenv("MOESERVE_PACK_EXPERTS", "0")
     one_copy = _bf16_experts(4, 64, 32, 7)
-    one_copy.process_weights_after_loading(zentorch=False)
+    one_copy.process_weights_after_loading(fused_kernels=False)
     assert one_copy.packed is None and packed_copy_bytes(one_copy) == 0
 
 

@@ -48,7 +48,7 @@ def _routing(t: int, k: int, num: int, seed: int):
 def test_fused_moe_matches_grouped_experts(t):
     ex = _experts(8, 64, 32, t)
     ex.process_weights_after_loading()
-    assert ex.zen and ex.packed is None  # no oneDNN packs; zentorch's cache copies are counted:
+    assert ex.fused and ex.packed is None  # no oneDNN packs; zentorch's cache copies are counted:
     assert packed_copy_bytes(ex) == 2 * (ex.w13.nbytes + ex.w2.nbytes)
     x, ids, weights = _routing(t, 3, 8, t)
     with torch.no_grad():
@@ -116,13 +116,13 @@ def test_one_opaque_op_in_a_full_graph():
 
 def test_switched_off_keeps_the_oneDNN_packs(monkeypatch):
     ex = _experts(4, 64, 32, 11)
-    ex.process_weights_after_loading(zentorch=False)
-    assert not ex.zen
+    ex.process_weights_after_loading(fused_kernels=False)
+    assert not ex.fused
     ex.process_weights_after_loading()
-    assert ex.zen and ex.packed is None
+    assert ex.fused and ex.packed is None
     float32 = FusedExperts(4, 64, 32)  # zentorch's kernel is for BF16 weights
     float32.process_weights_after_loading()
-    assert not float32.zen
+    assert not float32.fused
 
 
 def test_no_rows_is_no_call(capfd):
@@ -133,5 +133,5 @@ def test_no_rows_is_no_call(capfd):
     empty = torch.zeros(0, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         assert ex.forward_topk(empty, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2)).shape == (0, 64)
-        assert ex.zen_rows(empty, torch.zeros(0, dtype=torch.long), torch.zeros(0)).shape == (0, 64)
+        assert ex.fused_rows(empty, torch.zeros(0, dtype=torch.long), torch.zeros(0)).shape == (0, 64)
     assert "Null pointer" not in capfd.readouterr().err

@@ -142,7 +142,7 @@ def _int8_experts(e: int, h: int, i: int, dtype: torch.dtype, seed: int = 0) -> 
         w.data.copy_(q)
         s.data.copy_(scale[..., 0])
     ex.act_dtype = dtype
-    ex.process_weights_after_loading(zentorch=False)
+    ex.process_weights_after_loading(fused_kernels=False)
     return ex
 
 

@@ -30,7 +30,7 @@ def _fill(ex: Int8FusedExperts, seed: int, scale: float = 0.1) -> Int8FusedExper
 
 def _experts(num: int, hidden: int, inter: int, seed: int, scale: float = 0.1, zentorch: bool = True):
     ex = _fill(Int8FusedExperts(num, hidden, inter), seed, scale)
-    ex.process_weights_after_loading(zentorch=zentorch)
+    ex.process_weights_after_loading(fused_kernels=zentorch)
     return ex
 
 
@@ -38,8 +38,8 @@ def _reference(ex: Int8FusedExperts, x, ids, weights):
     """The per-expert INT8 path (no zentorch) on a copy of the same weights."""
     ref = Int8FusedExperts(ex.num_local_experts, ex.w13.shape[-1], ex.intermediate)
     ref.load_state_dict(ex.state_dict())
-    ref.process_weights_after_loading(zentorch=False)
-    assert not ref.zen
+    ref.process_weights_after_loading(fused_kernels=False)
+    assert not ref.fused
     with torch.no_grad():
         return ref.forward_topk(x, ids, weights)
 
@@ -62,7 +62,7 @@ def _routing(t: int, k: int, num: int, hidden: int, seed: int, dtype=torch.bfloa
 def test_fused_moe_int8_matches_the_per_expert_path(shape, t):
     num, hidden, inter, k = shape
     ex = _experts(num, hidden, inter, t)
-    assert ex.zen and ex.packed is None and packed_copy_bytes(ex) == ex.w13.nbytes + ex.w2.nbytes
+    assert ex.fused and ex.packed is None and packed_copy_bytes(ex) == ex.w13.nbytes + ex.w2.nbytes
     x, ids, weights = _routing(t, k, num, hidden, t)
     with torch.no_grad():
         y = ex.forward_topk(x, ids, weights)
@@ -106,10 +106,10 @@ def test_float32_activations_keep_the_exact_path_unless_the_model_is_bf16():
     float32_model = Int8FusedExperts.like(FusedExperts(8, 64, 32))
     assert float32_model.act_dtype == torch.float32
     _fill(float32_model, 12).process_weights_after_loading()
-    assert not float32_model.zen  # keeps the per-expert path (and its oneDNN packs where they pay)
+    assert not float32_model.fused  # keeps the per-expert path (and its oneDNN packs where they pay)
     bf16_model = Int8FusedExperts.like(FusedExperts(8, 64, 32).to(torch.bfloat16))
     _fill(bf16_model, 12).process_weights_after_loading()
-    assert bf16_model.zen and bf16_model.act_dtype == torch.bfloat16
+    assert bf16_model.fused and bf16_model.act_dtype == torch.bfloat16
 
 
 def test_weights_moved_in_place_are_used_after_process_weights():
@@ -175,12 +175,12 @@ def test_one_opaque_op_in_a_full_graph():
 
 def test_switched_off_keeps_the_per_expert_path():
     ex = _experts(4, 64, 32, 11, zentorch=False)
-    assert not ex.zen
+    assert not ex.fused
     x, ids, weights = _routing(3, 2, 4, 64, 14)
     with torch.no_grad():
         assert torch.equal(ex.forward_topk(x, ids, weights), _reference(ex, x, ids, weights))
     ex.process_weights_after_loading()
-    assert ex.zen and ex.packed is None
+    assert ex.fused and ex.packed is None
 
 
 def test_bf16_a8w8_engine_compiled_gives_eager_tokens_through_zentorch(ckpt_dir, monkeypatch):
@@ -192,7 +192,7 @@ def test_bf16_a8w8_engine_compiled_gives_eager_tokens_through_zentorch(ckpt_dir,
     assert got == want
     assert_graphs_ran(llm, [1, 2, 4, 8])
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int8FusedExperts)]
-    assert experts and all(ex.zen and ex.act_dtype == torch.bfloat16 for ex in experts)
+    assert experts and all(ex.fused and ex.act_dtype == torch.bfloat16 for ex in experts)
     linears = [m for m in llm.engine.runner.model.modules() if hasattr(m, "weight_zen_scale")]
     assert linears and all(m.weight_zen is not None for m in linears)  # the A8W8 Linears (lm_head too)
 

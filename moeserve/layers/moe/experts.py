@@ -17,7 +17,7 @@ from torch import nn
 from moeserve.layers import opaque
 from moeserve.layers.opaque import define_op
 from moeserve.layers.linear import pack_weight
-from moeserve.layers.moe import expert_epilogue, zen
+from moeserve.layers.moe import amx, expert_epilogue, zen
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,11 @@ class FusedExperts(nn.Module):
     # the activations stored once (stored(); 2026-12-07, benchmarks/expert_gather.py --mode bf16): x1.02 at
     # batch 1, x0.92 at 2, x0.74-0.81 at 4.
     GATHER_ROWS_PER_SLOT = 0 if torch.cpu._is_amx_tile_supported() else 2
-    # zentorch's fused MoE runs these experts (layers/moe/zen.py): set by process_weights_after_loading
-    zen = False
+    # One fused call runs the whole layer, set by process_weights_after_loading: "zentorch" (layers/moe/zen.py,
+    # AMD CPUs) or "amx" (layers/moe/amx.py, vLLM's kernels on Intel CPUs with AMX); "" where none runs
+    fused = ""
+    # The amx kernels' copies of (w13, w2) in their layout, remade from the stacked weights on every load / move
+    fused_weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, num_local_experts: int, hidden: int, intermediate: int,
                  slot_experts: list[int] | None = None, shard_rank: int = 0, num_shards: int = 1) -> None:
@@ -59,7 +62,7 @@ class FusedExperts(nn.Module):
 
     def traceable(self, pairs: int) -> bool:
         """Whether a compiled decode graph can trace these experts over `pairs` (token, expert) rows: float
-        experts can (torch._grouped_mm or the gathered rows, no host sync; packed and zentorch calls are ops
+        experts can (torch._grouped_mm or the gathered rows, no host sync; packed and fused calls are ops
         of their own inside the graph); subclasses say where they cannot."""
         return True
 
@@ -97,24 +100,29 @@ class FusedExperts(nn.Module):
             return tensor[:, part] if leaf == "weight" else tensor
         return tensor[part]
 
-    def process_weights_after_loading(self, zentorch: bool = True) -> None:
-        """BF16 experts on CPU, after loading and after every EPLB move: either zentorch's fused MoE (AMD CPUs
-        with zentorch installed, unless zentorch=False: layers/moe/zen.py), or a second copy of every slot's w13 / w2 packed for oneDNN,
-        used for steps with more rows than slots (decode at batch >= ~8, prefill). torch._grouped_mm runs one
-        unpacked aten::mm per expert; per-expert GEMMs on packed weights measured 1.34x faster for 32 decode
-        tokens (top-6 of 64 experts, 1 thread) and 1.46x for 8 (benchmarks/packed_experts.py). The stacked
-        weights stay: the compiled graphs' few-row path gathers from them, EPLB moves them, and the packs are
-        remade from them. Counted by packed_copy_bytes for KV sizing; MOESERVE_PACK_EXPERTS=0 keeps one copy."""
+    def process_weights_after_loading(self, fused_kernels: bool = True) -> None:
+        """BF16 experts on CPU, after loading and after every EPLB move, unless fused_kernels=False: one fused
+        call per layer, zentorch's (AMD CPUs with zentorch installed: layers/moe/zen.py) or vLLM's AMX kernel
+        (Intel CPUs with AMX and vLLM's CPU kernels: layers/moe/amx.py) over a copy of the weights in its layout.
+        Otherwise a second copy of every slot's w13 / w2 packed for oneDNN, used for steps with more rows than
+        slots (decode at batch >= ~8, prefill). torch._grouped_mm runs one unpacked aten::mm per expert;
+        per-expert GEMMs on packed weights measured 1.34x faster for 32 decode tokens (top-6 of 64 experts, 1
+        thread) and 1.46x for 8 (benchmarks/packed_experts.py). The stacked weights stay: the compiled graphs'
+        few-row path gathers from them, EPLB moves them, and the copies are remade from them. Counted by
+        packed_copy_bytes for KV sizing; MOESERVE_PACK_EXPERTS=0 keeps one copy (oneDNN's packs only)."""
         if type(self) is not FusedExperts:
             return
-        self.packed, self.zen = None, False
-        if zentorch and zen.usable(self.w13):
+        self.packed, self.fused, self.fused_weights = None, "", None
+        if fused_kernels and zen.usable(self.w13):
             # New or moved weights: no copy zentorch reordered from what these addresses held before may stay
             # (it would be used silently). Freed experts flush too, before their memory can hold new weights.
             zen.flush_cache()
             if not hasattr(self, "_zen_finalizer"):
                 self._zen_finalizer = weakref.finalize(self, zen.flush_cache)
-            self.zen = True
+            self.fused = "zentorch"
+            return
+        if fused_kernels and amx.usable(self.w13):
+            self.fused_weights, self.fused = (amx.pack(self.w13), amx.pack(self.w2)), "amx"
             return
         if not expert_packing_enabled():
             return
@@ -123,13 +131,13 @@ class FusedExperts(nn.Module):
 
     def forward_topk(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H] tokens, expert_ids [T, k] local slots (all here), weights [T, k] float32 -> [T, H] the
-        weighted sum of each token's experts: one zentorch call, or a row per (token, expert) pair through
-        forward()."""
-        if self.zen:
+        weighted sum of each token's experts: one fused call (zentorch or amx), or a row per (token, expert)
+        pair through forward()."""
+        if self.fused:
             x = x.to(self.w13.dtype)
             if torch.compiler.is_compiling():
-                return torch.ops.moeserve.zen_experts(x, expert_ids, weights, self.op_key)
-            return self.zen_forward(x, expert_ids, weights)
+                return torch.ops.moeserve.fused_experts(x, expert_ids, weights, self.op_key)
+            return self.fused_forward(x, expert_ids, weights)
         if self.packed is not None and not torch.compiler.is_compiling():
             return self._packed_tokens(x.to(self.w13.dtype), expert_ids, weights)
         return self.topk_as_rows(x, expert_ids, weights)
@@ -140,8 +148,10 @@ class FusedExperts(nn.Module):
         rows = x.repeat_interleave(k, dim=0)  # [T*k, H], row t*k+j is token t for its j-th expert
         return self(rows, expert_ids.reshape(-1), weights.reshape(-1)).view(t, k, x.shape[1]).sum(dim=1)
 
-    def zen_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """forward_topk through zentorch (eager; a compiled graph calls it as one opaque op)."""
+    def fused_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward_topk through the fused kernel (eager; a compiled graph calls it as one opaque op)."""
+        if self.fused == "amx":
+            return amx.fused_moe(x, *self.fused_weights, expert_ids, weights)
         return zen.fused_moe(x, self.w13, self.w2, expert_ids, weights)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -156,10 +166,10 @@ class FusedExperts(nn.Module):
         if x.shape[0] == 0:
             return torch.zeros_like(x)
         compiling = torch.compiler.is_compiling()
-        if self.zen:  # rows of other ranks (-1) are left out, not sent through the kernel
+        if self.fused:  # rows of other ranks (-1) are left out, not sent through the kernel
             if compiling:
-                return torch.ops.moeserve.zen_rows(x, expert_ids, weights, self.op_key)
-            return self.zen_rows(x, expert_ids, weights)
+                return torch.ops.moeserve.fused_rows(x, expert_ids, weights, self.op_key)
+            return self.fused_rows(x, expert_ids, weights)
         if compiling and x.shape[0] <= self.GATHER_ROWS_PER_SLOT * self.num_local_experts:
             return self.gathered_forward(x, expert_ids, weights)
         if self.packed is not None:  # a host sync for the group bounds: an opaque op in a compiled graph
@@ -170,14 +180,14 @@ class FusedExperts(nn.Module):
         y = self.grouped_forward(x.index_select(0, order), offs)  # [N, H], rows past offs[-1] undefined
         return self._weighted(x, y, order, valid, weights)
 
-    def zen_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """forward() through zentorch: each row its own token with one expert (k = 1); rows not ours are 0."""
+    def fused_rows(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward() through the fused kernel: each row its own token with one expert (k = 1); rows not ours 0."""
         mine = (expert_ids >= 0).nonzero().squeeze(1)
         if mine.numel() == x.shape[0]:
-            return self.zen_forward(x, expert_ids[:, None], weights[:, None])
+            return self.fused_forward(x, expert_ids[:, None], weights[:, None])
         out = torch.zeros_like(x)
         if mine.numel():
-            out[mine] = self.zen_forward(x[mine], expert_ids[mine, None], weights[mine, None])
+            out[mine] = self.fused_forward(x[mine], expert_ids[mine, None], weights[mine, None])
         return out
 
     def packed_forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
