@@ -43,6 +43,7 @@ def packed_copy_bytes(model: nn.Module) -> int:
     for module in model.modules():
         total += _copy_bytes(getattr(module, "weight_packed", None))
         total += _copy_bytes(getattr(module, "weight_zen", None))
+        total += _copy_bytes(getattr(module, "weight_amx", None))
         for pair in getattr(module, "packed", None) or ():  # FusedExperts: (w13, w2) per slot
             total += sum(_copy_bytes(t) for t in pair)
         for copy in getattr(module, "fused_weights", None) or ():  # FusedExperts on amx: its layout's copies

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.int8 import QMAX, dequantize, quantize_per_channel, quantize_per_token  # noqa: F401 (A8W8's API)
+from moeserve.layers import amx_linear
 from moeserve.layers.moe import amx, expert_epilogue, zen
 from moeserve.layers.opaque import define_op
 from moeserve.layers.moe.experts import FusedExperts, grouped_on_host, stored
@@ -269,10 +270,16 @@ class Int8LinearMethod:
         """Pack the loaded weight once (plain attributes, not parameters: the state dict and the loader keep
         seeing weight / weight_scale): for zentorch's INT8 linear where it runs and the model is BF16
         (weight_zen; 1.4-3x faster than the oneDNN path at 1-32 rows over the bench model's shapes,
-        benchmarks/packed_linear.py --int8), else for oneDNN (weight_packed)."""
-        layer.weight_zen = layer.weight_zen_scale = layer.weight_packed = None
-        if getattr(layer, "orig_dtype", None) == torch.bfloat16 and zen.usable_int8_linear(layer.weight.data):
+        benchmarks/packed_linear.py --int8), or for vLLM's AMX INT8 GEMM on Intel CPUs with AMX (weight_amx:
+        layers/amx_linear.py; weight_zen_scale holds the per-channel scales for either), else for oneDNN
+        (weight_packed)."""
+        layer.weight_zen = layer.weight_zen_scale = layer.weight_packed = layer.weight_amx = None
+        bf16 = getattr(layer, "orig_dtype", None) == torch.bfloat16
+        if bf16 and zen.usable_int8_linear(layer.weight.data):
             layer.weight_zen = zen.pack_int8_linear(layer.weight.data)
+            layer.weight_zen_scale = layer.weight_scale.data.reshape(-1).float().contiguous()
+        elif bf16 and amx_linear.usable(layer.weight.data):
+            layer.weight_amx = amx_linear.pack(layer.weight.data)
             layer.weight_zen_scale = layer.weight_scale.data.reshape(-1).float().contiguous()
         else:
             layer.weight_packed = Int8Packed.of(layer.weight.data, layer.weight_scale.data)
@@ -282,6 +289,9 @@ class Int8LinearMethod:
         packed = getattr(layer, "weight_zen", None)
         if packed is not None and x.dtype == torch.bfloat16 and x.numel() > 0:  # zentorch fails on no rows
             return zen_int8_linear(x, packed, layer.weight_zen_scale, layer.bias)
+        packed = getattr(layer, "weight_amx", None)
+        if packed is not None and x.dtype == torch.bfloat16:
+            return amx_linear.int8_linear(x, packed, layer.weight_zen_scale, layer.bias)
         return int8_linear(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "weight_packed", None))
 
     @staticmethod
