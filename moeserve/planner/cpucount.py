@@ -33,8 +33,10 @@ GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_gr
             "cpu_fused_moe", "fused_experts_cpu",  # vLLM's AMX fused MoE (layers/moe/amx.py)
             "int8_scaled_mm_with_quant")  # vLLM's AMX INT8 GEMM (layers/amx_linear.py)
 
-# The decode attention kernel (layers/attention/mla.py _decode); eager dispatch sees the flash op SDPA picks
-ATTENTION_OPS = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu")
+# The decode attention kernel (layers/attention/mla.py _decode); eager dispatch sees the flash op SDPA picks;
+# BF16 decode over the paged cache runs vLLM's kernel (layers/attention/mla_kernel.py)
+ATTENTION_OPS = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "decode_attention_cpu")
 
 # No data touched: tensor metadata or an allocation (profile: planner/cpucheck.measure_view_cost)
 VIEW_OPS = frozenset((
