@@ -21,10 +21,10 @@ _OP = "int8_scaled_mm_with_quant"
 
 @functools.cache
 def available() -> bool:
-    """Enabled (MOESERVE_AMX_LINEAR, default on), AMX usable by this process (requested first: see
-    layers/moe/amx.py), the library loaded with the kernel."""
-    return (os.environ.get("MOESERVE_AMX_LINEAR", "1") != "0" and torch.cpu._is_amx_tile_supported()
-            and torch._C._cpu._init_amx() and cpu_kernels.has(_OP) and cpu_kernels.has("convert_weight_packed"))
+    """Enabled (MOESERVE_AMX_LINEAR, default on), AMX usable by this process (cpu_kernels.amx), the library
+    loaded with the kernel."""
+    return (os.environ.get("MOESERVE_AMX_LINEAR", "1") != "0" and cpu_kernels.amx() and cpu_kernels.has(_OP)
+            and cpu_kernels.has("convert_weight_packed"))
 
 
 def usable(weight: torch.Tensor) -> bool:

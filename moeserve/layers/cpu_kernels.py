@@ -88,3 +88,12 @@ def library() -> Path | None:
 def has(op: str) -> bool:
     """Whether the library is loaded and has torch.ops._C.<op>."""
     return library() is not None and hasattr(torch.ops._C, op)
+
+
+@functools.cache
+def amx() -> bool:
+    """The CPU has AMX and this process may use it. Linux hands AMX's tile registers to a process only on
+    request; oneDNN makes it when it first runs an AMX kernel, and a kernel of this library that runs before
+    that dies of an illegal instruction, so callers of the library's AMX kernels ask here first
+    (torch._C._cpu._init_amx: the same system call)."""
+    return torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx()

@@ -271,27 +271,27 @@ class Int8LinearMethod:
         seeing weight / weight_scale): for zentorch's INT8 linear where it runs and the model is BF16
         (weight_zen; 1.4-3x faster than the oneDNN path at 1-32 rows over the bench model's shapes,
         benchmarks/packed_linear.py --int8), or for vLLM's AMX INT8 GEMM on Intel CPUs with AMX (weight_amx:
-        layers/amx_linear.py; weight_zen_scale holds the per-channel scales for either), else for oneDNN
-        (weight_packed)."""
-        layer.weight_zen = layer.weight_zen_scale = layer.weight_packed = layer.weight_amx = None
+        layers/amx_linear.py), either taking the per-channel scales as one float32 vector
+        (weight_scale_vector); else for oneDNN (weight_packed)."""
+        layer.weight_zen = layer.weight_scale_vector = layer.weight_packed = layer.weight_amx = None
         bf16 = getattr(layer, "orig_dtype", None) == torch.bfloat16
         if bf16 and zen.usable_int8_linear(layer.weight.data):
             layer.weight_zen = zen.pack_int8_linear(layer.weight.data)
-            layer.weight_zen_scale = layer.weight_scale.data.reshape(-1).float().contiguous()
         elif bf16 and amx_linear.usable(layer.weight.data):
             layer.weight_amx = amx_linear.pack(layer.weight.data)
-            layer.weight_zen_scale = layer.weight_scale.data.reshape(-1).float().contiguous()
         else:
             layer.weight_packed = Int8Packed.of(layer.weight.data, layer.weight_scale.data)
+            return
+        layer.weight_scale_vector = layer.weight_scale.data.reshape(-1).float().contiguous()
 
     @staticmethod
     def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         packed = getattr(layer, "weight_zen", None)
         if packed is not None and x.dtype == torch.bfloat16 and x.numel() > 0:  # zentorch fails on no rows
-            return zen_int8_linear(x, packed, layer.weight_zen_scale, layer.bias)
+            return zen_int8_linear(x, packed, layer.weight_scale_vector, layer.bias)
         packed = getattr(layer, "weight_amx", None)
         if packed is not None and x.dtype == torch.bfloat16:
-            return amx_linear.int8_linear(x, packed, layer.weight_zen_scale, layer.bias)
+            return amx_linear.int8_linear(x, packed, layer.weight_scale_vector, layer.bias)
         return int8_linear(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "weight_packed", None))
 
     @staticmethod
@@ -435,8 +435,9 @@ class Int8FusedExperts(FusedExperts):
         """forward_topk traced into a compiled decode graph, with the eager path's bits: each (token, expert) pair
         is a matrix-vector product against its expert's INT8 weights, gathered inside the reduction (inductor
         fuses w[ids] into the loop: no weight copy), exact as the INT32 GEMMs are (int8_rows_dot), each GEMM's
-        output rounded to expert_out_dtype as oneDNN writes it, then the eager epilogue's steps in its order. No host sync and no call per expert: the opaque op's
-        grouping, slicing and ~12 oneDNN calls a layer at batch 1 cost more than the weights they read."""
+        output rounded to expert_out_dtype as oneDNN writes it, then the eager epilogue's steps in its order. No
+        host sync and no call per expert: the opaque op's grouping, slicing and ~12 oneDNN calls a layer at
+        batch 1 cost more than the weights they read."""
         t, k = expert_ids.shape
         ids, w = expert_ids.reshape(-1), weights.reshape(-1)
         tq, ts = quantize_per_token(x)  # per token, as the eager path quantizes each token once

@@ -7,22 +7,10 @@ import torch
 
 from moeserve.layers import amx_linear
 from moeserve.layers.linear import Linear, packed_copy_bytes
-from moeserve.layers.quant import Int8LinearMethod, int8_linear
+from moeserve.layers.quant import int8_linear
+from tests.quant.helpers import int8_linear_layer
 
 pytestmark = pytest.mark.skipif(not amx_linear.available(), reason="vLLM's AMX INT8 GEMM is not available here")
-
-
-def _layer(n: int, k: int, seed: int, dtype=torch.bfloat16, bias: bool = False) -> Linear:
-    """An A8W8 Linear [n x k] of a `dtype` model, filled from random float weights and packed as at load."""
-    g = torch.Generator().manual_seed(seed)
-    layer = Linear(k, n, bias=bias).to(dtype)
-    Int8LinearMethod.create_weights(layer)
-    Int8LinearMethod.load_tensor(layer, "weight", torch.randn(n, k, generator=g) * 0.05, "w")
-    if bias:
-        with torch.no_grad():
-            layer.bias.copy_(torch.randn(n, generator=g).to(dtype))
-    layer.process_weights_after_loading()
-    return layer
 
 
 def _exact(layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +24,7 @@ def test_matches_the_exact_int8_path(n, k, bias, rows):
     """The same arithmetic (per-token INT8 activations, INT32 accumulation, per-channel weight scales), with the
     kernel's own rounding of each activation's scale: held to 1% of the output's scale (a wrong weight or scale
     is off by ~100%), and most outputs bit-equal."""
-    layer = _layer(n, k, seed=n + k + rows, bias=bias)
+    layer = int8_linear_layer(n, k, seed=n + k + rows, bias=bias)
     assert layer.weight_amx is not None and layer.weight_packed is None
     x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
     with torch.no_grad():
@@ -48,19 +36,20 @@ def test_matches_the_exact_int8_path(n, k, bias, rows):
 
 
 def test_only_for_bf16_models_aligned_shapes_and_when_switched_on(monkeypatch):
-    assert _layer(256, 1024, 1, dtype=torch.float32).weight_amx is None  # a float32 model: the oneDNN path
-    assert _layer(112, 1024, 1).weight_amx is None  # 112 output channels: not a multiple of 32
-    assert _layer(256, 48, 1).weight_amx is None  # 48 inputs: not a multiple of 32
+    float32 = int8_linear_layer(256, 1024, 1, dtype=torch.float32)
+    assert float32.weight_amx is None  # a float32 model: the oneDNN path
+    assert int8_linear_layer(112, 1024, 1).weight_amx is None  # 112 output channels: not a multiple of 32
+    assert int8_linear_layer(256, 48, 1).weight_amx is None  # 48 inputs: not a multiple of 32
     monkeypatch.setattr(amx_linear, "available", lambda: False)
-    assert _layer(256, 1024, 1).weight_amx is None
-    layer = _layer(256, 1024, 2)
+    assert int8_linear_layer(256, 1024, 1).weight_amx is None
+    layer = int8_linear_layer(256, 1024, 2)
     x = torch.randn(4, 1024)  # float32 rows into a BF16 model's layer: the exact path
     with torch.no_grad():
         assert torch.equal(layer(x), _exact(layer, x))
 
 
 def test_one_opaque_op_in_a_full_graph_with_the_eager_bits_and_its_copy_counted():
-    layer = _layer(384, 1024, 3)
+    layer = int8_linear_layer(384, 1024, 3)
     x = torch.randn(4, 1024).bfloat16()
     torch._dynamo.reset()
     with torch.no_grad():

@@ -14,6 +14,7 @@ from moeserve.layers.linear import packed_copy_bytes
 from moeserve.layers.moe import zen
 from moeserve.layers.moe.experts import FusedExperts
 from moeserve.layers.quant import Int8FusedExperts
+from tests.quant.helpers import int8_linear_layer
 
 pytestmark = pytest.mark.skipif(not zen.available(), reason="zentorch's fused MoE is not available here")
 
@@ -193,24 +194,8 @@ def test_bf16_a8w8_engine_compiled_gives_eager_tokens_through_zentorch(ckpt_dir,
     assert_graphs_ran(llm, [1, 2, 4, 8])
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, Int8FusedExperts)]
     assert experts and all(ex.fused and ex.act_dtype == torch.bfloat16 for ex in experts)
-    linears = [m for m in llm.engine.runner.model.modules() if hasattr(m, "weight_zen_scale")]
+    linears = [m for m in llm.engine.runner.model.modules() if hasattr(m, "weight_scale_vector")]
     assert linears and all(m.weight_zen is not None for m in linears)  # the A8W8 Linears (lm_head too)
-
-
-def _int8_linear_layer(n: int, k: int, seed: int, dtype=torch.bfloat16, bias: bool = False):
-    """An A8W8 Linear [n x k] of a `dtype` model, filled from random float weights and packed as at load."""
-    from moeserve.layers.linear import Linear
-    from moeserve.layers.quant import Int8LinearMethod
-
-    g = torch.Generator().manual_seed(seed)
-    layer = Linear(k, n, bias=bias).to(dtype)
-    Int8LinearMethod.create_weights(layer)
-    Int8LinearMethod.load_tensor(layer, "weight", torch.randn(n, k, generator=g) * 0.05, "w")
-    if bias:
-        with torch.no_grad():
-            layer.bias.copy_(torch.randn(n, generator=g).to(dtype))
-    layer.process_weights_after_loading()
-    return layer
 
 
 def _exact_int8(layer, x):
@@ -226,7 +211,7 @@ def test_int8_linear_on_zentorch_matches_the_exact_path(n, k, rows):
     symmetric INT8 activations, INT32 accumulation, per-channel weight scales): most outputs are bit-equal, the
     rest differ where an activation's quantized value rounds the other way (measured up to ~0.8% of the
     output's scale; a wrong weight differs by ~100%)."""
-    layer = _int8_linear_layer(n, k, seed=n + k, bias=(n == 100))
+    layer = int8_linear_layer(n, k, seed=n + k, bias=(n == 100))
     assert layer.weight_zen is not None and layer.weight_packed is None
     x = torch.randn(2, rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()  # [..., K] inputs
     with torch.no_grad():
@@ -239,14 +224,14 @@ def test_int8_linear_on_zentorch_only_for_bf16_models_and_when_switched_on(monke
     """A float32 model keeps the oneDNN / exact path (zentorch's INT8 linear takes BF16 activations);
     MOESERVE_ZENTORCH_INT8=0 switches it off with the INT8 experts; float32 inputs to a BF16 model's layer
     take the exact path."""
-    fp32 = _int8_linear_layer(256, 1024, 1, dtype=torch.float32)
+    fp32 = int8_linear_layer(256, 1024, 1, dtype=torch.float32)
     assert fp32.weight_zen is None
-    layer = _int8_linear_layer(256, 1024, 1)
+    layer = int8_linear_layer(256, 1024, 1)
     x = torch.randn(4, 1024)
     with torch.no_grad():
         assert torch.equal(layer(x), _exact_int8(layer, x))
     monkeypatch.setenv("MOESERVE_ZENTORCH_INT8", "0")
-    off = _int8_linear_layer(256, 1024, 1)
+    off = int8_linear_layer(256, 1024, 1)
     assert off.weight_zen is None
 
 
@@ -255,12 +240,12 @@ def test_int8_linear_new_weights_at_the_same_address_use_their_own():
     then had another layer's pack written over its own storage (new weights at the same address, what a freed
     and reused address gives), computes with the new weights."""
     x = torch.randn(2, 512).bfloat16()
-    layer, other = _int8_linear_layer(512, 512, seed=100), _int8_linear_layer(512, 512, seed=101)
+    layer, other = int8_linear_layer(512, 512, seed=100), int8_linear_layer(512, 512, seed=101)
     with torch.no_grad():
         _assert_close(layer(x), _exact_int8(layer, x))
         address = layer.weight_zen.data_ptr()
         layer.weight_zen.untyped_storage().copy_(other.weight_zen.untyped_storage())  # compensation included
-        layer.weight_zen_scale.copy_(other.weight_zen_scale)
+        layer.weight_scale_vector.copy_(other.weight_scale_vector)
         layer.weight.copy_(other.weight)
         layer.weight_scale.copy_(other.weight_scale)
         assert layer.weight_zen.data_ptr() == address
@@ -268,7 +253,7 @@ def test_int8_linear_new_weights_at_the_same_address_use_their_own():
 
 
 def test_int8_linear_is_one_opaque_op_in_a_full_graph_and_its_pack_is_counted():
-    layer = _int8_linear_layer(384, 1024, 3)
+    layer = int8_linear_layer(384, 1024, 3)
     x = torch.randn(4, 1024).bfloat16()
     with torch.no_grad():
         compiled = torch.compile(lambda a: layer(a), fullgraph=True, dynamic=False)

@@ -25,13 +25,10 @@ _INT8_W8A8 = 1  # fused_experts_cpu's moe_comp_method for INT8 weights with per-
 
 @functools.cache
 def available() -> bool:
-    """The kernels can run here: enabled (MOESERVE_AMX_MOE, default on), AMX usable by this process, vLLM's
-    library loaded. Linux hands AMX's tile registers to a process only on request; oneDNN makes the request
-    when it first runs an AMX kernel, and a kernel of this library that runs before that dies of an illegal
-    instruction, so the request is made here (torch._C._cpu._init_amx: the same system call)."""
-    return (os.environ.get("MOESERVE_AMX_MOE", "1") != "0" and torch.cpu._is_amx_tile_supported()
-            and torch._C._cpu._init_amx() and cpu_kernels.has("cpu_fused_moe")
-            and cpu_kernels.has("fused_experts_cpu"))
+    """The kernels can run here: enabled (MOESERVE_AMX_MOE, default on), AMX usable by this process
+    (cpu_kernels.amx), vLLM's library loaded."""
+    return (os.environ.get("MOESERVE_AMX_MOE", "1") != "0" and cpu_kernels.amx()
+            and cpu_kernels.has("cpu_fused_moe") and cpu_kernels.has("fused_experts_cpu"))
 
 
 def _fits(w13: torch.Tensor) -> bool:
