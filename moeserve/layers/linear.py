@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.layers import onednn_linear
 from moeserve.layers.opaque import define_op
 
 
@@ -44,6 +45,9 @@ def packed_copy_bytes(model: nn.Module) -> int:
         total += _copy_bytes(getattr(module, "weight_packed", None))
         total += _copy_bytes(getattr(module, "weight_zen", None))
         total += _copy_bytes(getattr(module, "weight_amx", None))
+        total += _copy_bytes(getattr(module, "w_uk_packed", None)) + _copy_bytes(getattr(module, "w_uv_packed", None))
+        if getattr(module, "weight_onednn", None) is not None:  # the library handler's copy of the weight
+            total += module.weight.numel() * module.weight.element_size()
         for pair in getattr(module, "packed", None) or ():  # FusedExperts: (w13, w2) per slot
             total += sum(_copy_bytes(t) for t in pair)
         for copy in getattr(module, "fused_weights", None) or ():  # FusedExperts on amx: its layout's copies
@@ -153,12 +157,19 @@ class Linear(nn.Module):
         if prepare is not None:
             prepare(self)
         elif self.quant_method is None:
-            self.weight_zen = zen_pack_weight(self.weight)  # AMD CPUs with zentorch, else the oneDNN packing
-            self.weight_packed = pack_weight(self.weight) if self.weight_zen is None else None
+            # AMD CPUs with zentorch; else vLLM's library's oneDNN matmul; else PyTorch's oneDNN packing
+            self.weight_zen = zen_pack_weight(self.weight)
+            use_library = self.weight_zen is None and onednn_linear.usable(self.weight)
+            self.weight_onednn = onednn_linear.handler(self.weight) if use_library else None
+            self.weight_packed = (pack_weight(self.weight) if self.weight_zen is None and not use_library
+                                  else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x)
+        handle = getattr(self, "weight_onednn", None)
+        if handle is not None:
+            return onednn_linear.linear(x, handle, self.out_features, self.bias)
         packed = getattr(self, "weight_packed", None)
         if packed is not None:
             return packed_linear(x, packed, self.bias)

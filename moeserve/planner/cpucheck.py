@@ -94,8 +94,20 @@ def measure_weight_streaming(repeats: int = 5, pool_mb: int = 256) -> tuple[floa
 
 def gemm_kernel(layer):
     """x -> the GEMM op the engine's BF16 Linear issues for its packed weight, called without the module's
-    Python (its getattr's, reshape and view): oneDNN's packed linear, zentorch's on AMD CPUs with zentorch,
-    else F.linear."""
+    Python (its getattr's, reshape and view): vLLM's library's oneDNN matmul where it is installed
+    (layers/onednn_linear.py), zentorch's on AMD CPUs with zentorch, PyTorch's oneDNN packed linear, else
+    F.linear."""
+    handle = getattr(layer, "weight_onednn", None)
+    if handle is not None:  # the op writes into an output made beforehand (the step counts that as a view)
+        outputs = {}
+
+        def onednn(x):
+            out = outputs.get(x.shape[0])
+            if out is None:
+                out = outputs[x.shape[0]] = x.new_empty(x.shape[0], layer.out_features)
+            torch.ops._C.onednn_mm(out, x, None, handle)
+            return out
+        return onednn
     packed = getattr(layer, "weight_packed", None)
     if packed is not None:
         return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")

@@ -31,7 +31,8 @@ GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_gr
             "qlinear_pointwise", "_linear_pointwise",  # linear stays whole under inference_mode
             "zentorch_linear_unary", "zentorch_fused_moe",  # AMD CPUs with zentorch (layers/moe/zen.py)
             "cpu_fused_moe", "fused_experts_cpu",  # vLLM's AMX fused MoE (layers/moe/amx.py)
-            "int8_scaled_mm_with_quant")  # vLLM's AMX INT8 GEMM (layers/amx_linear.py)
+            "int8_scaled_mm_with_quant",  # vLLM's AMX INT8 GEMM (layers/amx_linear.py)
+            "onednn_mm", "bmm_cpu")  # vLLM's BF16 GEMMs (layers/onednn_linear.py, attention/mla_bmm.py)
 
 # The decode attention kernel (layers/attention/mla.py _decode); eager dispatch sees the flash op SDPA picks;
 # BF16 decode over the paged cache runs vLLM's kernel (layers/attention/mla_kernel.py)

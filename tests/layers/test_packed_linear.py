@@ -21,9 +21,12 @@ def test_packed_linear_equals_f_linear(rows):
 
 
 def test_only_bf16_cpu_weights_are_packed_and_the_copies_are_counted(monkeypatch):
+    from moeserve.layers import onednn_linear
     from moeserve.layers.moe import zen
 
-    monkeypatch.setattr(zen, "available", lambda: False)  # the oneDNN packing, also where zentorch runs
+    # PyTorch's oneDNN packing, also where zentorch or vLLM's library (layers/onednn_linear.py) would take it
+    monkeypatch.setattr(zen, "available", lambda: False)
+    monkeypatch.setattr(onednn_linear, "available", lambda: False)
     assert pack_weight(torch.randn(8, 8)) is None  # float32 stays as it is
     layer = Linear(80, 96, bias=False).to(torch.bfloat16)
     with torch.no_grad():

@@ -18,7 +18,7 @@ from torch import nn
 from moeserve.distributed.comm import timed
 from moeserve.distributed.flashcomm import current_seq_parallel
 from moeserve.distributed.parallel_state import get_attention_tp_dp_switch, get_tp_group
-from moeserve.layers.attention import amla, mla_kernel
+from moeserve.layers.attention import amla, mla_bmm, mla_kernel
 from moeserve.layers.attention.kv_dtype import gather_cache, gather_decode_context, write_cache
 from moeserve.layers import opaque
 from moeserve.layers.attention.metadata import get_attention_metadata
@@ -55,6 +55,8 @@ class MLAttention(nn.Module):
         self.w_uk_t: torch.Tensor | None = None  # [H, C, dn] set by process_weights_after_loading
         self.w_uv: torch.Tensor | None = None  # [H, dv, C]
         self.w_uv_t: torch.Tensor | None = None  # [H, C, dv], a view of w_uv
+        self.w_uk_packed: torch.Tensor | None = None  # w_uk_t / w_uv in mla_bmm's layout, where it applies
+        self.w_uv_packed: torch.Tensor | None = None
         self.op_key = opaque.register(self)
 
     def process_weights_after_loading(self) -> None:
@@ -67,6 +69,8 @@ class MLAttention(nn.Module):
         # W_UV stored [H, dv, C] (weight-first, one copy); w_uv_t is its [H, C, dv] view (value_up)
         self.w_uv = w[:, self.dn:].contiguous()
         self.w_uv_t = self.w_uv.transpose(1, 2)
+        # BF16 on AMX: both products through vLLM's library's batched GEMM (mla_bmm.py), else the bmm's below
+        self.w_uk_packed, self.w_uv_packed = mla_bmm.pack(self.w_uk_t), mla_bmm.pack(self.w_uv)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -167,6 +171,8 @@ class MLAttention(nn.Module):
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """q_nope [B, H, dn] -> the latent query [B, H, C] = q_nope @ W_UK per head (a strided view)."""
+        if self.w_uk_packed is not None:
+            return mla_bmm.per_head(q_nope, self.w_uk_packed, self.kv_lora_rank)
         return torch.bmm(self.w_uk_t, q_nope.permute(1, 2, 0)).permute(2, 0, 1)
 
     # Rows up to which value_up applies W_UV weight-first. oneDNN's bmm reads the weight faster that way at
@@ -178,6 +184,8 @@ class MLAttention(nn.Module):
     def value_up(self, o_lat: torch.Tensor) -> torch.Tensor:
         """o_lat [B, H, C] -> [B, H * dv]: each head's latent output through its W_UV."""
         b = o_lat.shape[0]
+        if self.w_uv_packed is not None:
+            return mla_bmm.per_head(o_lat, self.w_uv_packed, self.dv).view(b, self.num_heads * self.dv)
         if b <= self.UV_WEIGHT_FIRST_MAX_ROWS:
             # [H, dv, B] to rows: contiguous, or the reshape is a column-major view that every later row copy
             # reads element by element (an index_put of its 32 x 2048 rows took ~0.6 ms)

@@ -1,0 +1,42 @@
+"""MLA decode's per-head products with the absorbed matrices (W_UK on the query, W_UV on the latent output)
+through vLLM's CPU kernel library's `bmm_cpu` (layers/cpu_kernels.py; the AMX batched GEMM vLLM's AMX MLA
+backend uses for the same two products), over copies of the matrices in the kernel's VNNI layout made once
+at load.
+
+The same bits as aten's weight-first bmm (mla.py's path up to 32 rows; past them its data-first bmm sums in
+another order, so outputs there may differ by a rounding); on the bench model's matrices (16 heads,
+C 512, dn = dv = 128; one thread, Intel Xeon with AMX) 0.63-0.81x of aten's time for W_UK and 0.37-0.69x for
+W_UV at 1-32 rows (docs/engine.md). Where it applies (usable()): BF16 matrices on the CPU whose widths are
+multiples of 32, AMX usable by this process, the library loaded. MOESERVE_MLA_BMM=0 switches it off; the
+aten bmm's run as before.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moeserve.layers import cpu_kernels
+
+ENV = "MOESERVE_MLA_BMM"
+
+
+def usable(w: torch.Tensor) -> bool:
+    """For per-head weights w [H, N, K] (each head's output width N and input width K, multiples of 32)."""
+    return (os.environ.get(ENV, "1") != "0" and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+            and w.dim() == 3 and w.shape[1] % 32 == 0 and w.shape[2] % 32 == 0 and cpu_kernels.amx()
+            and cpu_kernels.has("bmm_cpu") and cpu_kernels.has("convert_weight_packed"))
+
+
+def pack(w: torch.Tensor) -> torch.Tensor | None:
+    """w [H, N, K] in the kernel's layout, or None where the kernel does not apply (usable())."""
+    return torch.ops._C.convert_weight_packed(w.detach().contiguous()) if usable(w) else None
+
+
+def per_head(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, H, K] -> [B, H, n]: each head's rows times its weight transposed (x[:, h] @ W[h]^T), contiguous."""
+    if x.stride(-1) != 1:  # the kernel reads each row's K values as one run
+        x = x.contiguous()
+    out = x.new_empty(x.shape[0], x.shape[1], n)
+    torch.ops._C.bmm_cpu(out.transpose(0, 1), x.transpose(0, 1), packed, True, None)
+    return out
