@@ -3,12 +3,13 @@ through vLLM's CPU kernel library's `bmm_cpu` (layers/cpu_kernels.py; the AMX ba
 backend uses for the same two products), over copies of the matrices in the kernel's VNNI layout made once
 at load.
 
-The same bits as aten's weight-first bmm (mla.py's path up to 32 rows; past them its data-first bmm sums in
-another order, so outputs there may differ by a rounding); on the bench model's matrices (16 heads,
-C 512, dn = dv = 128; one thread, Intel Xeon with AMX) 0.63-0.81x of aten's time for W_UK and 0.37-0.69x for
-W_UV at 1-32 rows (docs/engine.md). Where it applies (usable()): BF16 matrices on the CPU whose widths are
-multiples of 32, AMX usable by this process, the library loaded. MOESERVE_MLA_BMM=0 switches it off; the
-aten bmm's run as before.
+The same arithmetic as aten's weight-first bmm (mla.py's path up to 32 rows; past them its data-first bmm):
+float32 accumulation, one rounding, equal outputs but for rare last-bit ties (a few in 10^4 one BF16 rounding
+apart, as close to the float32 product as aten's: tests/layers/test_mla_bmm.py). On the bench model's
+matrices (16 heads, C 512, dn = dv = 128; one thread, Intel Xeon with AMX) 0.63-0.87x of aten's time for W_UK
+and 0.37-0.69x for W_UV at 1-256 rows (docs/engine.md). Where it applies (usable()): BF16 matrices on the CPU
+whose widths are multiples of 32, AMX usable by this process, the library loaded. MOESERVE_MLA_BMM=0
+switches it off; the aten bmm's run as before.
 """
 from __future__ import annotations
 
