@@ -2,8 +2,8 @@
 on Intel CPUs with AMX: the activations quantized per token inside the call, the INT8 GEMM with the
 per-channel weight scales, BF16 out; one call where the oneDNN path takes a quantization kernel, the uint8
 flip and oneDNN's qlinear. The weight is our own copy in the kernel's VNNI layout (each row 4 bytes longer: a
-compensation term), made once at load. For a BF16 model's Linears whose output and input widths are
-multiples of 32 (the kernel's blocks); elsewhere, with the library absent or with
+compensation term; cpu_kernels.vnni_pack), made once at load. For a BF16 model's Linears whose output and
+input widths are multiples of 32 (the kernel's blocks); elsewhere, with the library absent or with
 MOESERVE_AMX_LINEAR=0, the oneDNN path runs as before.
 """
 from __future__ import annotations
@@ -31,11 +31,6 @@ def usable(weight: torch.Tensor) -> bool:
     """For an INT8 weight [N, K] on the CPU with N and K multiples of 32 (the kernel's blocks)."""
     return (weight.dtype == torch.int8 and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and available())
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """An INT8 weight [N, K] in the kernel's layout, [N, K + 4]."""
-    return torch.ops._C.convert_weight_packed(weight.detach().contiguous())
 
 
 def _mm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -90,6 +90,13 @@ def has(op: str) -> bool:
     return library() is not None and hasattr(torch.ops._C, op)
 
 
+def vnni_pack(w: torch.Tensor) -> torch.Tensor:
+    """Weights [..., N, K], BF16 or INT8, in the VNNI layout the library's AMX GEMMs read (`convert_weight_packed`;
+    an INT8 row grows by 4 bytes, a compensation term): one copy made at load, for the INT8 linears
+    (amx_linear.py), the INT8 experts (moe/amx.py) and MLA's absorbed products (attention/mla_bmm.py)."""
+    return torch.ops._C.convert_weight_packed(w.detach().contiguous())
+
+
 @functools.cache
 def amx() -> bool:
     """The CPU has AMX and this process may use it. Linux hands AMX's tile registers to a process only on

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.int8 import QMAX, dequantize, quantize_per_channel, quantize_per_token  # noqa: F401 (A8W8's API)
-from moeserve.layers import amx_linear
+from moeserve.layers import amx_linear, cpu_kernels
 from moeserve.layers.moe import amx, expert_epilogue, zen
 from moeserve.layers.opaque import define_op
 from moeserve.layers.moe.experts import FusedExperts, grouped_on_host, stored
@@ -278,7 +278,7 @@ class Int8LinearMethod:
         if bf16 and zen.usable_int8_linear(layer.weight.data):
             layer.weight_zen = zen.pack_int8_linear(layer.weight.data)
         elif bf16 and amx_linear.usable(layer.weight.data):
-            layer.weight_amx = amx_linear.pack(layer.weight.data)
+            layer.weight_amx = cpu_kernels.vnni_pack(layer.weight.data)
         else:
             layer.weight_packed = Int8Packed.of(layer.weight.data, layer.weight_scale.data)
             return
@@ -396,7 +396,7 @@ class Int8FusedExperts(FusedExperts):
             self.fused = "zentorch"
             return
         if bf16 and amx.usable_int8(self.w13):
-            self.fused_weights, self.fused = (amx.pack_int8(self.w13), amx.pack_int8(self.w2)), "amx"
+            self.fused_weights, self.fused = (cpu_kernels.vnni_pack(self.w13), cpu_kernels.vnni_pack(self.w2)), "amx"
             return
         packs = [(Int8Packed.of(self.w13.data[e], self.w13_scale.data[e]),
                   Int8Packed.of(self.w2.data[e], self.w2_scale.data[e])) for e in range(self.num_local_experts)]

@@ -31,7 +31,7 @@ def usable(w: torch.Tensor) -> bool:
 
 def pack(w: torch.Tensor) -> torch.Tensor | None:
     """w [H, N, K] in the kernel's layout, or None where the kernel does not apply (usable())."""
-    return torch.ops._C.convert_weight_packed(w.detach().contiguous()) if usable(w) else None
+    return cpu_kernels.vnni_pack(w) if usable(w) else None
 
 
 def per_head(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

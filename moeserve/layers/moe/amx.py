@@ -4,7 +4,7 @@ oneDNN GEMM pair per busy expert, the ~14-25 us of call overhead each of those p
 - BF16 experts: `cpu_fused_moe` with isa "amx", over a copy of the weights in its tile layout
   (`prepack_moe_weight`: same shape, reordered), vLLM's own x86 path for unquantized MoE;
 - A8W8 experts: `fused_experts_cpu` in its INT8_W8A8 mode (sgl-kernel's), over weights in its VNNI layout
-  (`convert_weight_packed`: each row 4 bytes longer, a compensation term), the per-channel scales as they are;
+  (`cpu_kernels.vnni_pack`: each row 4 bytes longer, a compensation term), the per-channel scales as they are;
   it quantizes the activations per token itself before each GEMM, as Int8FusedExperts does.
 Both need hidden and intermediate sizes divisible by 32 (the kernels' tiles); elsewhere, with the library
 absent, on a CPU without AMX, or with MOESERVE_AMX_MOE=0, the experts run as before. The packed copies are
@@ -28,7 +28,8 @@ def available() -> bool:
     """The kernels can run here: enabled (MOESERVE_AMX_MOE, default on), AMX usable by this process
     (cpu_kernels.amx), vLLM's library loaded."""
     return (os.environ.get("MOESERVE_AMX_MOE", "1") != "0" and cpu_kernels.amx()
-            and cpu_kernels.has("cpu_fused_moe") and cpu_kernels.has("fused_experts_cpu"))
+            and cpu_kernels.has("cpu_fused_moe") and cpu_kernels.has("fused_experts_cpu")
+            and cpu_kernels.has("convert_weight_packed"))
 
 
 def _fits(w13: torch.Tensor) -> bool:
@@ -54,11 +55,6 @@ def pack(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def pack_int8(w: torch.Tensor) -> torch.Tensor:
-    """INT8 expert weights [E, N, K] in fused_experts_cpu's VNNI layout: [E, N, K + 4] (a compensation term)."""
-    return torch.ops._C.convert_weight_packed(w.detach().contiguous())
-
-
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_ids: torch.Tensor,
               weights: torch.Tensor) -> torch.Tensor:
     """x [T, H] BF16; w13 / w2 packed by pack(); expert_ids [T, k] local slots (all >= 0); weights [T, k] float32
@@ -72,8 +68,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_ids: 
 
 def fused_moe_int8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
                    w2_scale: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """A8W8 experts in one call: x [T, H] BF16; w13 / w2 packed by pack_int8() with their float32 per-channel
-    scales [E, 2I] / [E, H]; expert_ids [T, k] local slots (all >= 0); weights [T, k] float32 -> [T, H] BF16."""
+    """A8W8 experts in one call: x [T, H] BF16; w13 / w2 packed by cpu_kernels.vnni_pack() with their float32
+    per-channel scales [E, 2I] / [E, H]; expert_ids [T, k] local slots (all >= 0); weights [T, k] float32 ->
+    [T, H] BF16."""
     out = torch.empty_like(x)
     if x.shape[0]:
         torch.ops._C.fused_experts_cpu(out, x.contiguous(), w13, w2, weights.float().contiguous(),
