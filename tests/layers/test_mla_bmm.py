@@ -1,8 +1,8 @@
 """MLA decode's absorbed-matrix products through vLLM's CPU library's bmm_cpu (layers/attention/mla_bmm.py) agree
 with aten's weight-first bmm's (the same arithmetic; rare last-bit ties apart).
 
-These run where the library is installed with AMX usable (scripts/setup.sh installs it on Intel CPUs with AMX);
-elsewhere skipped, and the aten bmm's run (tests/layers/test_mla_absorb.py)."""
+These run where the library is installed and may run its GEMMs (scripts/setup.sh installs it on x86 CPUs with
+AVX-512 BF16; AMX, where the CPU has it, usable); elsewhere skipped, and the aten bmm's run (tests/layers/test_mla_absorb.py)."""
 import pytest
 import torch
 
@@ -11,7 +11,7 @@ from moeserve.layers.attention import mla_bmm
 from moeserve.layers.linear import packed_copy_bytes
 
 pytestmark = pytest.mark.skipif(not mla_bmm.usable(torch.zeros(1, 32, 32, dtype=torch.bfloat16)),
-                                reason="vLLM's CPU kernel library with AMX (bmm_cpu) is not available here")
+                                reason="vLLM's CPU kernel library (bmm_cpu) is not available here")
 
 H, C, DN, DV = 16, 512, 128, 128  # DeepSeek-V3's latent dims, 16 heads
 

@@ -1,7 +1,8 @@
 """BF16 Linears through the oneDNN matmul of vLLM's CPU kernel library (layers/onednn_linear.py).
 
-These run where the library is installed (scripts/setup.sh installs it on Intel CPUs with AMX); elsewhere
-skipped, and the Linears keep PyTorch's packed path the other tests cover."""
+These run where the library is installed (scripts/setup.sh installs it on x86 CPUs with AVX-512 BF16); elsewhere
+skipped, and the Linears keep PyTorch's packed path the other tests cover. On AMD CPUs zentorch's linear comes
+first (layers/linear.py), so it is switched off here."""
 import gc
 
 import pytest
@@ -10,8 +11,14 @@ import torch.nn.functional as F
 
 from moeserve.layers import onednn_linear
 from moeserve.layers.linear import Linear, packed_copy_bytes
+from moeserve.layers.moe import zen
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="vLLM's CPU kernel library is not available")
+
+
+@pytest.fixture(autouse=True)
+def _library_before_zentorch(monkeypatch):
+    monkeypatch.setattr(zen, "available", lambda: False)
 
 
 def _layer(n: int, k: int, dtype=torch.bfloat16, bias: bool = False, seed: int = 0) -> Linear:

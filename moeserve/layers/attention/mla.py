@@ -69,7 +69,7 @@ class MLAttention(nn.Module):
         # W_UV stored [H, dv, C] (weight-first, one copy); w_uv_t is its [H, C, dv] view (value_up)
         self.w_uv = w[:, self.dn:].contiguous()
         self.w_uv_t = self.w_uv.transpose(1, 2)
-        # BF16 on AMX: both products through vLLM's library's batched GEMM (mla_bmm.py), else the bmm's below
+        # BF16 with vLLM's library: both products through its batched GEMM (mla_bmm.py), else the bmm's below
         self.w_uk_packed, self.w_uv_packed = mla_bmm.pack(self.w_uk_t), mla_bmm.pack(self.w_uv)
 
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
