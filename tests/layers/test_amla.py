@@ -7,6 +7,8 @@ import torch
 from moeserve import LLM, SamplingParams
 from moeserve.config import ConfigError, ModelConfig
 from moeserve.layers.attention import amla
+from moeserve.layers.attention.kv_dtype import gather_decode_context
+from moeserve.layers.attention.metadata import _decode_batch
 
 
 def standard(q, kv, mask, scale, value_dim):
@@ -64,6 +66,42 @@ def test_the_rescale_is_an_integer_add_on_the_output_bits(monkeypatch):
     q, kv, mask, scale, c = _inputs(spread=30.0)
     amla.amla_attention(q, kv, mask, scale, c, block=8)
     assert len(calls) == 2 * math.ceil(200 / 8) and min(calls) < 0
+
+
+def _paged(block, lens, dtype=torch.float32, heads=4, c=32, dr=8, seed=0):
+    """A shuffled paged cache [num_blocks, block, c + dr] holding ragged contexts, every slot past a length (in
+    a row's last block, in unused blocks and in the padding block 0 of shorter rows' tables) NaN as a failed
+    request leaves it; the query; the DecodeBatch."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block) for n in lens]
+    num_blocks = sum(per_seq) + 3
+    cache = torch.full((num_blocks, block, c + dr), float("nan"))
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n, count in zip(lens, per_seq):
+        table = order[used:used + count]
+        used += count
+        flat = cache[table].view(-1, c + dr)
+        flat[:n] = torch.randn(n, c + dr, generator=g)
+        cache[table] = flat.view(count, block, c + dr)
+        tables.append(table)
+    q = torch.randn(len(lens), heads, c + dr, generator=g) * 3
+    cache = cache.to(dtype) if dtype != torch.float8_e4m3fn else cache.clamp(-400, 400).to(dtype)
+    return q, cache, _decode_batch(list(range(len(lens))), tables, lens, block), 1 / math.sqrt(c + dr), c
+
+
+@pytest.mark.parametrize("block", [1, 16, 64, 128])  # 128: a tile is one block larger than BLOCK
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_paged_reader_equals_the_gathered_one(block, dtype):
+    """Tile by tile from the block table, stale NaN slots included, the same as over the gathered context
+    (float32 within 1e-5: only the tiles' boundaries differ), and no context buffer is made."""
+    q, cache, d, scale, c = _paged(block, [200, 1, 107, 64], dtype)
+    got = amla.amla_attention_paged(q, cache, d, scale, c)
+    assert d._context == {}  # the step's scratch buffer for whole contexts was never asked for
+    assert not got.isnan().any()
+    kv = gather_decode_context(cache, d, torch.float32)
+    torch.testing.assert_close(got, amla.amla_attention(q, kv, d.mask, scale, c), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, standard(q, kv, d.mask, scale, c), rtol=1e-5, atol=1e-5)
 
 
 def test_engine_greedy_output_matches_standard(ckpt_dir):

@@ -28,7 +28,7 @@ import math
 import torch
 
 from moeserve.config import MLA_DECODE_IMPLS
-from moeserve.layers.attention.kv_dtype import gather_decode_context
+from moeserve.layers.attention.kv_dtype import gather_decode_context, read_block_columns
 
 IMPLS = MLA_DECODE_IMPLS
 LOG2E = 1.0 / math.log(2.0)
@@ -71,23 +71,17 @@ def scale_by_pow2_(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def amla_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, scale: float, value_dim: int,
-                   block: int = BLOCK) -> torch.Tensor:
-    """Absorbed MLA decode with exponent-add rescaling.
-
-    q [B, H, D] (latent query and rope part), kv [B, L, D] (the latent cache rows, values = the first
-    value_dim columns), mask [B, L] True where a position is not attended. Returns the latent output
-    [B, H, value_dim] in q's dtype. Accumulates in float32."""
+def _online(q: torch.Tensor, tiles, scale: float, value_dim: int) -> torch.Tensor:
+    """The exponent-add online softmax over `tiles`, an iterable of (kv tile [B, n, D] float32, mask [B, n]
+    True where not attended); q [B, H, D]. Returns the latent output [B, H, value_dim] in q's dtype."""
     b, h, _ = q.shape
-    length = kv.shape[1]
     qf = q.float() * (scale * LOG2E)  # scores in base 2
     out = torch.zeros(b, h, value_dim, dtype=torch.float32, device=q.device)
     total = torch.zeros(b, h, 1, dtype=torch.float32, device=q.device)
     m = torch.full((b, h, 1), -(1 << 30), dtype=torch.int32, device=q.device)  # integer running max
-    for start in range(0, length, block):
-        blk = kv[:, start:start + block].float()
+    for blk, masked in tiles:
         s = torch.bmm(qf, blk.transpose(1, 2))  # [B, H, n]
-        s.masked_fill_(mask[:, None, start:start + block], float("-inf"))
+        s.masked_fill_(masked[:, None, :], float("-inf"))
         block_max = s.amax(dim=-1, keepdim=True)
         seen = torch.isfinite(block_max)  # a block wholly masked for this row changes nothing
         top = torch.ceil(block_max).clamp(-(1 << 30), 1 << 30).to(torch.int32)
@@ -103,13 +97,49 @@ def amla_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, scale:
     return (out / total).to(q.dtype)
 
 
+def amla_attention(q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor, scale: float, value_dim: int,
+                   block: int = BLOCK) -> torch.Tensor:
+    """Absorbed MLA decode with exponent-add rescaling over a gathered context.
+
+    q [B, H, D] (latent query and rope part), kv [B, L, D] (the latent cache rows, values = the first
+    value_dim columns), mask [B, L] True where a position is not attended. Returns the latent output
+    [B, H, value_dim] in q's dtype. Accumulates in float32."""
+    tiles = ((kv[:, start:start + block].float(), mask[:, start:start + block])
+             for start in range(0, kv.shape[1], block))
+    return _online(q, tiles, scale, value_dim)
+
+
+def amla_attention_paged(q: torch.Tensor, cache: torch.Tensor, d, scale: float, value_dim: int,
+                         block: int = BLOCK) -> torch.Tensor:
+    """amla_attention reading the paged cache [num_blocks, block_size, D] in place, tile by tile from d's
+    block table (d: the step's DecodeBatch): each tile is the next block columns of every row (`block`
+    tokens, or one block where blocks are larger), gathered into a small transient buffer; no row's whole
+    context is copied. Slots past a row's length (stale, a failed request's NaN included) are zeroed in the
+    tile: masked scores give p = 0, and 0 x NaN would still be NaN."""
+    block_size = cache.shape[1]
+    per_tile = max(1, block // block_size)
+    columns = d.block_table.shape[1]
+
+    def tiles():
+        for first in range(0, columns, per_tile):
+            count = min(per_tile, columns - first)
+            blk = read_block_columns(cache, d.block_table, first, count, torch.float32)
+            masked = d.mask[:, first * block_size:(first + count) * block_size]
+            blk[masked.nonzero(as_tuple=True)] = 0.0  # the stale slots only: a masked_fill of the tile cost ~1.4x
+            yield blk, masked
+
+    return _online(q, tiles(), scale, value_dim)
+
+
 def decode(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, d) -> torch.Tensor:
-    """MLAttention._decode through AMLA: the same absorbed query and W_UV as the standard path."""
-    kv = gather_decode_context(cache, d, q_nope.dtype)  # [B, L, C + dr]
+    """MLAttention._decode through AMLA: the same absorbed query and W_UV as the standard path. The torch
+    version reads the paged cache block by block (amla_attention_paged); the Triton kernel takes the
+    gathered context."""
     q_full = torch.cat([attn.absorb_query(q_nope), q_pe], dim=-1)  # [B, H, C + dr]
     if _impl == "amla-triton":
         from moeserve.layers.attention.amla_triton import amla_attention_triton
+        kv = gather_decode_context(cache, d, q_nope.dtype)  # [B, L, C + dr]
         o_lat = amla_attention_triton(q_full, kv, d.mask, attn.scale, attn.kv_lora_rank)
     else:
-        o_lat = amla_attention(q_full, kv, d.mask, attn.scale, attn.kv_lora_rank)
+        o_lat = amla_attention_paged(q_full, cache, d, attn.scale, attn.kv_lora_rank)
     return attn.value_up(o_lat)

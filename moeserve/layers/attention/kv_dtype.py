@@ -47,6 +47,19 @@ def gather_decode_context(cache: torch.Tensor, d, dtype: torch.dtype) -> torch.T
     return out.view(b, -1, width)
 
 
+def read_block_columns(cache: torch.Tensor, block_table: torch.Tensor, first: int, count: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """Block columns [first, first + count) of every decode row's block table, straight from the paged cache
+    [num_blocks, block_size, C + dr]: [B, count * block_size, C + dr] in dtype, a small transient tile (a
+    block-wise reader's working set, not the row's whole context). Stale slots come as they are stored."""
+    ids = block_table[:, first:first + count].reshape(-1)
+    if cache.dtype == torch.float8_e4m3fn:  # indexed as bytes (CPU indexing has no FP8 kernels), then upcast
+        tile = cache.view(torch.uint8).index_select(0, ids).view(cache.dtype).to(dtype)
+    else:
+        tile = cache.index_select(0, ids).to(dtype)
+    return tile.view(block_table.shape[0], -1, cache.shape[-1])
+
+
 def write_cache(flat_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
     rows = to_cache_dtype(rows, flat_cache.dtype)
     if flat_cache.dtype == torch.float8_e4m3fn:  # no FP8 index_copy_ on CPU: copy the bytes
