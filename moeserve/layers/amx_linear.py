@@ -1,10 +1,12 @@
-"""A8W8 Linears through vLLM's AMX INT8 GEMM (layers/cpu_kernels.py: `int8_scaled_mm_with_quant`, sgl-kernel's)
-on Intel CPUs with AMX: the activations quantized per token inside the call, the INT8 GEMM with the
+"""A8W8 Linears through vLLM's INT8 GEMM (layers/cpu_kernels.py: `int8_scaled_mm_with_quant`, sgl-kernel's; AMX
+tiles on Intel CPUs with AMX, AVX-512 VNNI without): the activations quantized per token inside the call, the
+INT8 GEMM with the
 per-channel weight scales, BF16 out; one call where the oneDNN path takes a quantization kernel, the uint8
 flip and oneDNN's qlinear. The weight is our own copy in the kernel's VNNI layout (each row 4 bytes longer: a
 compensation term; cpu_kernels.vnni_pack), made once at load. For a BF16 model's Linears whose output and
 input widths are multiples of 32 (the kernel's blocks); elsewhere, with the library absent or with
-MOESERVE_AMX_LINEAR=0, the oneDNN path runs as before.
+MOESERVE_AMX_LINEAR=0, the oneDNN path runs as before. On AMD CPUs with zentorch, zentorch's INT8 linear is
+faster from ~32 rows and this kernel at few (SMALL_ROWS; layers/quant.py keeps both copies there).
 """
 from __future__ import annotations
 
@@ -17,13 +19,17 @@ from moeserve.layers import cpu_kernels
 from moeserve.layers.opaque import define_op
 
 _OP = "int8_scaled_mm_with_quant"
+# Rows up to which this kernel takes over from zentorch's INT8 linear where both run (AMD EPYC, Zen 4, one thread,
+# the bench model's projections, 8 weights cycled: x0.61-0.73 of zentorch's time at 1 row, 0.66-0.76 at 4,
+# 0.88-0.95 at 16, 0.97-1.09 at 64). Kept at 4: at batch 8 two whole-step runs disagreed (docs/quantization.md)
+SMALL_ROWS = 4
 
 
 @functools.cache
 def available() -> bool:
-    """Enabled (MOESERVE_AMX_LINEAR, default on), AMX usable by this process (cpu_kernels.amx), the library
-    loaded with the kernel."""
-    return (os.environ.get("MOESERVE_AMX_LINEAR", "1") != "0" and cpu_kernels.amx() and cpu_kernels.has(_OP)
+    """Enabled (MOESERVE_AMX_LINEAR, default on), the library loaded with the kernel and allowed to run it
+    (cpu_kernels.brgemm_ready: AMX granted to this process, or a CPU without AMX)."""
+    return (os.environ.get("MOESERVE_AMX_LINEAR", "1") != "0" and cpu_kernels.brgemm_ready() and cpu_kernels.has(_OP)
             and cpu_kernels.has("convert_weight_packed"))
 
 

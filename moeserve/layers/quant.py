@@ -270,28 +270,28 @@ class Int8LinearMethod:
         """Pack the loaded weight once (plain attributes, not parameters: the state dict and the loader keep
         seeing weight / weight_scale): for zentorch's INT8 linear where it runs and the model is BF16
         (weight_zen; 1.4-3x faster than the oneDNN path at 1-32 rows over the bench model's shapes,
-        benchmarks/packed_linear.py --int8), or for vLLM's AMX INT8 GEMM on Intel CPUs with AMX (weight_amx:
-        layers/amx_linear.py), either taking the per-channel scales as one float32 vector
-        (weight_scale_vector); else for oneDNN (weight_packed)."""
+        benchmarks/packed_linear.py --int8) and / or for vLLM's INT8 GEMM (weight_amx: layers/amx_linear.py;
+        where both run, apply() takes it up to amx_linear.SMALL_ROWS rows and zentorch's above), each taking the
+        per-channel scales as one float32 vector (weight_scale_vector); else for oneDNN (weight_packed)."""
         layer.weight_zen = layer.weight_scale_vector = layer.weight_packed = layer.weight_amx = None
         bf16 = getattr(layer, "orig_dtype", None) == torch.bfloat16
         if bf16 and zen.usable_int8_linear(layer.weight.data):
             layer.weight_zen = zen.pack_int8_linear(layer.weight.data)
-        elif bf16 and amx_linear.usable(layer.weight.data):
+        if bf16 and amx_linear.usable(layer.weight.data):
             layer.weight_amx = cpu_kernels.vnni_pack(layer.weight.data)
-        else:
+        if layer.weight_zen is None and layer.weight_amx is None:
             layer.weight_packed = Int8Packed.of(layer.weight.data, layer.weight_scale.data)
             return
         layer.weight_scale_vector = layer.weight_scale.data.reshape(-1).float().contiguous()
 
     @staticmethod
     def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        packed = getattr(layer, "weight_zen", None)
+        few = x.numel() <= amx_linear.SMALL_ROWS * x.shape[-1]  # static in a compiled bucket
+        library, packed = getattr(layer, "weight_amx", None), getattr(layer, "weight_zen", None)
+        if library is not None and x.dtype == torch.bfloat16 and (few or packed is None):
+            return amx_linear.int8_linear(x, library, layer.weight_scale_vector, layer.bias)
         if packed is not None and x.dtype == torch.bfloat16 and x.numel() > 0:  # zentorch fails on no rows
             return zen_int8_linear(x, packed, layer.weight_scale_vector, layer.bias)
-        packed = getattr(layer, "weight_amx", None)
-        if packed is not None and x.dtype == torch.bfloat16:
-            return amx_linear.int8_linear(x, packed, layer.weight_scale_vector, layer.bias)
         return int8_linear(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "weight_packed", None))
 
     @staticmethod

@@ -1,16 +1,25 @@
-"""A BF16 model's A8W8 Linears through vLLM's AMX INT8 GEMM (layers/amx_linear.py) against the exact INT8 path.
+"""A BF16 model's A8W8 Linears through vLLM's INT8 GEMM (layers/amx_linear.py) against the exact INT8 path.
 
-These run where the kernel is available (an Intel CPU with AMX and vLLM's CPU kernels, which scripts/setup.sh
-installs there); elsewhere skipped, and the Linears run the oneDNN / exact paths the other tests cover."""
+These run where the kernel is available (vLLM's CPU kernels, which scripts/setup.sh installs on x86 CPUs with
+AVX-512 BF16: AMX tiles on Intel CPUs with AMX, VNNI on AMD Zen 4); elsewhere skipped, and the Linears run the
+oneDNN / exact paths the other tests cover. On AMD CPUs with zentorch its INT8 linear also takes the layers
+(above amx_linear.SMALL_ROWS rows): switched off here but for the test of that split."""
 import pytest
 import torch
 
 from moeserve.layers import amx_linear
 from moeserve.layers.linear import Linear, packed_copy_bytes
+from moeserve.layers.moe import zen
 from moeserve.layers.quant import int8_linear
 from tests.quant.helpers import int8_linear_layer
 
-pytestmark = pytest.mark.skipif(not amx_linear.available(), reason="vLLM's AMX INT8 GEMM is not available here")
+pytestmark = pytest.mark.skipif(not amx_linear.available(), reason="vLLM's INT8 GEMM is not available here")
+
+
+@pytest.fixture(autouse=True)
+def _library_alone(request, monkeypatch):
+    if "zentorch" not in request.node.name:
+        monkeypatch.setattr(zen, "usable_int8_linear", lambda weight: False)
 
 
 def _exact(layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -56,3 +65,21 @@ def test_one_opaque_op_in_a_full_graph_with_the_eager_bits_and_its_copy_counted(
         compiled = torch.compile(lambda a: layer(a * 1.0) + 1.0, fullgraph=True, dynamic=False)
         assert torch.equal(compiled(x), layer(x) + 1.0)
     assert packed_copy_bytes(layer) == 384 * (1024 + 4)  # INT8 rows plus a 4-byte compensation term each
+
+
+@pytest.mark.skipif(not zen.available(), reason="zentorch (AMD CPUs) is not available here")
+def test_with_zentorch_few_rows_take_the_library_and_more_take_zentorch(monkeypatch):
+    """Where both kernels run, a layer keeps both copies (both counted) and picks by row count."""
+    layer = int8_linear_layer(256, 1024, 4)
+    assert layer.weight_amx is not None and layer.weight_zen is not None
+    assert packed_copy_bytes(layer) == 2 * 256 * (1024 + 4)  # each: INT8 rows and a 4-byte compensation term
+    calls = []
+    real_library, real_zen = amx_linear._mm, zen.int8_linear
+    monkeypatch.setattr(amx_linear, "_mm", lambda *a: (calls.append("library"), real_library(*a))[1])
+    monkeypatch.setattr(zen, "int8_linear", lambda *a: (calls.append("zentorch"), real_zen(*a))[1])
+    with torch.no_grad():
+        for rows in (1, amx_linear.SMALL_ROWS, amx_linear.SMALL_ROWS + 1, 64):
+            x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows)).bfloat16()
+            y, ref = layer(x), _exact(layer, x)
+            assert (y.float() - ref.float()).abs().max().item() <= 0.01 * ref.float().abs().max().item()
+    assert calls == ["library", "library", "zentorch", "zentorch"]

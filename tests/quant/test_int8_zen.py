@@ -19,6 +19,14 @@ from tests.quant.helpers import int8_linear_layer
 pytestmark = pytest.mark.skipif(not zen.available(), reason="zentorch's fused MoE is not available here")
 
 
+@pytest.fixture(autouse=True)
+def _zentorch_alone(monkeypatch):
+    """The A8W8 Linears on zentorch's INT8 linear alone: where vLLM's library also loads, layers keep its copy
+    too and take it for few rows (tests/layers/test_amx_linear.py tests that split)."""
+    from moeserve.layers import amx_linear
+    monkeypatch.setattr(amx_linear, "available", lambda: False)
+
+
 def _fill(ex: Int8FusedExperts, seed: int, scale: float = 0.1) -> Int8FusedExperts:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
