@@ -83,3 +83,12 @@ def test_with_zentorch_few_rows_take_the_library_and_more_take_zentorch(monkeypa
             y, ref = layer(x), _exact(layer, x)
             assert (y.float() - ref.float()).abs().max().item() <= 0.01 * ref.float().abs().max().item()
     assert calls == ["library", "library", "zentorch", "zentorch"]
+
+
+def test_no_rows_take_the_exact_path():
+    """An empty input (a rank with no tokens) never reaches the library's kernel, which kills the process with
+    a floating-point exception on zero rows."""
+    layer = int8_linear_layer(256, 1024, 5)
+    with torch.no_grad():
+        y = layer(torch.zeros(0, 1024).bfloat16())
+    assert y.shape == (0, 256)
