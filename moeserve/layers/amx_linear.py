@@ -5,8 +5,8 @@ per-channel weight scales, BF16 out; one call where the oneDNN path takes a quan
 flip and oneDNN's qlinear. The weight is our own copy in the kernel's VNNI layout (each row 4 bytes longer: a
 compensation term; cpu_kernels.vnni_pack), made once at load. For a BF16 model's Linears whose output and
 input widths are multiples of 32 (the kernel's blocks); elsewhere, with the library absent or with
-MOESERVE_AMX_LINEAR=0, the oneDNN path runs as before. On AMD CPUs with zentorch, zentorch's INT8 linear is
-faster from ~32 rows and this kernel at few (SMALL_ROWS; layers/quant.py keeps both copies there).
+MOESERVE_AMX_LINEAR=0, the oneDNN path runs as before. On AMD CPUs with zentorch a layer keeps both copies and
+takes this kernel up to SMALL_ROWS rows, zentorch's above (layers/quant.py).
 """
 from __future__ import annotations
 
@@ -57,5 +57,7 @@ def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
     """x [..., K] BF16 @ the packed INT8 weight, times scale [N] float32 per output channel, + bias -> [..., N]
     BF16; an op of ours in a compiled graph (dynamo does not trace the library's ops)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if x2.shape[0] == 0:  # the kernel divides its work by the rows: none kill the process (SIGFPE)
+        return x.new_empty(*x.shape[:-1], scale.numel())
     mm = torch.ops.moeserve.amx_int8_linear if torch.compiler.is_compiling() else _mm
     return mm(x2, packed, scale, None if bias is None else bias.float()).view(*x.shape[:-1], scale.numel())

@@ -288,8 +288,7 @@ class Int8LinearMethod:
     def apply(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         few = x.numel() <= amx_linear.SMALL_ROWS * x.shape[-1]  # static in a compiled bucket
         library, packed = getattr(layer, "weight_amx", None), getattr(layer, "weight_zen", None)
-        # no rows: neither kernel takes them (the library's dies of a division by zero), the exact path does
-        if library is not None and x.dtype == torch.bfloat16 and x.numel() > 0 and (few or packed is None):
+        if library is not None and x.dtype == torch.bfloat16 and (few or packed is None):
             return amx_linear.int8_linear(x, library, layer.weight_scale_vector, layer.bias)
         if packed is not None and x.dtype == torch.bfloat16 and x.numel() > 0:  # zentorch fails on no rows
             return zen_int8_linear(x, packed, layer.weight_scale_vector, layer.bias)

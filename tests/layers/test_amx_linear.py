@@ -16,10 +16,12 @@ from tests.quant.helpers import int8_linear_layer
 pytestmark = pytest.mark.skipif(not amx_linear.available(), reason="vLLM's INT8 GEMM is not available here")
 
 
+ZEN_INT8_LINEAR = zen.usable_int8_linear
+
+
 @pytest.fixture(autouse=True)
-def _library_alone(request, monkeypatch):
-    if "zentorch" not in request.node.name:
-        monkeypatch.setattr(zen, "usable_int8_linear", lambda weight: False)
+def _library_alone(monkeypatch):
+    monkeypatch.setattr(zen, "usable_int8_linear", lambda weight: False)
 
 
 def _exact(layer: Linear, x: torch.Tensor) -> torch.Tensor:
@@ -70,6 +72,7 @@ def test_one_opaque_op_in_a_full_graph_with_the_eager_bits_and_its_copy_counted(
 @pytest.mark.skipif(not zen.available(), reason="zentorch (AMD CPUs) is not available here")
 def test_with_zentorch_few_rows_take_the_library_and_more_take_zentorch(monkeypatch):
     """Where both kernels run, a layer keeps both copies (both counted) and picks by row count."""
+    monkeypatch.setattr(zen, "usable_int8_linear", ZEN_INT8_LINEAR)
     layer = int8_linear_layer(256, 1024, 4)
     assert layer.weight_amx is not None and layer.weight_zen is not None
     assert packed_copy_bytes(layer) == 2 * 256 * (1024 + 4)  # each: INT8 rows and a 4-byte compensation term
@@ -85,7 +88,7 @@ def test_with_zentorch_few_rows_take_the_library_and_more_take_zentorch(monkeypa
     assert calls == ["library", "library", "zentorch", "zentorch"]
 
 
-def test_no_rows_take_the_exact_path():
+def test_no_rows_give_an_empty_output():
     """An empty input (a rank with no tokens) never reaches the library's kernel, which kills the process with
     a floating-point exception on zero rows."""
     layer = int8_linear_layer(256, 1024, 5)
