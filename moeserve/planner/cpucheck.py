@@ -3,14 +3,21 @@
 Profile (this machine, torch): read bandwidth (float32 sum over 256 MB, best of 5, reported), the
 bandwidth and fixed cost of weight streaming through BF16 GEMMs (one row through the kernel op of the engine's
 own Linear, packed for the kernel the engine runs, over a pool of distinct weight matrices larger than the
-caches, at 0.5 MB and 8 MB per matrix: t = fixed + bytes / bw, best of 5), the BF16 GEMM rate (1024^3, reported) and at a decode shape (64 x 1024 x 1024, used), and the cost of
+caches, at 0.5 MB and 8 MB per matrix: t = fixed + bytes / bw, best of 5), the same two terms for each other
+GEMM kernel class the engine's step runs (cpucount.KERNELS, issue 41: the routed experts' fused MoE where one
+runs here, zentorch's or vLLM's AMX one, one row through 1 and 8 cold experts a call; MLA's absorbed products,
+vLLM's bmm_cpu or aten's bmm, one row through cold [16 and 64 heads, C, dn] matrices), the BF16 GEMM rate
+(1024^3, reported) and at a decode shape (64 x 1024 x 1024, used), and the cost of
 one small eager op (Python + dispatcher, over a mix of tiny linear/softmax/topk/index/cat ops), and decode
 MLA attention as the engine runs it (SDPA's flash kernel at 1 and 16 rows over the check's context: its
 FLOP rate, the cost model's mla_tflops, and its fixed cost a call). The
 prediction is the planner's own cost model on a one-card "device" built from those numbers (efficiency
 1.0: the profile already measures achieved rates; HBM bandwidth = the GEMM weight-streaming bandwidth,
-since decode reads its bytes through GEMMs) plus, per class of what one decode step runs, calls x the
-measured cost of one call. The compiled step (the engine's default) is counted from a profile of one real
+since decode reads its bytes through GEMMs; with the step's GEMM calls counted by kernel class, each GEMM
+op's bytes re-priced at its class's rate: the routed experts' at the fused MoE's, kv_b's share of the
+attention projections at the bmm's, the rest at the Linear's; a class the step does not run or the profile
+did not measure takes the Linear's) plus, per class of what one decode step runs, calls x the measured cost
+of one call (GEMM calls at their kernel class's fixed cost). The compiled step (the engine's default) is counted from a profile of one real
 step (planner/cpucount.py: graph runs, fused kernels and the graphs' C++ helpers, calls of our opaque ops,
 GEMMs, views, other ops),
 dynamo's cache lookups the step counts (none once the engine's DirectGraphs call its graphs directly) priced
@@ -30,6 +37,7 @@ import time
 
 import torch
 
+from moeserve.perf import cost
 from moeserve.perf.deploy import Instance
 from moeserve.planner import cpucount
 from moeserve.perf.hardware import cpu_hardware
@@ -76,20 +84,114 @@ def measure_weight_streaming(repeats: int = 5, pool_mb: int = 256) -> tuple[floa
         return ws
 
     small, large = (256, 1024), (4096, 1024)
-    pools = [pool(*small), pool(*large)]
     x = torch.randn(1, small[1]).to(torch.bfloat16)
+    pools = [[lambda w=w: w(x) for w in pool(*shape)] for shape in (small, large)]
+    return _streaming_fit(pools, (2 * small[0] * small[1], 2 * large[0] * large[1]), repeats)
+
+
+def _streaming_fit(pools: list[list], nbytes: tuple[float, float], repeats: int) -> tuple[float, float]:
+    """(bytes/s, seconds per call) from two pools of calls, each call reading `nbytes[i]` of weights no other
+    call in its pool reads: each pool's best mean call time over `repeats` sweeps, the two pools timed
+    interleaved (a shared machine drifts), then t = fixed + bytes / bw through the two points. Every call
+    runs once first (kernels that reorder a weight on its first call, as zentorch's do, have done so)."""
     best = [float("inf"), float("inf")]
     with torch.inference_mode():
-        for ws in pools:
-            for w in ws[:4]:
-                w(x)
+        for calls in pools:
+            for f in calls:
+                f()
         for _ in range(repeats):  # interleaved, so both sizes see the same machine (a shared one drifts)
-            for i, ws in enumerate(pools):
-                best[i] = min(best[i], _timed(lambda: [w(x) for w in ws]) / len(ws))
-    t_small, t_large = best
-    b_small, b_large = 2 * small[0] * small[1], 2 * large[0] * large[1]
+            for i, calls in enumerate(pools):
+                best[i] = min(best[i], _timed(lambda: [f() for f in calls]) / len(calls))
+    (t_small, t_large), (b_small, b_large) = best, nbytes
     bw = (b_large - b_small) / max(t_large - t_small, 1e-9)
     return bw, max(0.0, t_small - b_small / bw)
+
+
+def measure_moe_streaming(repeats: int = 5, pool_mb: int = 192, ks: tuple[int, int] = (1, 8)
+                          ) -> tuple[float, float] | None:
+    """(bytes/s, seconds per call) of the routed experts' fused MoE kernel as the engine runs it (one call per
+    MoE layer: zentorch's `zentorch_fused_moe` on AMD CPUs with zentorch, vLLM's `cpu_fused_moe` on Intel
+    CPUs with AMX and the library; layers/moe/experts.FusedExperts picks, as for the engine's layers), or None
+    where no fused kernel runs here (the experts' GEMMs are then Linear-class calls). One row through
+    `ks[0]` and `ks[1]` distinct experts a call, the bench model's expert shapes, over layers of experts
+    totalling `pool_mb` (larger than the caches; each call reads experts no other call of its sweep reads):
+    t = fixed + bytes / bw over the experts' bytes, as for the Linear (measure_weight_streaming)."""
+    from moeserve.layers.moe.experts import FusedExperts
+
+    m = load_model("moeserve-bench")
+    h, inter, e = m.hidden_size, m.moe_intermediate_size, m.n_routed_experts
+    expert_bytes = 3 * h * inter * 2
+    layers = []
+    for _ in range(max(2, pool_mb * (1 << 20) // (e * expert_bytes))):
+        experts = FusedExperts(e, h, inter).to(torch.bfloat16)
+        with torch.no_grad():
+            experts.w13.normal_(std=0.02)
+            experts.w2.normal_(std=0.02)
+        experts.process_weights_after_loading()
+        if not experts.fused:
+            return None
+        layers.append(experts)
+    x = torch.randn(1, h).to(torch.bfloat16)
+
+    def pool(k: int) -> list:
+        weights = torch.full((1, k), 1.0 / k)
+        return [moe_kernel(experts, x, torch.arange(start, start + k, dtype=torch.int32)[None], weights)
+                for experts in layers for start in range(0, e - k + 1, k)]
+
+    try:
+        return _streaming_fit([pool(k) for k in ks], tuple(k * expert_bytes for k in ks), repeats)
+    finally:  # free the pool now: a zentorch layer's finalizer flushes every reordered weight (zen.flush_cache),
+        # which must not land in the engine's measured steps later (each of its experts reordered again)
+        import gc
+
+        del layers
+        gc.collect()
+
+
+def moe_kernel(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+    """() -> the fused MoE op the engine's FusedExperts issues for these rows (its `fused` kernel: layers/moe/
+    zen.py or amx.py), called on arguments made beforehand, without the wrapper's conversions and output
+    allocation (the step counts those as views and ops): what a step's profile counts as one GEMM call."""
+    out = torch.empty_like(x)
+    if experts.fused == "amx":
+        w13, w2 = experts.fused_weights
+        return lambda: torch.ops._C.cpu_fused_moe(out, x, w13, w2, None, None, weights, ids, False, "silu", "amx")
+    return lambda: torch.ops.zentorch.zentorch_fused_moe(out, x, experts.w13, experts.w2, None, None, weights, ids,
+                                                         False, "silu")
+
+
+def measure_bmm_streaming(repeats: int = 5, pool_mb: int = 256) -> tuple[float, float]:
+    """(bytes/s, seconds per call) of MLA decode's per-head products with the absorbed matrices as the engine
+    runs them (layers/attention/mla.py absorb_query: vLLM's `bmm_cpu` on the packed matrix where mla_bmm
+    applies, else aten's weight-first bmm), one row, over pools of distinct matrices larger than the caches:
+    the bench model's W_UK shape [H, C, dn] and one with 4x the heads; t = fixed + bytes / bw."""
+    from moeserve.layers.attention import mla_bmm
+
+    m = load_model("moeserve-bench")
+    c, dn = m.kv_lora_rank, m.qk_nope_head_dim
+
+    def pool(heads: int) -> list:
+        count = max(4, pool_mb * (1 << 20) // (heads * c * dn * 2))
+        q = torch.randn(1, heads, dn).to(torch.bfloat16)
+        calls = []
+        for _ in range(count):
+            w = (torch.randn(heads, c, dn) * 0.02).to(torch.bfloat16)
+            calls.append(bmm_kernel(w, mla_bmm.pack(w), q))
+        return calls
+
+    sizes = (m.num_attention_heads, 4 * m.num_attention_heads)
+    return _streaming_fit([pool(hd) for hd in sizes], tuple(2.0 * hd * c * dn for hd in sizes), repeats)
+
+
+def bmm_kernel(w: torch.Tensor, packed: torch.Tensor | None, q: torch.Tensor):
+    """() -> the GEMM op MLA's absorb_query issues for q [B, H, dn] and W_UK w [H, C, dn]: vLLM's bmm_cpu on
+    the packed matrix (its output made beforehand), or aten's bmm."""
+    if packed is None:
+        qt = q.permute(1, 2, 0)
+        return lambda: torch.bmm(w, qt)
+    out = q.new_empty(q.shape[0], q.shape[1], w.shape[1])
+    ot, qt = out.transpose(0, 1), q.transpose(0, 1)
+    return lambda: torch.ops._C.bmm_cpu(ot, qt, packed, True, None)
 
 
 def gemm_kernel(layer):
@@ -278,10 +380,15 @@ def profile(threads: int | None = None) -> dict:
     if threads is not None:
         torch.set_num_threads(threads)
     stream_bw, gemm_call = measure_weight_streaming()
+    moe = measure_moe_streaming()  # None where no fused MoE kernel runs here: no such class in the profile
+    bmm_bw, bmm_call = measure_bmm_streaming()
     entry, kernel = measure_graph_costs()
     mla_rate, mla_call = measure_mla_decode()
+    kernels = {"bmm_stream_gbs": bmm_bw / 1e9, "bmm_call_us": bmm_call * 1e6}
+    if moe is not None:
+        kernels.update({"moe_stream_gbs": moe[0] / 1e9, "moe_call_us": moe[1] * 1e6})
     return {"threads": torch.get_num_threads(), "mem_bw_gbs": measure_bandwidth() / 1e9,
-            "gemm_stream_gbs": stream_bw / 1e9, "gemm_call_us": gemm_call * 1e6,
+            "gemm_stream_gbs": stream_bw / 1e9, "gemm_call_us": gemm_call * 1e6, **kernels,
             "gemm_bf16_gflops": measure_gemm() / 1e9, "gemm_decode_gflops": measure_decode_gemm() / 1e9,
             "op_cost_us": measure_op_cost() * 1e6, "view_us": measure_view_cost() * 1e6,
             "graph_entry_us": entry * 1e6, "kernel_us": kernel * 1e6,
@@ -295,38 +402,100 @@ PRICES = {"graph": "graph_entry_us", "kernel": "kernel_us", "helper": "graph_hel
           "gemm": "gemm_call_us", "attention": "mla_call_us", "view": "view_us", "op": "op_cost_us"}
 
 
-def predict(prof: dict, batch: int, context: float, counts: dict | None = None, lookup_us: float = 0.0) -> dict:
+# Each GEMM kernel class (cpucount.KERNELS): the profile's (streaming GB/s, fixed us per call) keys for it. The
+# Linear's are always measured; the fused MoE's only where a fused kernel runs here, the absorbed products' always
+# (bmm_cpu, or aten's bmm where the library is absent).
+KERNEL_PRICES = {"linear": ("gemm_stream_gbs", "gemm_call_us"), "moe": ("moe_stream_gbs", "moe_call_us"),
+                 "bmm": ("bmm_stream_gbs", "bmm_call_us")}
+
+
+def kernel_rates(prof: dict, kernels: dict | None) -> dict:
+    """(GB/s, us per call) per GEMM kernel class: a class the step runs (`kernels`: its GEMM calls per class, from
+    the counted profile) at its own measured rate where the profile has one; everything else, and every class
+    when the step's kernels were not counted, at the Linear's."""
+    linear = tuple(prof[k] for k in KERNEL_PRICES["linear"])
+    rates = {}
+    for kernel, keys in KERNEL_PRICES.items():
+        own = (kernels or {}).get(kernel) and all(prof.get(k) is not None for k in keys) and prof[keys[0]] > 0
+        rates[kernel] = tuple(prof[k] for k in keys) if own else linear
+    return rates
+
+
+def gemm_byte_shares(m, op_name: str) -> dict:
+    """The share of a cost-model op's bytes each GEMM kernel class reads in the engine (decode_step's op names):
+    the routed experts through the fused MoE, MLA's absorbed products (kv_b's W_UK / W_UV, a part of attn_proj's
+    weights) through the batched GEMM, the other projections, the dense MLP, the router, shared experts and LM
+    head through the Linear's; {} for an op that is not a GEMM (MLA decode, elementwise passes)."""
+    if op_name == "routed_experts":
+        return {"moe": 1.0}
+    if op_name == "attn_proj":
+        absorbed = m.kv_lora_rank * m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)
+        share = absorbed / (m.q_a_params + m.kv_a_params + m.attn_split_params)
+        return {"linear": 1.0 - share, "bmm": share}
+    if op_name in ("router", "shared_experts", "dense_mlp", "lm_head", "eh_proj"):
+        return {"linear": 1.0}
+    return {}
+
+
+def predict(prof: dict, batch: int, context: float, counts: dict | None = None, lookup_us: float = 0.0,
+            kernels: dict | None = None) -> dict:
     """Step time = the planner's cost model on this CPU (bytes / streaming bandwidth, FLOPs / rate) + each
-    counted class x its measured per-call cost (dynamo cache lookups, compiled step: `lookup_us` each)."""
+    counted class x its measured per-call cost (dynamo cache lookups, compiled step: `lookup_us` each). With
+    `kernels` (the step's GEMM calls per kernel class, cpucount.gemm_kernels) each GEMM's weight bytes stream at
+    its kernel class's measured rate and each call pays that class's fixed cost (kernel_rates): a GEMM op's
+    time is max(FLOPs / rate, sum over classes of its bytes in the class / the class's bandwidth)."""
     m = load_model("moeserve-bench")
-    by_class = {c: n * (lookup_us if c == "lookup" else prof[PRICES[c]]) * 1e-3 for c, n in (counts or {}).items()}
+    rates = kernel_rates(prof, kernels)
+    price = {c: lookup_us if c == "lookup" else prof[PRICES[c]] for c in (counts or {})}
+    by_class = {c: n * price[c] * 1e-3 for c, n in (counts or {}).items()}
+    if kernels and "gemm" in by_class:
+        by_class["gemm"] = sum(n * rates[k][1] for k, n in kernels.items()) * 1e-3
     overhead_ms = sum(by_class.values())
     hw = cpu_hardware(prof, overhead_ms)
     if prof.get("mla_decode_gflops"):  # decode MLA at the attention kernel's measured rate (the cost model's
         # mla_tflops, as for a device whose MLA kernel is measured), not at the GEMM rate
         hw = dataclasses.replace(hw, eff=dataclasses.replace(hw.eff, mla_tflops=prof["mla_decode_gflops"] / 1e3))
     st = decode_step(m, hw, Instance(cards=1, quantization="bf16"), batch, context)
-    return {"step_ms": st.total * 1e3, "roofline_ms": (st.total - st.overhead) * 1e3,
-            "overhead_ms": st.overhead * 1e3, "by_class_ms": by_class}
+    # The cost model prices every GEMM's bytes at the Linear's rate (the device's bandwidth); each GEMM op again
+    # with its bytes split by kernel class, each share at its class's rate
+    peak = hw.peak_flops("bf16") * hw.eff.gemm * hw.eff.serving
+    mem_eff = cost.gemm_mem_eff(hw) * hw.eff.serving
+    delta, gemm_mb = 0.0, dict.fromkeys(KERNEL_PRICES, 0.0)
+    for op in st.ops:
+        shares = gemm_byte_shares(m, op.name)
+        if not shares:
+            continue
+        t_mem = sum(f * op.nbytes / (rates[k][0] * 1e9 * mem_eff) for k, f in shares.items())
+        delta += max(op.flops / peak, t_mem) - op.seconds
+        for k, f in shares.items():
+            gemm_mb[k] += f * op.nbytes / 1e6
+    roofline = st.total - st.overhead + delta
+    return {"step_ms": (roofline + st.overhead) * 1e3, "roofline_ms": roofline * 1e3,
+            "overhead_ms": st.overhead * 1e3, "by_class_ms": by_class, "gemm_mb": gemm_mb,
+            "kernel_rates": rates}
 
 
-def count_ops(engine) -> dict:
+def count_ops(engine) -> tuple[dict, dict]:
     """Aten ops in one engine step by class (runs the step): GEMM calls, attention kernel calls, every other
-    op (views included: in the eager step each is a dispatched op at the small-op cost)."""
+    op (views included: in the eager step each is a dispatched op at the small-op cost); and the GEMM calls
+    by kernel class (cpucount.gemm_kernel_class)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     counts = {"gemm": 0, "attention": 0, "op": 0}
+    kernels = dict.fromkeys(cpucount.KERNELS, 0)
 
     class Counter(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             counts["gemm" if name in cpucount.GEMM_OPS else "attention" if name in cpucount.ATTENTION_OPS
                    else "op"] += 1
+            if name in cpucount.GEMM_OPS:
+                kernels[cpucount.gemm_kernel_class(name)] += 1
             return func(*args, **(kwargs or {}))
 
     with Counter():
         engine.step()
-    return counts
+    return counts, kernels
 
 
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
@@ -353,20 +522,21 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
             ids = [(7 * i + j) % 31000 + 2 for j in range(prompt_len)]
             eng.add_request(EngineCoreRequest(f"b{b}-{i}", ids, params, []))
         eng.step()  # prefill
-        lookup_us, profiled = 0.0, None
+        lookup_us, profiled, kernel_ms = 0.0, None, None
         if eager:
-            counts = count_ops(eng)
+            counts, kernels = count_ops(eng)
         else:
             eng.step()  # the first decode step through the graphs: lazy state settles outside the count
-            counts, profiled = cpucount.count_compiled_step(eng)
+            counts, profiled, kernels, kernel_ms = cpucount.count_compiled_step(eng)
             counts, profiled = dict(counts), {c: round(v, 3) for c, v in profiled.items()}
+            kernels, kernel_ms = dict(kernels), {k: round(v, 3) for k, v in kernel_ms.items()}
             lookup_us = 1e6 * cpucount.lookup_seconds(eng, b)
         times = [_timed(eng.step) for _ in range(steps)]
         while eng.has_unfinished():
             eng.step()
         times.sort()
         rows.append({"batch": b, "context": prompt_len + 3 + steps / 2, "counts": counts, "lookup_us": lookup_us,
-                     "profiled_ms": profiled,
+                     "profiled_ms": profiled, "gemm_kernels": kernels, "profiled_gemm_kernel_ms": kernel_ms,
                      "ops_per_step": sum(counts.values()), "gemms_per_step": counts["gemm"],
                      "measured_ms": 1e3 * times[0], "measured_median_ms": round(1e3 * times[len(times) // 2], 3)})
     return rows
@@ -377,12 +547,14 @@ def run_check(batches: list[int], measure: bool = False, threads: int | None = N
     load = _load_average()
     rows = measure_engine(batches, eager=eager) if measure else [
         {"batch": b, "context": 138.0, "counts": None, "lookup_us": 0.0, "ops_per_step": None,
-         "gemms_per_step": None, "measured_ms": None} for b in batches]
+         "gemms_per_step": None, "gemm_kernels": None, "measured_ms": None} for b in batches]
     for r in rows:
-        p = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_us"])
+        p = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_us"], r["gemm_kernels"])
         r.update({"predicted_ms": round(p["step_ms"], 3), "predicted_roofline_ms": round(p["roofline_ms"], 3),
                   "predicted_overhead_ms": round(p["overhead_ms"], 3),
-                  "by_class_ms": {c: round(v, 3) for c, v in p["by_class_ms"].items()}})
+                  "by_class_ms": {c: round(v, 3) for c, v in p["by_class_ms"].items()},
+                  "gemm_mb": {k: round(v, 2) for k, v in p["gemm_mb"].items()},
+                  "kernel_rates": {k: [round(v, 3) for v in r_] for k, r_ in p["kernel_rates"].items()}})
         if r["measured_ms"]:
             r["measured_ms"] = round(r["measured_ms"], 3)
             r["error_pct"] = round(100 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"], 1)
@@ -408,6 +580,10 @@ def format_report(res: dict) -> str:
              f"fused kernel + {p['graph_helper_us']:.2f} per helper call, custom op call {p['opaque_call_us']:.1f} us, "
              f"decode MLA {p.get('mla_decode_gflops', 0):.0f} GFLOP/s + {p.get('mla_call_us', 0):.1f} us per call, "
              f"{p['threads']:.0f} threads",
+             "GEMM kernels: Linear op " + f"{p['gemm_stream_gbs']:.1f} GB/s + {p['gemm_call_us']:.1f} us, fused MoE "
+             + (f"{p['moe_stream_gbs']:.1f} GB/s + {p['moe_call_us']:.1f} us" if "moe_stream_gbs" in p else "none here")
+             + ", absorbed bmm " + (f"{p['bmm_stream_gbs']:.1f} GB/s + {p['bmm_call_us']:.1f} us"
+                                    if "bmm_stream_gbs" in p else "not measured"),
              f"{res['step']} decode step; load average {res['load_before']} before, {res['load_after']} after",
              f"{'batch':>5} {'ops':>6} {'roofline ms':>12} {'overhead ms':>12} {'predicted ms':>13} "
              f"{'best ms':>9} {'median ms':>10} {'error':>7}"]
@@ -421,8 +597,18 @@ def format_report(res: dict) -> str:
         if r["counts"]:
             price = {**{c: p.get(k, 0.0) for c, k in PRICES.items()}, "lookup": r["lookup_us"]}
             parts = [f"{c} {r['counts'][c]} x {price[c]:.1f} us = {r['by_class_ms'][c]:.2f}"
+                     if not (c == "gemm" and r.get("gemm_kernels")) else
+                     f"gemm {r['counts'][c]} (by kernel: " + " + ".join(
+                         f"{r['gemm_kernels'][k]} x {r['kernel_rates'][k][1]:.1f} us" for k in cpucount.KERNELS)
+                     + f") = {r['by_class_ms'][c]:.2f}"
                      for c in cpucount.CLASSES if c in r["counts"]]
             lines.append(f"  batch {r['batch']} overhead ms: " + ", ".join(parts))
+        if r.get("gemm_kernels"):
+            rates = r["kernel_rates"]
+            lines.append(f"  batch {r['batch']} GEMMs by kernel: " + ", ".join(
+                f"{k} {r['gemm_kernels'].get(k, 0)} calls {r['gemm_mb'].get(k, 0):.1f} MB at {rates[k][0]:.1f} GB/s"
+                + (f" (profiled {r['profiled_gemm_kernel_ms'][k]:.2f} ms)" if r.get("profiled_gemm_kernel_ms") else "")
+                for k in cpucount.KERNELS))
         if r.get("profiled_ms"):
             lines.append(f"  batch {r['batch']} profiled step ms (diagnostic, +~1 us per event): "
                          + ", ".join(f"{c} {v:.2f}" for c, v in r["profiled_ms"].items()))

@@ -13,7 +13,9 @@ per-call cost:
 - helper: the graphs' calls of dynamo's C++ helpers (GRAPH_HELPERS: size / stride asserts, allocations,
   reinterpreted views; a MoE layer's graph runs ~60, the profiler shows none);
 - opaque: calls of our custom ops from a graph (layers/opaque.py, the packed linear's op);
-- gemm: GEMM calls (extern GEMMs in the graphs, those inside opaque ops and around the forward);
+- gemm: GEMM calls (extern GEMMs in the graphs, those inside opaque ops and around the forward), also
+  counted by kernel class (KERNELS: the Linears' op, the fused MoE, the per-head batched GEMM), each of which
+  cpucheck prices at its own measured streaming rate and fixed cost;
 - attention: decode attention kernel calls (MLA's SDPA flash call: its FLOPs are in the cost model's
   roofline at the measured kernel rate, each call's fixed cost here);
 - view: metadata-only ops (views, allocations): ~1 us, not the cost of an op that computes;
@@ -33,6 +35,20 @@ GEMM_OPS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "_int_mm", "_gr
             "cpu_fused_moe", "fused_experts_cpu",  # vLLM's AMX fused MoE (layers/moe/amx.py)
             "int8_scaled_mm_with_quant",  # vLLM's AMX INT8 GEMM (layers/amx_linear.py)
             "onednn_mm", "bmm_cpu")  # vLLM's BF16 GEMMs (layers/onednn_linear.py, attention/mla_bmm.py)
+
+# The GEMM kernel classes a step's GEMM calls fall in, each streaming weights at a rate of its own (planner/cpucheck.py
+# measures one per class, on the op the engine runs for it): routed experts' fused MoE calls, per-head batched
+# products (MLA's absorbed W_UK / W_UV: vLLM's `bmm_cpu`, else aten's bmm), and every other GEMM op ("linear":
+# the Linears' kernel op, the LM head, aten mm's)
+MOE_OPS = ("zentorch_fused_moe", "cpu_fused_moe", "fused_experts_cpu")
+BMM_OPS = ("bmm_cpu", "bmm", "baddbmm")
+KERNELS = ("linear", "moe", "bmm")
+
+
+def gemm_kernel_class(op: str) -> str:
+    """The kernel class (KERNELS) of a GEMM op counted in the gemm class (GEMM_OPS), by its name."""
+    return "moe" if op in MOE_OPS else "bmm" if op in BMM_OPS else "linear"
+
 
 # The decode attention kernel (layers/attention/mla.py _decode); eager dispatch sees the flash op SDPA picks;
 # BF16 decode over the paged cache runs vLLM's kernel (layers/attention/mla_kernel.py)
@@ -63,6 +79,18 @@ def classify(events) -> Counter:
         if c:
             counts[c] += 1
     return counts
+
+
+def gemm_kernels(events) -> tuple[Counter, dict]:
+    """The GEMM calls classify counts, split by kernel class (gemm_kernel_class): (calls per class, their
+    profiled ms per class, a diagnostic), every class in KERNELS present (0 where the step runs none)."""
+    counts, ms = Counter({k: 0 for k in KERNELS}), dict.fromkeys(KERNELS, 0.0)
+    for e in events:
+        if event_class(e) == "gemm":
+            k = gemm_kernel_class(_OP.match(e.name).group(2))
+            counts[k] += 1
+            ms[k] += e.cpu_time_total / 1e3
+    return counts, ms
 
 
 def event_class(e) -> str | None:
@@ -140,9 +168,9 @@ def _enclosing_op(e):
     return parent
 
 
-def count_compiled_step(engine) -> tuple[Counter, dict]:
-    """(counts per class, profiled ms per class) of one engine step (runs the step), which must be a decode
-    step through the graphs."""
+def count_compiled_step(engine) -> tuple[Counter, dict, Counter, dict]:
+    """(counts per class, profiled ms per class, GEMM calls per kernel class, their profiled ms per kernel
+    class) of one engine step (runs the step), which must be a decode step through the graphs."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs = engine.runner.decode_graphs
@@ -156,7 +184,7 @@ def count_compiled_step(engine) -> tuple[Counter, dict]:
     counts = classify(events)
     counts["kernel"] = len(kernels)
     counts["helper"] = len(helpers)
-    return counts, profiled_ms(events)
+    return (counts, profiled_ms(events)) + gemm_kernels(events)
 
 
 class capturing_kernels:

@@ -147,6 +147,13 @@ def test_profile_measures_positive_rates():
     assert prof["view_us"] > 0 and prof["graph_entry_us"] >= 0 and prof["kernel_us"] > 0
     assert prof["opaque_call_us"] >= 0 and prof["graph_helper_us"] > 0
     assert prof["mla_decode_gflops"] > 0.1 and prof["mla_call_us"] >= 0
+    # a rate per GEMM kernel class present here: the absorbed products' always (bmm_cpu or aten's bmm), the
+    # fused MoE's where a fused kernel runs (zentorch's, vLLM's AMX one)
+    from moeserve.layers.moe import amx, zen
+    assert prof["bmm_stream_gbs"] > 0.1 and prof["bmm_call_us"] >= 0
+    assert ("moe_stream_gbs" in prof) == (zen.available() or amx.available())
+    if "moe_stream_gbs" in prof:
+        assert prof["moe_stream_gbs"] > 0.1 and prof["moe_call_us"] >= 0
 
 
 def test_graph_helpers_are_counted_where_the_profiler_sees_none():
@@ -204,6 +211,9 @@ print(json.dumps(rows))
     compiled, eager = json.loads(r.stdout.strip().splitlines()[-1])
     for row in compiled, eager:
         assert row["batch"] == 2 and row["measured_ms"] > 0 and row["gemms_per_step"] > 0
+        # the GEMM calls split by kernel class, every call in one
+        assert set(row["gemm_kernels"]) == {"linear", "moe", "bmm"}
+        assert sum(row["gemm_kernels"].values()) == row["gemms_per_step"]
     c = compiled["counts"]
     # one graph run per decoder layer, called directly (DirectGraphs): no dynamo lookup in a warm step, though
     # one is priced (timed on the layers); fused kernels, our ops
@@ -236,3 +246,97 @@ def test_gemm_price_times_the_linears_own_kernel_op():
             kernel(x)
     counts = cpucount.classify(prof.events())
     assert counts["gemm"] == 1 and counts["view"] + counts["op"] == 0
+
+
+# Issue 41 on AMD Zen 4: a streaming rate per GEMM kernel class (the Linears' op, the fused MoE, MLA's absorbed bmm)
+KERNEL_PROF = {**PROF, "moe_stream_gbs": 5.0, "moe_call_us": 10.0, "bmm_stream_gbs": 20.0, "bmm_call_us": 4.0}
+
+
+def test_each_gemm_kernel_streams_its_bytes_at_its_own_rate():
+    """Hand-computed, batch 1 of the bench model (weight-streaming bound: every GEMM's FLOPs at 500 GFLOP/s are far
+    under its bytes' time): the routed experts' bytes (7 MoE layers x the cost model's expected distinct experts
+    of 6 draws from 64, 64 (1 - (63/64)^6) = 5.77, x 3 x 1024 x 256 BF16 weights = 63.36 MB) move from the
+    Linear's 10 GB/s to the fused MoE's 5, MLA's absorbed matrices (8 layers x 16 heads x 256 x (128 + 128)
+    BF16 = 16,777,216 B) to the bmm's 20; each class's calls pay its own fixed cost."""
+    counts = {"gemm": 83, "op": 100}
+    kernels = {"linear": 60, "moe": 7, "bmm": 16}
+    p = cpucheck.predict(KERNEL_PROF, 1, 139, counts, kernels=kernels)
+    base = cpucheck.predict(KERNEL_PROF, 1, 139, counts)  # uncounted kernels: every GEMM at the Linear's rate
+    assert p["by_class_ms"]["gemm"] == pytest.approx((60 * 30 + 7 * 10 + 16 * 4) * 1e-3)  # 1.934 ms
+    assert base["by_class_ms"]["gemm"] == pytest.approx(83 * 30 * 1e-3)
+    routed, absorbed = 7 * 64 * (1 - (63 / 64) ** 6) * 3 * 1024 * 256 * 2, 16_777_216
+    assert p["gemm_mb"]["moe"] == pytest.approx(routed / 1e6, rel=0.01)  # + the rows' activations
+    assert p["gemm_mb"]["bmm"] == pytest.approx(absorbed / 1e6, rel=0.01)
+    expected = 1e3 * (routed * (1 / 5e9 - 1 / 10e9) + absorbed * (1 / 20e9 - 1 / 10e9))  # 6.336 - 0.839 ms
+    assert p["roofline_ms"] - base["roofline_ms"] == pytest.approx(expected, rel=0.01)
+    assert p["step_ms"] == pytest.approx(p["roofline_ms"] + p["overhead_ms"])
+    assert sum(p["gemm_mb"].values()) == pytest.approx(sum(base["gemm_mb"].values()))  # the same bytes, split
+
+
+def test_a_kernel_class_the_step_or_the_profile_lacks_takes_the_linears_rate():
+    """Intel / oneDNN machines: no fused MoE measured (the experts' GEMMs are Linear-class calls), or a step that
+    runs no call of a class: that class's bytes and calls are priced as the Linear's, which is the prediction
+    without kernel classes; and at equal rates the per-kernel pricing is the cost model's own."""
+    counts = {"gemm": 83, "op": 100}
+    base = cpucheck.predict(PROF, 4, 139, counts)
+    no_moe = {k: v for k, v in KERNEL_PROF.items() if not k.startswith("moe_")}
+    p = cpucheck.predict({**no_moe, "bmm_stream_gbs": 10.0, "bmm_call_us": 30.0}, 4, 139, counts,
+                         kernels={"linear": 67, "moe": 0, "bmm": 16})
+    assert p["step_ms"] == pytest.approx(base["step_ms"])
+    p = cpucheck.predict(KERNEL_PROF, 4, 139, counts, kernels={"linear": 83, "moe": 0, "bmm": 0})
+    assert p["step_ms"] == pytest.approx(base["step_ms"])
+    assert cpucheck.kernel_rates(no_moe, {"moe": 7, "bmm": 16}) == {
+        "linear": (10.0, 30.0), "moe": (10.0, 30.0), "bmm": (20.0, 4.0)}
+
+
+def test_gemm_calls_are_split_by_kernel_class():
+    roots = [Ev("## Call CompiledFxGraph f0 ##",
+                Ev("moeserve::fused_experts", Ev("zentorch::zentorch_fused_moe", total=300)),
+                Ev("moeserve::mla_attention", Ev("_C::bmm_cpu", total=20), Ev("aten::bmm", total=30)),
+                Ev("zentorch::zentorch_linear_unary", total=100), Ev("_C::onednn_mm", total=50), total=600),
+             Ev("aten::linear", Ev("aten::mm"), total=40), Ev("_C::cpu_fused_moe", total=200)]
+    events = [e for r in roots for e in r.walk()]
+    calls, ms = cpucount.gemm_kernels(events)
+    assert calls == {"linear": 3, "moe": 2, "bmm": 2} and sum(calls.values()) == cpucount.classify(events)["gemm"]
+    assert ms == pytest.approx({"linear": 0.19, "moe": 0.5, "bmm": 0.05})
+
+
+def test_each_kernel_rate_is_timed_on_the_op_the_step_counts_in_its_class():
+    """The profile's calls for the fused MoE and the absorbed products issue one GEMM op each, of the class the
+    step's profile counts it in, and compute what the engine's layers compute."""
+    import torch
+
+    from moeserve.layers.attention import mla_bmm
+    from moeserve.layers.moe.experts import FusedExperts
+
+    def kernel_of(call):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            call()
+        calls, _ = cpucount.gemm_kernels(prof.events())
+        return {k: n for k, n in calls.items() if n}
+
+    w = (torch.randn(2, 64, 32) * 0.1).to(torch.bfloat16)
+    q = torch.randn(3, 2, 32).to(torch.bfloat16)
+    call = cpucheck.bmm_kernel(w, mla_bmm.pack(w), q)
+    with torch.inference_mode():
+        out = call()
+        assert kernel_of(call) == {"bmm": 1}
+    got = out if mla_bmm.pack(w) is None else None  # aten's bmm returns [H, C, B]; bmm_cpu writes [B, H, C]
+    want = torch.bmm(w, q.permute(1, 2, 0))
+    if got is not None:
+        assert torch.allclose(got.float(), want.float(), atol=1e-2)
+
+    experts = FusedExperts(8, 64, 32).to(torch.bfloat16)
+    with torch.no_grad():
+        experts.w13.normal_(std=0.1)
+        experts.w2.normal_(std=0.1)
+    experts.process_weights_after_loading()
+    if not experts.fused:
+        assert cpucheck.measure_moe_streaming() is None  # no fused kernel here: no MoE class in the profile
+        return
+    x, ids, weights = torch.randn(1, 64).to(torch.bfloat16), torch.tensor([[1, 5]], dtype=torch.int32), \
+        torch.tensor([[0.25, 0.75]])
+    call = cpucheck.moe_kernel(experts, x, ids, weights)
+    with torch.inference_mode():
+        call()
+        assert kernel_of(call) == {"moe": 1}
