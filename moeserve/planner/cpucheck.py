@@ -155,9 +155,10 @@ def moe_kernel(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     out = torch.empty_like(x)
     if experts.fused == "amx":
         w13, w2 = experts.fused_weights
-        return lambda: torch.ops._C.cpu_fused_moe(out, x, w13, w2, None, None, weights, ids, False, "silu", "amx")
-    return lambda: torch.ops.zentorch.zentorch_fused_moe(out, x, experts.w13, experts.w2, None, None, weights, ids,
-                                                         False, "silu")
+        return lambda: (torch.ops._C.cpu_fused_moe(out, x, w13, w2, None, None, weights, ids, False, "silu", "amx"),
+                        out)[1]
+    return lambda: (torch.ops.zentorch.zentorch_fused_moe(out, x, experts.w13, experts.w2, None, None, weights, ids,
+                                                          False, "silu"), out)[1]
 
 
 def measure_bmm_streaming(repeats: int = 5, pool_mb: int = 256) -> tuple[float, float]:
@@ -185,13 +186,13 @@ def measure_bmm_streaming(repeats: int = 5, pool_mb: int = 256) -> tuple[float, 
 
 def bmm_kernel(w: torch.Tensor, packed: torch.Tensor | None, q: torch.Tensor):
     """() -> the GEMM op MLA's absorb_query issues for q [B, H, dn] and W_UK w [H, C, dn]: vLLM's bmm_cpu on
-    the packed matrix (its output made beforehand), or aten's bmm."""
+    the packed matrix (its output [B, H, C] made beforehand, returned), or aten's bmm ([H, C, B])."""
     if packed is None:
         qt = q.permute(1, 2, 0)
         return lambda: torch.bmm(w, qt)
     out = q.new_empty(q.shape[0], q.shape[1], w.shape[1])
     ot, qt = out.transpose(0, 1), q.transpose(0, 1)
-    return lambda: torch.ops._C.bmm_cpu(ot, qt, packed, True, None)
+    return lambda: (torch.ops._C.bmm_cpu(ot, qt, packed, True, None), out)[1]
 
 
 def gemm_kernel(layer):
