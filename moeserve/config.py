@@ -378,11 +378,11 @@ class QuantConfig:
     """Weight/activation quantization, resolved from --quantization and the checkpoint's quantization_config.
 
     method None = the model dtype everywhere. "a8w8": INT8 weights (per output channel) and activations (per
-    token) in attention projections, dense MLPs and experts; embeddings, lm_head, router and norms stay in
-    the model dtype, the KV cache too. "fp8": the same layers in block FP8 (e4m3 weights, a scale per 128x128
-    block, layers/fp8.py). checkpoint_format says what the weights on disk are: "float" (BF16/FP32; quantized
-    at load), "fp8" (DeepSeek block FP8: kept as is with --quantization fp8, dequantized for a8w8 or none) or
-    "compressed-tensors" (INT8 + scales).
+    token) in attention projections, dense MLPs, experts and lm_head (unless `ignore` lists it); embeddings,
+    router and norms stay in the model dtype, the KV cache too. "fp8": the same layers but lm_head in block
+    FP8 (e4m3 weights, a scale per 128x128 block, layers/fp8.py). checkpoint_format says what the weights on
+    disk are: "float" (BF16/FP32; quantized at load), "fp8" (DeepSeek block FP8: kept as is with
+    --quantization fp8, dequantized for a8w8 or none) or "compressed-tensors" (INT8 + scales).
     """
 
     method: str | None = None

@@ -14,6 +14,7 @@ from moeserve.distributed.parallel_state import get_flashcomm, get_tp_group
 from moeserve.layers.attention.metadata import attention_context
 from moeserve.layers.attention.mla import MLAttention
 from moeserve.layers.linear import Linear
+from moeserve.layers.logits_head import head_logits
 from moeserve.layers.mlp import DenseMLP
 from moeserve.layers.moe.layer import MoE
 from moeserve.layers.norm import RMSNorm
@@ -112,7 +113,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.forward_dbo(batches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return head_logits(self.lm_head, hidden)
 
     def process_weights_after_loading(self) -> None:
         if self.arch.tie_word_embeddings:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from moeserve.layers.linear import Linear
+from moeserve.layers.logits_head import head_logits
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.config import QuantConfig
@@ -76,7 +77,7 @@ class DeepseekMTP(nn.Module):
         """[T, H] -> float32 logits [T, V], through shared_head.norm and the MTP layer's own head, or the main
         model's lm_head (in whatever form it runs: packed BF16, INT8) where the checkpoint shares it."""
         sh = self.layer.shared_head
-        return (sh.head if sh.head is not None else main_head)(sh.norm(hidden)).float()
+        return head_logits(sh.head if sh.head is not None else main_head, sh.norm(hidden))
 
 
 def missing_mtp_layer(arch) -> str:
