@@ -86,7 +86,8 @@ def decode_tps(llm, batch: int, prompt_len: int, new_tokens: int, salt: int) -> 
                  sampling_params=SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
     decode = CLOCK() - t0 - prefill
     if decode <= 0:  # the prefill alone took longer than prefill + decode: a disturbed run, not a figure
-        print(f"batch {batch}: a repeat timed the prefill alone longer than the whole run; dropped", flush=True)
+        print(f"batch {batch}: a repeat timed the prefill alone longer than the whole run; dropped "
+              "(a NaN among its runs)", flush=True)
         return float("nan")
     return batch * (new_tokens - 1) / decode
 
@@ -189,7 +190,7 @@ def engine_kwargs(mode: str, args) -> dict:
 
 
 def run_moeserve(path: str, args) -> dict:
-    from moeserve import LLM
+    from moeserve import LLM, SamplingParams
 
     llms, start_s = {}, {}
     weights = {}
@@ -200,9 +201,10 @@ def run_moeserve(path: str, args) -> dict:
         weights[m] = weight_memory(llms[m])
         print(f"{m}: engine ready in {start_s[m]:.1f} s; weights {weights[m]['parameters'] / 1e6:.0f} MB + "
               f"packed copies {weights[m]['packed_copies'] / 1e6:.0f} MB", flush=True)
-    for llm in llms.values():  # warm-up: every batch size once (allocator, oneDNN primitives)
+    for llm in llms.values():  # warm-up: every batch size once (allocator, oneDNN primitives), untimed
         for b in args.batches:
-            decode_tps(llm, b, args.prompt_len, 4, salt=0)
+            llm.generate(prompt_token_ids=prompts_of(b, args.prompt_len, 0), use_tqdm=False,
+                         sampling_params=SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         # Prefill three times: oneDNN makes a primitive per GEMM shape, and each prefill's experts see row
         # counts the last did not (~1.4 ms a new BF16 shape, ~0.5 ms INT8, one thread): after one warm-up
         # the first timed BF16 prefill still ran ~20% below the next ones
