@@ -18,6 +18,9 @@ from moeserve.layers.quant import Int8LinearMethod
 
 # Candidates re-scored per row: the W8A8 logits of the true top token sit within a few ranks of the top.
 TOP_CANDIDATES = 8
+# Re-scoring works on row blocks whose float32 candidate rows stay under 16 MB (a prefill asking for prompt
+# logprobs sends thousands of rows; V3's 7168-wide head gives 73-row blocks, the bench model's 512).
+CHUNK_ELEMENTS = 1 << 22
 
 
 def head_logits(head: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -40,12 +43,19 @@ def rescore_top(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sca
     if logits.shape[0] == 0 or k == 0:
         return
     top = top_candidates(logits, k)  # [n, k]
-    flat = top.reshape(-1)
-    rows = weight.index_select(0, flat).view(*top.shape, -1)  # [n, k, H] int8
-    exact = (rows * x.float().unsqueeze(1)).sum(-1) * scale.reshape(-1).index_select(0, flat).view(top.shape)
+    step = max(1, CHUNK_ELEMENTS // (k * x.shape[-1]))  # rows a float32 [rows, k, H] temporary may take
+    exact = torch.cat([_candidate_logits(x[i:i + step], weight, top[i:i + step])
+                       for i in range(0, x.shape[0], step)])
+    exact = exact * scale.reshape(-1)[top]
     if bias is not None:
-        exact = exact + bias.float().index_select(0, flat).view(top.shape)
+        exact = exact + bias.float()[top]
     logits.scatter_(-1, top, exact.to(out_dtype).float())
+
+
+def _candidate_logits(x: torch.Tensor, weight: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """sum_h x[i, h] * weight[top[i, j], h] in float32 -> [n, k] (before the channel scales)."""
+    rows = weight.index_select(0, top.reshape(-1)).view(*top.shape, -1)  # [n, k, H] int8
+    return (rows * x.float().unsqueeze(1)).sum(-1)
 
 
 def top_candidates(logits: torch.Tensor, k: int, chunk: int = 128) -> torch.Tensor:

@@ -5,6 +5,7 @@ import torch
 
 from moeserve import LLM, SamplingParams
 from moeserve.int8 import quantize_per_channel, quantize_per_token
+from moeserve.layers import logits_head
 from moeserve.layers.logits_head import TOP_CANDIDATES, rescore_top, top_candidates
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -104,3 +105,14 @@ def test_top_candidates_are_the_topk_set(vocab, k):
     logits[0, -k:] = 50.0 + torch.arange(k)  # the top all in the last chunk
     got = top_candidates(logits, k)
     assert torch.equal(got.sort(-1).values, logits.topk(k, dim=-1).indices.sort(-1).values)
+
+
+def test_rescoring_in_row_blocks_equals_one_block(monkeypatch):
+    """Many rows (a prefill with prompt logprobs) go through row blocks: the same logits as in one block."""
+    x, wq, scale, exact, noisy = _noisy_case(5, rows=50)
+    whole = noisy.clone()
+    rescore_top(whole, x, wq, scale)
+    monkeypatch.setattr(logits_head, "CHUNK_ELEMENTS", TOP_CANDIDATES * x.shape[1] * 7)  # blocks of 7 rows
+    blocks = noisy.clone()
+    rescore_top(blocks, x, wq, scale)
+    assert torch.equal(blocks, whole)
