@@ -24,8 +24,13 @@ dynamo's cache lookups the step counts (none once the engine's DirectGraphs call
 at one lookup timed on the engine's own layers, and the other per-call costs come from microbenchmarks here
 (a trivial graph's run past its lookup, called through DirectGraphs as the engine calls its layers, and its
 kernel; a mix of the graphs' helpers; a trivial custom op; a mix of views); the eager step (--eager)
-is counted by a dispatch mode (GEMM calls, every other op at the small-op cost). The counts are structural,
-not timings: nothing is fitted to the measured step.
+is counted by a dispatch mode (GEMM calls, every other op at the small-op cost). The compiled step's counts
+cover the model forward; two more terms come from the host model (issue 41: the bench model's structure at
+widths of a few dozen, its engine measured as the bench model's is, caches emptied by a 32 MB read before each
+step and each graph run, as the bench model's weights empty them): the work a step does outside the forward
+(scheduler, inputs, LM head and sampler, outputs), once a step, and what its forward takes beyond its counted
+calls at the profile's prices (the graphs' generated Python, our ops' bodies), per graph run (measure_host).
+The counts are structural, not timings: nothing is fitted to the measured step.
 Measured side: engine step times of decode-only steps on the bench model (moeserve/bench_model.py). The
 profile takes the best of several runs, so the error is reported against the fastest measured step
 (uncontended, like the profile); the median is shown too (shared machines are noisy).
@@ -439,18 +444,25 @@ def gemm_byte_shares(m, op_name: str) -> dict:
 
 
 def predict(prof: dict, batch: int, context: float, counts: dict | None = None, lookup_us: float = 0.0,
-            kernels: dict | None = None) -> dict:
+            kernels: dict | None = None, host_us: float = 0.0, graph_python_us: float = 0.0) -> dict:
     """Step time = the planner's cost model on this CPU (bytes / streaming bandwidth, FLOPs / rate) + each
     counted class x its measured per-call cost (dynamo cache lookups, compiled step: `lookup_us` each). With
     `kernels` (the step's GEMM calls per kernel class, cpucount.gemm_kernels) each GEMM's weight bytes stream at
     its kernel class's measured rate and each call pays that class's fixed cost (kernel_rates): a GEMM op's
-    time is max(FLOPs / rate, sum over classes of its bytes in the class / the class's bandwidth)."""
+    time is max(FLOPs / rate, sum over classes of its bytes in the class / the class's bandwidth). With counts,
+    `host_us` is added once a step (the step's work outside the model forward, whose ops the counts leave out)
+    and `graph_python_us` per graph run (the forward's Python beyond its counted calls), both measured on the
+    host model (measure_host): by_class_ms "host" and "graph_python"."""
     m = load_model("moeserve-bench")
     rates = kernel_rates(prof, kernels)
     price = {c: lookup_us if c == "lookup" else prof[PRICES[c]] for c in (counts or {})}
     by_class = {c: n * price[c] * 1e-3 for c, n in (counts or {}).items()}
     if kernels and "gemm" in by_class:
         by_class["gemm"] = sum(n * rates[k][1] for k, n in kernels.items()) * 1e-3
+    if counts and host_us:
+        by_class["host"] = host_us * 1e-3
+    if counts and graph_python_us:
+        by_class["graph_python"] = counts.get("graph", 0) * graph_python_us * 1e-3
     overhead_ms = sum(by_class.values())
     hw = cpu_hardware(prof, overhead_ms)
     if prof.get("mla_decode_gflops"):  # decode MLA at the attention kernel's measured rate (the cost model's
@@ -500,12 +512,16 @@ def count_ops(engine) -> tuple[dict, dict]:
 
 
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
-                   checkpoint: str | None = None, eager: bool = False) -> list[dict]:
+                   checkpoint: str | None = None, eager: bool = False, flush_mb: int = 0) -> list[dict]:
     """Decode-step times of the CPU engine per batch size on checkpoint (default: the bench model), with what
     one step runs counted by class: compiled (the engine's default; cpucount.count_compiled_step, and the
     price of one dynamo cache lookup timed on its own layers: cpucount.lookup_seconds, reported as lookup_us
     whether or not the step counted any) or eager (`eager`: count_ops's dispatch mode, every op at the
-    small-op cost, GEMMs and attention kernels at their call costs; it cannot run inside compiled graphs)."""
+    small-op cost, GEMMs and attention kernels at their call costs; it cannot run inside compiled graphs).
+    Each timed step's model forward (the runner's) is timed too: forward_ms (the best) and host_ms (the best
+    step less its forward: the step's work outside the model). With `flush_mb`, a buffer that large is
+    read before each timed step and before each of its graph runs (that time left out), so the step and
+    each layer start on cold caches (measure_host)."""
     from moeserve.llm import LLM
     from moeserve.sampling_params import SamplingParams
     from moeserve.bench_model import bench_checkpoint
@@ -532,25 +548,106 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
             counts, profiled = dict(counts), {c: round(v, 3) for c, v in profiled.items()}
             kernels, kernel_ms = dict(kernels), {k: round(v, 3) for k, v in kernel_ms.items()}
             lookup_us = 1e6 * cpucount.lookup_seconds(eng, b)
-        times = [_timed(eng.step) for _ in range(steps)]
+        times, forwards, flushed = [], [], [0.0]
+        # read, not written: the bench model's weights pass through the caches clean (a written buffer would
+        # leave dirty lines whose write-backs land in the timed work)
+        flush = torch.ones(flush_mb << 18) if flush_mb else None  # float32: flush_mb MB
+        forward, graphs = eng.runner.forward, eng.runner.decode_graphs
+        run_layer = graphs._layer if graphs is not None else None
+
+        def timed_forward(*args, **kwargs):
+            flushed[0] = 0.0
+            t = time.perf_counter()
+            out = forward(*args, **kwargs)
+            forwards.append(time.perf_counter() - t - flushed[0])
+            return out
+
+        def cold_layer(*args):  # each graph run on caches as cold as after a bench layer's weights (not timed)
+            flushed[0] += _timed(flush.sum)
+            return run_layer(*args)
+        eng.runner.forward = timed_forward  # an instance attribute, removed below
+        if flush is not None and graphs is not None:
+            graphs._layer = cold_layer
+        try:
+            for _ in range(steps):
+                if flush is not None:
+                    flush.sum()
+                times.append(_timed(eng.step) - flushed[0])
+        finally:
+            del eng.runner.forward
+            if graphs is not None:
+                graphs._layer = run_layer
+        host = min(t - f for t, f in zip(times, forwards))
         while eng.has_unfinished():
             eng.step()
         times.sort()
         rows.append({"batch": b, "context": prompt_len + 3 + steps / 2, "counts": counts, "lookup_us": lookup_us,
                      "profiled_ms": profiled, "gemm_kernels": kernels, "profiled_gemm_kernel_ms": kernel_ms,
                      "ops_per_step": sum(counts.values()), "gemms_per_step": counts["gemm"],
-                     "measured_ms": 1e3 * times[0], "measured_median_ms": round(1e3 * times[len(times) // 2], 3)})
+                     "measured_ms": 1e3 * times[0], "measured_median_ms": round(1e3 * times[len(times) // 2], 3),
+                     "forward_ms": round(1e3 * min(forwards), 3), "host_ms": round(1e3 * host, 3)})
     return rows
+
+
+# The host model (measure_host): the bench config (moeserve/bench_model.py) with every width cut to a few dozen,
+# the same structure (layers, experts, top-k, groups, heads, vocabulary): the engine runs the same graphs, ops and
+# Python per step over weights too small to take time
+HOST_CONFIG = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=32,
+                   qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
+# Read before each of the host model's timed steps and graph runs (as large as an AMD Zen 4 CCD's L3, larger
+# than the bench model's ~20-30 MB of weights a layer reads): in the bench model's step the host work and each
+# layer's Python run after weights streamed through the caches, so on cold code and data
+HOST_FLUSH_MB = 32
+
+
+def host_checkpoint() -> str:
+    """The host model's checkpoint (HOST_CONFIG), written once with the bench model's helper."""
+    from moeserve.bench_model import BENCH_CONFIG, bench_checkpoint
+
+    return bench_checkpoint(config={**BENCH_CONFIG, **HOST_CONFIG})
+
+
+def host_prices(prof: dict, rows: list[dict]) -> dict:
+    """{batch: {"host_us", "graph_python_us"}} from the host model's measured rows (measure_engine on
+    host_checkpoint, caches flushed before each step): host_us, the work a step does outside the model forward
+    (scheduler, inputs, the LM head and sampler, outputs: its best step less its forward), less the host model's
+    LM head weights at the Linear's streaming rate (the bench model's head is in the roofline); graph_python_us,
+    what its forward took beyond its own counted calls at the profile's prices (the graphs' generated Python and
+    wrappers, our ops' bodies beyond a trivial op's call: nothing of it is a counted call), per graph run.
+    Its weights are ~0.1-0.2 MB a layer read: not taken out."""
+    from moeserve.bench_model import BENCH_CONFIG
+
+    head_s = 2.0 * BENCH_CONFIG["vocab_size"] * HOST_CONFIG["hidden_size"] / (prof["gemm_stream_gbs"] * 1e9)
+    out = {}
+    for r in rows:
+        priced = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_us"], r["gemm_kernels"])
+        rest_ms = r["forward_ms"] - sum(priced["by_class_ms"].values())
+        out[r["batch"]] = {"host_us": max(0.0, r["host_ms"] * 1e3 - head_s * 1e6),
+                           "graph_python_us": max(0.0, rest_ms) * 1e3 / max(1, r["counts"]["graph"])}
+    return out
+
+
+def measure_host(prof: dict, batches: list[int]) -> dict:
+    """host_prices of the host model's engine (HOST_CONFIG) at these batch sizes, measured as the bench model's
+    engine is (measure_engine), each timed step on cold caches (HOST_FLUSH_MB)."""
+    import gc
+
+    rows = measure_engine(batches, checkpoint=host_checkpoint(), flush_mb=HOST_FLUSH_MB)
+    gc.collect()  # the host model's engine goes before the bench model's runs
+    return host_prices(prof, rows)
 
 
 def run_check(batches: list[int], measure: bool = False, threads: int | None = None, eager: bool = False) -> dict:
     prof = profile(threads)
     load = _load_average()
+    host = measure_host(prof, batches) if measure and not eager else {}
     rows = measure_engine(batches, eager=eager) if measure else [
         {"batch": b, "context": 138.0, "counts": None, "lookup_us": 0.0, "ops_per_step": None,
          "gemms_per_step": None, "gemm_kernels": None, "measured_ms": None} for b in batches]
     for r in rows:
-        p = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_us"], r["gemm_kernels"])
+        r.update(host.get(r["batch"], {}))
+        p = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_us"], r["gemm_kernels"],
+                    r.get("host_us", 0.0), r.get("graph_python_us", 0.0))
         r.update({"predicted_ms": round(p["step_ms"], 3), "predicted_roofline_ms": round(p["roofline_ms"], 3),
                   "predicted_overhead_ms": round(p["overhead_ms"], 3),
                   "by_class_ms": {c: round(v, 3) for c, v in p["by_class_ms"].items()},
@@ -603,6 +700,11 @@ def format_report(res: dict) -> str:
                          f"{r['gemm_kernels'][k]} x {r['kernel_rates'][k][1]:.1f} us" for k in cpucount.KERNELS)
                      + f") = {r['by_class_ms'][c]:.2f}"
                      for c in cpucount.CLASSES if c in r["counts"]]
+            if "host" in r["by_class_ms"]:
+                parts.append(f"host (outside the forward) 1 x {r['host_us']:.0f} us = {r['by_class_ms']['host']:.2f}")
+            if "graph_python" in r["by_class_ms"]:
+                parts.append(f"graph python {r['counts']['graph']} x {r['graph_python_us']:.1f} us = "
+                             f"{r['by_class_ms']['graph_python']:.2f}")
             lines.append(f"  batch {r['batch']} overhead ms: " + ", ".join(parts))
         if r.get("gemm_kernels"):
             rates = r["kernel_rates"]
@@ -610,6 +712,9 @@ def format_report(res: dict) -> str:
                 f"{k} {r['gemm_kernels'].get(k, 0)} calls {r['gemm_mb'].get(k, 0):.1f} MB at {rates[k][0]:.1f} GB/s"
                 + (f" (profiled {r['profiled_gemm_kernel_ms'][k]:.2f} ms)" if r.get("profiled_gemm_kernel_ms") else "")
                 for k in cpucount.KERNELS))
+        if r.get("forward_ms") is not None:
+            lines.append(f"  batch {r['batch']} measured step split (diagnostic): forward {r['forward_ms']:.2f} ms, "
+                         f"outside it {r['host_ms']:.2f} ms (LM head, sampler, scheduler, outputs)")
         if r.get("profiled_ms"):
             lines.append(f"  batch {r['batch']} profiled step ms (diagnostic, +~1 us per event): "
                          + ", ".join(f"{c} {v:.2f}" for c, v in r["profiled_ms"].items()))

@@ -19,7 +19,9 @@ per-call cost:
 - attention: decode attention kernel calls (MLA's SDPA flash call: its FLOPs are in the cost model's
   roofline at the measured kernel rate, each call's fixed cost here);
 - view: metadata-only ops (views, allocations): ~1 us, not the cost of an op that computes;
-- op: every other outermost aten op (inside opaque ops, around the forward, extern ops in graphs).
+- op: every other outermost aten op (inside opaque ops, extern ops in graphs).
+The compiled step is counted inside the model forward (FORWARD); what the step runs around it is priced whole,
+per step (planner/cpucheck.measure_host).
 """
 from __future__ import annotations
 
@@ -123,8 +125,9 @@ def profiled_ms(events) -> dict:
     out = dict.fromkeys([c for c in CLASSES if c not in ("kernel", "helper")] + ["python"], 0.0)
     roots = []
     for e in events:
-        if e.cpu_parent is None:
-            roots.append(e)
+        if e.cpu_parent is None or e.cpu_parent.name == FORWARD:  # the forward's range is no work of its own
+            if e.name != FORWARD:
+                roots.append(e)
         c = event_class(e)
         if c in ("lookup", "gemm", "attention", "view", "op"):
             out[c] += e.cpu_time_total
@@ -168,23 +171,65 @@ def _enclosing_op(e):
     return parent
 
 
+# The range count_compiled_step marks around the model forward (engine/model_runner.ModelRunner.forward): the
+# step's ops are counted inside it; what the step runs outside it (scheduler, input preparation, the LM head and
+# sampler, outputs) is priced whole, per step (planner/cpucheck.measure_host)
+FORWARD = "moeserve.cpucheck.forward"
+
+
+def inside_forward(events) -> list:
+    """The events inside the FORWARD range (the range itself left out)."""
+    def inside(e):
+        p = e.cpu_parent
+        while p is not None:
+            if p.name == FORWARD:
+                return True
+            p = p.cpu_parent
+        return False
+    return [e for e in events if inside(e)]
+
+
+class marking_forward:
+    """Wraps engine.runner.forward in a FORWARD profiler range while active (an instance attribute, removed on
+    exit)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def __enter__(self) -> None:
+        from torch.profiler import record_function
+
+        forward = self.runner.forward
+
+        def marked(*args, **kwargs):
+            with record_function(FORWARD):
+                return forward(*args, **kwargs)
+        self.runner.forward = marked
+
+    def __exit__(self, *exc) -> None:
+        del self.runner.forward
+
+
 def count_compiled_step(engine) -> tuple[Counter, dict, Counter, dict]:
     """(counts per class, profiled ms per class, GEMM calls per kernel class, their profiled ms per kernel
-    class) of one engine step (runs the step), which must be a decode step through the graphs."""
+    class) of one engine step (runs the step), which must be a decode step through the graphs. Counts and
+    kernel classes cover the model forward only (the step's host work outside it is priced per step: the LM
+    head's bytes stay in the cost model's roofline); the profiled ms (a diagnostic) the whole step."""
     from torch.profiler import ProfilerActivity, profile
 
     graphs = engine.runner.decode_graphs
     assert graphs is not None, "the engine runs its decode eagerly"
     before = graphs.steps
-    with capturing_kernels() as kernels, capturing_helpers() as helpers, \
+    with capturing_kernels() as kernels, capturing_helpers() as helpers, marking_forward(engine.runner), \
             profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
     assert graphs.steps == before + 1, "the step did not go through the decode graphs"
     events = prof.events()
-    counts = classify(events)
+    forward = inside_forward(events)
+    counts = classify(forward)
     counts["kernel"] = len(kernels)
     counts["helper"] = len(helpers)
-    return (counts, profiled_ms(events)) + gemm_kernels(events)
+    return (counts, profiled_ms(events)) + gemm_kernels(forward)
 
 
 class capturing_kernels:

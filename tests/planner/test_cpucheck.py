@@ -117,6 +117,55 @@ def test_profiled_breakdown_splits_the_step_by_class():
                                  "gemm": 0.2, "view": 0.001, "op": 0.08, "python": 0.1})
 
 
+def test_host_work_is_priced_per_step_and_the_graphs_python_per_graph_run():
+    """Issue 41: what the step does outside the model forward (whose ops the counts leave out) is added once a
+    step, the forward's Python beyond its counted calls per graph run; both only with counts."""
+    counts = {"lookup": 4, "graph": 8, "kernel": 100, "helper": 400, "opaque": 24, "gemm": 110, "view": 500,
+              "op": 300}
+    p = cpucheck.predict(PROF, batch=1, context=128, counts=counts, lookup_us=150.0, host_us=900.0,
+                         graph_python_us=400.0)
+    assert p["by_class_ms"]["host"] == pytest.approx(0.9)
+    assert p["by_class_ms"]["graph_python"] == pytest.approx(8 * 0.4)
+    assert p["overhead_ms"] == pytest.approx(7.932 + 0.9 + 3.2)  # the classes as before, + 0.9 + 8 x 0.4
+    bare = cpucheck.predict(PROF, 1, 128, host_us=900.0, graph_python_us=400.0)  # nothing counted
+    assert "host" not in bare["by_class_ms"] and bare["overhead_ms"] == pytest.approx(0)
+
+
+def test_host_prices_from_the_host_models_rows():
+    """host_us: the host model's best step less its forward, less its LM head's weights at the Linear's rate;
+    graph_python_us: its forward less its own counted calls at the profile's prices, per graph run."""
+    counts = {"lookup": 0, "graph": 8, "kernel": 100, "helper": 400, "opaque": 24, "gemm": 110, "view": 500,
+              "op": 300}
+    priced = 7.332  # 8 x 20 + 100 x 1 + 400 x 0.5 + 24 x 3 + 110 x 30 + 500 x 1 + 300 x 10 us (test above)
+    row = {"batch": 1, "context": 128, "counts": counts, "lookup_us": 150.0, "gemm_kernels": None,
+           "forward_ms": priced + 3.2, "host_ms": 1.5}
+    got = cpucheck.host_prices(PROF, [row])
+    head_us = 2 * 32000 * cpucheck.HOST_CONFIG["hidden_size"] / (PROF["gemm_stream_gbs"] * 1e3)  # 409.6
+    assert got == {1: pytest.approx({"host_us": 1500 - head_us, "graph_python_us": 400.0})}
+    # a forward no slower than its counted calls leaves nothing to price
+    assert cpucheck.host_prices(PROF, [{**row, "forward_ms": 7.0}])[1]["graph_python_us"] == 0
+
+
+def test_the_step_is_counted_inside_the_forward():
+    """The step's ops outside the model forward (sampler, inputs) are not counted (host_us prices them); the
+    forward's range itself is no work of the profiled breakdown's (its Python outside events stays python)."""
+    roots = [
+        Ev("aten::tensor", total=10, start=0),  # the runner's inputs
+        Ev(cpucount.FORWARD, *direct_layer_call("f0"), total=100, start=20),
+        Ev("aten::linear", Ev("aten::mm"), total=30, start=130),  # the LM head
+        Ev("aten::argmax", total=10, start=170),
+    ]
+    events = [e for r in roots for e in r.walk()]
+    counts = cpucount.classify(cpucount.inside_forward(events))
+    assert counts == {"lookup": 0, "graph": 1, "kernel": 0, "helper": 0, "opaque": 1, "gemm": 1, "attention": 0,
+                      "view": 1, "op": 0}
+    assert cpucount.gemm_kernels(cpucount.inside_forward(events))[0] == {"linear": 1, "moe": 0, "bmm": 0}
+    whole = cpucount.profiled_ms(events)
+    # span 180 us: 10 + 30 + 10 outside the forward, the layer's events inside it (direct_layer_call)
+    inside = sum(e.cpu_time_total for e in direct_layer_call("f0"))
+    assert whole["python"] == pytest.approx((180 - 50 - inside) / 1e3)
+
+
 def test_decode_attention_at_its_measured_rate_and_call_cost():
     """Decode MLA runs at the attention kernel's measured rate (the cost model's mla_tflops), not the GEMM
     rate, and each kernel call at its measured fixed cost: a slow kernel predicts a slower step, by about its
@@ -199,6 +248,12 @@ small = {{**BENCH_CONFIG, "hidden_size": 64, "intermediate_size": 128, "moe_inte
 path = bench_checkpoint({str(tmp_path / "bench")!r}, small)
 rows = measure_engine([2], prompt_len=8, steps=2, checkpoint=path)  # compiled: the engine's default
 rows += measure_engine([2], prompt_len=8, steps=2, checkpoint=path, eager=True)
+from moeserve.planner.cpucheck import host_prices
+cold = measure_engine([2], prompt_len=8, steps=2, checkpoint=path, flush_mb=4)  # as measure_host runs it
+prof = {{"gemm_stream_gbs": 10.0, "gemm_call_us": 30.0, "op_cost_us": 10.0, "view_us": 1.0, "graph_entry_us": 20.0,
+        "kernel_us": 1.0, "graph_helper_us": 0.5, "opaque_call_us": 3.0, "mla_call_us": 8.0,
+        "mem_bw_gbs": 12.0, "gemm_bf16_gflops": 1000.0, "gemm_decode_gflops": 500.0, "threads": 1}}
+rows += [cold[0], host_prices(prof, cold)[2]]
 print(json.dumps(rows))
 """
     # without the suite's MOESERVE_ENFORCE_EAGER, as a user runs it: the engine compiles its decode graphs,
@@ -208,7 +263,12 @@ print(json.dumps(rows))
     r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    compiled, eager = json.loads(r.stdout.strip().splitlines()[-1])
+    compiled, eager, cold, host = json.loads(r.stdout.strip().splitlines()[-1])
+    # each timed step split at the model forward, the host model's on cold caches (measure_host), and the
+    # prices it gives: the step's work outside the forward, the forward's Python per graph run
+    for row in compiled, cold:
+        assert 0 < row["forward_ms"] < row["measured_ms"] and row["host_ms"] > 0
+    assert set(host) == {"host_us", "graph_python_us"} and host["host_us"] > 0 and host["graph_python_us"] >= 0
     for row in compiled, eager:
         assert row["batch"] == 2 and row["measured_ms"] > 0 and row["gemms_per_step"] > 0
         # the GEMM calls split by kernel class, every call in one
