@@ -27,7 +27,7 @@ kernel; a mix of the graphs' helpers; a trivial custom op; a mix of views); the 
 is counted by a dispatch mode (GEMM calls, every other op at the small-op cost). The compiled step's counts
 cover the model forward; two more terms come from the host model (issue 41: the bench model's structure at
 widths of a few dozen, its engine measured as the bench model's is, caches emptied by a 32 MB read before each
-step and each graph run, as the bench model's weights empty them): the work a step does outside the forward
+step, as the bench model's weights empty them): the work a step does outside the forward
 (scheduler, inputs, LM head and sampler, outputs), once a step, and what its forward takes beyond its counted
 calls at the profile's prices (the graphs' generated Python, our ops' bodies), per graph run (measure_host).
 The counts are structural, not timings: nothing is fitted to the measured step.
@@ -520,8 +520,7 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
     small-op cost, GEMMs and attention kernels at their call costs; it cannot run inside compiled graphs).
     Each timed step's model forward (the runner's) is timed too: forward_ms (the best) and host_ms (the best
     step less its forward: the step's work outside the model). With `flush_mb`, a buffer that large is
-    read before each timed step and before each of its graph runs (that time left out), so the step and
-    each layer start on cold caches (measure_host)."""
+    read before each timed step (untimed), so the step starts on cold caches (measure_host)."""
     from moeserve.llm import LLM
     from moeserve.sampling_params import SamplingParams
     from moeserve.bench_model import bench_checkpoint
@@ -548,35 +547,25 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
             counts, profiled = dict(counts), {c: round(v, 3) for c, v in profiled.items()}
             kernels, kernel_ms = dict(kernels), {k: round(v, 3) for k, v in kernel_ms.items()}
             lookup_us = 1e6 * cpucount.lookup_seconds(eng, b)
-        times, forwards, flushed = [], [], [0.0]
+        times, forwards = [], []
         # read, not written: the bench model's weights pass through the caches clean (a written buffer would
         # leave dirty lines whose write-backs land in the timed work)
         flush = torch.ones(flush_mb << 18) if flush_mb else None  # float32: flush_mb MB
-        forward, graphs = eng.runner.forward, eng.runner.decode_graphs
-        run_layer = graphs._layer if graphs is not None else None
+        forward = eng.runner.forward
 
         def timed_forward(*args, **kwargs):
-            flushed[0] = 0.0
             t = time.perf_counter()
             out = forward(*args, **kwargs)
-            forwards.append(time.perf_counter() - t - flushed[0])
+            forwards.append(time.perf_counter() - t)
             return out
-
-        def cold_layer(*args):  # each graph run on caches as cold as after a bench layer's weights (not timed)
-            flushed[0] += _timed(flush.sum)
-            return run_layer(*args)
         eng.runner.forward = timed_forward  # an instance attribute, removed below
-        if flush is not None and graphs is not None:
-            graphs._layer = cold_layer
         try:
             for _ in range(steps):
                 if flush is not None:
                     flush.sum()
-                times.append(_timed(eng.step) - flushed[0])
+                times.append(_timed(eng.step))
         finally:
             del eng.runner.forward
-            if graphs is not None:
-                graphs._layer = run_layer
         host = min(t - f for t, f in zip(times, forwards))
         while eng.has_unfinished():
             eng.step()
@@ -594,9 +583,10 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
 # Python per step over weights too small to take time
 HOST_CONFIG = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=32,
                    qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)
-# Read before each of the host model's timed steps and graph runs (as large as an AMD Zen 4 CCD's L3, larger
-# than the bench model's ~20-30 MB of weights a layer reads): in the bench model's step the host work and each
-# layer's Python run after weights streamed through the caches, so on cold code and data
+# Read before each of the host model's timed steps (as large as an AMD Zen 4 CCD's L3; the bench model's step
+# reads ~20-30 MB of weights a layer and its 65 MB LM head right before the sampler): the bench model's step
+# starts, and its work after the forward runs, on caches its weights emptied. (Also read before each graph run,
+# 2026-12-07: +9 to +40% at batch 1, the forward's residual noisy, 455-1240 us a run; left out.)
 HOST_FLUSH_MB = 32
 
 
