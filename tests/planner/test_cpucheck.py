@@ -146,6 +146,17 @@ def test_host_prices_from_the_host_models_rows():
     assert cpucheck.host_prices(PROF, [{**row, "forward_ms": 7.0}])[1]["graph_python_us"] == 0
 
 
+def test_a_failing_host_model_leaves_its_terms_out(monkeypatch):
+    """Where the host model's engine cannot run (a kernel library refusing its widths), the check goes on
+    without the two terms: the prediction as before them."""
+    def fail(*args, **kwargs):
+        raise RuntimeError("no kernel for these widths")
+    monkeypatch.setattr(cpucheck, "measure_engine", fail)
+    monkeypatch.setattr(cpucheck, "host_checkpoint", lambda: "unused")
+    with pytest.warns(UserWarning, match="host model"):
+        assert cpucheck.measure_host(PROF, [1]) == {}
+
+
 def test_the_step_is_counted_inside_the_forward():
     """The step's ops outside the model forward (sampler, inputs) are not counted (host_us prices them); the
     forward's range itself is no work of the profiled breakdown's (its Python outside events stays python)."""
