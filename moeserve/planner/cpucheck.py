@@ -603,15 +603,21 @@ def host_prices(prof: dict, rows: list[dict]) -> dict:
     (scheduler, inputs, the LM head and sampler, outputs: its best step less its forward), less the host model's
     LM head weights at the Linear's streaming rate (the bench model's head is in the roofline); graph_python_us,
     what its forward took beyond its own counted calls at the profile's prices (the graphs' generated Python and
-    wrappers, our ops' bodies beyond a trivial op's call: nothing of it is a counted call), per graph run.
-    Its weights are ~0.1-0.2 MB a layer read: not taken out."""
+    wrappers, our ops' bodies beyond a trivial op's call: nothing of it is a counted call), per graph run, less
+    its decode attention's FLOPs at the profile's MLA rate where it has one (as the cost model prices the bench
+    model's: 2 x rows x heads x (2 C + rope dims) x context a layer). Its weights are ~0.1-0.2 MB a layer read:
+    not taken out."""
     from moeserve.bench_model import BENCH_CONFIG
 
-    head_s = 2.0 * BENCH_CONFIG["vocab_size"] * HOST_CONFIG["hidden_size"] / (prof["gemm_stream_gbs"] * 1e9)
+    c = {**BENCH_CONFIG, **HOST_CONFIG}
+    head_s = 2.0 * c["vocab_size"] * c["hidden_size"] / (prof["gemm_stream_gbs"] * 1e9)
     out = {}
     for r in rows:
         priced = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_us"], r["gemm_kernels"])
-        rest_ms = r["forward_ms"] - sum(priced["by_class_ms"].values())
+        mla_flops = (2.0 * r["batch"] * c["num_attention_heads"] * (2 * c["kv_lora_rank"] + c["qk_rope_head_dim"])
+                     * r["context"] * c["num_hidden_layers"])
+        mla_ms = mla_flops / (prof["mla_decode_gflops"] * 1e6) if prof.get("mla_decode_gflops") else 0.0
+        rest_ms = r["forward_ms"] - sum(priced["by_class_ms"].values()) - mla_ms
         out[r["batch"]] = {"host_us": max(0.0, r["host_ms"] * 1e3 - head_s * 1e6),
                            "graph_python_us": max(0.0, rest_ms) * 1e3 / max(1, r["counts"]["graph"])}
     return out

@@ -142,6 +142,10 @@ def test_host_prices_from_the_host_models_rows():
     got = cpucheck.host_prices(PROF, [row])
     head_us = 2 * 32000 * cpucheck.HOST_CONFIG["hidden_size"] / (PROF["gemm_stream_gbs"] * 1e3)  # 409.6
     assert got == {1: pytest.approx({"host_us": 1500 - head_us, "graph_python_us": 400.0})}
+    # its decode attention's FLOPs at the profile's MLA rate come out too: 2 x 1 row x 16 heads x (2 x 32 + 32)
+    # x 128 tokens x 8 layers = 3.15 MFLOP at 10 GFLOP/s = 0.315 ms, 39.3 us a graph run
+    mla = cpucheck.host_prices({**PROF, "mla_decode_gflops": 10.0}, [row])[1]["graph_python_us"]
+    assert mla == pytest.approx(400.0 - 2 * 16 * 96 * 128 * 8 / 10e9 * 1e6 / 8)
     # a forward no slower than its counted calls leaves nothing to price
     assert cpucheck.host_prices(PROF, [{**row, "forward_ms": 7.0}])[1]["graph_python_us"] == 0
 
