@@ -57,7 +57,7 @@ def gemm_kernel_class(op: str) -> str:
 ATTENTION_OPS = ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
                  "decode_attention_cpu")
 
-# No data touched: tensor metadata or an allocation (profile: planner/cpucheck.measure_view_cost)
+# No data touched: tensor metadata or an allocation (profile: planner/cpuprofile.measure_view_cost)
 VIEW_OPS = frozenset((
     "view", "reshape", "_reshape_alias", "_unsafe_view", "as_strided", "as_strided_", "slice", "select",
     "narrow", "permute", "transpose", "t", "unsqueeze", "squeeze", "expand", "split", "split_with_sizes",

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from moeserve.planner import cpucheck, cpucount
+from moeserve.planner import cpucheck, cpucount, cpuprofile
 
 PROF = {"threads": 1, "mem_bw_gbs": 12.0, "gemm_stream_gbs": 10.0, "gemm_call_us": 30.0,
         "gemm_bf16_gflops": 1000.0, "gemm_decode_gflops": 500.0, "op_cost_us": 10.0, "view_us": 1.0,
@@ -205,7 +205,7 @@ def test_faster_profile_predicts_faster():
 
 
 def test_profile_measures_positive_rates():
-    prof = cpucheck.profile()
+    prof = cpuprofile.profile()
     assert prof["mem_bw_gbs"] > 0.1 and prof["gemm_bf16_gflops"] > 1 and prof["op_cost_us"] > 0
     assert prof["gemm_stream_gbs"] > 0.1 and prof["gemm_call_us"] >= 0
     assert prof["view_us"] > 0 and prof["graph_entry_us"] >= 0 and prof["kernel_us"] > 0
@@ -314,7 +314,7 @@ def test_gemm_price_times_the_linears_own_kernel_op():
         layer.weight.normal_()
     layer.process_weights_after_loading()
     x = torch.randn(3, 64).to(torch.bfloat16)
-    kernel = cpucheck.gemm_kernel(layer)
+    kernel = cpuprofile.gemm_kernel(layer)
     with torch.inference_mode():
         assert torch.equal(kernel(x), layer(x))  # (vLLM's library's matmul: its output made on this first call)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -393,7 +393,7 @@ def test_each_kernel_rate_is_timed_on_the_op_the_step_counts_in_its_class():
     w = (torch.randn(2, 64, 32) * 0.1).to(torch.bfloat16)
     q = torch.randn(3, 2, 32).to(torch.bfloat16)
     packed = mla_bmm.pack(w)
-    call = cpucheck.bmm_kernel(w, packed, q)
+    call = cpuprofile.bmm_kernel(w, packed, q)
     with torch.inference_mode():
         got = call()
         assert kernel_of(call) == {"bmm": 1}
@@ -408,11 +408,11 @@ def test_each_kernel_rate_is_timed_on_the_op_the_step_counts_in_its_class():
         experts.w2.normal_(std=0.1)
     experts.process_weights_after_loading()
     if not experts.fused:
-        assert cpucheck.measure_moe_streaming() is None  # no fused kernel here: no MoE class in the profile
+        assert cpuprofile.measure_moe_streaming() is None  # no fused kernel here: no MoE class in the profile
         return
     x, ids, weights = torch.randn(1, 64).to(torch.bfloat16), torch.tensor([[1, 5]], dtype=torch.int32), \
         torch.tensor([[0.25, 0.75]])
-    call = cpucheck.moe_kernel(experts, x, ids, weights)
+    call = cpuprofile.moe_kernel(experts, x, ids, weights)
     with torch.inference_mode():
         got = call()
         assert kernel_of(call) == {"moe": 1}
