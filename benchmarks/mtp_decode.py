@@ -68,7 +68,7 @@ def heldout_prompts(tokenizer, vocab: int, n: int) -> list[list[int]]:
 
 
 class Timer:
-    """Wall time spent inside some modules' forward (forward pre/post hooks)."""
+    """Time (CLOCK) spent inside some modules' forward (forward pre/post hooks)."""
 
     def __init__(self, *modules) -> None:
         self.total, self._t = 0.0, 0.0
@@ -87,22 +87,43 @@ class Timer:
 
 
 class MethodTimer:
-    """Wall time spent in one bound method of an object (the proposer's propose: layer, head and its prep)."""
+    """Time (CLOCK) spent in one bound method of an object (the proposer's propose: layer, head and its prep)."""
 
-    def __init__(self, obj, name: str) -> None:
+    def __init__(self, obj, name: str, exclude: Timer | None = None) -> None:
+        """exclude: a Timer whose modules the method also calls (the main lm_head, the MTP head's when shared):
+        what it counts during the method stays the method's."""
         self.total, self.obj, self.name = 0.0, obj, name
+        self.own = vars(obj).get(name)  # an instance's own wrapper (own_metadata), kept on remove()
         inner = getattr(obj, name)
 
         def timed(*a, **kw):
-            t = CLOCK()
+            t, outer = CLOCK(), exclude.total if exclude else 0.0
             try:
                 return inner(*a, **kw)
             finally:
                 self.total += CLOCK() - t
+                if exclude:
+                    exclude.total = outer
         setattr(obj, name, timed)
 
     def remove(self) -> None:
-        delattr(self.obj, self.name)  # back to the class's method
+        if self.own is None:
+            delattr(self.obj, self.name)  # back to the class's method
+        else:
+            setattr(self.obj, self.name, self.own)
+
+
+def own_metadata(llm):
+    """The proposer's first pass without the main step's metadata (step=None): its own, over the valid rows."""
+    proposer = llm.engine.runner.proposer
+    propose = proposer.propose
+    proposer.propose = lambda out, hidden, sampled, step=None: propose(out, hidden, sampled)
+    return llm
+
+
+def ratio_spread(xs: list[float]) -> str:
+    xs = sorted(xs)
+    return f"x{xs[len(xs) // 2]:.3f} ({xs[0]:.3f}-{xs[-1]:.3f})"
 
 
 def run(llm, groups: list[list[list[int]]], new_tokens: int) -> dict:
@@ -110,7 +131,7 @@ def run(llm, groups: list[list[list[int]]], new_tokens: int) -> dict:
     token out) before the clock starts. Every batch size covers the same prompts."""
     eng = llm.engine
     main = Timer(eng.runner.model, eng.runner.model.lm_head)
-    mtp = MethodTimer(eng.runner.proposer, "propose") if eng.runner.proposer else None
+    mtp = MethodTimer(eng.runner.proposer, "propose", exclude=main) if eng.runner.proposer else None
     before = eng.stats()
     tokens = steps = 0
     wall = cpu = 0.0
@@ -173,6 +194,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--own-metadata", action="store_true",
+                    help="also run each k with the MTP layer's first pass on metadata of its own, over the valid "
+                         "rows only (the path before 2026-12-08, still taken under --enable-dbo)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from moeserve import LLM
@@ -183,6 +207,9 @@ def main() -> None:
     engines = {0: LLM(path, dtype=args.dtype, enable_prefix_caching=False)}  # the same prompts run again: measure compute, not the prefix cache
     for k in args.ks:
         engines[k] = LLM(path, dtype=args.dtype, enable_prefix_caching=False, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        if args.own_metadata:
+            engines[f"{k} own"] = own_metadata(LLM(path, dtype=args.dtype, enable_prefix_caching=False,
+                                                   speculative_config={"method": "mtp", "num_speculative_tokens": k}))
     n = max(args.batches)
     prompts = heldout_prompts(engines[0].tokenizer, engines[0].arch.vocab_size, n)
     for llm in engines.values():  # warm-up
@@ -202,9 +229,14 @@ def main() -> None:
             r["speedup"] = r["tok_s"] / base
             rows.append(r)
             acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f} {r['per_position']}"
-            print(f"batch {b:3d} k={k}: {r['tok_s']:8.1f} tok/s (wall {r['wall_tok_s']:6.1f})  x{r['speedup']:.2f}  "
+            print(f"batch {b:3d} k={k!s:5}: {r['tok_s']:8.1f} tok/s (wall {r['wall_tok_s']:6.1f})  x{r['speedup']:.2f}  "
                   f"tokens/req-step {r['tokens_per_req_step']:.2f}  acceptance {acc}  step {r['ms_step']:.2f} ms "
                   f"= main {r['ms_main']:.2f} + mtp {r['ms_mtp']:.2f} + other {r['ms_other']:.2f}")
+        for k in args.ks if args.own_metadata else []:  # paired: repeat i of one over repeat i of the other
+            pairs = list(zip(reps[k], reps[f"{k} own"]))
+            print(f"batch {b:3d} k={k} / k={k} own: tok/s {ratio_spread([x['tok_s'] / y['tok_s'] for x, y in pairs])}, "
+                  f"MTP ms {ratio_spread([x['ms_mtp'] / y['ms_mtp'] for x, y in pairs])} (median of "
+                  f"{len(pairs)} repeats, min-max)")
     print(json.dumps({"model": label, "rows": rows}))
 
 

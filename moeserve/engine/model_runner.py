@@ -170,16 +170,18 @@ class ModelRunner:
         with recording(self.load_recorder):
             if self.config.parallel.enable_dbo:
                 hidden, sample_rows = self._forward_dbo(out)
+                step = None
             else:
                 input_ids, positions, meta, sample_rows = self._prepare(out)
                 hidden = self.forward(input_ids, positions, meta)
+                step = (positions, meta)  # the MTP layer's first pass reuses them
             result = StepResult({}, {})
             if sample_rows:
                 self.sampler.sample(hidden, sample_rows, result)
             self.sampler.prompt_logprobs(out, hidden, result)
             if self.proposer is not None:  # a failed request drafts from a placeholder token; it ends anyway
                 sampled = {**result.sampled, **{rid: [0] for rid in result.failed}}
-                result.draft_tokens = self.proposer.propose(out, hidden, sampled)
+                result.draft_tokens = self.proposer.propose(out, hidden, sampled, step)
         if self.load_recorder is not None:
             self.load_recorder.step_done()
         return result
@@ -228,6 +230,8 @@ class ModelRunner:
             spans.append(SeqSpan(s.start, s.num_tokens, s.block_ids))
             if s.samples:  # the last real token's row and one per draft
                 sample_rows.append((list(range(row + s.num_tokens - d - 1, row + s.num_tokens)), s))
-        positions, meta = build_attention_metadata(spans, self.block_size, self.kv_caches)
+        # with the MTP layer's cache too: its first pass of the step runs on this metadata (speculative/proposer.py)
+        kv_caches = self.proposer.kv_caches if self.proposer is not None else self.kv_caches
+        positions, meta = build_attention_metadata(spans, self.block_size, kv_caches)
         return torch.tensor(ids, dtype=torch.long), positions, meta, sample_rows
 

@@ -9,6 +9,10 @@ Lifecycle
      with the next token at each position as input, writing MTP KV there. Its output at each request's last
      valid position gives draft 1; re-applying the layer on its own output at the following positions
      (the scheduler's lookahead slots) gives drafts 2..n.
+     Given the main forward's positions and attention metadata (`step`), the first pass runs over every row
+     of the main batch with them, as the same step's one more layer: no metadata of its own, no gather of
+     hidden rows, the main step's graph bucket. Rows past a request's accepted drafts then get token 0 and
+     write MTP KV at positions not yet valid, rewritten when they become valid, as the main model's KV there.
   3. Nothing carries over between steps but the drafts (Request.spec_token_ids): MTP KV of rejected and
      lookahead positions is rewritten when those positions become valid, and the scheduler trims the blocks
      past num_computed_tokens after the step, so nothing leaks.
@@ -23,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from moeserve.config import QuantConfig
-from moeserve.layers.attention.metadata import SeqSpan, attention_context, build_attention_metadata
+from moeserve.layers.attention.metadata import (AttentionMetadata, SeqSpan, attention_context,
+                                               build_attention_metadata)
 from moeserve.sample.draw import argmax
 from moeserve.speculative.mtp_model import build_mtp
 
@@ -56,26 +61,37 @@ class MTPProposer:
         self.graphs = None  # the engine's compiled decode graphs (engine/compiled_decode.py), once attached
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput, hidden: torch.Tensor,
-                sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        """hidden [T, H]: main model output of this step's flat batch -> request id -> next drafts."""
+    def propose(self, out: SchedulerOutput, hidden: torch.Tensor, sampled: dict[str, list[int]],
+                step: tuple[torch.Tensor, AttentionMetadata] | None = None) -> dict[str, list[int]]:
+        """hidden [T, H]: main model output of this step's flat batch -> request id -> next drafts.
+        step: the main forward's (positions, metadata) over the same T rows, built with self.kv_caches (the
+        first pass then reuses them); None: the first pass covers the valid rows only, with its own."""
         spans, rows, tokens, chains, last_rows = [], [], [], [], []
         row = mtp_rows = 0  # next row of the main batch / of the MTP batch
         for s in out.scheduled:
             new = sampled.get(s.request.request_id, [])
             valid = _num_valid(s, new)
-            spans.append(SeqSpan(s.start, valid, s.block_ids))
-            rows.extend(range(row, row + valid))
-            tokens.extend(_next_tokens(s, new, valid))
-            mtp_rows += valid
+            if step is None:
+                spans.append(SeqSpan(s.start, valid, s.block_ids))
+                rows.extend(range(row, row + valid))
+                tokens.extend(_next_tokens(s, new, valid))
+            else:  # every row; those past the valid ones compute what is rewritten later
+                nxt = _next_tokens(s, new, valid)
+                tokens.extend(nxt + [0] * (s.num_tokens - len(nxt)))
             if s.num_new_drafts > 0 and new:
-                last_rows.append(mtp_rows - 1)
+                last_rows.append(mtp_rows + valid - 1)
                 chains.append(_Chain(s.request.request_id, s.start + valid, s.block_ids, s.num_new_drafts - 1))
             row += s.num_tokens
-        if not spans and not self.lockstep:
+            mtp_rows += valid if step is None else s.num_tokens
+        if not out.scheduled and not self.lockstep:
             return {}
-        h = self._run(spans, torch.tensor(tokens, dtype=torch.long),
-                      hidden[torch.tensor(rows, dtype=torch.long)])  # [T', H]
+        ids = torch.tensor(tokens, dtype=torch.long)
+        if step is None:
+            h = self._run(spans, ids, hidden[torch.tensor(rows, dtype=torch.long)])  # [T', H]
+        else:
+            assert hidden.shape[0] == row == step[0].shape[0], "step: the main forward's rows"
+            assert len(step[1].kv_caches) == len(self.kv_caches), "step: metadata built with the MTP cache"
+            h = self._pass(ids, hidden, *step)
         if not chains and not self.lockstep:
             return {}
         return self._chain(chains, h[torch.tensor(last_rows, dtype=torch.long)])
@@ -111,6 +127,10 @@ class MTPProposer:
     def _run(self, spans: list[SeqSpan], token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         """One MTP pass over the spans' tokens -> h' [T, H] (T may be 0 on a rank without work)."""
         positions, meta = build_attention_metadata(spans, self.block_size, self.kv_caches)
+        return self._pass(token_ids, prev_hidden, positions, meta)
+
+    def _pass(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata) -> torch.Tensor:
         with attention_context(meta):
             embeds = self.main.model.embed_tokens(token_ids)
             if self.graphs is not None and self.graphs.applies(meta, embeds.shape[0]):

@@ -76,4 +76,33 @@ def test_engine_drafts_match_dense_reference(mtp_ckpt_dir, k):
                 assert req.spec_token_ids == ref.drafts(tokens, len(req.spec_token_ids)), f"at {len(tokens)}"
                 checked += 1
     assert checked >= 20
-    assert engine.stats().spec_num_accepted_tokens >= 2  # accepted drafts moved the MTP positions
+    stats = engine.stats()
+    assert stats.spec_num_accepted_tokens >= 2  # accepted drafts moved the MTP positions
+    assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # rejected rows were in the passes too
+
+
+def test_first_pass_runs_on_the_main_steps_metadata(mtp_ckpt_dir, monkeypatch):
+    """k = 1: the MTP pass of every step is the step's one more layer, on the main forward's positions and
+    metadata (rows past the accepted drafts included): the proposer builds no metadata of its own, and the
+    drafts still equal the reference (the test above)."""
+    import moeserve.speculative.proposer as proposer
+
+    built = []
+    real = proposer.build_attention_metadata
+    monkeypatch.setattr(proposer, "build_attention_metadata", lambda *a: built.append(a) or real(*a))
+    path = mtp_ckpt_dir("v3")
+    args = EngineArgs(model=path, dtype="float32", max_num_batched_tokens=32,
+                      speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    engine = EngineCore(args.create_config(512))
+    passes = []
+    mtp = engine.runner.proposer.mtp
+    mtp.register_forward_hook(lambda m, a, out: passes.append(out.shape[0]))
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(EngineCoreRequest(str(i), p, SamplingParams(temperature=0, max_tokens=12,
+                                                                       ignore_eos=True)))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert not built and len(passes) == steps
+    assert engine.stats().spec_num_accepted_tokens < engine.stats().spec_num_draft_tokens
