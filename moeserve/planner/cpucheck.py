@@ -23,7 +23,9 @@ calls at the profile's prices (the graphs' generated Python, our ops' bodies), p
 The counts are structural, not timings: nothing is fitted to the measured step.
 Measured side: engine step times of decode-only steps on the bench model (moeserve/bench_model.py). The
 profile takes the best of several runs, so the error is reported against the fastest measured step
-(uncontended, like the profile); the median is shown too (shared machines are noisy).
+(uncontended, like the profile); the median is shown too (shared machines are noisy). The GEMM kernels'
+streaming pools are swept once before each timed step, and a batch is priced at the best of its own sweeps
+(run_check), so both sides see the same minutes of a shared machine.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import torch
 
 from moeserve.perf import cost
 from moeserve.perf.deploy import Instance
-from moeserve.planner import cpucount
+from moeserve.planner import cpucount, cpuprofile
 from moeserve.planner.cpuprofile import profile, timed
 from moeserve.perf.hardware import cpu_hardware
 from moeserve.perf.models import load_model
@@ -152,7 +154,8 @@ def count_ops(engine) -> tuple[dict, dict]:
 
 
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
-                   checkpoint: str | None = None, eager: bool = False, flush_mb: int = 0) -> list[dict]:
+                   checkpoint: str | None = None, eager: bool = False, flush_mb: int = 0,
+                   probe=None) -> list[dict]:
     """Decode-step times of the CPU engine per batch size on checkpoint (default: the bench model), with what
     one step runs counted by class: compiled (the engine's default; cpucount.count_compiled_step, and the
     price of one dynamo cache lookup timed on its own layers: cpucount.lookup_seconds, reported as lookup_us
@@ -160,7 +163,9 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
     small-op cost, GEMMs and attention kernels at their call costs; it cannot run inside compiled graphs).
     Each timed step's model forward (the runner's) is timed too: forward_ms (the best) and host_ms (the best
     step less its forward: the step's work outside the model). With `flush_mb`, a buffer that large is
-    read before each timed step (untimed), so the step starts on cold caches (measure_host)."""
+    read before each timed step (untimed), so the step starts on cold caches (measure_host). With `probe`
+    (cpuprofile.StreamingProbe), its pools are swept once, untimed, before each timed step (recorded under the
+    batch) and once before them (a warm-up, not recorded)."""
     from moeserve.llm import LLM
     from moeserve.sampling_params import SamplingParams
     from moeserve.bench_model import bench_checkpoint
@@ -199,10 +204,14 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
             forwards.append(time.perf_counter() - t)
             return out
         eng.runner.forward = timed_forward  # an instance attribute, removed below
+        if probe is not None:
+            probe.sweep(None)
         try:
             for _ in range(steps):
                 if flush is not None:
                     flush.sum()
+                if probe is not None:
+                    probe.sweep(b)
                 times.append(timed(eng.step))
         finally:
             del eng.runner.forward
@@ -268,36 +277,60 @@ def measure_host(prof: dict, batches: list[int]) -> dict:
     engine is (measure_engine), each timed step on cold caches (HOST_FLUSH_MB). {} (the terms left out, the
     prediction as before them) with a warning where the host model's engine fails here (a kernel library that
     refuses its small widths)."""
+    rows = measure_host_rows(batches)
+    return host_prices(prof, rows) if rows else {}
+
+
+def measure_host_rows(batches: list[int]) -> list[dict]:
+    """measure_host's measured rows of the host model ([] where its engine fails here, with a warning)."""
     import gc
     import warnings
 
     try:
-        rows = measure_engine(batches, checkpoint=host_checkpoint(), flush_mb=HOST_FLUSH_MB)
+        return measure_engine(batches, checkpoint=host_checkpoint(), flush_mb=HOST_FLUSH_MB)
     except Exception as e:  # noqa: BLE001 - any failure of the host model leaves its two terms out
         warnings.warn(f"CPU check: the host model's engine failed ({type(e).__name__}: {e}); the step's host "
                       "work outside the GEMMs is not priced")
-        return {}
+        return []
     finally:
         gc.collect()  # the host model's engine goes before the bench model's runs
-    return host_prices(prof, rows)
 
 
 def run_check(batches: list[int], measure: bool = False, threads: int | None = None, eager: bool = False) -> dict:
-    prof = profile(threads)
-    load = _load_average()
-    host = measure_host(prof, batches) if measure and not eager else {}
-    rows = measure_engine(batches, eager=eager) if measure else [
-        {"batch": b, "context": 138.0, "counts": None, "lookup_us": 0.0, "ops_per_step": None,
-         "gemms_per_step": None, "gemm_kernels": None, "measured_ms": None} for b in batches]
+    """The profile, and with `measure` the engine's measured steps against the prediction. Measuring, the GEMM
+    kernels' streaming pools are swept again once before each timed step (cpuprofile.StreamingProbe) and each
+    batch is priced at the rates of its own sweeps (the profile's, best of 5 before the engine, stay in
+    "profile", and the prediction at them per row in "predicted_profile_rates_ms": diagnostics)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    host_rows = measure_host_rows(batches) if measure and not eager else []
+    probe = cpuprofile.StreamingProbe()  # after the host model: freeing its engine flushes zentorch's cache
+    try:
+        prof = profile(threads, probe)
+        load = _load_average()
+        rows = measure_engine(batches, eager=eager, probe=probe) if measure else [
+            {"batch": b, "context": 138.0, "counts": None, "lookup_us": 0.0, "ops_per_step": None,
+             "gemms_per_step": None, "gemm_kernels": None, "measured_ms": None} for b in batches]
+        own = {r["batch"]: {**prof, **probe.rates(r["batch"])} for r in rows if measure}
+    finally:
+        probe.close()
     for r in rows:
-        r.update(host.get(r["batch"], {}))
-        p = predict(prof, r["batch"], r["context"], r["counts"], r["lookup_us"], r["gemm_kernels"],
+        at = own.get(r["batch"], prof)
+        host = {row["batch"]: row for row in host_rows}.get(r["batch"])
+        r.update(host_prices(at, [host])[r["batch"]] if host else {})
+        p = predict(at, r["batch"], r["context"], r["counts"], r["lookup_us"], r["gemm_kernels"],
                     r.get("host_us", 0.0), r.get("graph_python_us", 0.0))
         r.update({"predicted_ms": round(p["step_ms"], 3), "predicted_roofline_ms": round(p["roofline_ms"], 3),
                   "predicted_overhead_ms": round(p["overhead_ms"], 3),
                   "by_class_ms": {c: round(v, 3) for c, v in p["by_class_ms"].items()},
                   "gemm_mb": {k: round(v, 2) for k, v in p["gemm_mb"].items()},
                   "kernel_rates": {k: [round(v, 3) for v in r_] for k, r_ in p["kernel_rates"].items()}})
+        if at is not prof:  # the prediction at the profile's own rates, as before the sweeps (a diagnostic)
+            before = host_prices(prof, [host])[r["batch"]] if host else {}
+            r["predicted_profile_rates_ms"] = round(predict(
+                prof, r["batch"], r["context"], r["counts"], r["lookup_us"], r["gemm_kernels"],
+                before.get("host_us", 0.0), before.get("graph_python_us", 0.0))["step_ms"], 3)
+            r["stream_sweeps"] = at["stream_sweeps"]
         if r["measured_ms"]:
             r["measured_ms"] = round(r["measured_ms"], 3)
             r["error_pct"] = round(100 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"], 1)
@@ -323,7 +356,8 @@ def format_report(res: dict) -> str:
              f"fused kernel + {p['graph_helper_us']:.2f} per helper call, custom op call {p['opaque_call_us']:.1f} us, "
              f"decode MLA {p.get('mla_decode_gflops', 0):.0f} GFLOP/s + {p.get('mla_call_us', 0):.1f} us per call, "
              f"{p['threads']:.0f} threads",
-             "GEMM kernels: Linear op " + f"{p['gemm_stream_gbs']:.1f} GB/s + {p['gemm_call_us']:.1f} us, fused MoE "
+             f"GEMM kernels (profile, best of {p.get('stream_sweeps', 0):.0f} sweeps): Linear op "
+             + f"{p['gemm_stream_gbs']:.1f} GB/s + {p['gemm_call_us']:.1f} us, fused MoE "
              + (f"{p['moe_stream_gbs']:.1f} GB/s + {p['moe_call_us']:.1f} us" if "moe_stream_gbs" in p else "none here")
              + ", absorbed bmm " + (f"{p['bmm_stream_gbs']:.1f} GB/s + {p['bmm_call_us']:.1f} us"
                                     if "bmm_stream_gbs" in p else "not measured"),
@@ -357,6 +391,11 @@ def format_report(res: dict) -> str:
                 f"{k} {r['gemm_kernels'].get(k, 0)} calls {r['gemm_mb'].get(k, 0):.1f} MB at {rates[k][0]:.1f} GB/s"
                 + (f" (profiled {r['profiled_gemm_kernel_ms'][k]:.2f} ms)" if r.get("profiled_gemm_kernel_ms") else "")
                 for k in cpucount.KERNELS))
+        if "predicted_profile_rates_ms" in r:
+            before = r["predicted_profile_rates_ms"]
+            err = f" ({100 * (before - r['measured_ms']) / r['measured_ms']:+.1f}%)" if r["measured_ms"] else ""
+            lines.append(f"  batch {r['batch']} GEMM rates above from the {r['stream_sweeps']:.0f} sweeps between its "
+                         f"timed steps; at the profile's rates: predicted {before:.2f} ms{err}")
         if r.get("forward_ms") is not None:
             lines.append(f"  batch {r['batch']} measured step split (diagnostic): forward {r['forward_ms']:.2f} ms, "
                          f"outside it {r['host_ms']:.2f} ms (LM head, sampler, scheduler, outputs)")

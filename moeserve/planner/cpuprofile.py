@@ -3,7 +3,8 @@
 Measured here with torch, one thread by default: read bandwidth (float32 sum over 256 MB, best of 5, reported),
 the bandwidth and fixed cost of weight streaming through BF16 GEMMs (one row through the kernel op of the
 engine's own Linear, packed for the kernel the engine runs, over a pool of distinct weight matrices larger than
-the caches, at 0.5 MB and 8 MB per matrix: t = fixed + bytes / bw, best of 5), the same two terms for each
+the caches, at 0.5 MB and 8 MB per matrix: t = fixed + bytes / bw, best of 5; StreamingProbe keeps the pools
+to time them again between the engine's measured steps), the same two terms for each
 other GEMM kernel class the engine's step runs (cpucount.KERNELS: the routed experts' fused MoE where one runs
 here, zentorch's or vLLM's AMX one, one row through 1 and 8 cold experts a call; MLA's absorbed products,
 vLLM's bmm_cpu or aten's bmm, one row through cold [16 and 64 heads, C, dn] matrices), the BF16 GEMM rate
@@ -47,23 +48,34 @@ def measure_weight_streaming(repeats: int = 5, pool_mb: int = 256) -> tuple[floa
     (gemm_kernel): what a step's profile counts as one GEMM call (the module's own Python, ~5 us a call
     here, is not in that op: the step counts and prices it as views and opaque calls).
     """
+    pools, nbytes = linear_pools(pool_mb)
+    return _streaming_fit(pools, nbytes, repeats)
+
+
+def linear_pools(pool_mb: int = 256) -> tuple[list[list], tuple[float, float]]:
+    """measure_weight_streaming's two pools of calls (0.5 and 8 MB matrices) and the bytes a call reads. The two
+    sizes are made interleaved (16 small matrices, one large, ...), so both lie in the same stretches of memory:
+    made one pool after the other, each took memory of its own, whose rate here differed by up to 30% between
+    the two (0.5 MB matrices alone 14.8-21.2 GB/s over four pools in one process, 8 MB 18.6-22.1), and the fit's
+    fixed cost moved with it (14.6-29.1 us; interleaved, 17.7-20.5)."""
     from moeserve.layers.linear import Linear
 
-    def pool(rows: int, cols: int) -> list:
-        count = max(4, pool_mb * (1 << 20) // (rows * cols * 2))
-        ws = []
-        for _ in range(count):
-            layer = Linear(cols, rows).to(torch.bfloat16)
-            with torch.no_grad():
-                layer.weight.normal_()
-            layer.process_weights_after_loading()
-            ws.append(gemm_kernel(layer))
-        return ws
+    def kernel(rows: int, cols: int):
+        layer = Linear(cols, rows).to(torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.normal_()
+        layer.process_weights_after_loading()
+        return gemm_kernel(layer)
 
     small, large = (256, 1024), (4096, 1024)
+    per = large[0] // small[0]  # small matrices a large one's bytes
     x = torch.randn(1, small[1]).to(torch.bfloat16)
-    pools = [[lambda w=w: w(x) for w in pool(*shape)] for shape in (small, large)]
-    return _streaming_fit(pools, (2 * small[0] * small[1], 2 * large[0] * large[1]), repeats)
+    pools = [[], []]
+    for _ in range(max(4, pool_mb * (1 << 20) // (large[0] * large[1] * 2))):
+        pools[0] += [kernel(*small) for _ in range(per)]
+        pools[1].append(kernel(*large))
+    pools = [[lambda w=w: w(x) for w in ws] for ws in pools]
+    return pools, (2 * small[0] * small[1], 2 * large[0] * large[1])
 
 
 def _streaming_fit(pools: list[list], nbytes: tuple[float, float], repeats: int) -> tuple[float, float]:
@@ -71,15 +83,22 @@ def _streaming_fit(pools: list[list], nbytes: tuple[float, float], repeats: int)
     call in its pool reads: each pool's best mean call time over `repeats` sweeps, the two pools timed
     interleaved (a shared machine drifts), then t = fixed + bytes / bw through the two points. Every call
     runs once first (kernels that reorder a weight on its first call, as zentorch's do, have done so)."""
-    best = [float("inf"), float("inf")]
     with torch.inference_mode():
         for calls in pools:
             for f in calls:
                 f()
-        for _ in range(repeats):  # interleaved, so both sizes see the same machine (a shared one drifts)
-            for i, calls in enumerate(pools):
-                best[i] = min(best[i], timed(lambda: [f() for f in calls]) / len(calls))
-    (t_small, t_large), (b_small, b_large) = best, nbytes
+        sweeps = [_sweep(pools) for _ in range(repeats)]
+    return _fit([min(t) for t in zip(*sweeps)], nbytes)
+
+
+def _sweep(pools: list[list]) -> list[float]:
+    """Mean seconds a call in each pool, one pass over each, the pools one after the other."""
+    return [timed(lambda: [f() for f in calls]) / len(calls) for calls in pools]
+
+
+def _fit(times: list[float], nbytes: tuple[float, float]) -> tuple[float, float]:
+    """t = fixed + bytes / bw through two (bytes, seconds a call) points: (bw, fixed)."""
+    (t_small, t_large), (b_small, b_large) = times, nbytes
     bw = (b_large - b_small) / max(t_large - t_small, 1e-9)
     return bw, max(0.0, t_small - b_small / bw)
 
@@ -93,6 +112,18 @@ def measure_moe_streaming(repeats: int = 5, pool_mb: int = 192, ks: tuple[int, i
     `ks[0]` and `ks[1]` distinct experts a call, the bench model's expert shapes, over layers of experts
     totalling `pool_mb` (larger than the caches; each call reads experts no other call of its sweep reads):
     t = fixed + bytes / bw over the experts' bytes, as for the Linear (measure_weight_streaming)."""
+    built = moe_pools(pool_mb, ks)
+    if built is None:
+        return None
+    try:
+        return _streaming_fit(*built[:2], repeats)
+    finally:
+        free_moe_pools(built)
+
+
+def moe_pools(pool_mb: int = 192, ks: tuple[int, int] = (1, 8)) -> tuple[list[list], tuple, list] | None:
+    """measure_moe_streaming's two pools of calls, the bytes a call reads and the expert layers behind them
+    (free them with free_moe_pools), or None where no fused kernel runs here."""
     from moeserve.layers.moe.experts import FusedExperts
 
     m = load_model("moeserve-bench")
@@ -115,14 +146,18 @@ def measure_moe_streaming(repeats: int = 5, pool_mb: int = 192, ks: tuple[int, i
         return [moe_kernel(experts, x, torch.arange(start, start + k, dtype=torch.int32)[None], weights)
                 for experts in layers for start in range(0, e - k + 1, k)]
 
-    try:
-        return _streaming_fit([pool(k) for k in ks], tuple(k * expert_bytes for k in ks), repeats)
-    finally:  # free the pool now: a zentorch layer's finalizer flushes every reordered weight (zen.flush_cache),
-        # which must not land in the engine's measured steps later (each of its experts reordered again)
-        import gc
+    return [pool(k) for k in ks], tuple(k * expert_bytes for k in ks), layers
 
-        del layers
-        gc.collect()
+
+def free_moe_pools(built: tuple) -> None:
+    """Free moe_pools' experts now: a zentorch layer's finalizer flushes every reordered weight
+    (zen.flush_cache), which must not land in the engine's measured steps later (each of its experts
+    reordered again)."""
+    import gc
+
+    built[0].clear()
+    built[2].clear()
+    gc.collect()
 
 
 def moe_kernel(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
@@ -143,22 +178,74 @@ def measure_bmm_streaming(repeats: int = 5, pool_mb: int = 256) -> tuple[float, 
     runs them (layers/attention/mla.py absorb_query: vLLM's `bmm_cpu` on the packed matrix where mla_bmm
     applies, else aten's weight-first bmm), one row, over pools of distinct matrices larger than the caches:
     the bench model's W_UK shape [H, C, dn] and one with 4x the heads; t = fixed + bytes / bw."""
+    return _streaming_fit(*bmm_pools(pool_mb), repeats)
+
+
+def bmm_pools(pool_mb: int = 256) -> tuple[list[list], tuple[float, float]]:
+    """measure_bmm_streaming's two pools of calls and the bytes a call reads."""
     from moeserve.layers.attention import mla_bmm
 
     m = load_model("moeserve-bench")
     c, dn = m.kv_lora_rank, m.qk_nope_head_dim
 
-    def pool(heads: int) -> list:
-        count = max(4, pool_mb * (1 << 20) // (heads * c * dn * 2))
-        q = torch.randn(1, heads, dn).to(torch.bfloat16)
-        calls = []
-        for _ in range(count):
-            w = (torch.randn(heads, c, dn) * 0.02).to(torch.bfloat16)
-            calls.append(bmm_kernel(w, mla_bmm.pack(w), q))
-        return calls
-
     sizes = (m.num_attention_heads, 4 * m.num_attention_heads)
-    return _streaming_fit([pool(hd) for hd in sizes], tuple(2.0 * hd * c * dn for hd in sizes), repeats)
+    qs = [torch.randn(1, heads, dn).to(torch.bfloat16) for heads in sizes]
+
+    def call(i: int):
+        w = (torch.randn(sizes[i], c, dn) * 0.02).to(torch.bfloat16)
+        return bmm_kernel(w, mla_bmm.pack(w), qs[i])
+
+    pools = [[], []]  # made interleaved (4 small, one large, ...): both in the same memory (linear_pools)
+    for _ in range(max(4, pool_mb * (1 << 20) // (sizes[1] * c * dn * 2))):
+        pools[0] += [call(0) for _ in range(sizes[1] // sizes[0])]
+        pools[1].append(call(1))
+    return pools, tuple(2.0 * hd * c * dn for hd in sizes)
+
+
+class StreamingProbe:
+    """The GEMM kernel classes' weight-streaming pools (linear_pools, moe_pools where a fused MoE runs here,
+    bmm_pools), kept to be swept again between the engine's measured steps (cpucheck.run_check; one sweep
+    before each timed step), so that a batch is priced at the rates of the sweeps timed between its own steps,
+    as many as its steps, in the same minutes: on this shared 2-core VM the rates move with the other jobs
+    (one pool 18.6-22.1 GB/s in one window, 24.4-26.1 in the next). A sweep passes once over every pool, each
+    kernel's two pools one after the other; rates(tag) fits each kernel through the best mean call time of
+    each of its pools over the sweeps recorded under `tag`."""
+
+    KEYS = {"linear": ("gemm_stream_gbs", "gemm_call_us"), "moe": ("moe_stream_gbs", "moe_call_us"),
+            "bmm": ("bmm_stream_gbs", "bmm_call_us")}
+
+    def __init__(self) -> None:
+        self.pools = {"linear": linear_pools()}
+        self._moe = moe_pools()
+        if self._moe is not None:
+            self.pools["moe"] = self._moe[:2]
+        self.pools["bmm"] = bmm_pools()
+        self.sweeps: dict = {}
+        self.sweep(None)  # each call once: kernels that reorder a weight on its first call have done so
+
+    def sweep(self, tag=None) -> None:
+        """One pass over every pool, recorded under `tag` (None: not recorded, a warm-up: the first pass after
+        the engine loads its weights, which flushes zentorch's cache, reorders the pool's experts again)."""
+        with torch.inference_mode():
+            times = {k: _sweep(pools) for k, (pools, _) in self.pools.items()}
+        if tag is not None:
+            self.sweeps.setdefault(tag, []).append(times)
+
+    def rates(self, tag) -> dict:
+        """The profile's streaming keys (GB/s, us per call per kernel class) from the sweeps under `tag`, and
+        "stream_sweeps": how many."""
+        sweeps, out = self.sweeps[tag], {"stream_sweeps": len(self.sweeps[tag])}
+        for k, (_, nbytes) in self.pools.items():
+            bw, fixed = _fit([min(s[k][i] for s in sweeps) for i in range(2)], nbytes)
+            out.update({self.KEYS[k][0]: bw / 1e9, self.KEYS[k][1]: fixed * 1e6})
+        return out
+
+    def close(self) -> None:
+        """Free the pools (the MoE's through free_moe_pools)."""
+        if self._moe is not None:
+            free_moe_pools(self._moe)
+            self._moe = None
+        self.pools.clear()
 
 
 def bmm_kernel(w: torch.Tensor, packed: torch.Tensor | None, q: torch.Tensor):
@@ -355,19 +442,23 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def profile(threads: int | None = None) -> dict:
+def profile(threads: int | None = None, probe: StreamingProbe | None = None, repeats: int = 5) -> dict:
+    """This machine's profile. The GEMM kernels' streaming terms are the best of `repeats` sweeps of `probe`
+    (recorded under "profile"; a probe made and freed here when none is given)."""
     if threads is not None:
         torch.set_num_threads(threads)
-    stream_bw, gemm_call = measure_weight_streaming()
-    moe = measure_moe_streaming()  # None where no fused MoE kernel runs here: no such class in the profile
-    bmm_bw, bmm_call = measure_bmm_streaming()
+    own = probe is None
+    probe = probe or StreamingProbe()
+    try:
+        for _ in range(repeats):
+            probe.sweep("profile")
+        stream = probe.rates("profile")  # no moe keys where no fused MoE kernel runs here: no such class
+    finally:
+        if own:
+            probe.close()
     entry, kernel = measure_graph_costs()
     mla_rate, mla_call = measure_mla_decode()
-    kernels = {"bmm_stream_gbs": bmm_bw / 1e9, "bmm_call_us": bmm_call * 1e6}
-    if moe is not None:
-        kernels.update({"moe_stream_gbs": moe[0] / 1e9, "moe_call_us": moe[1] * 1e6})
-    return {"threads": torch.get_num_threads(), "mem_bw_gbs": measure_bandwidth() / 1e9,
-            "gemm_stream_gbs": stream_bw / 1e9, "gemm_call_us": gemm_call * 1e6, **kernels,
+    return {"threads": torch.get_num_threads(), "mem_bw_gbs": measure_bandwidth() / 1e9, **stream,
             "gemm_bf16_gflops": measure_gemm() / 1e9, "gemm_decode_gflops": measure_decode_gemm() / 1e9,
             "op_cost_us": measure_op_cost() * 1e6, "view_us": measure_view_cost() * 1e6,
             "graph_entry_us": entry * 1e6, "kernel_us": kernel * 1e6,

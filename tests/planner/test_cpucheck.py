@@ -197,6 +197,66 @@ def test_decode_attention_at_its_measured_rate_and_call_cost():
     assert 0 < p1["roofline_ms"] - base1["roofline_ms"] < 0.35
 
 
+def test_streaming_probe_fits_each_kernel_through_the_best_sweep_of_each_pool():
+    """t = fixed + bytes / bw through each pool's best mean call time over the sweeps of one tag (another tag's
+    sweeps, e.g. the profile's, do not count): hand-computed."""
+    probe = object.__new__(cpuprofile.StreamingProbe)
+    probe.pools = {"linear": (None, (1e6, 9e6)), "bmm": (None, (2e6, 4e6))}
+    # linear: best 60 / 460 us -> 8 MB in 400 us = 20 GB/s, 60 - 1 MB / 20 GB/s = 10 us; bmm: best 30 / 50 us ->
+    # 2 MB in 20 us = 100 GB/s, 30 - 20 = 10 us
+    probe.sweeps = {4: [{"linear": [70e-6, 460e-6], "bmm": [30e-6, 55e-6]},
+                        {"linear": [60e-6, 500e-6], "bmm": [35e-6, 50e-6]}],
+                    "profile": [{"linear": [1e-6, 2e-6], "bmm": [1e-6, 2e-6]}]}
+    got = probe.rates(4)
+    assert got == pytest.approx({"stream_sweeps": 2, "gemm_stream_gbs": 20.0, "gemm_call_us": 10.0,
+                                 "bmm_stream_gbs": 100.0, "bmm_call_us": 10.0})
+    assert "moe_stream_gbs" not in got  # no fused MoE pool here: no such class
+
+
+def test_each_batch_is_priced_at_the_sweeps_between_its_own_steps(monkeypatch):
+    """Measuring, run_check times the GEMM kernels' streaming again before each timed step and prices each batch
+    at the rates of its own sweeps; the prediction at the profile's rates (timed before the steps) stays as a
+    diagnostic."""
+    rates = {1: 20.0, 4: 5.0}
+
+    class Probe:
+        def __init__(self):
+            self.tags = []
+
+        def sweep(self, tag=None):
+            self.tags.append(tag)
+
+        def rates(self, tag):
+            return {"gemm_stream_gbs": rates[tag], "stream_sweeps": self.tags.count(tag)}
+
+        def close(self):
+            pass
+
+    def measure(batches, eager=False, probe=None):
+        rows = []
+        for b in batches:
+            probe.sweep(None)
+            for _ in range(3):
+                probe.sweep(b)
+            rows.append({"batch": b, "context": 128.0, "counts": None, "lookup_us": 0.0, "gemm_kernels": None,
+                         "ops_per_step": 0, "gemms_per_step": 0, "measured_ms": 50.0})
+        return rows
+
+    monkeypatch.setattr(cpuprofile, "StreamingProbe", Probe)
+    monkeypatch.setattr(cpucheck, "profile", lambda threads, probe: dict(PROF))
+    monkeypatch.setattr(cpucheck, "measure_engine", measure)
+    monkeypatch.setattr(cpucheck, "measure_host_rows", lambda batches: [])
+    res = cpucheck.run_check([1, 4], measure=True)
+    for r in res["rows"]:
+        b = r["batch"]
+        assert r["stream_sweeps"] == 3 and r["kernel_rates"]["linear"][0] == rates[b]
+        assert r["predicted_ms"] == pytest.approx(cpucheck.predict({**PROF, "gemm_stream_gbs": rates[b]}, b,
+                                                                   128.0)["step_ms"], abs=1e-3)
+        assert r["predicted_profile_rates_ms"] == pytest.approx(cpucheck.predict(PROF, b, 128.0)["step_ms"],
+                                                                abs=1e-3)
+    assert res["profile"]["gemm_stream_gbs"] == PROF["gemm_stream_gbs"]
+
+
 def test_faster_profile_predicts_faster():
     slow = cpucheck.predict(PROF, 4, 128, {"gemm": 50, "op": 450})["step_ms"]
     fast = cpucheck.predict({**PROF, "gemm_stream_gbs": 20.0, "op_cost_us": 5.0}, 4, 128,
@@ -261,7 +321,13 @@ small = {{**BENCH_CONFIG, "hidden_size": 64, "intermediate_size": 128, "moe_inte
          "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 48,
          "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16}}
 path = bench_checkpoint({str(tmp_path / "bench")!r}, small)
-rows = measure_engine([2], prompt_len=8, steps=2, checkpoint=path)  # compiled: the engine's default
+class Probe:  # as cpuprofile.StreamingProbe: swept before each timed step
+    tags = []
+    def sweep(self, tag=None):
+        self.tags.append(tag)
+probe = Probe()
+rows = measure_engine([2], prompt_len=8, steps=2, checkpoint=path, probe=probe)  # compiled: the default
+assert probe.tags == [None, 2, 2], probe.tags  # a warm-up, then one before each timed step
 rows += measure_engine([2], prompt_len=8, steps=2, checkpoint=path, eager=True)
 from moeserve.planner.cpucheck import host_prices
 cold = measure_engine([2], prompt_len=8, steps=2, checkpoint=path, flush_mb=4)  # as measure_host runs it
