@@ -113,11 +113,16 @@ class MethodTimer:
             setattr(self.obj, self.name, self.own)
 
 
-def own_metadata(llm):
-    """The proposer's first pass without the main step's metadata (step=None): its own, over the valid rows."""
+def as_before(llm):
+    """The proposer as before 2026-12-08: its first pass without the main step's metadata (step=None: its own,
+    over the valid rows), and its own copy of a head the checkpoint repeats (an nn.Linear in the model dtype)."""
     proposer = llm.engine.runner.proposer
     propose = proposer.propose
     proposer.propose = lambda out, hidden, sampled, step=None: propose(out, hidden, sampled)
+    shared, main = proposer.mtp.layer.shared_head, proposer.main.lm_head
+    if shared.head is None and main.weight.is_floating_point():
+        shared.head = torch.nn.Linear(main.in_features, main.out_features, bias=False, dtype=main.weight.dtype)
+        shared.head.weight.data.copy_(main.weight.data)
     return llm
 
 
@@ -194,9 +199,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--own-metadata", action="store_true",
-                    help="also run each k with the MTP layer's first pass on metadata of its own, over the valid "
-                         "rows only (the path before 2026-12-08, still taken under --enable-dbo)")
+    ap.add_argument("--before", action="store_true",
+                    help="also run each k as the proposer ran before 2026-12-08: its first pass on metadata of its "
+                         "own over the valid rows (still so under --enable-dbo), and a head of its own where the "
+                         "checkpoint repeats lm_head")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from moeserve import LLM
@@ -207,9 +213,9 @@ def main() -> None:
     engines = {0: LLM(path, dtype=args.dtype, enable_prefix_caching=False)}  # the same prompts run again: measure compute, not the prefix cache
     for k in args.ks:
         engines[k] = LLM(path, dtype=args.dtype, enable_prefix_caching=False, speculative_config={"method": "mtp", "num_speculative_tokens": k})
-        if args.own_metadata:
-            engines[f"{k} own"] = own_metadata(LLM(path, dtype=args.dtype, enable_prefix_caching=False,
-                                                   speculative_config={"method": "mtp", "num_speculative_tokens": k}))
+        if args.before:
+            engines[f"{k} bef"] = as_before(LLM(path, dtype=args.dtype, enable_prefix_caching=False,
+                                                speculative_config={"method": "mtp", "num_speculative_tokens": k}))
     n = max(args.batches)
     prompts = heldout_prompts(engines[0].tokenizer, engines[0].arch.vocab_size, n)
     for llm in engines.values():  # warm-up
@@ -232,9 +238,9 @@ def main() -> None:
             print(f"batch {b:3d} k={k!s:5}: {r['tok_s']:8.1f} tok/s (wall {r['wall_tok_s']:6.1f})  x{r['speedup']:.2f}  "
                   f"tokens/req-step {r['tokens_per_req_step']:.2f}  acceptance {acc}  step {r['ms_step']:.2f} ms "
                   f"= main {r['ms_main']:.2f} + mtp {r['ms_mtp']:.2f} + other {r['ms_other']:.2f}")
-        for k in args.ks if args.own_metadata else []:  # paired: repeat i of one over repeat i of the other
-            pairs = list(zip(reps[k], reps[f"{k} own"]))
-            print(f"batch {b:3d} k={k} / k={k} own: tok/s {ratio_spread([x['tok_s'] / y['tok_s'] for x, y in pairs])}, "
+        for k in args.ks if args.before else []:  # paired: repeat i of one over repeat i of the other
+            pairs = list(zip(reps[k], reps[f"{k} bef"]))
+            print(f"batch {b:3d} k={k} / k={k} bef: tok/s {ratio_spread([x['tok_s'] / y['tok_s'] for x, y in pairs])}, "
                   f"MTP ms {ratio_spread([x['ms_mtp'] / y['ms_mtp'] for x, y in pairs])} (median of "
                   f"{len(pairs)} repeats, min-max)")
     print(json.dumps({"model": label, "rows": rows}))

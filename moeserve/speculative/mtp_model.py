@@ -88,6 +88,23 @@ def missing_mtp_layer(arch) -> str:
             "ships its MTP layer")
 
 
+def repeats_main_head(weight: torch.Tensor, main_head: nn.Module) -> bool:
+    """Whether the checkpoint's MTP head `weight` is the main lm_head's: the same values in the model dtype
+    (the released DeepSeek-V3 checkpoint stores a copy of lm_head there, 1.85 GB in BF16), or for an INT8
+    main head the same quantized bits. A head sharded by tensor parallelism or in another format is not
+    compared: the MTP layer keeps its own."""
+    from moeserve.int8 import quantize_per_channel
+    from moeserve.layers.quant import Int8LinearMethod
+
+    mine = getattr(main_head, "weight", None)
+    if mine is None or mine.shape != weight.shape or not weight.is_floating_point():
+        return False
+    if getattr(main_head, "quant_method", None) is Int8LinearMethod:  # quantized at load from the same tensor
+        q, scale = quantize_per_channel(weight)
+        return torch.equal(q, mine) and torch.equal(scale, main_head.weight_scale)
+    return mine.is_floating_point() and torch.equal(weight.to(mine.dtype), mine)
+
+
 def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype: torch.dtype,
               quant: QuantConfig | None = None) -> DeepseekMTP:
     """The MTP layer of a loaded main model, from the tensors its loader set aside (quantized like it)."""
@@ -97,6 +114,9 @@ def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype
     if not weights:
         raise CheckpointError(missing_mtp_layer(arch))
     weights.pop(prefix + "embed_tokens.weight", None)  # a copy of the main embedding, which is used instead
+    head = prefix + "shared_head.head.weight"
+    if head in weights and repeats_main_head(weights[head], main_model.lm_head):
+        del weights[head]  # a copy of lm_head (DeepSeek-V3 ships one): the main head is used, already packed
     if arch.num_nextn_predict_layers > 1:
         logger.info("using MTP layer %d of %d; k > 1 re-applies it", 1, arch.num_nextn_predict_layers)
     with torch.device("meta"), _default_dtype(dtype):

@@ -103,6 +103,29 @@ def test_greedy_identical_with_int8_quantization(mtp_ckpt_dir):
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "a8w8")])
+def test_a_repeated_head_is_the_main_heads(mtp_ckpt_dir, dtype, quant):
+    """DeepSeek-V3 ships a copy of lm_head as the MTP layer's shared_head.head: the MTP layer uses the main
+    head (as loaded: packed, INT8) instead of a second copy. A head of its own (other values) stays."""
+    from safetensors.torch import load_file
+
+    from moeserve.speculative.mtp_model import build_mtp
+
+    path = mtp_ckpt_dir("v3", with_head=True)
+    llm = LLM(path, dtype=dtype, quantization=quant, speculative_config=spec(1))
+    runner = llm.engine.runner
+    assert runner.proposer.mtp.layer.shared_head.head is None
+    outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    ref = LLM(path, dtype=dtype, quantization=quant).generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert llm.engine.stats().spec_num_accepted_tokens > 0
+
+    tensors = load_file(f"{path}/model.safetensors")
+    name = next(n for n in tensors if n.endswith("shared_head.head.weight"))
+    mtp = {n: t for n, t in tensors.items() if n.startswith(name.split("shared_head")[0])}
+    mtp[name] = mtp[name].flip(0)  # a head of its own
+    assert build_mtp(runner.model, mtp, runner.dtype, runner.config.quant).layer.shared_head.head is not None
+
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_stop_strings_with_mtp_keep_no_token_past_the_stop(k):
