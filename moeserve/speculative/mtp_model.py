@@ -99,10 +99,11 @@ def repeats_main_head(weight: torch.Tensor, main_head: nn.Module) -> bool:
     mine = getattr(main_head, "weight", None)
     if mine is None or mine.shape != weight.shape or not weight.is_floating_point():
         return False
-    if getattr(main_head, "quant_method", None) is Int8LinearMethod:  # quantized at load from the same tensor
+    method = getattr(main_head, "quant_method", None)
+    if method is Int8LinearMethod:  # quantized at load from the same tensor
         q, scale = quantize_per_channel(weight)
         return torch.equal(q, mine) and torch.equal(scale, main_head.weight_scale)
-    return mine.is_floating_point() and torch.equal(weight.to(mine.dtype), mine)
+    return method is None and torch.equal(weight.to(mine.dtype), mine)  # FP8 and others: not compared
 
 
 def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype: torch.dtype,
