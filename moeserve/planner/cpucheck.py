@@ -312,6 +312,8 @@ def run_check(batches: list[int], measure: bool = False, threads: int | None = N
             {"batch": b, "context": 138.0, "counts": None, "lookup_us": 0.0, "ops_per_step": None,
              "gemms_per_step": None, "gemm_kernels": None, "measured_ms": None} for b in batches]
         own = {r["batch"]: {**prof, **probe.rates(r["batch"])} for r in rows if measure}
+        instances = {r["batch"]: {k: [round(bw / 1e9, 1) for bw, _ in f] for k, f in probe.fits(r["batch"]).items()}
+                     for r in rows if measure}  # each pool instance's rate, a diagnostic
     finally:
         probe.close()
     for r in rows:
@@ -331,6 +333,7 @@ def run_check(batches: list[int], measure: bool = False, threads: int | None = N
                 prof, r["batch"], r["context"], r["counts"], r["lookup_us"], r["gemm_kernels"],
                 before.get("host_us", 0.0), before.get("graph_python_us", 0.0))["step_ms"], 3)
             r["stream_sweeps"] = at["stream_sweeps"]
+            r["stream_instances_gbs"] = instances[r["batch"]]
         if r["measured_ms"]:
             r["measured_ms"] = round(r["measured_ms"], 3)
             r["error_pct"] = round(100 * (r["predicted_ms"] - r["measured_ms"]) / r["measured_ms"], 1)
@@ -395,7 +398,9 @@ def format_report(res: dict) -> str:
             before = r["predicted_profile_rates_ms"]
             err = f" ({100 * (before - r['measured_ms']) / r['measured_ms']:+.1f}%)" if r["measured_ms"] else ""
             lines.append(f"  batch {r['batch']} GEMM rates above from the {r['stream_sweeps']:.0f} sweeps between its "
-                         f"timed steps; at the profile's rates: predicted {before:.2f} ms{err}")
+                         f"timed steps (pool instances, GB/s: " + ", ".join(
+                             f"{k} {'/'.join(map(str, v))}" for k, v in r.get("stream_instances_gbs", {}).items())
+                         + f"); at the profile's rates: predicted {before:.2f} ms{err}")
         if r.get("forward_ms") is not None:
             lines.append(f"  batch {r['batch']} measured step split (diagnostic): forward {r['forward_ms']:.2f} ms, "
                          f"outside it {r['host_ms']:.2f} ms (LM head, sampler, scheduler, outputs)")

@@ -206,20 +206,24 @@ class StreamingProbe:
     """The GEMM kernel classes' weight-streaming pools (linear_pools, moe_pools where a fused MoE runs here,
     bmm_pools), kept to be swept again between the engine's measured steps (cpucheck.run_check; one sweep
     before each timed step), so that a batch is priced at the rates of the sweeps timed between its own steps,
-    as many as its steps, in the same minutes: on this shared 2-core VM the rates move with the other jobs
-    (one pool 18.6-22.1 GB/s in one window, 24.4-26.1 in the next). A sweep passes once over every pool, each
-    kernel's two pools one after the other; rates(tag) fits each kernel through the best mean call time of
-    each of its pools over the sweeps recorded under `tag`."""
+    as many as its steps, in the same minutes. The Linear's and the bmm's pools are made `instances` times,
+    each a third of the size, and a kernel's rate is that of its median instance: on this VM a pool's rate is
+    a property of the memory it was given (four pools made one after another in one process: 20.6 / 24.5 /
+    24.4 / 24.7 GB/s). A sweep passes once over every pool, each kernel's two sizes one after the other;
+    rates(tag) fits each instance through the best mean call time of each of its two pools over the sweeps
+    recorded under `tag`."""
 
     KEYS = {"linear": ("gemm_stream_gbs", "gemm_call_us"), "moe": ("moe_stream_gbs", "moe_call_us"),
             "bmm": ("bmm_stream_gbs", "bmm_call_us")}
 
-    def __init__(self) -> None:
-        self.pools = {"linear": linear_pools()}
+    def __init__(self, instances: int = 3) -> None:
+        self.pools = {"linear": [], "bmm": []}  # kernel class -> [(two pools of calls, bytes a call reads)]
+        for _ in range(instances):  # the two classes' instances made alternately: spread over more memory
+            self.pools["linear"].append(linear_pools(256 // instances))
+            self.pools["bmm"].append(bmm_pools(256 // instances))
         self._moe = moe_pools()
         if self._moe is not None:
-            self.pools["moe"] = self._moe[:2]
-        self.pools["bmm"] = bmm_pools()
+            self.pools["moe"] = [self._moe[:2]]
         self.sweeps: dict = {}
         self.sweep(None)  # each call once: kernels that reorder a weight on its first call have done so
 
@@ -227,16 +231,22 @@ class StreamingProbe:
         """One pass over every pool, recorded under `tag` (None: not recorded, a warm-up: the first pass after
         the engine loads its weights, which flushes zentorch's cache, reorders the pool's experts again)."""
         with torch.inference_mode():
-            times = {k: _sweep(pools) for k, (pools, _) in self.pools.items()}
+            times = {k: [_sweep(pools) for pools, _ in inst] for k, inst in self.pools.items()}
         if tag is not None:
             self.sweeps.setdefault(tag, []).append(times)
 
+    def fits(self, tag) -> dict:
+        """{kernel class: [(bytes/s, seconds a call) per instance]} from the sweeps under `tag`."""
+        sweeps = self.sweeps[tag]
+        return {k: [_fit([min(s[k][j][i] for s in sweeps) for i in range(2)], nbytes)
+                    for j, (_, nbytes) in enumerate(inst)] for k, inst in self.pools.items()}
+
     def rates(self, tag) -> dict:
-        """The profile's streaming keys (GB/s, us per call per kernel class) from the sweeps under `tag`, and
-        "stream_sweeps": how many."""
-        sweeps, out = self.sweeps[tag], {"stream_sweeps": len(self.sweeps[tag])}
-        for k, (_, nbytes) in self.pools.items():
-            bw, fixed = _fit([min(s[k][i] for s in sweeps) for i in range(2)], nbytes)
+        """The profile's streaming keys (GB/s, us per call per kernel class: its median instance by rate) from
+        the sweeps under `tag`, and "stream_sweeps": how many."""
+        out = {"stream_sweeps": len(self.sweeps[tag])}
+        for k, fits in self.fits(tag).items():
+            bw, fixed = sorted(fits)[len(fits) // 2]
             out.update({self.KEYS[k][0]: bw / 1e9, self.KEYS[k][1]: fixed * 1e6})
         return out
 

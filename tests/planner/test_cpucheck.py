@@ -199,17 +199,20 @@ def test_decode_attention_at_its_measured_rate_and_call_cost():
 
 def test_streaming_probe_fits_each_kernel_through_the_best_sweep_of_each_pool():
     """t = fixed + bytes / bw through each pool's best mean call time over the sweeps of one tag (another tag's
-    sweeps, e.g. the profile's, do not count): hand-computed."""
+    sweeps, e.g. the profile's, do not count), per pool instance; a kernel's rate is its median instance's:
+    hand-computed."""
     probe = object.__new__(cpuprofile.StreamingProbe)
-    probe.pools = {"linear": (None, (1e6, 9e6)), "bmm": (None, (2e6, 4e6))}
-    # linear: best 60 / 460 us -> 8 MB in 400 us = 20 GB/s, 60 - 1 MB / 20 GB/s = 10 us; bmm: best 30 / 50 us ->
-    # 2 MB in 20 us = 100 GB/s, 30 - 20 = 10 us
-    probe.sweeps = {4: [{"linear": [70e-6, 460e-6], "bmm": [30e-6, 55e-6]},
-                        {"linear": [60e-6, 500e-6], "bmm": [35e-6, 50e-6]}],
-                    "profile": [{"linear": [1e-6, 2e-6], "bmm": [1e-6, 2e-6]}]}
+    probe.pools = {"linear": [(None, (1e6, 9e6))] * 3, "bmm": [(None, (2e6, 4e6))]}
+    # linear instances: best 60 / 460 us -> 8 MB in 400 us = 20 GB/s, 60 - 1 MB / 20 GB/s = 10 us (the median);
+    # 8 MB in 200 us = 40 GB/s + 55 us; 8 MB in 800 us = 10 GB/s + 0 us. bmm: best 30 / 50 us -> 2 MB in
+    # 20 us = 100 GB/s, 30 - 20 = 10 us
+    probe.sweeps = {4: [{"linear": [[70e-6, 460e-6], [80e-6, 280e-6], [100e-6, 900e-6]], "bmm": [[30e-6, 55e-6]]},
+                        {"linear": [[60e-6, 500e-6], [85e-6, 300e-6], [110e-6, 900e-6]], "bmm": [[35e-6, 50e-6]]}],
+                    "profile": [{"linear": [[1e-6, 2e-6]] * 3, "bmm": [[1e-6, 2e-6]]}]}
     got = probe.rates(4)
     assert got == pytest.approx({"stream_sweeps": 2, "gemm_stream_gbs": 20.0, "gemm_call_us": 10.0,
                                  "bmm_stream_gbs": 100.0, "bmm_call_us": 10.0})
+    assert [bw / 1e9 for bw, _ in probe.fits(4)["linear"]] == pytest.approx([20.0, 40.0, 10.0])
     assert "moe_stream_gbs" not in got  # no fused MoE pool here: no such class
 
 
@@ -228,6 +231,9 @@ def test_each_batch_is_priced_at_the_sweeps_between_its_own_steps(monkeypatch):
 
         def rates(self, tag):
             return {"gemm_stream_gbs": rates[tag], "stream_sweeps": self.tags.count(tag)}
+
+        def fits(self, tag):
+            return {"linear": [(rates[tag] * 1e9, 0.0)]}
 
         def close(self):
             pass
@@ -250,6 +256,7 @@ def test_each_batch_is_priced_at_the_sweeps_between_its_own_steps(monkeypatch):
     for r in res["rows"]:
         b = r["batch"]
         assert r["stream_sweeps"] == 3 and r["kernel_rates"]["linear"][0] == rates[b]
+        assert r["stream_instances_gbs"] == {"linear": [rates[b]]}
         assert r["predicted_ms"] == pytest.approx(cpucheck.predict({**PROF, "gemm_stream_gbs": rates[b]}, b,
                                                                    128.0)["step_ms"], abs=1e-3)
         assert r["predicted_profile_rates_ms"] == pytest.approx(cpucheck.predict(PROF, b, 128.0)["step_ms"],
