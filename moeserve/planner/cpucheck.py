@@ -19,7 +19,7 @@ cover the model forward; two more terms come from the host model (issue 41: the 
 widths of a few dozen, its engine measured as the bench model's is, caches emptied by a 32 MB read before each
 step, as the bench model's weights empty them): the work a step does outside the forward
 (scheduler, inputs, LM head and sampler, outputs), once a step, and what its forward takes beyond its counted
-calls at the profile's prices (the graphs' generated Python, our ops' bodies), per graph run (measure_host).
+calls at the profile's prices (the graphs' generated Python, our ops' bodies), per graph run (measure_host_rows).
 The counts are structural, not timings: nothing is fitted to the measured step.
 Measured side: engine step times of decode-only steps on the bench model (moeserve/bench_model.py). The
 profile takes the best of several runs, so the error is reported against the fastest measured step
@@ -29,6 +29,7 @@ streaming pools are swept once before each timed step, and a batch is priced at 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -94,7 +95,7 @@ def predict(prof: dict, batch: int, context: float, counts: dict | None = None, 
     time is max(FLOPs / rate, sum over classes of its bytes in the class / the class's bandwidth). With counts,
     `host_us` is added once a step (the step's work outside the model forward, whose ops the counts leave out)
     and `graph_python_us` per graph run (the forward's Python beyond its counted calls), both measured on the
-    host model (measure_host): by_class_ms "host" and "graph_python"."""
+    host model (measure_host_rows): by_class_ms "host" and "graph_python"."""
     m = load_model("moeserve-bench")
     rates = kernel_rates(prof, kernels)
     price = {c: lookup_us if c == "lookup" else prof[PRICES[c]] for c in (counts or {})}
@@ -153,6 +154,14 @@ def count_ops(engine) -> tuple[dict, dict]:
     return counts, kernels
 
 
+@contextlib.contextmanager
+def _timing(into: list):
+    """Appends the seconds its body took to `into`."""
+    t = time.perf_counter()
+    yield
+    into.append(time.perf_counter() - t)
+
+
 def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
                    checkpoint: str | None = None, eager: bool = False, flush_mb: int = 0,
                    probe=None) -> list[dict]:
@@ -163,7 +172,7 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
     small-op cost, GEMMs and attention kernels at their call costs; it cannot run inside compiled graphs).
     Each timed step's model forward (the runner's) is timed too: forward_ms (the best) and host_ms (the best
     step less its forward: the step's work outside the model). With `flush_mb`, a buffer that large is
-    read before each timed step (untimed), so the step starts on cold caches (measure_host). With `probe`
+    read before each timed step (untimed), so the step starts on cold caches (measure_host_rows). With `probe`
     (cpuprofile.StreamingProbe), its pools are swept once, untimed, before each timed step (recorded under the
     batch) and once before them (a warm-up, not recorded)."""
     from moeserve.llm import LLM
@@ -196,25 +205,15 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
         # read, not written: the bench model's weights pass through the caches clean (a written buffer would
         # leave dirty lines whose write-backs land in the timed work)
         flush = torch.ones(flush_mb << 18) if flush_mb else None  # float32: flush_mb MB
-        forward = eng.runner.forward
-
-        def timed_forward(*args, **kwargs):
-            t = time.perf_counter()
-            out = forward(*args, **kwargs)
-            forwards.append(time.perf_counter() - t)
-            return out
-        eng.runner.forward = timed_forward  # an instance attribute, removed below
         if probe is not None:
             probe.sweep(None)
-        try:
+        with cpucount.wrapping_forward(eng.runner, lambda: _timing(forwards)):
             for _ in range(steps):
                 if flush is not None:
                     flush.sum()
                 if probe is not None:
                     probe.sweep(b)
                 times.append(timed(eng.step))
-        finally:
-            del eng.runner.forward
         host = min(t - f for t, f in zip(times, forwards))
         while eng.has_unfinished():
             eng.step()
@@ -227,7 +226,7 @@ def measure_engine(batches: list[int], prompt_len: int = 128, steps: int = 16,
     return rows
 
 
-# The host model (measure_host): the bench config (moeserve/bench_model.py) with every width cut to a few dozen,
+# The host model (measure_host_rows): the bench config (moeserve/bench_model.py) with every width cut to a few dozen,
 # the same structure (layers, experts, top-k, groups, heads, vocabulary): the engine runs the same graphs, ops and
 # Python per step over weights too small to take time
 HOST_CONFIG = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=32, kv_lora_rank=32, q_lora_rank=32,
@@ -272,17 +271,11 @@ def host_prices(prof: dict, rows: list[dict]) -> dict:
     return out
 
 
-def measure_host(prof: dict, batches: list[int]) -> dict:
-    """host_prices of the host model's engine (HOST_CONFIG) at these batch sizes, measured as the bench model's
-    engine is (measure_engine), each timed step on cold caches (HOST_FLUSH_MB). {} (the terms left out, the
-    prediction as before them) with a warning where the host model's engine fails here (a kernel library that
-    refuses its small widths)."""
-    rows = measure_host_rows(batches)
-    return host_prices(prof, rows) if rows else {}
-
-
 def measure_host_rows(batches: list[int]) -> list[dict]:
-    """measure_host's measured rows of the host model ([] where its engine fails here, with a warning)."""
+    """The host model's engine (HOST_CONFIG) at these batch sizes, measured as the bench model's engine is
+    (measure_engine), each timed step on cold caches (HOST_FLUSH_MB); host_prices turns its rows into the two
+    terms. [] (the terms left out, the prediction as before them) with a warning where the host model's engine
+    fails here (a kernel library that refuses its small widths)."""
     import gc
     import warnings
 

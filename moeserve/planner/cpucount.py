@@ -21,7 +21,7 @@ per-call cost:
 - view: metadata-only ops (views, allocations): ~1 us, not the cost of an op that computes;
 - op: every other outermost aten op (inside opaque ops, extern ops in graphs).
 The compiled step is counted inside the model forward (FORWARD); what the step runs around it is priced whole,
-per step (planner/cpucheck.measure_host).
+per step (planner/cpucheck.measure_host_rows).
 """
 from __future__ import annotations
 
@@ -125,9 +125,9 @@ def profiled_ms(events) -> dict:
     out = dict.fromkeys([c for c in CLASSES if c not in ("kernel", "helper")] + ["python"], 0.0)
     roots = []
     for e in events:
-        if e.cpu_parent is None or e.cpu_parent.name == FORWARD:  # the forward's range is no work of its own
-            if e.name != FORWARD:
-                roots.append(e)
+        # the forward's range is no work of its own: its children are roots
+        if e.name != FORWARD and (e.cpu_parent is None or e.cpu_parent.name == FORWARD):
+            roots.append(e)
         c = event_class(e)
         if c in ("lookup", "gemm", "attention", "view", "op"):
             out[c] += e.cpu_time_total
@@ -173,7 +173,7 @@ def _enclosing_op(e):
 
 # The range count_compiled_step marks around the model forward (engine/model_runner.ModelRunner.forward): the
 # step's ops are counted inside it; what the step runs outside it (scheduler, input preparation, the LM head and
-# sampler, outputs) is priced whole, per step (planner/cpucheck.measure_host)
+# sampler, outputs) is priced whole, per step (planner/cpucheck.measure_host_rows)
 FORWARD = "moeserve.cpucheck.forward"
 
 
@@ -189,22 +189,20 @@ def inside_forward(events) -> list:
     return [e for e in events if inside(e)]
 
 
-class marking_forward:
-    """Wraps engine.runner.forward in a FORWARD profiler range while active (an instance attribute, removed on
-    exit)."""
+class wrapping_forward:
+    """Runs engine.runner.forward inside `around()` (a context manager made per call: a profiler range, a timer)
+    while active (an instance attribute, removed on exit)."""
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
+    def __init__(self, runner, around) -> None:
+        self.runner, self.around = runner, around
 
     def __enter__(self) -> None:
-        from torch.profiler import record_function
-
         forward = self.runner.forward
 
-        def marked(*args, **kwargs):
-            with record_function(FORWARD):
+        def wrapped(*args, **kwargs):
+            with self.around():
                 return forward(*args, **kwargs)
-        self.runner.forward = marked
+        self.runner.forward = wrapped
 
     def __exit__(self, *exc) -> None:
         del self.runner.forward
@@ -215,12 +213,12 @@ def count_compiled_step(engine) -> tuple[Counter, dict, Counter, dict]:
     class) of one engine step (runs the step), which must be a decode step through the graphs. Counts and
     kernel classes cover the model forward only (the step's host work outside it is priced per step: the LM
     head's bytes stay in the cost model's roofline); the profiled ms (a diagnostic) the whole step."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     graphs = engine.runner.decode_graphs
     assert graphs is not None, "the engine runs its decode eagerly"
     before = graphs.steps
-    with capturing_kernels() as kernels, capturing_helpers() as helpers, marking_forward(engine.runner), \
+    with capturing_kernels() as kernels, capturing_helpers() as helpers, wrapping_forward(engine.runner, lambda: record_function(FORWARD)), \
             profile(activities=[ProfilerActivity.CPU]) as prof:
         engine.step()
     assert graphs.steps == before + 1, "the step did not go through the decode graphs"

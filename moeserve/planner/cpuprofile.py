@@ -38,23 +38,14 @@ def measure_gemm(n: int = 1024, dtype=torch.bfloat16, repeats: int = 3) -> float
     return 2 * n ** 3 / best
 
 
-def measure_weight_streaming(repeats: int = 5, pool_mb: int = 256) -> tuple[float, float]:
-    """(bytes/s, seconds per call) of one-row BF16 GEMMs over cold weights: decode's weight reads.
-
-    Each size cycles through distinct matrices totalling `pool_mb`, so the weights come from DRAM as in
-    a decode step (a repeated single matrix would be served from cache); two sizes separate the fixed
-    per-call cost (kernel setup, packing) from the streaming rate. The weights are the engine's own BF16
-    Linear's, packed for the kernel it runs (oneDNN or zentorch), and the call is that kernel's op alone
-    (gemm_kernel): what a step's profile counts as one GEMM call (the module's own Python, ~5 us a call
-    here, is not in that op: the step counts and prices it as views and opaque calls).
-    """
-    pools, nbytes = linear_pools(pool_mb)
-    return _streaming_fit(pools, nbytes, repeats)
-
-
 def linear_pools(pool_mb: int = 256) -> tuple[list[list], tuple[float, float]]:
-    """measure_weight_streaming's two pools of calls (0.5 and 8 MB matrices) and the bytes a call reads. The two
-    sizes are made interleaved (16 small matrices, one large, ...), so both lie in the same stretches of memory:
+    """Two pools of one-row BF16 GEMM calls over cold weights (decode's weight reads) and the bytes a call reads:
+    0.5 and 8 MB matrices, distinct ones totalling `pool_mb`, so the weights come from DRAM as in a decode step (a
+    repeated single matrix would be served from cache); two sizes separate the fixed per-call cost (kernel setup,
+    packing) from the streaming rate (StreamingProbe fits t = fixed + bytes / bw). The weights are the engine's
+    own BF16 Linear's, packed for the kernel it runs (oneDNN or zentorch), and the call is that kernel's op alone
+    (gemm_kernel): what a step's profile counts as one GEMM call (the module's own Python, ~5 us a call here, is
+    not in that op: the step counts and prices it as views and opaque calls). The two sizes are made interleaved (16 small matrices, one large, ...), so both lie in the same stretches of memory:
     made one pool after the other, each took memory of its own, whose rate here differed by up to 30% between
     the two (0.5 MB matrices alone 14.8-21.2 GB/s over four pools in one process, 8 MB 18.6-22.1), and the fit's
     fixed cost moved with it (14.6-29.1 us; interleaved, 17.7-20.5)."""
@@ -78,19 +69,6 @@ def linear_pools(pool_mb: int = 256) -> tuple[list[list], tuple[float, float]]:
     return pools, (2 * small[0] * small[1], 2 * large[0] * large[1])
 
 
-def _streaming_fit(pools: list[list], nbytes: tuple[float, float], repeats: int) -> tuple[float, float]:
-    """(bytes/s, seconds per call) from two pools of calls, each call reading `nbytes[i]` of weights no other
-    call in its pool reads: each pool's best mean call time over `repeats` sweeps, the two pools timed
-    interleaved (a shared machine drifts), then t = fixed + bytes / bw through the two points. Every call
-    runs once first (kernels that reorder a weight on its first call, as zentorch's do, have done so)."""
-    with torch.inference_mode():
-        for calls in pools:
-            for f in calls:
-                f()
-        sweeps = [_sweep(pools) for _ in range(repeats)]
-    return _fit([min(t) for t in zip(*sweeps)], nbytes)
-
-
 def _sweep(pools: list[list]) -> list[float]:
     """Mean seconds a call in each pool, one pass over each, the pools one after the other."""
     return [timed(lambda: [f() for f in calls]) / len(calls) for calls in pools]
@@ -103,27 +81,14 @@ def _fit(times: list[float], nbytes: tuple[float, float]) -> tuple[float, float]
     return bw, max(0.0, t_small - b_small / bw)
 
 
-def measure_moe_streaming(repeats: int = 5, pool_mb: int = 192, ks: tuple[int, int] = (1, 8)
-                          ) -> tuple[float, float] | None:
-    """(bytes/s, seconds per call) of the routed experts' fused MoE kernel as the engine runs it (one call per
-    MoE layer: zentorch's `zentorch_fused_moe` on AMD CPUs with zentorch, vLLM's `cpu_fused_moe` on Intel
-    CPUs with AMX and the library; layers/moe/experts.FusedExperts picks, as for the engine's layers), or None
-    where no fused kernel runs here (the experts' GEMMs are then Linear-class calls). One row through
-    `ks[0]` and `ks[1]` distinct experts a call, the bench model's expert shapes, over layers of experts
-    totalling `pool_mb` (larger than the caches; each call reads experts no other call of its sweep reads):
-    t = fixed + bytes / bw over the experts' bytes, as for the Linear (measure_weight_streaming)."""
-    built = moe_pools(pool_mb, ks)
-    if built is None:
-        return None
-    try:
-        return _streaming_fit(*built[:2], repeats)
-    finally:
-        free_moe_pools(built)
-
-
 def moe_pools(pool_mb: int = 192, ks: tuple[int, int] = (1, 8)) -> tuple[list[list], tuple, list] | None:
-    """measure_moe_streaming's two pools of calls, the bytes a call reads and the expert layers behind them
-    (free them with free_moe_pools), or None where no fused kernel runs here."""
+    """Two pools of calls of the routed experts' fused MoE kernel as the engine runs it (one call per MoE layer:
+    zentorch's `zentorch_fused_moe` on AMD CPUs with zentorch, vLLM's `cpu_fused_moe` on Intel CPUs with AMX and
+    the library; layers/moe/experts.FusedExperts picks, as for the engine's layers), the bytes a call reads and
+    the expert layers behind them (free them with free_moe_pools); None where no fused kernel runs here (the
+    experts' GEMMs are then Linear-class calls). One row through `ks[0]` and `ks[1]` distinct experts a call, the
+    bench model's expert shapes, over layers of experts totalling `pool_mb` (larger than the caches; each call
+    reads experts no other call of its sweep reads), fitted as the Linear's (linear_pools)."""
     from moeserve.layers.moe.experts import FusedExperts
 
     m = load_model("moeserve-bench")
@@ -173,16 +138,11 @@ def moe_kernel(experts, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
                                                           False, "silu"), out)[1]
 
 
-def measure_bmm_streaming(repeats: int = 5, pool_mb: int = 256) -> tuple[float, float]:
-    """(bytes/s, seconds per call) of MLA decode's per-head products with the absorbed matrices as the engine
-    runs them (layers/attention/mla.py absorb_query: vLLM's `bmm_cpu` on the packed matrix where mla_bmm
-    applies, else aten's weight-first bmm), one row, over pools of distinct matrices larger than the caches:
-    the bench model's W_UK shape [H, C, dn] and one with 4x the heads; t = fixed + bytes / bw."""
-    return _streaming_fit(*bmm_pools(pool_mb), repeats)
-
-
 def bmm_pools(pool_mb: int = 256) -> tuple[list[list], tuple[float, float]]:
-    """measure_bmm_streaming's two pools of calls and the bytes a call reads."""
+    """Two pools of calls of MLA decode's per-head products with the absorbed matrices as the engine runs them
+    (layers/attention/mla.py absorb_query: vLLM's `bmm_cpu` on the packed matrix where mla_bmm applies, else
+    aten's weight-first bmm), one row, over distinct matrices larger than the caches: the bench model's W_UK
+    shape [H, C, dn] and one with 4x the heads; and the bytes a call reads."""
     from moeserve.layers.attention import mla_bmm
 
     m = load_model("moeserve-bench")

@@ -158,7 +158,7 @@ def test_a_failing_host_model_leaves_its_terms_out(monkeypatch):
     monkeypatch.setattr(cpucheck, "measure_engine", fail)
     monkeypatch.setattr(cpucheck, "host_checkpoint", lambda: "unused")
     with pytest.warns(UserWarning, match="host model"):
-        assert cpucheck.measure_host(PROF, [1]) == {}
+        assert cpucheck.measure_host_rows([1]) == []
 
 
 def test_the_step_is_counted_inside_the_forward():
@@ -337,7 +337,7 @@ rows = measure_engine([2], prompt_len=8, steps=2, checkpoint=path, probe=probe) 
 assert probe.tags == [None, 2, 2], probe.tags  # a warm-up, then one before each timed step
 rows += measure_engine([2], prompt_len=8, steps=2, checkpoint=path, eager=True)
 from moeserve.planner.cpucheck import host_prices
-cold = measure_engine([2], prompt_len=8, steps=2, checkpoint=path, flush_mb=4)  # as measure_host runs it
+cold = measure_engine([2], prompt_len=8, steps=2, checkpoint=path, flush_mb=4)  # as measure_host_rows runs it
 prof = {{"gemm_stream_gbs": 10.0, "gemm_call_us": 30.0, "op_cost_us": 10.0, "view_us": 1.0, "graph_entry_us": 20.0,
         "kernel_us": 1.0, "graph_helper_us": 0.5, "opaque_call_us": 3.0, "mla_call_us": 8.0,
         "mem_bw_gbs": 12.0, "gemm_bf16_gflops": 1000.0, "gemm_decode_gflops": 500.0, "threads": 1}}
@@ -352,7 +352,7 @@ print(json.dumps(rows))
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     compiled, eager, cold, host = json.loads(r.stdout.strip().splitlines()[-1])
-    # each timed step split at the model forward, the host model's on cold caches (measure_host), and the
+    # each timed step split at the model forward, the host model's on cold caches (measure_host_rows), and the
     # prices it gives: the step's work outside the forward, the forward's Python per graph run
     for row in compiled, cold:
         assert 0 < row["forward_ms"] < row["measured_ms"] and row["host_ms"] > 0
@@ -481,7 +481,7 @@ def test_each_kernel_rate_is_timed_on_the_op_the_step_counts_in_its_class():
         experts.w2.normal_(std=0.1)
     experts.process_weights_after_loading()
     if not experts.fused:
-        assert cpuprofile.measure_moe_streaming() is None  # no fused kernel here: no MoE class in the profile
+        assert cpuprofile.moe_pools() is None  # no fused kernel here: no MoE class in the profile
         return
     x, ids, weights = torch.randn(1, 64).to(torch.bfloat16), torch.tensor([[1, 5]], dtype=torch.int32), \
         torch.tensor([[0.25, 0.75]])
