@@ -5,9 +5,9 @@ quantizing its input per token moves near-tied logits: on the bundled model the 
 agreement with BF16 ~0.002 (9 of 4096 teacher-forced positions) where INT8 weights with unquantized
 activations cost nothing measurable (docs/quantization.md, "The INT8 lm_head's top candidates, re-scored").
 Only the top of the distribution decides a greedy token and carries almost all of a sampled one's
-probability, so the head runs the fast W8A8 GEMM over the whole vocabulary, then recomputes its TOP_CANDIDATES highest logits per row from
-the same INT8 weights with the activations as they are (float32 dot products of a few gathered rows): no
-second copy of the weights, a few KB read per row.
+probability, so the head runs the fast W8A8 GEMM over the whole vocabulary, then recomputes its TOP_CANDIDATES
+highest logits per row from the same INT8 weights with the activations as they are (float32 dot products of a
+few gathered rows): no second copy of the weights, a few KB read per row.
 """
 from __future__ import annotations
 

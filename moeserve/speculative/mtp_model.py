@@ -88,6 +88,9 @@ def missing_mtp_layer(arch) -> str:
             "ships its MTP layer")
 
 
+COMPARE_ROWS = 8192  # vocabulary rows per block in repeats_main_head (V3's: 235 MB of float32 at a time)
+
+
 def repeats_main_head(weight: torch.Tensor, main_head: nn.Module) -> bool:
     """Whether the checkpoint's MTP head `weight` is the main lm_head's: the same values in the model dtype
     (the released DeepSeek-V3 checkpoint stores a copy of lm_head there, 1.85 GB in BF16), or for an INT8
@@ -97,13 +100,20 @@ def repeats_main_head(weight: torch.Tensor, main_head: nn.Module) -> bool:
     from moeserve.layers.quant import Int8LinearMethod
 
     mine = getattr(main_head, "weight", None)
-    if mine is None or mine.shape != weight.shape or not weight.is_floating_point():
-        return False
     method = getattr(main_head, "quant_method", None)
-    if method is Int8LinearMethod:  # quantized at load from the same tensor
-        q, scale = quantize_per_channel(weight)
-        return torch.equal(q, mine) and torch.equal(scale, main_head.weight_scale)
-    return method is None and torch.equal(weight.to(mine.dtype), mine)  # FP8 and others: not compared
+    if mine is None or mine.shape != weight.shape or not weight.is_floating_point() or \
+            method not in (None, Int8LinearMethod):  # FP8 and others: not compared
+        return False
+    for i in range(0, weight.shape[0], COMPARE_ROWS):  # in row blocks: no whole-head float32 temporaries
+        rows = slice(i, i + COMPARE_ROWS)
+        if method is Int8LinearMethod:  # quantized at load from the same tensor, per row
+            q, scale = quantize_per_channel(weight[rows])
+            same = torch.equal(q, mine[rows]) and torch.equal(scale, main_head.weight_scale[rows])
+        else:
+            same = torch.equal(weight[rows].to(mine.dtype), mine[rows])
+        if not same:
+            return False
+    return True
 
 
 def build_mtp(main_model: nn.Module, mtp_weights: dict[str, torch.Tensor], dtype: torch.dtype,

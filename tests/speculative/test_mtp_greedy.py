@@ -104,13 +104,15 @@ def test_greedy_identical_with_int8_quantization(mtp_ckpt_dir):
 
 
 @pytest.mark.parametrize("dtype,quant", [("float32", None), ("bfloat16", None), ("float32", "a8w8")])
-def test_a_repeated_head_is_the_main_heads(mtp_ckpt_dir, dtype, quant):
+def test_a_repeated_head_is_the_main_heads(mtp_ckpt_dir, monkeypatch, dtype, quant):
     """DeepSeek-V3 ships a copy of lm_head as the MTP layer's shared_head.head: the MTP layer uses the main
     head (as loaded: packed, INT8) instead of a second copy. A head of its own (other values) stays."""
     from safetensors.torch import load_file
 
+    from moeserve.speculative import mtp_model
     from moeserve.speculative.mtp_model import build_mtp
 
+    monkeypatch.setattr(mtp_model, "COMPARE_ROWS", 300)  # several row blocks, the last one partial
     path = mtp_ckpt_dir("v3", with_head=True)
     llm = LLM(path, dtype=dtype, quantization=quant, speculative_config=spec(1))
     runner = llm.engine.runner

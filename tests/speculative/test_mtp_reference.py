@@ -57,16 +57,22 @@ class ReferenceMTP:
                                                       position_embeddings=pe)[0]
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_engine_drafts_match_dense_reference(mtp_ckpt_dir, k):
-    path = mtp_ckpt_dir("v3")
-    ref = ReferenceMTP(path)
+def engine_with_prompts(path: str, k: int) -> EngineCore:
+    """A float32 MTP engine (chunked prefill at 32 tokens) with PROMPTS added, greedy, 12 tokens each."""
     args = EngineArgs(model=path, dtype="float32", max_num_batched_tokens=32,
                       speculative_config={"method": "mtp", "num_speculative_tokens": k})
     engine = EngineCore(args.create_config(512))
     for i, p in enumerate(PROMPTS):
         engine.add_request(EngineCoreRequest(str(i), p, SamplingParams(temperature=0, max_tokens=12,
                                                                        ignore_eos=True)))
+    return engine
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_engine_drafts_match_dense_reference(mtp_ckpt_dir, k):
+    path = mtp_ckpt_dir("v3")
+    ref = ReferenceMTP(path)
+    engine = engine_with_prompts(path, k)
     checked = 0
     while engine.has_unfinished():
         engine.step()
@@ -90,16 +96,9 @@ def test_first_pass_runs_on_the_main_steps_metadata(mtp_ckpt_dir, monkeypatch):
     built = []
     real = proposer.build_attention_metadata
     monkeypatch.setattr(proposer, "build_attention_metadata", lambda *a: built.append(a) or real(*a))
-    path = mtp_ckpt_dir("v3")
-    args = EngineArgs(model=path, dtype="float32", max_num_batched_tokens=32,
-                      speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    engine = EngineCore(args.create_config(512))
+    engine = engine_with_prompts(mtp_ckpt_dir("v3"), 1)
     passes = []
-    mtp = engine.runner.proposer.mtp
-    mtp.register_forward_hook(lambda m, a, out: passes.append(out.shape[0]))
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(EngineCoreRequest(str(i), p, SamplingParams(temperature=0, max_tokens=12,
-                                                                       ignore_eos=True)))
+    engine.runner.proposer.mtp.register_forward_hook(lambda m, a, out: passes.append(out.shape[0]))
     steps = 0
     while engine.has_unfinished():
         engine.step()
